@@ -1,0 +1,259 @@
+"""The training loop and the public Python API.
+
+The loop, one step at a time (DESIGN.md, "One step, as the data flows"):
+balancer -> this host's share -> its slice of the global batch -> LOCAL
+program -> measured (and, under emulation, paced) compute seconds -> the
+cross-host reduction, which also carries every host's timings -> balancer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from hetjax import balancer as balancer_lib
+from hetjax import data as data_lib
+from hetjax import runtime
+from hetjax import step as step_lib
+from hetjax.task import Task
+
+PyTree = Any
+WARMUP_STEPS = 2  # Steps excluded from throughput: compilation and first transfers.
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """What every host must agree on (compared by hash before training).
+
+  Attributes:
+    global_batch: samples per step over all hosts; fixed for the whole run.
+    microbatch: samples per device per micro-batch (fixes compiled shapes).
+    seed: seeds the parameters and the data order.
+    assignment: 'equal' or explicit per-host shares, e.g. (5, 23, 36).
+    reduction: cross-host reduction backend, 'device' or 'host'.
+  """
+
+  global_batch: int
+  microbatch: int = 16
+  seed: int = 0
+  assignment: str | tuple[int, ...] = "equal"
+  reduction: str = "device"
+
+  def validate(self) -> None:
+    if self.global_batch < 1:
+      raise ValueError(f"global batch must be >= 1, got {self.global_batch}.")
+    if self.microbatch < 1:
+      raise ValueError(f"micro-batch must be >= 1, got {self.microbatch}.")
+    if self.reduction not in step_lib.REDUCTIONS:
+      raise ValueError(f"unknown reduction backend {self.reduction!r}; choose 'device' or 'host'.")
+
+
+@dataclasses.dataclass
+class History:
+  """Per-step records; `compute_s` and `wait_s` are `[steps][hosts]`."""
+
+  shares: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
+  compute_s: list[list[float]] = dataclasses.field(default_factory=list)
+  wait_s: list[list[float]] = dataclasses.field(default_factory=list)
+  step_s: list[float] = dataclasses.field(default_factory=list)
+  loss: list[float] = dataclasses.field(default_factory=list)
+  metrics: list[dict[str, float]] = dataclasses.field(default_factory=list)
+
+
+def params_digest(params: PyTree) -> str:
+  """sha256 over the float32 bytes of the parameter leaves, in tree order."""
+  h = hashlib.sha256()
+  for leaf in jax.tree.leaves(params):
+    h.update(np.ascontiguousarray(np.asarray(leaf, dtype=np.float32)).tobytes())
+  return h.hexdigest()
+
+
+def _fingerprint(text: str) -> np.ndarray:
+  """A hash as 16-bit chunks, exact in the float32 rows of a collective."""
+  digest = hashlib.sha256(text.encode()).digest()[:8]
+  return np.frombuffer(digest, dtype=np.uint16).astype(np.float32)
+
+
+def _default_pace() -> Callable[[float], float] | None:
+  """Emulated speed from the launcher's HETJAX_SPEED; `None` on real hardware."""
+  if "HETJAX_SPEED" not in os.environ:
+    return None
+  from hetjax import emulate  # Emulation stays off the real path.
+  speed = emulate.speed_from_env()
+  return None if speed == 1.0 else emulate.Pacer(speed).pace
+
+
+class Trainer:
+  """Synchronous data parallelism over whatever hosts this process belongs to.
+
+  Example:
+    >>> hetjax.initialize()
+    >>> trainer = hetjax.Trainer(task, optax.adam(1e-3), source,
+    ...                          hetjax.TrainConfig(global_batch=64))
+    >>> summary = trainer.fit(steps=100)
+  """
+
+  def __init__(self, task: Task, optimizer: optax.GradientTransformation,
+               source: data_lib.ArraySource, config: TrainConfig, *,
+               balancer: balancer_lib.Balancer | None = None,
+               pace: Callable[[float], float] | None = None, identity: str = ""):
+    """Validates everything, agrees with the other hosts, then initialises.
+
+    Args:
+      task: the model (`hetjax.from_functions`, `from_linen`, `from_nnx`).
+      optimizer: any optax transformation.
+      source: random-access records (`len`, `source[indices] -> batch`).
+      config: the settings every host must share.
+      balancer: overrides `config.assignment` with a custom split policy.
+      pace: called with each step's real local compute seconds, returns the
+        seconds to report; only for emulation (default: from HETJAX_SPEED).
+      identity: extra text the hosts must agree on (e.g. the command line).
+    """
+    if os.environ.get(runtime.ENV_COORDINATOR) and not runtime._already_initialized():
+      raise RuntimeError(f"{runtime.ENV_COORDINATOR} is set but the cluster is not joined: "
+                         "call hetjax.initialize() before building a Trainer.")
+    config.validate()
+    self.task, self.optimizer, self.source, self.config = task, optimizer, source, config
+    self.meshes = step_lib.Meshes.create()
+    self.host_id, self.num_hosts = self.meshes.host_id, self.meshes.num_hosts
+    self.balancer = balancer or balancer_lib.make_balancer(
+        config.assignment, config.global_batch, self.num_hosts)
+    self.sampler = data_lib.GlobalSampler(len(source), config.global_batch, config.seed)
+    self._check_hosts_agree(identity)
+    self.pace = pace if pace is not None else _default_pace()
+    self._example = source[np.arange(1)]
+    init_batch = next(step_lib.micro_batches(self._example, config.microbatch))
+    self.state = step_lib.init_state(task, optimizer, self.meshes, init_batch, config.seed)
+    self.local = step_lib.LocalProgram(task, self.meshes, config.microbatch)
+    self.reduction = step_lib.make_reduction(config.reduction, optimizer, self.meshes)
+    self.history = History()
+    self._last_wait = 0.0
+    self._start_step = 0
+    self._base_key = jax.random.key(config.seed)
+
+  def _check_hosts_agree(self, identity: str) -> None:
+    mine = f"{self.config!r}|{self.source.info!r}|{len(self.source)}|{identity}"
+    everyone = step_lib.gather_host_values(_fingerprint(mine), self.meshes)
+    differ = [h for h in range(self.num_hosts) if not np.array_equal(everyone[h], everyone[0])]
+    if differ:
+      raise ValueError(f"host(s) {differ} run a different configuration from host 0 "
+                       "(config hash mismatch): every host must run the same command and "
+                       "arguments.")
+
+  @property
+  def step(self) -> int:
+    """The index of the next step to run."""
+    return self._start_step + len(self.history.shares)
+
+  def train_step(self) -> dict[str, float]:
+    """Runs one synchronous step on every host; returns the global metrics."""
+    step = self.step
+    t0 = time.perf_counter()
+    shares = balancer_lib.validate_shares(
+        self.balancer.shares(step), self.config.global_batch, self.num_hosts)
+    indices = self.sampler.indices(step)[data_lib.host_slice(shares, self.host_id)]
+    batch = self.source[indices] if len(indices) else {k: v[:0] for k, v in self._example.items()}
+    rng = jax.random.fold_in(self._base_key, step)
+    sums = self.local(self.state.params, self.state.model_state, batch, self._example, rng)
+    jax.block_until_ready(sums)
+    compute = time.perf_counter() - t0
+    if self.pace is not None:
+      compute = self.pace(compute)
+    t1 = time.perf_counter()
+    self.state, stats, rows = self.reduction(self.state, sums, np.array([compute, self._last_wait]))
+    stats = jax.device_get(stats)
+    t2 = time.perf_counter()
+    self._last_wait = t2 - t1
+    if stats["count"] <= 0:
+      raise RuntimeError(f"step {step}: the hosts processed 0 examples in total; the "
+                         f"assignment {shares} must give the global batch at least one sample.")
+    h = self.history
+    h.shares.append(shares)
+    h.compute_s.append([float(r) for r in rows[:, 0]])
+    if h.compute_s[:-1]:
+      h.wait_s.append([float(r) for r in rows[:, 1]])
+    h.step_s.append(t2 - t0)
+    metrics = {k: float(v) for k, v in stats.items() if k != "count"}
+    h.loss.append(metrics["loss"])
+    h.metrics.append(metrics)
+    self.balancer.observe(step, shares, rows[:, 0].tolist())
+    return metrics
+
+  def fit(self, steps: int, *, log_every: int = 0,
+          log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Runs `steps` steps and returns the run's summary (same on every host)."""
+    if steps < 0:
+      raise ValueError(f"steps must be >= 0, got {steps}.")
+    for i in range(steps):
+      metrics = self.train_step()
+      if log_every and (i + 1) % log_every == 0 and self.host_id == 0:
+        shown = " ".join(f"{k}={v:.4f}" for k, v in metrics.items())
+        log(f"step {self.step:5d} {shown} shares={','.join(map(str, self.history.shares[-1]))}")
+    return self.summary()
+
+  def _final_waits(self) -> None:
+    """The last step's waits travel in one extra small collective."""
+    if len(self.history.wait_s) < len(self.history.shares):
+      rows = step_lib.gather_host_values(np.array([self._last_wait]), self.meshes)
+      self.history.wait_s.append([float(r) for r in rows[:, 0]])
+
+  def summary(self) -> dict[str, Any]:
+    """The figures of the run so far; identical on every host."""
+    self._final_waits()
+    h = self.history
+    steady = h.step_s[WARMUP_STEPS:] or h.step_s[1:] or h.step_s
+    samples_per_sec = self.config.global_batch * len(steady) / sum(steady) if steady else 0.0
+    per_host = [{"batch": [s[i] for s in h.shares],
+                 "compute_s": [c[i] for c in h.compute_s],
+                 "wait_s": [w[i] for w in h.wait_s]} for i in range(self.num_hosts)]
+    return {
+        "steps": len(h.shares),
+        "global_batch": self.config.global_batch,
+        "hosts": self.num_hosts,
+        "devices_per_host": self.meshes.local_devices,
+        "reduction": self.config.reduction,
+        "balancer": self.balancer.name,
+        "samples_per_sec": samples_per_sec,
+        "final_loss": h.loss[-1] if h.loss else None,
+        "final_metrics": h.metrics[-1] if h.metrics else {},
+        "params_digest": params_digest(self.params()),
+        "emulated_speeds": self.pace is not None,
+        "per_host": per_host,
+    }
+
+  def params(self) -> PyTree:
+    """The current parameters as host numpy arrays (this host's replica)."""
+    return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), self.state.params)
+
+  def evaluate(self, source: data_lib.ArraySource, batch_size: int = 256) -> dict[str, float]:
+    """Mean loss and metrics over all of `source`, on this host's first device."""
+    loss_fn = self.task.evaluation_loss()
+    params = self.params()
+    model_state = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), self.state.model_state)
+
+    @jax.jit
+    def sums(batch):
+      losses, metrics, _ = loss_fn(params, model_state, batch, jax.random.key(0))
+      mask = batch["mask"]
+      return {"loss": jnp.sum(losses * mask), **{k: jnp.sum(v * mask) for k, v in metrics.items()}}
+
+    total, n = {}, len(source)
+    for batch in step_lib.micro_batches(source[np.arange(n)], batch_size):
+      for k, v in jax.device_get(sums(batch)).items():
+        total[k] = total.get(k, 0.0) + float(v)
+    return {k: v / n for k, v in total.items()}
+
+
+def train(task: Task, optimizer: optax.GradientTransformation, source: data_lib.ArraySource,
+          *, global_batch: int, steps: int, **config: Any) -> tuple[Trainer, dict[str, Any]]:
+  """One call: build a `Trainer` from keyword settings and run `steps` steps."""
+  trainer = Trainer(task, optimizer, source, TrainConfig(global_batch=global_batch, **config))
+  return trainer, trainer.fit(steps)
