@@ -1,0 +1,113 @@
+"""Heterogeneity EMULATION: making identical CPU hosts behave as unequal ones.
+
+Nothing here runs on the real path. It exists so that tests and benchmarks on
+one machine can show what the balancer does on a cluster whose hosts differ
+in speed: a host with relative speed `s` (the fastest host has `s == 1.0`)
+sleeps after its real local compute so that the compute appears to take
+`1 / s` times as long. The launcher hands each host its speed in
+HETJAX_SPEED.
+
+Stdlib only, so the launcher can validate speeds without importing JAX.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable, Mapping, Sequence
+
+ENV_SPEED = "HETJAX_SPEED"
+
+
+def check_speed(speed: float, *, name: str = "speed") -> float:
+  """Returns `speed` as a float if it lies in (0, 1]; raises ValueError otherwise."""
+  speed = float(speed)
+  if not 0.0 < speed <= 1.0:  # Also rejects NaN.
+    raise ValueError(f"{name} must be in (0, 1] (relative to the fastest host, which has "
+                     f"speed 1.0), got {speed!r}.")
+  return speed
+
+
+def check_speeds(speeds: Sequence[float], hosts: int) -> list[float]:
+  """Validates one speed per host, the fastest being exactly 1.0.
+
+  Speeds are relative, so the scale is pinned by the fastest host; without
+  that, `0.5,0.5` and `1,1` would describe the same cluster twice.
+  """
+  speeds = [float(s) for s in speeds]
+  if len(speeds) != hosts:
+    raise ValueError(f"--speeds gives {len(speeds)} speed(s) ({_join(speeds)}) but there are "
+                     f"{hosts} hosts; give exactly one speed per host.")
+  for i, s in enumerate(speeds):
+    check_speed(s, name=f"speed of host {i}")
+  if max(speeds) != 1.0:
+    raise ValueError(f"the fastest host has speed 1.0, but the largest of --speeds "
+                     f"({_join(speeds)}) is {max(speeds)!r}; divide every speed by it.")
+  return speeds
+
+
+def parse_speeds(text: str) -> list[float]:
+  """Parses a comma-separated list such as `1,0.5,0.25` (no range checks)."""
+  speeds = []
+  for item in text.split(","):
+    try:
+      speeds.append(float(item))
+    except ValueError:
+      raise ValueError(f"--speeds must be comma-separated numbers such as 1,0.5,0.25; "
+                       f"{item.strip()!r} in {text!r} is not a number.") from None
+  return speeds
+
+
+def speed_from_env(env: Mapping[str, str] = os.environ) -> float:
+  """This host's emulated relative speed from HETJAX_SPEED (1.0 when unset)."""
+  raw = env.get(ENV_SPEED)
+  if raw is None or not raw.strip():
+    return 1.0
+  try:
+    value = float(raw)
+  except ValueError:
+    raise ValueError(f"{ENV_SPEED}={raw!r} is not a number; set it to a speed in (0, 1] "
+                     "or unset it.") from None
+  return check_speed(value, name=ENV_SPEED)
+
+
+class Pacer:
+  """Stretches a host's measured compute time to emulate a slower device.
+
+  Example:
+    pacer = Pacer(speed_from_env())
+    start = time.perf_counter()
+    ...  # real local compute, blocked until ready
+    emulated_s = pacer.pace(time.perf_counter() - start)
+  """
+
+  def __init__(self, speed: float, *, sleep: Callable[[float], None] = time.sleep):
+    """Args: speed: relative speed in (0, 1]; sleep: injectable for tests."""
+    self.speed = check_speed(speed)
+    self._sleep = sleep
+
+  def pace(self, compute_s: float, factor: float = 1.0) -> float:
+    """Sleeps so that `compute_s` of real compute appears to take `compute_s / speed`.
+
+    Args:
+      compute_s: seconds the local compute really took.
+      factor: extra slowdown (>= 1) on top of the host's speed, the hook for a
+        straggler schedule such as "host 2 becomes 4x slower at step 100".
+
+    Returns:
+      The emulated duration, `compute_s * factor / speed`, in seconds.
+    """
+    if not compute_s >= 0.0:
+      raise ValueError(f"compute_s must be >= 0 seconds, got {compute_s!r}.")
+    if not factor >= 1.0:
+      raise ValueError(f"factor must be >= 1 (a slowdown; emulation cannot speed a host up), "
+                       f"got {factor!r}.")
+    emulated_s = compute_s * factor / self.speed
+    extra_s = emulated_s - compute_s
+    if extra_s > 0.0:
+      self._sleep(extra_s)
+    return emulated_s
+
+
+def _join(values: Sequence[float]) -> str:
+  return ",".join(f"{v:g}" for v in values)

@@ -1,0 +1,103 @@
+"""Heterogeneity emulation: pacing arithmetic and validation (no real sleeps)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from hetjax import emulate
+
+
+class FakeSleep:
+
+  def __init__(self):
+    self.calls: list[float] = []
+
+  def __call__(self, seconds: float) -> None:
+    self.calls.append(seconds)
+
+
+@pytest.mark.parametrize("speed, compute_s, factor, emulated_s", [
+    (1.0, 2.0, 1.0, 2.0),
+    (0.5, 2.0, 1.0, 4.0),
+    (0.25, 1.0, 1.0, 4.0),
+    (0.25, 1.0, 2.0, 8.0),
+    (1.0, 1.5, 3.0, 4.5),
+    (0.5, 0.0, 1.0, 0.0),
+])
+def test_pace_stretches_compute_by_one_over_speed(speed, compute_s, factor, emulated_s):
+  sleep = FakeSleep()
+  assert emulate.Pacer(speed, sleep=sleep).pace(compute_s, factor) == pytest.approx(emulated_s)
+  slept = sum(sleep.calls)
+  assert slept == pytest.approx(emulated_s - compute_s)
+  assert len(sleep.calls) == (1 if slept > 0 else 0)
+
+
+def test_full_speed_never_sleeps():
+  sleep = FakeSleep()
+  pacer = emulate.Pacer(1.0, sleep=sleep)
+  for compute_s in (0.0, 1e-9, 0.1, 3.0, 1e6):
+    assert pacer.pace(compute_s) == compute_s
+  assert not sleep.calls
+
+
+@pytest.mark.parametrize("speed", [0.0, -0.5, 1.0001, 2.0, math.nan, math.inf])
+def test_pacer_rejects_speed_outside_unit_interval(speed):
+  with pytest.raises(ValueError, match=r"\(0, 1\]"):
+    emulate.Pacer(speed)
+
+
+@pytest.mark.parametrize("compute_s, factor, match", [
+    (-1.0, 1.0, "compute_s"),
+    (math.nan, 1.0, "compute_s"),
+    (1.0, 0.5, "factor"),
+    (1.0, 0.0, "factor"),
+    (1.0, math.nan, "factor"),
+])
+def test_pace_rejects_bad_inputs(compute_s, factor, match):
+  with pytest.raises(ValueError, match=match):
+    emulate.Pacer(0.5, sleep=FakeSleep()).pace(compute_s, factor)
+
+
+@pytest.mark.parametrize("env, speed", [
+    ({}, 1.0),
+    ({"HETJAX_SPEED": ""}, 1.0),
+    ({"HETJAX_SPEED": "0.25"}, 0.25),
+    ({"HETJAX_SPEED": "1"}, 1.0),
+])
+def test_speed_from_env(env, speed):
+  assert emulate.speed_from_env(env) == speed
+
+
+@pytest.mark.parametrize("raw, match", [
+    ("fast", "not a number"),
+    ("0", r"\(0, 1\]"),
+    ("1.5", r"\(0, 1\]"),
+    ("-1", r"\(0, 1\]"),
+])
+def test_speed_from_env_names_the_bad_value(raw, match):
+  with pytest.raises(ValueError, match=match) as info:
+    emulate.speed_from_env({"HETJAX_SPEED": raw})
+  assert "HETJAX_SPEED" in str(info.value)
+
+
+def test_check_speeds_accepts_a_valid_cluster():
+  assert emulate.check_speeds([1, 0.5, 0.25], 3) == [1.0, 0.5, 0.25]
+
+
+@pytest.mark.parametrize("speeds, hosts, match", [
+    ([1.0, 0.5], 3, "one speed per host"),
+    ([1.0, 0.0], 2, r"host 1 must be in \(0, 1\]"),
+    ([1.0, 1.5], 2, r"host 1 must be in \(0, 1\]"),
+    ([0.5, 0.25], 2, "fastest host has speed 1.0"),
+])
+def test_check_speeds_errors(speeds, hosts, match):
+  with pytest.raises(ValueError, match=match):
+    emulate.check_speeds(speeds, hosts)
+
+
+def test_parse_speeds():
+  assert emulate.parse_speeds("1,0.5, 0.25") == [1.0, 0.5, 0.25]
+  with pytest.raises(ValueError, match="'x' in '1,x' is not a number"):
+    emulate.parse_speeds("1,x")

@@ -1,0 +1,243 @@
+"""`launch/local.py`: environment, output, failure, signals and no orphans.
+
+Host commands are tiny `python -c` programs that carry a unique marker in
+their argv, so a scan of /proc can prove that nothing they started survives.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import pytest
+
+LAUNCHER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "launch", "local.py")
+# Generous bound on the launcher itself; tests never assert how fast it is.
+DEADLINE_S = 60
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="scans /proc for orphans")
+
+
+@pytest.fixture
+def marker():
+  """A unique argv token for this test's processes; kills leftovers on the way out."""
+  token = f"hetjax-test-{uuid.uuid4().hex}"
+  yield token
+  for pid in _marked(token):
+    try:
+      os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+      pass
+
+
+def _marked(token: str) -> list[int]:
+  pids = []
+  for entry in os.listdir("/proc"):
+    if entry.isdigit():
+      try:
+        with open(f"/proc/{entry}/cmdline", "rb") as f:
+          cmdline = f.read()
+      except OSError:
+        continue
+      if token.encode() in cmdline and int(entry) != os.getpid():
+        pids.append(int(entry))
+  return pids
+
+
+def _assert_none_left(token: str) -> None:
+  # SIGKILL is asynchronous; give the kernel a moment to tear processes down.
+  for _ in range(100):
+    if not _marked(token):
+      return
+    time.sleep(0.05)
+  assert not _marked(token), "processes outlived the launcher"
+
+
+def _host(code: str, token: str) -> list[str]:
+  return [sys.executable, "-c", textwrap.dedent(code), token]
+
+
+def _launch(launcher_args: list[str], host_cmd: list[str]) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, LAUNCHER, *launcher_args, "--", *host_cmd],
+                        capture_output=True, text=True, timeout=DEADLINE_S)
+
+
+def _start(launcher_args: list[str], host_cmd: list[str]) -> subprocess.Popen:
+  return subprocess.Popen([sys.executable, LAUNCHER, *launcher_args, "--", *host_cmd],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_lines(proc: subprocess.Popen, needle: str, count: int) -> list[str]:
+  seen = []
+  while sum(needle in line for line in seen) < count:
+    line = proc.stdout.readline()
+    assert line, f"launcher output ended before {count} x {needle!r}: {seen}"
+    seen.append(line)
+  return seen
+
+
+# A grandchild that ignores SIGTERM, so only the SIGKILL escalation stops it.
+_SPAWN_STUBBORN_GRANDCHILD = """
+  import subprocess, sys
+  subprocess.Popen([sys.executable, "-c",
+                    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                    "print('grandchild up', flush=True); time.sleep(120)", sys.argv[1]])
+"""
+
+
+def test_env_vars_reach_every_host_and_output_is_prefixed(marker):
+  code = """
+    import os, sys
+    keys = ["HETJAX_COORDINATOR", "HETJAX_NUM_HOSTS", "HETJAX_HOST_ID", "HETJAX_CPU_DEVICES",
+            "HETJAX_SPEED", "HETJAX_INIT_TIMEOUT", "PYTHONUNBUFFERED"]
+    print("ENV " + " ".join(f"{k}={os.environ.get(k)}" for k in keys))
+    print("to stderr", file=sys.stderr)
+    print("no newline at the end", end="")
+  """
+  result = _launch(["--hosts", "3", "--devices-per-host", "2", "--speeds", "1,0.5,0.25",
+                    "--init-timeout", "7"], _host(code, marker))
+  assert result.returncode == 0, result.stderr
+  lines = result.stdout.splitlines()
+  assert all(line.startswith("[host ") for line in lines), lines
+  envs = {}
+  for i in range(3):
+    mine = [line for line in lines if line.startswith(f"[host {i}] ")]
+    assert f"[host {i}] to stderr" in mine
+    assert f"[host {i}] no newline at the end" in mine
+    (env_line,) = [line for line in mine if " ENV " in line]
+    envs[i] = dict(kv.split("=", 1) for kv in env_line.split(" ENV ", 1)[1].split())
+  coordinators = {env["HETJAX_COORDINATOR"] for env in envs.values()}
+  assert len(coordinators) == 1
+  host, port = coordinators.pop().split(":")
+  assert host == "127.0.0.1" and int(port) > 0
+  for i, speed in enumerate([1.0, 0.5, 0.25]):
+    assert envs[i]["HETJAX_HOST_ID"] == str(i)
+    assert envs[i]["HETJAX_NUM_HOSTS"] == "3"
+    assert envs[i]["HETJAX_CPU_DEVICES"] == "2"
+    assert float(envs[i]["HETJAX_SPEED"]) == speed
+    assert float(envs[i]["HETJAX_INIT_TIMEOUT"]) == 7
+    assert envs[i]["PYTHONUNBUFFERED"] == "1"
+
+
+def test_no_speed_variable_without_speeds(marker):
+  code = "import os; print('SPEED', os.environ.get('HETJAX_SPEED'))"
+  result = _launch(["--hosts", "2"], _host(code, marker))
+  assert result.returncode == 0, result.stderr
+  assert result.stdout.count("SPEED None") == 2
+
+
+def test_failing_host_stops_the_others_and_is_named(marker):
+  code = """
+    import os, sys, time
+    if os.environ["HETJAX_HOST_ID"] == "1":
+      for k in range(30):
+        print(f"line {k}")
+      sys.exit(3)
+    print("waiting", flush=True)
+    time.sleep(120)
+  """
+  result = _launch(["--hosts", "3", "--grace", "1"], _host(code, marker))
+  assert result.returncode == 3
+  assert "host 1 failed with exit code 3" in result.stderr
+  assert "stopped the other 2 hosts" in result.stderr
+  tail = result.stderr.split("output lines of host 1:", 1)[1]
+  assert "line 29" in tail and "line 10" in tail and "line 9\n" not in tail
+  _assert_none_left(marker)
+
+
+@pytest.mark.parametrize("signum, exit_code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_to_launcher_stops_all_hosts(marker, signum, exit_code):
+  code = _SPAWN_STUBBORN_GRANDCHILD + """
+  import time
+  print("ready", flush=True)
+  time.sleep(120)
+  """
+  launcher = _start(["--hosts", "2", "--grace", "0.5"], _host(code, marker))
+  try:
+    _wait_for_lines(launcher, "ready", 2)
+    assert len(_marked(marker)) >= 4  # The launcher's argv carries the marker too.
+    launcher.send_signal(signum)
+    launcher.wait(timeout=DEADLINE_S)
+  finally:
+    launcher.kill()
+    launcher.communicate()
+  assert launcher.returncode == exit_code
+  _assert_none_left(marker)
+
+
+def test_grandchildren_die_even_when_every_host_succeeds(marker):
+  code = _SPAWN_STUBBORN_GRANDCHILD + """
+  import time
+  time.sleep(0.5)  # Lets the grandchild start before its parent exits 0.
+  """
+  result = _launch(["--hosts", "2", "--grace", "0.5"], _host(code, marker))
+  assert result.returncode == 0, result.stderr
+  assert result.stdout.count("grandchild up") == 2
+  _assert_none_left(marker)
+
+
+def test_grandchildren_die_when_a_host_fails(marker):
+  code = _SPAWN_STUBBORN_GRANDCHILD + """
+  import os, sys, time
+  time.sleep(0.5)
+  if os.environ["HETJAX_HOST_ID"] == "0":
+    sys.exit(5)
+  time.sleep(120)
+  """
+  result = _launch(["--hosts", "2", "--grace", "0.5"], _host(code, marker))
+  assert result.returncode == 5
+  assert "host 0 failed with exit code 5" in result.stderr
+  _assert_none_left(marker)
+
+
+def test_host_killed_by_a_signal_is_reported(marker):
+  code = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+  result = _launch(["--hosts", "1"], _host(code, marker))
+  assert result.returncode == 128 + signal.SIGKILL
+  assert "host 0 failed with signal SIGKILL" in result.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--hosts", "0"], "(--hosts) must be an integer >= 1, got 0"),
+    (["--hosts", "2", "--devices-per-host", "0"], "(--devices-per-host) must be an integer >= 1"),
+    (["--hosts", "2", "--speeds", "1"], "--speeds gives 1 speed(s) (1) but there are 2 hosts"),
+    (["--hosts", "2", "--speeds", "1,0"], "speed of host 1 must be in (0, 1]"),
+    (["--hosts", "2", "--speeds", "1,1.5"], "speed of host 1 must be in (0, 1]"),
+    (["--hosts", "2", "--speeds", "0.5,0.25"], "the fastest host has speed 1.0"),
+    (["--hosts", "2", "--speeds", "1,fast"], "'fast' in '1,fast' is not a number"),
+    (["--hosts", "2", "--init-timeout", "0"], "(--init-timeout) must be > 0 seconds"),
+    (["--hosts", "2", "--grace", "-1"], "--grace must be >= 0 seconds"),
+])
+def test_bad_arguments_fail_before_any_host_starts(tmp_path, marker, args, message):
+  witness = tmp_path / "started"
+  result = _launch(args, _host(f"open({str(witness)!r}, 'w')", marker))
+  assert result.returncode == 2
+  assert message in result.stderr
+  assert not witness.exists()
+
+
+def test_missing_command_is_an_error():
+  result = subprocess.run([sys.executable, LAUNCHER, "--hosts", "2", "--"],
+                          capture_output=True, text=True, timeout=DEADLINE_S)
+  assert result.returncode == 2
+  assert "no host command given; put it after '--'" in result.stderr
+
+
+def test_command_that_cannot_start(tmp_path):
+  result = _launch(["--hosts", "2"], [str(tmp_path / "no-such-program")])
+  assert result.returncode == 127
+  assert "cannot start the host command" in result.stderr
+
+
+def test_launcher_modules_import_no_jax():
+  code = ("import sys; import hetjax.procs, hetjax.emulate, hetjax.testing; "
+          "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'numpy')); "
+          "assert not heavy, heavy")
+  root = os.path.dirname(os.path.dirname(LAUNCHER))
+  subprocess.run([sys.executable, "-c", code], check=True, cwd=root, timeout=DEADLINE_S)
