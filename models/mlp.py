@@ -1,0 +1,30 @@
+"""A multilayer perceptron: the cheapest image classifier, for smoke runs."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+
+class MLP(nn.Module):
+  """Flattens each image and applies ReLU hidden layers, then a linear head.
+
+  Attributes:
+    num_classes: size of the output layer.
+    hidden: width of each hidden layer.
+    dtype: computation dtype (parameters stay float32).
+  """
+
+  num_classes: int
+  hidden: Sequence[int] = (128, 128)
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x = x.reshape((x.shape[0], -1)).astype(self.dtype)
+    for width in self.hidden:
+      x = nn.relu(nn.Dense(width, dtype=self.dtype)(x))
+    return nn.Dense(self.num_classes, dtype=self.dtype)(x)

@@ -1,0 +1,135 @@
+"""ResNet-18 whose BatchNorm statistics ignore padded examples.
+
+hetjax pads batches to fixed shapes and marks the padding in `batch["mask"]`,
+so BatchNorm must compute its statistics from the real examples only;
+otherwise padding would shift both the activations of real examples and the
+running averages.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+_STATS = ("mean", "var")
+
+
+class MaskedBatchNorm(nn.BatchNorm):
+  """`nn.BatchNorm` whose masked statistics stay finite with no real example.
+
+  Flax's masked statistics divide by the number of real examples, which is
+  zero for an all-padding micro-batch, and would write NaN into the running
+  averages. Then this layer normalizes with statistics of the (padding)
+  inputs instead, which keeps activations and gradients finite, and leaves
+  the running averages exactly as they were.
+  """
+
+  def __call__(self, x: jax.Array, use_running_average: bool | None = None,
+               *, mask: jax.Array | None = None) -> jax.Array:
+    running = nn.merge_param(
+        "use_running_average", self.use_running_average, use_running_average)
+    if running or mask is None or self.is_initializing():
+      return super().__call__(x, use_running_average, mask=mask)
+    mask = jnp.asarray(mask, bool)
+    has_real = jnp.any(mask)
+    old = {k: self.get_variable("batch_stats", k) for k in _STATS}
+    y = super().__call__(x, use_running_average, mask=mask | ~has_real)
+    for k, v in old.items():
+      self.put_variable(
+          "batch_stats", k,
+          jnp.where(has_real, self.get_variable("batch_stats", k), v))
+    return y
+
+
+def _norm(train: bool, mask: jax.Array | None, momentum: float, dtype: Any,
+          **kwargs) -> Any:
+  """BatchNorm: masked batch statistics in training, running ones in eval."""
+  bn = MaskedBatchNorm(use_running_average=not train, momentum=momentum,
+                       dtype=dtype, **kwargs)
+  return functools.partial(bn, mask=mask if train else None)
+
+
+class BasicBlock(nn.Module):
+  """Two 3x3 convolutions with a (projected when needed) identity shortcut."""
+
+  features: int
+  strides: int = 1
+  momentum: float = 0.9
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array, train: bool,
+               mask: jax.Array | None) -> jax.Array:
+    conv = functools.partial(nn.Conv, use_bias=False, dtype=self.dtype)
+    norm = functools.partial(_norm, train, mask, self.momentum, self.dtype)
+    y = conv(self.features, (3, 3), self.strides, padding=1)(x)
+    y = nn.relu(norm()(y))
+    y = conv(self.features, (3, 3), padding=1)(y)
+    # Zero-init of the last scale starts every block as the identity.
+    y = norm(scale_init=nn.initializers.zeros)(y)
+    if x.shape != y.shape:
+      x = conv(self.features, (1, 1), self.strides, name="proj_conv")(x)
+      x = norm(name="proj_norm")(x)
+    return nn.relu(x + y)
+
+
+class ResNet(nn.Module):
+  """ResNet with BasicBlocks; ResNet-18 by default.
+
+  Attributes:
+    num_classes: size of the output layer.
+    width: channels of the first stage; stage i has `width * 2**i`.
+    stage_sizes: BasicBlocks per stage ([2, 2, 2, 2] is ResNet-18).
+    small_input: 3x3 stride-1 stem without max-pool (CIFAR style) when True;
+      7x7 stride-2 stem with max-pool (ImageNet style) when False; None picks
+      the small stem for inputs up to 64 pixels on a side.
+    momentum: decay of the BatchNorm running averages.
+    dtype: computation dtype (parameters and statistics stay float32).
+  """
+
+  num_classes: int
+  width: int = 64
+  stage_sizes: Sequence[int] = (2, 2, 2, 2)
+  small_input: bool | None = None
+  momentum: float = 0.9
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array, train: bool = False,
+               mask: jax.Array | None = None) -> jax.Array:
+    """Logits for images `x [b, H, W, C]`.
+
+    Args:
+      x: images.
+      train: normalize with batch statistics (and update the running ones)
+        when True; with the running averages when False.
+      mask: float [b], 1 for real examples and 0 for padding. Only the real
+        examples contribute to batch statistics.
+    """
+    if mask is not None:
+      mask = jnp.reshape(mask, (x.shape[0],) + (1,) * (x.ndim - 1))
+    small = self.small_input
+    if small is None:
+      small = max(x.shape[1], x.shape[2]) <= 64
+    x = x.astype(self.dtype)
+    if small:
+      x = nn.Conv(self.width, (3, 3), padding=1, use_bias=False,
+                  dtype=self.dtype, name="stem_conv")(x)
+    else:
+      x = nn.Conv(self.width, (7, 7), 2, padding=3, use_bias=False,
+                  dtype=self.dtype, name="stem_conv")(x)
+    norm = _norm(train, mask, self.momentum, self.dtype, name="stem_norm")
+    x = nn.relu(norm(x))
+    if not small:
+      x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
+    for i, blocks in enumerate(self.stage_sizes):
+      for j in range(blocks):
+        strides = 2 if i > 0 and j == 0 else 1
+        x = BasicBlock(self.width * 2**i, strides, self.momentum, self.dtype,
+                       name=f"stage{i + 1}_block{j + 1}")(x, train, mask)
+    x = jnp.mean(x, axis=(1, 2))
+    return nn.Dense(self.num_classes, dtype=self.dtype, name="head")(x)

@@ -1,0 +1,86 @@
+"""A small decoder-only transformer language model.
+
+Pre-LayerNorm blocks with causal self-attention and a learned positional
+embedding; no dropout, so runs that split a batch differently across hosts
+compute the same function.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+
+class DecoderBlock(nn.Module):
+  """`x + attn(ln(x))`, then `x + mlp(ln(x))`."""
+
+  num_heads: int
+  mlp_ratio: int = 4
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array, causal_mask: jax.Array) -> jax.Array:
+    d_model = x.shape[-1]
+    y = nn.LayerNorm(dtype=self.dtype)(x)
+    # No projection biases: a key bias shifts every logit of a query equally,
+    # so softmax ignores it and its gradient is zero up to rounding; Adam
+    # would then turn rounding noise into full-size steps, and runs that sum
+    # in another order (another split over hosts) would drift apart.
+    y = nn.MultiHeadDotProductAttention(
+        num_heads=self.num_heads, dtype=self.dtype, deterministic=True,
+        use_bias=False)(y, mask=causal_mask)
+    x = x + y
+    y = nn.LayerNorm(dtype=self.dtype)(x)
+    y = nn.gelu(nn.Dense(self.mlp_ratio * d_model, dtype=self.dtype)(y))
+    return x + nn.Dense(d_model, dtype=self.dtype)(y)
+
+
+class TransformerLM(nn.Module):
+  """Maps tokens `[b, T]` to next-token logits `[b, T, vocab_size]`.
+
+  Position t's logits depend only on tokens 0..t; the loss pairs them with
+  token t + 1.
+
+  Attributes:
+    vocab_size: number of token ids.
+    d_model: residual stream width.
+    num_layers: decoder blocks.
+    num_heads: attention heads; must divide d_model.
+    max_len: longest sequence the positional embedding covers.
+    mlp_ratio: hidden width of each MLP, as a multiple of d_model.
+    dtype: computation dtype (parameters stay float32).
+  """
+
+  vocab_size: int
+  d_model: int = 64
+  num_layers: int = 2
+  num_heads: int = 4
+  max_len: int = 256
+  mlp_ratio: int = 4
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    length = tokens.shape[1]
+    if length > self.max_len:
+      raise ValueError(
+          f"Sequence length {length} exceeds max_len={self.max_len}; "
+          f"build the model with max_len >= {length}.")
+    if self.d_model % self.num_heads:
+      raise ValueError(
+          f"d_model={self.d_model} is not divisible by "
+          f"num_heads={self.num_heads}.")
+    x = nn.Embed(self.vocab_size, self.d_model, dtype=self.dtype,
+                 name="token_embed")(tokens.astype(jnp.int32))
+    pos = self.param("pos_embed", nn.initializers.normal(0.02),
+                     (self.max_len, self.d_model))
+    x = x + pos[:length].astype(self.dtype)
+    causal_mask = nn.make_causal_mask(tokens)
+    for i in range(self.num_layers):
+      x = DecoderBlock(self.num_heads, self.mlp_ratio, self.dtype,
+                       name=f"block{i + 1}")(x, causal_mask)
+    x = nn.LayerNorm(dtype=self.dtype, name="final_norm")(x)
+    return nn.Dense(self.vocab_size, dtype=self.dtype, name="head")(x)

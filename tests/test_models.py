@@ -1,0 +1,260 @@
+"""Tests for the model registry (`models/`, installed as `hetjax_models`).
+
+Every model must give per-example losses and metrics, because hetjax sums them
+over real examples across hosts; BatchNorm must ignore padded examples.
+Widths are tiny so the whole file runs in seconds on CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import hetjax_models
+from hetjax_models import losses
+
+NUM_CLASSES = 5
+VOCAB = 11
+TINY = {
+    "mlp": {"hidden": (16,)},
+    "cnn": {"features": (4, 8), "hidden": 16},
+    # BatchNorm masking does not depend on depth; one block per stage, two
+    # stages (one with a projection shortcut) keep compilation short.
+    # test_default_configs_build covers the full [2, 2, 2, 2] network.
+    "resnet18": {"width": 4, "stage_sizes": (1, 1)},
+    "transformer": {"d_model": 16, "num_heads": 2, "num_layers": 1,
+                    "max_len": 16},
+}
+NON_BN = ("mlp", "cnn", "transformer")
+B = 6  # One batch size throughout, so each model compiles once.
+_FAST_COMPILE = {"xla_backend_optimization_level": 0,
+                 "xla_llvm_disable_expensive_passes": True}
+
+
+def _key(seed):
+  # XLA:CPU compiles threefry-based initializers slowly (tens of seconds for a
+  # ResNet); rbg keys keep this file fast and exercise the same model code.
+  return jax.random.key(seed, impl="rbg")
+
+
+def _jit(fn):
+  """`jax.jit` with XLA's cheap backend passes, returning numpy arrays.
+
+  Each program here runs a handful of times on tiny inputs, so compilation
+  is nearly all the cost: the cheap passes roughly halve it on CPU, and
+  checking results in numpy avoids compiling every eager jnp op.
+  """
+  compiled = {}
+
+  def call(*args):
+    signature = tuple(
+        (jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(args))
+    signature += (jax.tree.structure(args),)
+    if signature not in compiled:
+      compiled[signature] = jax.jit(fn).lower(*args).compile(_FAST_COMPILE)
+    return jax.tree.map(np.asarray, compiled[signature](*args))
+
+  return call
+
+
+def _kind(name):
+  return "tokens" if name == "transformer" else "image"
+
+
+def _batch(name, seed=0):
+  rng = np.random.default_rng(seed)
+  if _kind(name) == "tokens":
+    batch = {"x": rng.integers(0, VOCAB, (B, 8)).astype(np.int32)}
+  else:
+    batch = {"x": rng.normal(size=(B, 8, 8, 1)).astype(np.float32),
+             "y": rng.integers(0, NUM_CLASSES, B).astype(np.int32)}
+  batch["mask"] = np.ones(B, np.float32)
+  return batch
+
+
+@functools.cache
+def _setup(name):
+  """(task, jitted loss, params, model state) for tiny `name`, built once."""
+  task = hetjax_models.build(
+      name, kind=_kind(name), num_classes=NUM_CLASSES, vocab_size=VOCAB,
+      **TINY[name])
+  params, state = _jit(task.init)(_key(0), _batch(name))
+  return task, _jit(task.loss), params, state
+
+
+def _max_diff(a, b):
+  return max(float(np.max(np.abs(x - y)))
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+@pytest.mark.parametrize("name", hetjax_models.MODEL_NAMES)
+def test_losses_and_metrics_are_per_example_and_finite(name):
+  _, loss_fn, params, state = _setup(name)
+  loss, metrics, new_state = loss_fn(params, state, _batch(name), _key(1))
+  assert loss.shape == (B,) and loss.dtype == np.float32
+  assert np.all(np.isfinite(loss))
+  assert set(metrics) == {"accuracy"}
+  acc = metrics["accuracy"]
+  assert acc.shape == (B,) and np.all((acc >= 0) & (acc <= 1))
+  assert jax.tree.structure(new_state) == jax.tree.structure(state)
+  assert ("batch_stats" in state) == (name == "resnet18")
+
+
+@pytest.mark.parametrize("name", NON_BN)
+def test_changing_one_example_changes_only_its_loss(name):
+  _, loss_fn, params, state = _setup(name)
+  batch = _batch(name, seed=0)
+  changed = {k: v.copy() for k, v in batch.items()}
+  changed["x"][2] = _batch(name, seed=1)["x"][2]
+  loss, _, _ = loss_fn(params, state, batch, _key(1))
+  loss2, _, _ = loss_fn(params, state, changed, _key(1))
+  np.testing.assert_array_equal(np.delete(loss2, 2), np.delete(loss, 2))
+  assert loss2[2] != loss[2]
+
+
+def test_transformer_is_causal():
+  model = hetjax_models.TransformerLM(vocab_size=VOCAB, **TINY["transformer"])
+  _, _, params, _ = _setup("transformer")
+  apply = _jit(lambda x: model.apply({"params": params}, x))
+  tokens = _batch("transformer")["x"]
+  changed = tokens.copy()
+  changed[:, 5] = (changed[:, 5] + 1) % VOCAB
+  logits, logits2 = apply(tokens), apply(changed)
+  assert logits.shape == (B, 8, VOCAB)
+  np.testing.assert_allclose(logits2[:, :5], logits[:, :5], atol=1e-6)
+  assert np.max(np.abs(logits2[:, 5:] - logits[:, 5:])) > 1e-4
+
+
+def test_next_token_loss_pairs_position_t_with_token_t_plus_1():
+  tokens = np.array([[1, 2, 3, 4]], np.int32)
+  # Predicts token t + 1 at position t for the first two targets only.
+  logits = 10.0 * np.eye(5, dtype=np.float32)[[[2, 3, 0, 0]]]
+  loss, metrics = _jit(losses.next_token)(logits, {"x": tokens})
+  np.testing.assert_allclose(metrics["accuracy"], [2 / 3])
+  log_probs = logits[0, :3] - np.log(np.exp(logits[0, :3]).sum(-1))[:, None]
+  expected = -log_probs[np.arange(3), tokens[0, 1:]].mean()
+  np.testing.assert_allclose(loss, [expected], rtol=1e-5)
+
+
+def _padded(pad_seed, num_real=4):
+  """The first `num_real` examples are real; the rest are masked-out junk."""
+  batch = _batch("resnet18", seed=0)
+  batch["x"][num_real:] = 100.0 * _batch("resnet18", pad_seed)["x"][num_real:]
+  batch["mask"][num_real:] = 0.0
+  return batch
+
+
+def test_resnet_batch_norm_ignores_padded_examples():
+  _, loss_fn, params, state = _setup("resnet18")
+  loss, _, stats = loss_fn(params, state, _padded(1), _key(1))
+  loss2, _, stats2 = loss_fn(params, state, _padded(2), _key(1))
+  # Junk of a very different scale in the padding moves nothing.
+  np.testing.assert_allclose(loss2[:4], loss[:4], rtol=1e-5, atol=1e-6)
+  assert _max_diff(stats, stats2) < 1e-5
+  assert _max_diff(stats, state) > 1e-3  # Real examples do move the stats.
+  # The statistics are those of the real examples alone.
+  x = np.pad(_padded(1)["x"][:4], ((0, 0), (1, 1), (1, 1), (0, 0)))
+  kernel = params["stem_conv"]["kernel"]  # [3, 3, 1, width]
+  # The stem is a bias-free 3x3 "SAME" conv; its mean over real examples:
+  stem = sum(np.einsum("bhwc,cf->bhwf", x[:, i:i + 8, j:j + 8], kernel[i, j])
+             for i in range(3) for j in range(3))
+  momentum = hetjax_models.default_config("resnet18")["momentum"]
+  old_mean = state["batch_stats"]["stem_norm"]["mean"]
+  expected = momentum * old_mean + (1 - momentum) * stem.mean(axis=(0, 1, 2))
+  np.testing.assert_allclose(
+      stats["batch_stats"]["stem_norm"]["mean"], expected, atol=1e-5)
+
+
+def test_resnet_all_padding_keeps_stats_and_stays_finite():
+  task, loss_fn, params, state = _setup("resnet18")
+  batch = _padded(1, num_real=0)
+  loss, metrics, stats = loss_fn(params, state, batch, _key(1))
+  assert np.all(np.isfinite(loss)) and np.all(np.isfinite(metrics["accuracy"]))
+  assert _max_diff(stats, state) == 0.0
+
+  @_jit
+  def grads(p):
+    masked_sum = lambda p: jnp.sum(
+        task.loss(p, state, batch, _key(1))[0] * batch["mask"])
+    return jax.grad(masked_sum)(p)
+
+  assert all(np.all(g == 0) for g in jax.tree.leaves(grads(params)))
+
+
+def test_resnet_eval_uses_running_averages():
+  model = hetjax_models.ResNet(num_classes=NUM_CLASSES, **TINY["resnet18"])
+  _, _, params, state = _setup("resnet18")
+  apply = _jit(
+      lambda x: model.apply({"params": params, **state}, x, train=False))
+  batch = _batch("resnet18", seed=0)
+  other = _padded(1, num_real=1)  # Same first example, other batch-mates.
+  # Normalized with stored statistics, an example ignores its batch-mates.
+  np.testing.assert_allclose(
+      apply(other["x"])[0], apply(batch["x"])[0], rtol=1e-5, atol=1e-6)
+
+
+def test_cnn_adam_steps_reduce_loss():
+  task, _, params, state = _setup("cnn")
+  batch = _batch("cnn")
+  opt = optax.adam(1e-2)
+
+  def mean_loss(p):
+    return jnp.mean(task.loss(p, state, batch, _key(0))[0])
+
+  @_jit
+  def step(p, o):
+    loss, grads = jax.value_and_grad(mean_loss)(p)
+    updates, o = opt.update(grads, o, p)
+    return optax.apply_updates(p, updates), o, loss
+
+  opt_state = opt.init(params)
+  losses_seen = []
+  for _ in range(10):
+    params, opt_state, loss = step(params, opt_state)
+    losses_seen.append(float(loss))
+  assert losses_seen[-1] < 0.5 * losses_seen[0]
+
+
+@pytest.mark.parametrize("name", hetjax_models.MODEL_NAMES)
+def test_default_configs_build(name):
+  """Full-size defaults trace (shapes only, nothing computed)."""
+  task = hetjax_models.build(
+      name, kind=_kind(name), num_classes=10, vocab_size=VOCAB)
+  batch = _batch(name)
+  params, _ = jax.eval_shape(task.init, _key(0), batch)
+  count = sum(x.size for x in jax.tree.leaves(params))
+  if name == "resnet18":
+    assert 11.1e6 < count < 11.3e6  # The usual CIFAR ResNet-18 size.
+
+
+def test_overrides_reach_the_module():
+  task = hetjax_models.build("resnet18", kind="image", num_classes=3, width=8)
+  params, _ = jax.eval_shape(task.init, _key(0), _batch("resnet18"))
+  assert params["stem_conv"]["kernel"].shape == (3, 3, 1, 8)
+  assert params["head"]["kernel"].shape == (64, 3)
+  assert "stage4_block2" in params
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"name": "vgg", "kind": "image", "num_classes": 10},
+     "Unknown model 'vgg'; choose one of mlp, cnn, resnet18, transformer"),
+    ({"name": "transformer", "kind": "image", "num_classes": 10},
+     "model 'transformer' needs token data; dataset kind is 'image'"),
+    ({"name": "cnn", "kind": "tokens", "vocab_size": 10},
+     "model 'cnn' needs image data; dataset kind is 'tokens'"),
+    ({"name": "cnn", "kind": "audio", "num_classes": 10},
+     "Unknown dataset kind 'audio'; choose one of image, tokens"),
+    ({"name": "mlp", "kind": "image"}, "needs num_classes >= 1; got None"),
+    ({"name": "transformer", "kind": "tokens"},
+     "needs vocab_size >= 1; got None"),
+    ({"name": "cnn", "kind": "image", "num_classes": 10, "width": 8},
+     r"Unknown option\(s\) \['width'\] for model 'cnn'; valid options: "),
+])
+def test_registry_errors(kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    hetjax_models.build(**kwargs)
