@@ -23,7 +23,7 @@ class DatasetInfo:
   """What a model needs to know about the data."""
 
   name: str
-  kind: str  # "image" or "tokens"
+  kind: str  # "image", "tokens", or "custom" for a user's own arrays
   num_classes: int | None = None
   vocab_size: int | None = None
 
@@ -31,7 +31,10 @@ class DatasetInfo:
 class ArraySource:
   """Records held in memory as equally long numpy arrays."""
 
-  def __init__(self, arrays: dict[str, np.ndarray], info: DatasetInfo):
+  def __init__(self, arrays: dict[str, np.ndarray], info: DatasetInfo | None = None):
+    info = info or DatasetInfo("arrays", "custom")
+    if not arrays:
+      raise ValueError(f"dataset {info.name!r} has no arrays; give at least one, e.g. {{'x': x}}.")
     lengths = {k: len(v) for k, v in arrays.items()}
     if len(set(lengths.values())) != 1:
       raise ValueError(f"dataset {info.name!r}: arrays disagree on length: {lengths}.")

@@ -154,9 +154,12 @@ def initialize(coordinator: str | None = None, num_hosts: int | None = None,
       wait_for_coordinator(spec.coordinator, spec.timeout_s)
     print(f"[hetjax] host {spec.host_id} joining coordinator {spec.coordinator or '(auto-detected)'}"
           f" of {spec.num_hosts} hosts, timeout {spec.timeout_s:g} s", file=sys.stderr, flush=True)
+    # A loopback coordinator should not listen on every interface of the machine.
+    local = spec.coordinator is not None and spec.coordinator.rsplit(":", 1)[0] in ("127.0.0.1", "localhost")
     jax.distributed.initialize(
         coordinator_address=spec.coordinator, num_processes=spec.num_hosts,
-        process_id=spec.host_id, initialization_timeout=max(1, int(spec.timeout_s)))
+        process_id=spec.host_id, initialization_timeout=max(1, int(spec.timeout_s)),
+        coordinator_bind_address=spec.coordinator if local else None)
   return topology()
 
 

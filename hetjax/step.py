@@ -22,7 +22,8 @@ values, so every host learns every host's values from the same collective
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator, NamedTuple
+import functools
+from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -308,7 +309,12 @@ def make_reduction(name: str, optimizer: optax.GradientTransformation, meshes: M
   return REDUCTIONS[name](optimizer, meshes)
 
 
+@functools.lru_cache(maxsize=None)
+def _all_gather(meshes: Meshes) -> Callable[[jax.Array], jax.Array]:
+  return jax.jit(lambda x: x, out_shardings=meshes.replicated())
+
+
 def gather_host_values(values: np.ndarray, meshes: Meshes) -> np.ndarray:
   """Every host's `values` vector, `[hosts, k]`, from one small collective."""
-  rows = jax.jit(lambda x: x, out_shardings=meshes.replicated())(host_rows(values, meshes))
+  rows = _all_gather(meshes)(host_rows(values, meshes))
   return rows_by_host(np.asarray(rows), meshes)

@@ -36,10 +36,17 @@ class Task:
     loss: `loss(params, model_state, batch, rng) -> (losses, metrics,
       new_model_state)` with `losses` of shape `[b]` and every metric of shape
       `[b]` (per example; hetjax sums them over the real examples).
+    eval_loss: the same contract in inference mode (BatchNorm running
+      averages); `None` when it equals `loss`.
   """
 
   init: Callable[[jax.Array, Batch], tuple[PyTree, PyTree]]
   loss: Callable[[PyTree, PyTree, Batch, jax.Array], LossOutput]
+  eval_loss: Callable[[PyTree, PyTree, Batch, jax.Array], LossOutput] | None = None
+
+  def evaluation_loss(self) -> Callable[[PyTree, PyTree, Batch, jax.Array], LossOutput]:
+    """The loss to evaluate with: `eval_loss` when given, else `loss`."""
+    return self.eval_loss or self.loss
 
 
 def from_functions(
@@ -115,7 +122,7 @@ def from_linen(
 
   def make_loss(train):
     def loss(params, state, batch, rng):
-      mutable = list(state.keys()) if train else False
+      mutable = list(state) if (train and state) else False
       outputs = module.apply(
           {"params": params, **state}, batch[input_key],
           rngs={"dropout": rng}, mutable=mutable, **kwargs(batch, train))
@@ -147,8 +154,7 @@ def from_nnx(
   from flax import nnx  # Only NNX users pay for the import.
 
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  params = nnx.to_pure_dict(params) if hasattr(nnx, "to_pure_dict") else params.to_pure_dict()
-  rest = rest.to_pure_dict()
+  params, rest = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
 
   def init(rng, batch):
     del rng, batch
@@ -162,7 +168,7 @@ def from_nnx(
     m = nnx.merge(graphdef, abstract_params, abstract_rest)
     m.train()
     outputs = m(batch[input_key])
-    new_state = nnx.state(m, nnx.Not(nnx.Param)).to_pure_dict()
+    new_state = nnx.to_pure_dict(nnx.state(m, nnx.Not(nnx.Param)))
     losses, metrics = per_example_loss(outputs, batch)
     return losses, dict(metrics), new_state
 

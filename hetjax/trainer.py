@@ -117,8 +117,8 @@ class Trainer:
         seconds to report; only for emulation (default: from HETJAX_SPEED).
       identity: extra text the hosts must agree on (e.g. the command line).
     """
-    if os.environ.get(runtime.ENV_COORDINATOR) and not runtime._already_initialized():
-      raise RuntimeError(f"{runtime.ENV_COORDINATOR} is set but the cluster is not joined: "
+    if int(os.environ.get(runtime.ENV_NUM_HOSTS, "1")) > 1 and not runtime._already_initialized():
+      raise RuntimeError(f"{runtime.ENV_NUM_HOSTS} asks for several hosts but the cluster is not joined: "
                          "call hetjax.initialize() before building a Trainer.")
     config.validate()
     self.task, self.optimizer, self.source, self.config = task, optimizer, source, config
@@ -129,6 +129,7 @@ class Trainer:
     self.sampler = data_lib.GlobalSampler(len(source), config.global_batch, config.seed)
     self._check_hosts_agree(identity)
     self.pace = pace if pace is not None else _default_pace()
+    self.emulated = pace is not None or "HETJAX_SPEED" in os.environ
     self._example = source[np.arange(1)]
     init_batch = next(step_lib.micro_batches(self._example, config.microbatch))
     self.state = step_lib.init_state(task, optimizer, self.meshes, init_batch, config.seed)
@@ -225,7 +226,7 @@ class Trainer:
         "final_loss": h.loss[-1] if h.loss else None,
         "final_metrics": h.metrics[-1] if h.metrics else {},
         "params_digest": params_digest(self.params()),
-        "emulated_speeds": self.pace is not None,
+        "emulated_speeds": self.emulated,
         "per_host": per_host,
     }
 

@@ -1,0 +1,150 @@
+"""The `hetjax` command line: `hetjax train ...` runs one host's part of a job.
+
+Run it once per host (the launchers in `launch/` do that); every host must
+get the same arguments. Process 0 writes OUT/summary.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import traceback
+from typing import Sequence
+
+OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="hetjax", description=__doc__.splitlines()[0])
+  sub = p.add_subparsers(dest="command", required=True)
+  t = sub.add_parser("train", help="train a built-in model on a built-in dataset")
+  t.add_argument("--model", default="cnn", help="mlp, cnn, resnet18 or transformer")
+  t.add_argument("--dataset", default="digits", help="digits, synthetic or tokens")
+  t.add_argument("--global-batch", type=int, default=64, help="samples per step over all hosts")
+  t.add_argument("--steps", type=int, default=100)
+  t.add_argument("--optimizer", default="adam", help=", ".join(OPTIMIZERS))
+  t.add_argument("--lr", type=float, default=1e-3)
+  t.add_argument("--seed", type=int, default=0)
+  t.add_argument("--assignment", default="equal",
+                 help="'equal' or one share per host summing to the global batch, e.g. 5,23,36")
+  t.add_argument("--microbatch", type=int, default=16, help="samples per device per micro-batch")
+  t.add_argument("--reduction", default="device", choices=("device", "host"),
+                 help="cross-host reduction backend")
+  t.add_argument("--out", default="runs/latest", help="folder for summary.json (host 0)")
+  t.add_argument("--save-params", default=None, metavar="FILE.npz",
+                 help="write the final parameters (host 0)")
+  t.add_argument("--log-every", type=int, default=10)
+  t.add_argument("--init-timeout", type=float, default=None,
+                 help="seconds to reach the coordinator (default HETJAX_INIT_TIMEOUT or 120)")
+  t.add_argument("--model-width", type=int, default=None, help="override the model's width")
+  return p
+
+
+def _check_args(args: argparse.Namespace) -> None:
+  """Everything that can be checked before JAX starts; raises ValueError."""
+  import hetjax_models
+  from hetjax import balancer, data
+
+  if args.model not in hetjax_models.MODEL_NAMES:
+    raise ValueError(f"unknown model {args.model!r}; choose one of {', '.join(hetjax_models.MODEL_NAMES)}.")
+  if args.dataset not in data.DATASETS:
+    raise ValueError(f"unknown dataset {args.dataset!r}; choose one of {', '.join(sorted(data.DATASETS))}.")
+  if args.optimizer not in OPTIMIZERS:
+    raise ValueError(f"unknown optimizer {args.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}.")
+  if args.global_batch < 1:
+    raise ValueError(f"--global-batch must be >= 1, got {args.global_batch}.")
+  if args.microbatch < 1:
+    raise ValueError(f"--microbatch must be >= 1, got {args.microbatch}.")
+  if args.steps < 1:
+    raise ValueError(f"--steps must be >= 1, got {args.steps}.")
+  if not args.lr > 0:
+    raise ValueError(f"--lr must be > 0, got {args.lr}.")
+  assignment = balancer.parse_assignment(args.assignment)
+  if assignment != "equal":
+    hosts = int(os.environ.get("HETJAX_NUM_HOSTS", "1"))
+    balancer.validate_shares(assignment, args.global_batch, hosts)
+
+
+def _optimizer(name: str, lr: float):
+  import optax
+  return {"sgd": lambda: optax.sgd(lr), "momentum": lambda: optax.sgd(lr, momentum=0.9),
+          "adam": lambda: optax.adam(lr), "adamw": lambda: optax.adamw(lr)}[name]()
+
+
+def train(args: argparse.Namespace) -> dict:
+  """Runs one host's part of the job; returns the summary."""
+  _check_args(args)
+  import numpy as np
+  import hetjax_models
+  from hetjax import data, runtime, trainer
+
+  topo = runtime.initialize(timeout_s=args.init_timeout)
+  source = data.load(args.dataset, "train")
+  overrides = {} if args.model_width is None else {"width": args.model_width}
+  task = hetjax_models.build(args.model, kind=source.info.kind, num_classes=source.info.num_classes,
+                             vocab_size=source.info.vocab_size, **overrides)
+  config = trainer.TrainConfig(global_batch=args.global_batch, microbatch=args.microbatch,
+                               seed=args.seed, assignment=args.assignment, reduction=args.reduction)
+  identity = f"{args.model}|{args.optimizer}|{args.lr}|{args.model_width}"
+  tr = trainer.Trainer(task, _optimizer(args.optimizer, args.lr), source, config, identity=identity)
+  summary = tr.fit(args.steps, log_every=args.log_every)
+  summary.update(model=args.model, dataset=args.dataset, optimizer=args.optimizer, lr=args.lr,
+                 seed=args.seed, command=shlex.join(sys.argv))
+  if source.info.kind == "image":
+    test = tr.evaluate(data.load(args.dataset, "test"))
+    summary["test_accuracy"] = test.get("accuracy")
+    summary["test_loss"] = test["loss"]
+  if topo.host_id == 0:
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+      json.dump(summary, f, indent=1)
+    if args.save_params:
+      import jax
+      flat = {jax.tree_util.keystr(k): np.asarray(v)
+              for k, v in jax.tree_util.tree_leaves_with_path(tr.params())}
+      np.savez(args.save_params, **flat)
+  return summary
+
+
+def _print_summary(summary: dict) -> None:
+  keys = ("steps", "global_batch", "hosts", "samples_per_sec", "final_loss", "test_accuracy",
+          "params_digest")
+  print("summary: " + json.dumps({k: summary[k] for k in keys if k in summary}))
+  for i, host in enumerate(summary["per_host"]):
+    c, w = host["compute_s"][2:] or host["compute_s"], host["wait_s"][2:] or host["wait_s"]
+    print(f"  host {i}: share {host['batch'][-1]:4d}  compute {sum(c) / len(c) * 1e3:7.1f} ms  "
+          f"wait {sum(w) / len(w) * 1e3:7.1f} ms" + ("  (emulated speeds)" if summary["emulated_speeds"] else ""))
+
+
+def _exit_now(code: int) -> None:
+  """Leaves at once: JAX's exit-time shutdown would wait for the other hosts."""
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(code)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  args = _parser().parse_args(argv)
+  multi_host = int(os.environ.get("HETJAX_NUM_HOSTS", "1")) > 1
+  try:
+    summary = train(args)
+  except ValueError as e:
+    print(f"hetjax {args.command}: error: {e}", file=sys.stderr)
+    if multi_host:
+      _exit_now(2)
+    return 2
+  except BaseException:
+    if not multi_host:
+      raise
+    traceback.print_exc()
+    _exit_now(1)
+  if summary and int(os.environ.get("HETJAX_HOST_ID", "0")) == 0:
+    _print_summary(summary)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,92 @@
+"""Entry points that tests run as emulated multi-host clusters (hetjax.testing)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+
+import hetjax
+import hetjax_models
+from hetjax import balancer, data, trainer
+
+EXACTNESS_STEPS = 10
+
+
+def _trainer(model: str, dataset: str, *, assignment="equal", reduction="device",
+             global_batch=64, microbatch=4, balancer_=None, lr=1e-3, **overrides) -> trainer.Trainer:
+  source = data.load(dataset)
+  task = hetjax_models.build(model, kind=source.info.kind, num_classes=source.info.num_classes,
+                             vocab_size=source.info.vocab_size, **overrides)
+  config = trainer.TrainConfig(global_batch=global_batch, microbatch=microbatch,
+                               assignment=assignment, reduction=reduction)
+  return trainer.Trainer(task, optax.adam(lr), source, config, balancer=balancer_)
+
+
+MODELS = {"mlp": ("digits", {}), "transformer": ("tokens", {"num_layers": 1})}
+
+
+def train_params(model: str, assignment, reduction: str, steps: int = EXACTNESS_STEPS):
+  """Final parameters of a short run (host numpy), plus the per-step shares."""
+  hetjax.initialize()
+  dataset, overrides = MODELS[model]
+  tr = _trainer(model, dataset, assignment=assignment, reduction=reduction, **overrides)
+  summary = tr.fit(steps)
+  return tr.params(), summary
+
+
+def exactness_matrix(assignment):
+  """Every (model, reduction) pair in one cluster launch, to keep the suite fast."""
+  hetjax.initialize()
+  out = {}
+  for model in MODELS:
+    for reduction in ("device", "host"):
+      dataset, overrides = MODELS[model]
+      tr = _trainer(model, dataset, assignment=assignment, reduction=reduction, **overrides)
+      tr.fit(EXACTNESS_STEPS)
+      out[(model, reduction)] = tr.params()
+  return out
+
+
+class Alternating:
+  """A balancer that changes every host's share at every step."""
+
+  name = "alternating"
+
+  def __init__(self, splits):
+    self.splits = splits
+
+  def shares(self, step):
+    return self.splits[step % len(self.splits)]
+
+  def observe(self, step, shares, compute_s):
+    pass
+
+
+def compiles_while_shares_move(reduction: str = "device"):
+  """Counts backend compilations after warm-up while the split changes every step."""
+  hetjax.initialize()
+  compiles = []
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda event, duration, **kw: compiles.append(event)
+      if event == "/jax/core/compile/backend_compile_duration" else None)
+  splits = [(5, 23, 36), (30, 0, 34), (1, 1, 62), (64, 0, 0)]
+  tr = _trainer("mlp", "digits", balancer_=Alternating(splits), reduction=reduction)
+  tr.fit(2)
+  warm = len(compiles)
+  tr.fit(6)
+  return {"after_warmup": len(compiles) - warm, "shares": tr.history.shares,
+          "params": tr.params()}
+
+
+def mismatched_config():
+  """Host 1 uses another seed: every host must refuse before training."""
+  hetjax.initialize()
+  source = data.load("digits")
+  task = hetjax_models.build("mlp", kind="image", num_classes=10)
+  seed = 1 if jax.process_index() == 1 else 0
+  try:
+    trainer.Trainer(task, optax.adam(1e-3), source, trainer.TrainConfig(global_batch=64, seed=seed))
+  except ValueError as e:
+    return str(e)
+  return None
