@@ -131,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   multi_host = int(os.environ.get("HETJAX_NUM_HOSTS", "1")) > 1
   try:
     summary = train(args)
-  except ValueError as e:
+  except (ValueError, ConnectionError) as e:
     print(f"hetjax {args.command}: error: {e}", file=sys.stderr)
     if multi_host:
       _exit_now(2)

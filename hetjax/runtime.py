@@ -112,7 +112,8 @@ def configure_cpu(devices_per_host: int | None) -> None:
     jax.config.update("jax_num_cpu_devices", devices_per_host)
 
 
-def _already_initialized() -> bool:
+def is_initialized() -> bool:
+  """Whether this process already joined a multi-host runtime."""
   from jax._src import distributed  # No public probe exists in JAX 0.10.
   return distributed.global_state.client is not None
 
@@ -149,7 +150,7 @@ def initialize(coordinator: str | None = None, num_hosts: int | None = None,
     spec = ClusterSpec(None, 1, 0, timeout_s or DEFAULT_TIMEOUT_S)
   _validate(spec)
 
-  if spec.num_hosts != 1 and not _already_initialized():
+  if spec.num_hosts != 1 and not is_initialized():
     if spec.coordinator is not None and spec.host_id not in (None, 0):
       wait_for_coordinator(spec.coordinator, spec.timeout_s)
     print(f"[hetjax] host {spec.host_id} joining coordinator {spec.coordinator or '(auto-detected)'}"

@@ -117,7 +117,7 @@ class Trainer:
         seconds to report; only for emulation (default: from HETJAX_SPEED).
       identity: extra text the hosts must agree on (e.g. the command line).
     """
-    if int(os.environ.get(runtime.ENV_NUM_HOSTS, "1")) > 1 and not runtime._already_initialized():
+    if int(os.environ.get(runtime.ENV_NUM_HOSTS, "1")) > 1 and not runtime.is_initialized():
       raise RuntimeError(f"{runtime.ENV_NUM_HOSTS} asks for several hosts but the cluster is not joined: "
                          "call hetjax.initialize() before building a Trainer.")
     config.validate()
@@ -161,7 +161,7 @@ class Trainer:
     shares = balancer_lib.validate_shares(
         self.balancer.shares(step), self.config.global_batch, self.num_hosts)
     indices = self.sampler.indices(step)[data_lib.host_slice(shares, self.host_id)]
-    batch = self.source[indices] if len(indices) else {k: v[:0] for k, v in self._example.items()}
+    batch = self.source[indices]
     rng = jax.random.fold_in(self._base_key, step)
     sums = self.local(self.state.params, self.state.model_state, batch, self._example, rng)
     jax.block_until_ready(sums)
