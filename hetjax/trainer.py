@@ -82,15 +82,6 @@ def _fingerprint(text: str) -> np.ndarray:
   return np.frombuffer(digest, dtype=np.uint16).astype(np.float32)
 
 
-def _default_pace() -> Callable[[float], float] | None:
-  """Emulated speed from the launcher's HETJAX_SPEED; `None` on real hardware."""
-  if "HETJAX_SPEED" not in os.environ:
-    return None
-  from hetjax import emulate  # Emulation stays off the real path.
-  speed = emulate.speed_from_env()
-  return None if speed == 1.0 else emulate.Pacer(speed).pace
-
-
 class Trainer:
   """Synchronous data parallelism over whatever hosts this process belongs to.
 
@@ -104,7 +95,7 @@ class Trainer:
   def __init__(self, task: Task, optimizer: optax.GradientTransformation,
                source: data_lib.ArraySource, config: TrainConfig, *,
                balancer: balancer_lib.Balancer | None = None,
-               pace: Callable[[float], float] | None = None, identity: str = ""):
+               pace: Callable[[float, int], float] | None = None, identity: str = ""):
     """Validates everything, agrees with the other hosts, then initialises.
 
     Args:
@@ -113,8 +104,9 @@ class Trainer:
       source: random-access records (`len`, `source[indices] -> batch`).
       config: the settings every host must share.
       balancer: overrides `config.assignment` with a custom split policy.
-      pace: called with each step's real local compute seconds, returns the
-        seconds to report; only for emulation (default: from HETJAX_SPEED).
+      pace: `pace(compute_s, step) -> seconds to report`, called with each
+        step's real local compute seconds; only for emulation (default: from
+        HETJAX_SPEED / HETJAX_SLOWDOWN, set by the launcher).
       identity: extra text the hosts must agree on (e.g. the command line).
     """
     if int(os.environ.get(runtime.ENV_NUM_HOSTS, "1")) > 1 and not runtime.is_initialized():
@@ -128,8 +120,11 @@ class Trainer:
         config.assignment, config.global_batch, self.num_hosts)
     self.sampler = data_lib.GlobalSampler(len(source), config.global_batch, config.seed)
     self._check_hosts_agree(identity)
-    self.pace = pace if pace is not None else _default_pace()
-    self.emulated = pace is not None or "HETJAX_SPEED" in os.environ
+    self.emulated = pace is not None or any(k in os.environ for k in ("HETJAX_SPEED", "HETJAX_SLOWDOWN"))
+    if pace is None and self.emulated:
+      from hetjax import emulate  # Emulation stays off the real path.
+      pace = emulate.pacing_from_env(self.host_id)
+    self.pace = pace
     self._example = source[np.arange(1)]
     init_batch = next(step_lib.micro_batches(self._example, config.microbatch))
     self.state = step_lib.init_state(task, optimizer, self.meshes, init_batch, config.seed)
@@ -162,15 +157,14 @@ class Trainer:
         self.balancer.shares(step), self.config.global_batch, self.num_hosts)
     indices = self.sampler.indices(step)[data_lib.host_slice(shares, self.host_id)]
     batch = self.source[indices]
-    rng = jax.random.fold_in(self._base_key, step)
-    sums = self.local(self.state.params, self.state.model_state, batch, self._example, rng)
+    sums = self.local(self.state.params, self.state.model_state, batch, self._example,
+                      self._base_key, step)
     jax.block_until_ready(sums)
     compute = time.perf_counter() - t0
     if self.pace is not None:
-      compute = self.pace(compute)
+      compute = self.pace(compute, step)
     t1 = time.perf_counter()
     self.state, stats, rows = self.reduction(self.state, sums, np.array([compute, self._last_wait]))
-    stats = jax.device_get(stats)
     t2 = time.perf_counter()
     self._last_wait = t2 - t1
     if stats["count"] <= 0:
