@@ -12,11 +12,13 @@ Stdlib only, so the launcher can validate speeds without importing JAX.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Callable, Mapping, Sequence
 
 ENV_SPEED = "HETJAX_SPEED"
+ENV_SLOWDOWN = "HETJAX_SLOWDOWN"
 
 
 def check_speed(speed: float, *, name: str = "speed") -> float:
@@ -81,10 +83,10 @@ class Pacer:
     emulated_s = pacer.pace(time.perf_counter() - start)
   """
 
-  def __init__(self, speed: float, *, sleep: Callable[[float], None] = time.sleep):
+  def __init__(self, speed: float, *, sleep: Callable[[float], None] | None = None):
     """Args: speed: relative speed in (0, 1]; sleep: injectable for tests."""
     self.speed = check_speed(speed)
-    self._sleep = sleep
+    self._sleep = sleep or time.sleep
 
   def pace(self, compute_s: float, factor: float = 1.0) -> float:
     """Sleeps so that `compute_s` of real compute appears to take `compute_s / speed`.
@@ -111,3 +113,48 @@ class Pacer:
 
 def _join(values: Sequence[float]) -> str:
   return ",".join(f"{v:g}" for v in values)
+
+
+@dataclasses.dataclass(frozen=True)
+class Slowdown:
+  """Host `host` becomes `factor` times slower from step `step` on (emulated straggler)."""
+
+  host: int
+  factor: float
+  step: int
+
+
+def parse_slowdowns(text: str) -> list[Slowdown]:
+  """Parses `HOST:FACTOR@STEP[,HOST:FACTOR@STEP...]`, e.g. `2:3@50`."""
+  out = []
+  for item in filter(None, (t.strip() for t in text.split(","))):
+    try:
+      host, rest = item.split(":")
+      factor, step = rest.split("@")
+      slowdown = Slowdown(int(host), float(factor), int(step))
+    except ValueError:
+      raise ValueError(f"--slowdown takes HOST:FACTOR@STEP items such as 2:3@50; got {item!r}.") from None
+    if slowdown.host < 0 or slowdown.step < 0 or not slowdown.factor >= 1.0:
+      raise ValueError(f"--slowdown {item!r}: host and step must be >= 0 and the factor >= 1.")
+    out.append(slowdown)
+  return out
+
+
+def slowdown_factor(slowdowns: Sequence[Slowdown], host: int, step: int) -> float:
+  """The combined extra slowdown of `host` at `step`."""
+  factor = 1.0
+  for s in slowdowns:
+    if s.host == host and step >= s.step:
+      factor *= s.factor
+  return factor
+
+
+def pacing_from_env(host: int, env: Mapping[str, str] = os.environ) -> Callable[[float, int], float] | None:
+  """The pacing hook `(compute_s, step) -> emulated_s` for this host, `None` when nothing is emulated."""
+  speed = speed_from_env(env)
+  slowdowns = parse_slowdowns(env.get(ENV_SLOWDOWN, ""))
+  if speed == 1.0 and not any(s.host == host for s in slowdowns):
+    return None
+  pacer = Pacer(speed)
+  return lambda compute_s, step: pacer.pace(compute_s, slowdown_factor(slowdowns, host, step))
+

@@ -68,7 +68,7 @@ def validate_cluster(hosts: int, devices_per_host: int, speeds: Sequence[float] 
 
 def cluster_envs(hosts: int, devices_per_host: int, *, speeds: Sequence[float] | None = None,
                  init_timeout_s: float | None = None, base: Mapping[str, str] | None = None,
-                 coordinator: str | None = None) -> list[dict[str, str]]:
+                 coordinator: str | None = None, slowdown: str | None = None) -> list[dict[str, str]]:
   """One environment per host, as `hetjax.runtime.initialize()` reads it.
 
   Args:
@@ -78,11 +78,15 @@ def cluster_envs(hosts: int, devices_per_host: int, *, speeds: Sequence[float] |
     init_timeout_s: optional bound on joining the cluster (HETJAX_INIT_TIMEOUT).
     base: environment to extend; defaults to this process's.
     coordinator: `host:port`; defaults to a free port on 127.0.0.1.
+    slowdown: optional emulated stragglers, `HOST:FACTOR@STEP,...` (HETJAX_SLOWDOWN).
 
   Returns:
     A list of `hosts` complete environments.
   """
   speeds = validate_cluster(hosts, devices_per_host, speeds, init_timeout_s)
+  for s in emulate.parse_slowdowns(slowdown or ""):
+    if s.host >= hosts:
+      raise ValueError(f"--slowdown names host {s.host} but there are {hosts} hosts (0..{hosts - 1}).")
   coordinator = coordinator or f"127.0.0.1:{free_port()}"
   envs = []
   for i in range(hosts):
@@ -93,6 +97,8 @@ def cluster_envs(hosts: int, devices_per_host: int, *, speeds: Sequence[float] |
       env[ENV_INIT_TIMEOUT] = f"{init_timeout_s:g}"
     if speeds is not None:
       env[emulate.ENV_SPEED] = repr(speeds[i])
+    if slowdown:
+      env[emulate.ENV_SLOWDOWN] = slowdown
     envs.append(env)
   return envs
 
@@ -270,7 +276,8 @@ def run_group(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str
 
 def launch_local(command: Sequence[str], *, hosts: int, devices_per_host: int = 1,
                  speeds: Sequence[float] | None = None, init_timeout_s: float | None = None,
-                 grace_s: float = DEFAULT_GRACE_S, sink: IO[str] | None = None) -> int:
+                 grace_s: float = DEFAULT_GRACE_S, sink: IO[str] | None = None,
+                 slowdown: str | None = None) -> int:
   """Runs `command` as `hosts` hosts of a localhost cluster; returns the exit code.
 
   The code is 0 when every host exits 0, the first failing host's code when
@@ -283,7 +290,8 @@ def launch_local(command: Sequence[str], *, hosts: int, devices_per_host: int = 
   if not command:
     raise ValueError("no host command given; put it after '--', e.g. "
                      "`--hosts 2 -- hetjax train --model cnn`.")
-  envs = cluster_envs(hosts, devices_per_host, speeds=speeds, init_timeout_s=init_timeout_s)
+  envs = cluster_envs(hosts, devices_per_host, speeds=speeds, init_timeout_s=init_timeout_s,
+                      slowdown=slowdown)
   _note(f"{hosts} host(s) x {devices_per_host} device(s), coordinator "
         f"{envs[0][ENV_COORDINATOR]}: {' '.join(command)}")
   try:

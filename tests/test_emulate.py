@@ -101,3 +101,27 @@ def test_parse_speeds():
   assert emulate.parse_speeds("1,0.5, 0.25") == [1.0, 0.5, 0.25]
   with pytest.raises(ValueError, match="'x' in '1,x' is not a number"):
     emulate.parse_speeds("1,x")
+
+
+def test_slowdown_schedule_parses_and_applies_from_its_step():
+  schedule = emulate.parse_slowdowns("2:3@50, 0:2@10")
+  assert schedule == [emulate.Slowdown(2, 3.0, 50), emulate.Slowdown(0, 2.0, 10)]
+  assert emulate.slowdown_factor(schedule, 2, 49) == 1.0
+  assert emulate.slowdown_factor(schedule, 2, 50) == 3.0
+  assert emulate.slowdown_factor(schedule, 1, 99) == 1.0
+
+
+@pytest.mark.parametrize("text", ["2:3", "x:3@5", "1:0.5@3", "-1:2@3"])
+def test_bad_slowdowns_are_refused(text):
+  with pytest.raises(ValueError, match="slowdown"):
+    emulate.parse_slowdowns(text)
+
+
+def test_pacing_from_env_combines_speed_and_slowdown(monkeypatch):
+  slept = []
+  monkeypatch.setattr(emulate.time, "sleep", slept.append)
+  assert emulate.pacing_from_env(0, {}) is None
+  pace = emulate.pacing_from_env(1, {"HETJAX_SPEED": "0.5", "HETJAX_SLOWDOWN": "1:3@4"})
+  assert pace(1.0, 3) == pytest.approx(2.0)
+  assert pace(1.0, 4) == pytest.approx(6.0)
+  assert slept == pytest.approx([1.0, 5.0])
