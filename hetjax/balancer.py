@@ -3,13 +3,17 @@
 Every host computes the assignment itself from values every host holds
 (DESIGN.md invariant 3), so an assignment policy must be deterministic. This
 module holds the policies that need no profiling (`equal`, a fixed explicit
-split); the profiling balancer plugs in behind the same `Balancer` protocol:
-`shares(step)` before a step, `observe(...)` with the timing vector after it.
+split) and the profiling one (`ProfilingBalancer`: a robust per-host cost
+model fitted online, and an exact integer min-max solver), all behind the
+same `Balancer` protocol: `shares(step)` before a step, `observe(...)` with
+the timing vector after it.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+import dataclasses
+import math
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 
@@ -75,12 +79,399 @@ class FixedBalancer:
     del step, shares, compute_s  # A fixed split learns nothing.
 
 
-def make_balancer(assignment: str | Sequence[int], global_batch: int, num_hosts: int) -> Balancer:
-  """Builds the balancer for `assignment` ('equal' or explicit shares)."""
+
+# ---------------------------------------------------------------------------
+# Cost model: what a share costs on each host.
+# ---------------------------------------------------------------------------
+
+MODES = ("fixed", "equal", "static", "dynamic")
+_MIN_PER_SAMPLE_S = 1e-12  # Keeps the solver's division finite for a degenerate fit.
+
+
+def padded(shares: Sequence[int] | np.ndarray, granularity: Sequence[int] | np.ndarray) -> np.ndarray:
+  """Samples a host really computes: whole micro-batches, the last one masked."""
+  b = np.asarray(shares, dtype=np.int64)
+  g = np.asarray(granularity, dtype=np.int64)
+  return -(-b // g) * g
+
+
+@dataclasses.dataclass(frozen=True)
+class CostParams:
+  """Per-host `t_i(b) = fixed_i + per_sample_i * ceil(b / g_i) * g_i`, and `t_i(0) = 0`.
+
+  A host with share 0 runs no micro-batch, so it costs nothing in the local
+  program (it still joins the collective, which is outside this model).
+  """
+
+  fixed_s: np.ndarray
+  per_sample_s: np.ndarray
+  granularity: np.ndarray
+
+  def predict(self, shares: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Predicted local compute seconds of every host for `shares`."""
+    x = padded(shares, self.granularity)
+    return np.where(x > 0, self.fixed_s + self.per_sample_s * x, 0.0)
+
+
+def _weighted_median(values: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """Column-wise lower weighted median of `[m, H]`; also says which columns had weight."""
+  values = np.where(weights > 0, values, np.inf)
+  order = np.argsort(values, axis=0, kind="stable")
+  v = np.take_along_axis(values, order, axis=0)
+  cw = np.cumsum(np.take_along_axis(weights, order, axis=0), axis=0)
+  total = cw[-1] if len(cw) else np.zeros(values.shape[1])
+  pick = np.argmax(cw >= 0.5 * total, axis=0)
+  ok = total > 0
+  return np.where(ok, v[pick, np.arange(values.shape[1])] if len(v) else 0.0, np.nan), ok
+
+
+class CostModel:
+  """Fits every host's cost online from the timing vectors, robustly.
+
+  The model is `t_i(b) = a_i * (c_i + padded(b))`: `a_i` is seconds per sample
+  (the level, which moves when a host changes speed) and `c_i` the fixed cost
+  counted in samples (the shape, which a speed change scales with it).
+  - shape `c_i`: Theil-Sen over the window (weighted median of pairwise
+    slopes, then of intercepts), so a minority of outliers cannot move it. It
+    needs two distinct padded shares; when the window holds only one (a
+    settled split), the last identified shape is kept, and before any it is
+    the prior: fixed part = `prior_fixed_fraction` of the observed time.
+  - level `a_i`: recency-weighted median of `t / (c_i + padded(b))` (half-life
+    `half_life` steps): one slow step has at most ~1/4 of the weight and cannot
+    move a median, while a host that really slows down wins the median within
+    about `half_life` steps.
+  """
+
+  def __init__(self, num_hosts: int, granularity: Sequence[int], *, window: int = 32,
+               half_life: float = 3.0, prior_fixed_fraction: float = 0.1):
+    if window < 2:
+      raise ValueError(f"cost model window must be >= 2 observations, got {window}.")
+    if not 0.0 <= prior_fixed_fraction < 1.0:
+      raise ValueError(f"prior_fixed_fraction must be in [0, 1), got {prior_fixed_fraction}.")
+    self.num_hosts = num_hosts
+    self.granularity = np.asarray(granularity, dtype=np.int64)
+    self.window, self.half_life = window, float(half_life)
+    self.prior_fixed_fraction = prior_fixed_fraction
+    self._x = np.zeros((0, num_hosts))
+    self._y = np.zeros((0, num_hosts))
+    self._shape = np.full(num_hosts, np.nan)  # c_i, samples; NaN until known.
+    self.level_error = 0.0  # Typical relative error of a host's fitted level.
+    pairs = np.triu_indices(window, 1)
+    self._pairs = (pairs[0], pairs[1])
+
+  @property
+  def num_observations(self) -> int:
+    return len(self._x)
+
+  def observe(self, shares: Sequence[int], compute_s: Sequence[float]) -> None:
+    """Adds one step's (share, seconds) of every host to the window."""
+    x = padded(shares, self.granularity).astype(np.float64)
+    y = np.asarray(compute_s, dtype=np.float64)
+    self._x = np.vstack([self._x, x[None]])[-self.window:]
+    self._y = np.vstack([self._y, y[None]])[-self.window:]
+
+  def fit(self) -> CostParams:
+    """The current per-host parameters; needs at least one observation."""
+    if not len(self._x):
+      raise ValueError("the cost model has no observations yet; call observe() first.")
+    x, y = self._x, self._y
+    n = len(x)
+    w = 0.5 ** ((n - 1 - np.arange(n)) / self.half_life)
+    valid = (x > 0) & np.isfinite(y) & (y > 0)
+    wv = np.where(valid, w[:, None], 0.0)
+    self._update_shape(x, y, wv)
+    if np.isnan(self._shape).any():  # Never identified: the prior.
+      xm, _ = _weighted_median(x, wv)
+      f = self.prior_fixed_fraction
+      self._shape = np.where(np.isnan(self._shape), f / (1 - f) * np.nan_to_num(xm, nan=1.0),
+                             self._shape)
+    level, ok = _weighted_median(y / (self._shape + np.maximum(x, 1.0)), wv)
+    # A host never seen working (share 0 throughout) is assumed typical.
+    fallback = float(np.median(level[ok])) if ok.any() else 1.0
+    level = np.maximum(np.where(ok, level, fallback), _MIN_PER_SAMPLE_S)
+    rel = np.abs(y / (level * (self._shape + np.maximum(x, 1.0))) - 1.0)
+    spread, ok = _weighted_median(rel, wv)
+    sw = wv.sum(axis=0)
+    n_eff = np.where(sw > 0, sw ** 2 / np.maximum((wv ** 2).sum(axis=0), 1e-300), 1.0)
+    # Relative standard error of each level (1.4826 MAD -> sigma; x1.25 for a median).
+    self.level_error = float(np.median(np.where(ok, 1.4826 * 1.25 * spread / np.sqrt(n_eff), 0.0)))
+    return CostParams(fixed_s=level * self._shape, per_sample_s=level, granularity=self.granularity)
+
+  def _update_shape(self, x: np.ndarray, y: np.ndarray, wv: np.ndarray) -> None:
+    n = len(x)
+    keep = self._pairs[1] < n
+    j, k = self._pairs[0][keep], self._pairs[1][keep]
+    if not len(j):
+      return
+    dx = x[k] - x[j]
+    pw = np.where(dx != 0, wv[j] * wv[k], 0.0)
+    slope, ok = _weighted_median((y[k] - y[j]) / np.where(dx != 0, dx, 1.0), pw)
+    ok &= slope > 0
+    if not ok.any():
+      return
+    intercept, _ = _weighted_median(y - np.nan_to_num(slope) * x, wv)
+    shape = np.clip(np.nan_to_num(intercept / np.where(ok, slope, 1.0)), 0.0, None)
+    self._shape = np.where(ok, shape, self._shape)
+
+
+# ---------------------------------------------------------------------------
+# Solver: the integer split that minimises the slowest host's predicted time.
+# ---------------------------------------------------------------------------
+
+
+def solve(global_batch: int, fixed_s: Sequence[float], per_sample_s: Sequence[float],
+          granularity: Sequence[int], caps: Sequence[int] | None = None) -> tuple[int, ...]:
+  """Integer shares `b_i`, `sum = B`, `0 <= b_i <= cap_i`, minimising `max_i t_i(b_i)`.
+
+  Exact for the step-function cost `t_i(b) = fixed_i + per_sample_i *
+  ceil(b / g_i) * g_i` (`t_i(0) = 0`): bisection over the time T finds the
+  smallest level at which the hosts' capacities (largest share each can run
+  within T) hold B; the samples beyond the level just below it go to the
+  hosts that reach the level, lowest host index first. O(N) per bisection
+  step, about 60 steps.
+
+  Example:
+    >>> solve(10, [0, 0], [1.0, 3.0], [1, 1])
+    (8, 2)
+  """
+  f = np.maximum(np.asarray(fixed_s, dtype=np.float64), 0.0)
+  p = np.maximum(np.asarray(per_sample_s, dtype=np.float64), _MIN_PER_SAMPLE_S)
+  g = np.asarray(granularity, dtype=np.int64)
+  n = len(f)
+  if not (len(p) == len(g) == n) or n < 1:
+    raise ValueError(f"solve needs one fixed, per-sample and granularity value per host; got "
+                     f"{len(f)}, {len(p)} and {len(g)}.")
+  if (g < 1).any():
+    raise ValueError(f"granularity must be >= 1 sample per micro-batch, got {g.tolist()}.")
+  if global_batch < 0:
+    raise ValueError(f"global batch must be >= 0, got {global_batch}.")
+  cap = np.full(n, global_batch, np.int64) if caps is None else np.asarray(caps, dtype=np.int64)
+  if len(cap) != n or (cap < 0).any():
+    raise ValueError(f"caps must be one value >= 0 per host ({n} hosts), got {cap.tolist()}.")
+  cap = np.minimum(cap, global_batch)
+  if int(cap.sum()) < global_batch:
+    raise ValueError(f"the caps sum to {int(cap.sum())} samples but the global batch is "
+                     f"{global_batch}; raise the caps or lower the global batch.")
+  if global_batch == 0:
+    return (0,) * n
+  unit = p * g  # Seconds of one micro-batch.
+  kmax = -(-cap // g)
+
+  inv_unit, kmax_f, g_f, cap_f = 1.0 / unit, kmax.astype(np.float64), g.astype(np.float64), cap.astype(np.float64)
+
+  def capacity(t: float) -> np.ndarray:
+    # The small slack makes t == a level's exact cost count as reaching it.
+    k = np.minimum(np.maximum(np.floor((t - f) * inv_unit + 1e-9), 0.0), kmax_f)
+    return np.minimum(k * g_f, cap_f)
+
+  lo, hi = 0.0, float(np.max(np.where(cap > 0, f + unit * kmax, 0.0)))
+  for _ in range(200):
+    mid = 0.5 * (lo + hi)
+    # Levels closer than 1e-12 (relative) count as a tie.
+    if not lo < mid < hi or hi - lo <= 1e-12 * hi:
+      break
+    if int(capacity(mid).sum()) >= global_batch:
+      hi = mid
+    else:
+      lo = mid
+  base = (capacity(lo) if lo > 0 else np.zeros(n)).astype(np.int64)
+  extra = capacity(hi).astype(np.int64) - base
+  rest = global_batch - int(base.sum())
+  before = np.cumsum(extra) - extra
+  give = np.clip(rest - before, 0, extra)
+  return tuple(int(v) for v in base + give)
+
+
+def _round_to_sum(values: np.ndarray, total: int, caps: np.ndarray) -> np.ndarray:
+  """Integers near `values` (each within `[0, cap]`) that sum to `total`."""
+  values = np.maximum(np.asarray(values, dtype=np.float64), 0.0)
+  if values.sum() > total:  # Scale down first: the loop below can only add.
+    values = values * (total / values.sum())
+  out = np.minimum(np.floor(np.maximum(values, 0.0)).astype(np.int64), caps)
+  frac = np.maximum(values, 0.0) - out
+  order = np.lexsort((np.arange(len(values)), -frac))  # Largest fraction, then index.
+  rest = total - int(out.sum())
+  for pass_limit in (1, None):  # One each by fraction first, then fill any room left.
+    for i in order:
+      if rest <= 0:
+        break
+      room = int(caps[i] - out[i])
+      add = min(room, rest) if pass_limit is None else min(room, rest, 1)
+      out[i] += add
+      rest -= add
+  return out
+
+
+# ---------------------------------------------------------------------------
+# The profiling balancer.
+# ---------------------------------------------------------------------------
+
+
+class ProfilingBalancer:
+  """Sizes each host's share from its measured speed (`static` or `dynamic`).
+
+  Warm-up (`warmup_steps`, default 7): step 0 (compilation) is run at the equal
+  split and ignored; the rest probe the equal split, then two perturbed splits
+  (even hosts x1.5 / odd x0.5, then the reverse) so that every host is seen at
+  distinct shares and its fixed and per-sample costs can be told apart.
+  Then `static` solves once and keeps the split; `dynamic` re-solves every
+  `every` steps and moves only if the slowest host's predicted time drops by
+  more than `threshold` (relative), by at most `max_move * B` samples per host
+  at once: a dead band and a rate limit, so noise does not make it oscillate.
+
+  Every input is the timing vector that every host holds, and every
+  computation is deterministic, so all hosts hold the same split
+  (DESIGN.md invariant 3). `decisions` logs each split with its predicted and
+  then-measured step time (max host compute seconds).
+  """
+
+  def __init__(self, global_batch: int, num_hosts: int, granularity: Sequence[int] | None = None,
+               mode: str = "dynamic", *, warmup_steps: int = 7, skip_steps: int = 1,
+               every: int = 5, threshold: float = 0.05, max_move: float = 0.1,
+               caps: Sequence[int] | None = None, window: int = 32, half_life: float = 3.0,
+               prior_fixed_fraction: float = 0.1):
+    if mode not in ("static", "dynamic"):
+      raise ValueError(f"profiling mode must be 'static' or 'dynamic', got {mode!r}.")
+    if global_batch < 1 or num_hosts < 1:
+      raise ValueError(f"global batch and hosts must be >= 1, got {global_batch} and {num_hosts}.")
+    granularity = [1] * num_hosts if granularity is None else [int(g) for g in granularity]
+    if len(granularity) != num_hosts or min(granularity) < 1:
+      raise ValueError(f"granularity needs one value >= 1 per host ({num_hosts} hosts), "
+                       f"got {granularity}.")
+    if warmup_steps < skip_steps + 1:
+      raise ValueError(f"warmup_steps ({warmup_steps}) must exceed skip_steps ({skip_steps}): "
+                       "the model needs at least one measured step.")
+    if every < 1 or threshold < 0 or not 0 < max_move <= 1:
+      raise ValueError(f"need every >= 1, threshold >= 0, 0 < max_move <= 1; got {every}, "
+                       f"{threshold}, {max_move}.")
+    self.name, self.mode = mode, mode
+    self.global_batch, self.num_hosts = global_batch, num_hosts
+    self.granularity = np.asarray(granularity, np.int64)
+    self.caps = (np.full(num_hosts, global_batch, np.int64) if caps is None
+                 else np.asarray(caps, np.int64))
+    if len(self.caps) != num_hosts or int(np.minimum(self.caps, global_batch).sum()) < global_batch:
+      raise ValueError(f"caps {list(map(int, self.caps))} must give one value per host and sum "
+                       f"to at least the global batch {global_batch}.")
+    self.warmup_steps, self.skip_steps, self.every = warmup_steps, skip_steps, every
+    self.threshold, self.max_move = threshold, max_move
+    self.model = CostModel(num_hosts, granularity, window=window, half_life=half_life,
+                           prior_fixed_fraction=prior_fixed_fraction)
+    start = np.asarray(equal_split(global_batch, num_hosts))
+    if (start > self.caps).any():
+      start = _round_to_sum(global_batch * self.caps / self.caps.sum(), global_batch, self.caps)
+    sign = np.where(np.arange(num_hosts) % 2 == 0, 0.5, -0.5)
+    self._plan = [tuple(int(v) for v in start)] + [
+        tuple(int(v) for v in _round_to_sum(start * (1 + s * sign), global_batch, self.caps))
+        for s in (1, -1)]
+    self._current = self._plan[0]
+    self.decisions: list[dict[str, Any]] = []
+    self._unmeasured: list[int] = []
+    for phase, shares in enumerate(self._plan):
+      self._log(self._phase_start(phase), shares, None,
+                "warm-up: equal split" if phase == 0 else f"warm-up: probe {phase}")
+
+  def _phase_start(self, phase: int) -> int:
+    span = self.warmup_steps - self.skip_steps
+    return self.skip_steps + -(-phase * span // 3)
+
+  def _phase(self, step: int) -> int:
+    return min(2, max(0, (step - self.skip_steps) * 3 // (self.warmup_steps - self.skip_steps)))
+
+  def _log(self, step: int, shares: Sequence[int], predicted: float | None, reason: str) -> None:
+    self.decisions.append({"step": step, "shares": tuple(shares), "predicted_s": predicted,
+                           "measured_s": None, "reason": reason})
+    self._unmeasured.append(len(self.decisions) - 1)
+
+  def shares(self, step: int) -> tuple[int, ...]:
+    if step < self.warmup_steps:
+      return self._plan[self._phase(step)]
+    return self._current
+
+  def predict(self, shares: Sequence[int]) -> np.ndarray:
+    """Every host's predicted compute seconds for `shares` under the current fit."""
+    return self.model.fit().predict(shares)
+
+  def observe(self, step: int, shares: Sequence[int], compute_s: Sequence[float]) -> None:
+    shares = tuple(int(s) for s in shares)
+    times = np.asarray(compute_s, dtype=np.float64)
+    if len(shares) != self.num_hosts or times.shape != (self.num_hosts,):
+      raise ValueError(f"observe needs {self.num_hosts} shares and compute times, got "
+                       f"{len(shares)} and {times.shape}.")
+    for i in list(self._unmeasured):
+      d = self.decisions[i]
+      if step >= d["step"] and shares == d["shares"]:
+        d["measured_s"] = float(times.max())
+        self._unmeasured.remove(i)
+    if step >= self.skip_steps:
+      self.model.observe(shares, times)
+    if step < self.warmup_steps - 1 or self.model.num_observations == 0:
+      return
+    since = step - (self.warmup_steps - 1)
+    if since == 0:
+      self._first_solve(step)
+    elif self.mode == "dynamic" and since % self.every == 0:
+      self._resolve(step)
+
+  def _first_solve(self, step: int) -> None:
+    params = self.model.fit()
+    target = solve(self.global_batch, params.fixed_s, params.per_sample_s, self.granularity,
+                   self.caps)
+    self._current = target
+    self._log(step + 1, target, float(params.predict(target).max()),
+              f"{self.mode}: first solve after warm-up")
+
+  def _resolve(self, step: int) -> None:
+    params = self.model.fit()
+    target = solve(self.global_batch, params.fixed_s, params.per_sample_s, self.granularity,
+                   self.caps)
+    now = float(params.predict(self._current).max())
+    best = float(params.predict(target).max())
+    gain = (now - best) / now if now > 0 else 0.0
+    # Dead band: the configured threshold, widened to 3 sigma of the noise in a
+    # gain (the difference of two hosts' fitted levels), so noise never moves it.
+    band = max(self.threshold, 3.0 * math.sqrt(2.0) * self.model.level_error)
+    if gain <= band:
+      return
+    cur, tgt = np.asarray(self._current), np.asarray(target)
+    limit = max(1, int(self.max_move * self.global_batch))
+    biggest = int(np.abs(tgt - cur).max())
+    new, limited = tgt, False
+    if biggest > limit:
+      mix = cur + (tgt - cur) * (limit / biggest)
+      new, limited = _round_to_sum(mix, self.global_batch, self.caps), True
+    predicted = float(params.predict(new).max())
+    if predicted >= now:
+      return
+    self._current = tuple(int(v) for v in new)
+    self._log(step + 1, self._current, predicted,
+              f"dynamic: predicted gain {gain:.1%} > dead band {band:.1%}"
+              + (f", move limited to {limit} samples" if limited else ""))
+
+
+def make_balancer(assignment: str | Sequence[int], global_batch: int, num_hosts: int, *,
+                  mode: str | None = None, granularity: Sequence[int] | None = None,
+                  **options: Any) -> Balancer:
+  """Builds the balancer for `assignment` ('equal' or explicit shares) or `mode`.
+
+  `mode` defaults to 'equal' or 'fixed' from `assignment`; 'static' and
+  'dynamic' build a `ProfilingBalancer` (which starts from the equal split)
+  with `granularity` and `options` (warmup_steps, every, threshold, ...).
+  """
   if global_batch < 1:
     raise ValueError(f"global batch must be >= 1, got {global_batch}.")
   if isinstance(assignment, str):
     assignment = parse_assignment(assignment)
-  if assignment == "equal":
+  if mode is None:
+    mode = "equal" if assignment == "equal" else "fixed"
+  if mode not in MODES:
+    raise ValueError(f"unknown balancer mode {mode!r}; choose one of {', '.join(MODES)}.")
+  if mode in ("static", "dynamic"):
+    if assignment != "equal":
+      raise ValueError(f"mode {mode!r} starts from the equal split and sizes shares itself; "
+                       "pass assignment 'equal' instead of explicit shares.")
+    return ProfilingBalancer(global_batch, num_hosts, granularity, mode, **options)
+  if options:
+    raise ValueError(f"options {sorted(options)} apply to 'static'/'dynamic' only, not {mode!r}.")
+  if mode == "equal" or assignment == "equal":
     return FixedBalancer(equal_split(global_batch, num_hosts), name="equal")
   return FixedBalancer(validate_shares(np.asarray(assignment).tolist(), global_batch, num_hosts))

@@ -1,0 +1,192 @@
+"""Property tests of the cost model, the solver and the profiling balancer (pure numpy)."""
+
+import itertools
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from hetjax import balancer
+
+FAST = settings(max_examples=60, deadline=None)
+
+
+@st.composite
+def problems(draw, max_hosts=6, max_batch=200):
+  n = draw(st.integers(1, max_hosts))
+  batch = draw(st.integers(0, max_batch))
+  fixed = draw(st.lists(st.floats(0.0, 1.0), min_size=n, max_size=n))
+  per = draw(st.lists(st.floats(1e-3, 1.0), min_size=n, max_size=n))
+  gran = draw(st.lists(st.integers(1, 8), min_size=n, max_size=n))
+  caps = None
+  if draw(st.booleans()):
+    caps = draw(st.lists(st.integers(0, batch), min_size=n, max_size=n))
+    caps[-1] = max(caps[-1], batch - sum(caps[:-1]))  # Feasible.
+  return batch, fixed, per, gran, caps
+
+
+def _max_time(shares, fixed, per, gran):
+  params = balancer.CostParams(np.asarray(fixed), np.asarray(per), np.asarray(gran))
+  return float(params.predict(shares).max())
+
+
+@FAST
+@given(problems())
+def test_solve_is_a_valid_deterministic_split_never_worse_than_equal(problem):
+  batch, fixed, per, gran, caps = problem
+  shares = balancer.solve(batch, fixed, per, gran, caps)
+  assert sum(shares) == batch and min(shares) >= 0
+  if caps is not None:
+    assert all(s <= c for s, c in zip(shares, caps))
+  assert balancer.solve(batch, fixed, per, gran, caps) == shares
+  equal = balancer.equal_split(batch, len(fixed))
+  if caps is None or all(e <= c for e, c in zip(equal, caps)):
+    assert _max_time(shares, fixed, per, gran) <= _max_time(equal, fixed, per, gran) * (1 + 1e-9)
+
+
+@settings(max_examples=80, deadline=None)
+@given(problems(max_hosts=3, max_batch=14))
+def test_solve_is_optimal_by_brute_force(problem):
+  batch, fixed, per, gran, caps = problem
+  n = len(fixed)
+  cap = caps or [batch] * n
+  best = min(_max_time(s, fixed, per, gran)
+             for s in itertools.product(*(range(c + 1) for c in cap)) if sum(s) == batch)
+  got = _max_time(balancer.solve(batch, fixed, per, gran, caps), fixed, per, gran)
+  assert got <= best * (1 + 1e-9) + 1e-12
+
+
+def test_solve_rejects_infeasible_caps():
+  with pytest.raises(ValueError, match="caps sum to 5 .* global batch is 6"):
+    balancer.solve(6, [0, 0], [1, 1], [1, 1], caps=[2, 3])
+
+
+def test_solve_prefers_the_fast_host():
+  assert balancer.solve(10, [0, 0], [1.0, 3.0], [1, 1]) == (8, 2)  # Ties: lowest host first.
+
+
+def test_cost_model_recovers_known_parameters_from_noisy_observations():
+  rng = np.random.default_rng(0)
+  fixed, per, gran = np.array([0.02, 0.005, 0.1]), np.array([1e-3, 4e-3, 2e-4]), [8, 4, 16]
+  model = balancer.CostModel(3, gran, window=32)
+  for _ in range(32):
+    shares = rng.integers(1, 400, size=3)
+    true = balancer.CostParams(fixed, per, np.asarray(gran)).predict(shares)
+    model.observe(shares, true * (1 + 0.02 * rng.standard_normal(3)))
+  fit = model.fit()
+  np.testing.assert_allclose(fit.per_sample_s, per, rtol=0.1)
+  np.testing.assert_allclose(fit.fixed_s, fixed, rtol=0.25, atol=0.002)
+
+
+def test_cost_model_with_one_share_value_uses_the_prior():
+  model = balancer.CostModel(1, [1], prior_fixed_fraction=0.1)
+  model.observe([100], [1.0])
+  fit = model.fit()
+  assert fit.fixed_s[0] == pytest.approx(0.1)
+  assert fit.predict([100])[0] == pytest.approx(1.0)
+
+
+class Cluster:
+  """Hosts with true costs, multiplicative noise and an optional slow-down."""
+
+  def __init__(self, fixed, per, gran, noise=0.03, seed=0):
+    self.params = balancer.CostParams(np.asarray(fixed, float), np.asarray(per, float),
+                                      np.asarray(gran))
+    self.noise, self.rng = noise, np.random.default_rng(seed)
+    self.factor = np.ones(len(fixed))
+
+  def run(self, bal, step, spike=None):
+    shares = bal.shares(step)
+    t = self.params.predict(shares) * self.factor
+    t = t * np.exp(self.noise * self.rng.standard_normal(len(t)))
+    if spike is not None:
+      t[spike] *= 10.0
+    bal.observe(step, shares, t.tolist())
+    return shares
+
+
+def _cluster():
+  return Cluster([0.01, 0.01, 0.01, 0.01], [1e-3, 1e-3, 3e-3, 6e-3], [4, 4, 4, 4])
+
+
+def _dynamic(**kw):
+  return balancer.ProfilingBalancer(512, 4, [4] * 4, "dynamic", every=5, **kw)
+
+
+def test_static_solves_once_and_beats_equal():
+  cluster, bal = _cluster(), balancer.ProfilingBalancer(512, 4, [4] * 4, "static")
+  seen = [cluster.run(bal, s) for s in range(40)]
+  assert len(set(seen[bal.warmup_steps:])) == 1
+  final = seen[-1]
+  assert final[0] > final[2] > final[3]
+  true = cluster.params.predict
+  assert true(final).max() < 0.6 * true(balancer.equal_split(512, 4)).max()
+  last = bal.decisions[-1]
+  assert last["predicted_s"] > 0 and last["measured_s"] == pytest.approx(last["predicted_s"], rel=0.2)
+
+
+def test_dynamic_does_not_oscillate_on_a_stationary_noisy_cluster():
+  cluster, bal = Cluster([0.01] * 4, [1e-3, 1e-3, 3e-3, 6e-3], [4] * 4, noise=0.05), _dynamic()
+  seen = [cluster.run(bal, s) for s in range(200)]
+  moves = [d for d in bal.decisions if d["reason"].startswith("dynamic:")]
+  assert len(moves) <= 3, moves
+  assert len(set(seen[60:])) == 1, moves
+
+
+def test_one_outlier_does_not_move_the_assignment():
+  cluster, bal = _cluster(), _dynamic()
+  for s in range(50):
+    cluster.run(bal, s)
+  settled = bal.shares(50)
+  cluster.run(bal, 50, spike=0)  # The fastest host has one 10x step.
+  for s in range(51, 80):
+    assert cluster.run(bal, s) == settled
+
+
+def test_a_host_that_becomes_3x_slower_gets_less_work_within_a_few_resolves():
+  cluster, bal = _cluster(), _dynamic()
+  for s in range(50):
+    cluster.run(bal, s)
+  settled = bal.shares(50)
+  before = settled[0]
+  cluster.factor[0] = 3.0
+  for s in range(50, 50 + 3 * bal.every):
+    cluster.run(bal, s)
+  after = bal.shares(50 + 3 * bal.every)
+  assert after[0] < 0.75 * before, bal.decisions[-3:]
+  true = lambda sh: (cluster.params.predict(sh) * cluster.factor).max()
+  assert true(after) < 0.8 * true(settled)
+
+
+def test_same_observations_give_the_same_shares_on_every_host():
+  runs = []
+  for _ in range(2):
+    cluster, bal = Cluster([0.01] * 3, [1e-3, 2e-3, 5e-3], [2, 2, 2], seed=7), \
+        balancer.ProfilingBalancer(300, 3, [2] * 3, "dynamic", every=3)
+    runs.append([cluster.run(bal, s) for s in range(60)])
+  assert runs[0] == runs[1]
+
+
+def test_decisions_carry_predicted_and_measured_times():
+  cluster, bal = _cluster(), _dynamic()
+  for s in range(30):
+    cluster.run(bal, s)
+  solved = [d for d in bal.decisions if d["predicted_s"] is not None]
+  assert solved and all(d["measured_s"] is not None for d in solved)
+  assert {"step", "shares", "predicted_s", "measured_s", "reason"} <= set(solved[0])
+
+
+def test_make_balancer_stays_compatible_and_builds_profiling_modes():
+  assert balancer.make_balancer("equal", 64, 3).shares(0) == (22, 21, 21)
+  assert balancer.make_balancer("5,23,36", 64, 3).shares(9) == (5, 23, 36)
+  dyn = balancer.make_balancer("equal", 64, 2, mode="dynamic", granularity=[4, 4], every=3)
+  assert isinstance(dyn, balancer.ProfilingBalancer) and dyn.name == "dynamic" and dyn.every == 3
+  with pytest.raises(ValueError, match="unknown balancer mode"):
+    balancer.make_balancer("equal", 64, 2, mode="fast")
+
+
+def test_importing_balancer_and_sim_does_not_load_jax():
+  code = "import hetjax.balancer, hetjax.sim, sys; assert 'jax' not in sys.modules, 'jax loaded'"
+  subprocess.run([sys.executable, "-c", code], check=True)
