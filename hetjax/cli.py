@@ -30,6 +30,8 @@ def _parser() -> argparse.ArgumentParser:
   t.add_argument("--seed", type=int, default=0)
   t.add_argument("--assignment", default="equal",
                  help="'equal' or one share per host summing to the global batch, e.g. 5,23,36")
+  t.add_argument("--balancer", default=None, choices=("equal", "static", "dynamic"),
+                 help="size shares from measured step times (default: follow --assignment)")
   t.add_argument("--microbatch", type=int, default=16, help="samples per device per micro-batch")
   t.add_argument("--reduction", default="device", choices=("device", "host"),
                  help="cross-host reduction backend")
@@ -63,6 +65,9 @@ def _check_args(args: argparse.Namespace) -> None:
   if not args.lr > 0:
     raise ValueError(f"--lr must be > 0, got {args.lr}.")
   assignment = balancer.parse_assignment(args.assignment)
+  if args.balancer in ("static", "dynamic") and assignment != "equal":
+    raise ValueError(f"--balancer {args.balancer} sizes the shares itself; drop --assignment "
+                     f"{args.assignment} (or use --balancer equal).")
   if assignment != "equal":
     hosts = int(os.environ.get("HETJAX_NUM_HOSTS", "1"))
     balancer.validate_shares(assignment, args.global_batch, hosts)
@@ -87,7 +92,8 @@ def train(args: argparse.Namespace) -> dict:
   task = hetjax_models.build(args.model, kind=source.info.kind, num_classes=source.info.num_classes,
                              vocab_size=source.info.vocab_size, **overrides)
   config = trainer.TrainConfig(global_batch=args.global_batch, microbatch=args.microbatch,
-                               seed=args.seed, assignment=args.assignment, reduction=args.reduction)
+                               seed=args.seed, assignment=args.assignment, reduction=args.reduction,
+                               balancer=args.balancer)
   identity = f"{args.model}|{args.optimizer}|{args.lr}|{args.model_width}"
   tr = trainer.Trainer(task, _optimizer(args.optimizer, args.lr), source, config, identity=identity)
   summary = tr.fit(args.steps, log_every=args.log_every)
@@ -100,7 +106,7 @@ def train(args: argparse.Namespace) -> dict:
   if topo.host_id == 0:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "summary.json"), "w") as f:
-      json.dump(summary, f, indent=1)
+      json.dump(summary, f, indent=1, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o))
     if args.save_params:
       import jax
       flat = {jax.tree_util.keystr(k): np.asarray(v)

@@ -77,6 +77,11 @@ class Meshes:
   def local_devices(self) -> int:
     return self.local.devices.size
 
+  def devices_per_host(self) -> tuple[int, ...]:
+    """How many devices each host brings (hosts may differ)."""
+    hosts = self.row_hosts()
+    return tuple(int(np.sum(hosts == h)) for h in range(self.num_hosts))
+
   def row_hosts(self) -> np.ndarray:
     """The host of each row of a world-sharded `[all devices, ...]` array."""
     return np.array([d.process_index for d in self.world.devices.flat])

@@ -39,6 +39,9 @@ class TrainConfig:
     seed: seeds the parameters and the data order.
     assignment: 'equal' or explicit per-host shares, e.g. (5, 23, 36).
     reduction: cross-host reduction backend, 'device' or 'host'.
+    balancer: None (follow `assignment`), 'equal', 'static' (profile a short
+      warm-up, then fix the split) or 'dynamic' (keep re-sizing shares from
+      the measured step times).
   """
 
   global_batch: int
@@ -46,6 +49,7 @@ class TrainConfig:
   seed: int = 0
   assignment: str | tuple[int, ...] = "equal"
   reduction: str = "device"
+  balancer: str | None = None
 
   def validate(self) -> None:
     if self.global_batch < 1:
@@ -116,8 +120,10 @@ class Trainer:
     self.task, self.optimizer, self.source, self.config = task, optimizer, source, config
     self.meshes = step_lib.Meshes.create()
     self.host_id, self.num_hosts = self.meshes.host_id, self.meshes.num_hosts
+    granularity = [config.microbatch * d for d in self.meshes.devices_per_host()]
     self.balancer = balancer or balancer_lib.make_balancer(
-        config.assignment, config.global_batch, self.num_hosts)
+        config.assignment, config.global_batch, self.num_hosts, mode=config.balancer,
+        granularity=granularity)
     self.sampler = data_lib.GlobalSampler(len(source), config.global_batch, config.seed)
     self._check_hosts_agree(identity)
     self.emulated = pace is not None or any(k in os.environ for k in ("HETJAX_SPEED", "HETJAX_SLOWDOWN"))
@@ -206,16 +212,20 @@ class Trainer:
     h = self.history
     steady = h.step_s[WARMUP_STEPS:] or h.step_s[1:] or h.step_s
     samples_per_sec = self.config.global_batch * len(steady) / sum(steady) if steady else 0.0
-    per_host = [{"batch": [s[i] for s in h.shares],
-                 "compute_s": [c[i] for c in h.compute_s],
-                 "wait_s": [w[i] for w in h.wait_s]} for i in range(self.num_hosts)]
+    per_host = []
+    for i in range(self.num_hosts):
+      compute, wait = [c[i] for c in h.compute_s], [w[i] for w in h.wait_s]
+      busy = sum(compute[WARMUP_STEPS:]) + sum(wait[WARMUP_STEPS:])
+      per_host.append({"batch": [s[i] for s in h.shares], "compute_s": compute, "wait_s": wait,
+                       "idle_fraction": sum(wait[WARMUP_STEPS:]) / busy if busy else 0.0})
     return {
         "steps": len(h.shares),
         "global_batch": self.config.global_batch,
         "hosts": self.num_hosts,
         "devices_per_host": self.meshes.local_devices,
         "reduction": self.config.reduction,
-        "balancer": self.balancer.name,
+        "balancer_mode": self.balancer.name,
+        "balancer_decisions": list(getattr(self.balancer, "decisions", [])),
         "samples_per_sec": samples_per_sec,
         "final_loss": h.loss[-1] if h.loss else None,
         "final_metrics": h.metrics[-1] if h.metrics else {},

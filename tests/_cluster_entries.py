@@ -90,3 +90,25 @@ def mismatched_config():
   except ValueError as e:
     return str(e)
   return None
+
+
+def dynamic_balancing(steps: int = 36):
+  """The dynamic balancer on a cluster where one host slows down mid-run."""
+  hetjax.initialize()
+  source = data.load("digits")
+  task = hetjax_models.build("mlp", kind="image", num_classes=10)
+  config = trainer.TrainConfig(global_batch=192, microbatch=8, balancer="dynamic")
+  tr = trainer.Trainer(task, optax.adam(1e-3), source, config)
+  summary = tr.fit(steps)
+  return {"shares": tr.history.shares, "params": tr.params(), "decisions": summary["balancer_decisions"],
+          "idle": [h["idle_fraction"] for h in summary["per_host"]]}
+
+
+def one_host_reference(global_batch: int, microbatch: int, steps: int):
+  hetjax.initialize()
+  source = data.load("digits")
+  task = hetjax_models.build("mlp", kind="image", num_classes=10)
+  tr = trainer.Trainer(task, optax.adam(1e-3), source,
+                       trainer.TrainConfig(global_batch=global_batch, microbatch=microbatch))
+  tr.fit(steps)
+  return tr.params()
