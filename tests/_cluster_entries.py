@@ -97,7 +97,7 @@ def dynamic_balancing(steps: int = 36):
   hetjax.initialize()
   source = data.load("digits")
   task = hetjax_models.build("mlp", kind="image", num_classes=10)
-  config = trainer.TrainConfig(global_batch=192, microbatch=8, balancer="dynamic")
+  config = trainer.TrainConfig(global_batch=256, microbatch=16, balancer="dynamic")
   tr = trainer.Trainer(task, optax.adam(1e-3), source, config)
   summary = tr.fit(steps)
   return {"shares": tr.history.shares, "params": tr.params(), "decisions": summary["balancer_decisions"],
