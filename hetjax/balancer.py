@@ -31,6 +31,14 @@ class Balancer(Protocol):
     """Feeds back every host's measured local compute seconds for `step`."""
     ...
 
+  def state_dict(self) -> dict[str, Any]:
+    """What a checkpoint must hold to continue with the same split (JSON-able)."""
+    ...
+
+  def load_state_dict(self, state: dict[str, Any]) -> None:
+    """Restores `state_dict()`; raises `ValueError` if it belongs to another job."""
+    ...
+
 
 def equal_split(global_batch: int, num_hosts: int) -> tuple[int, ...]:
   """The plain DDP split: `B // N` each, the remainder to the first hosts."""
@@ -78,6 +86,11 @@ class FixedBalancer:
   def observe(self, step: int, shares: Sequence[int], compute_s: Sequence[float]) -> None:
     del step, shares, compute_s  # A fixed split learns nothing.
 
+  def state_dict(self) -> dict[str, Any]:
+    return {"kind": self.name, "shares": list(self._shares)}
+
+  def load_state_dict(self, state: dict[str, Any]) -> None:
+    _check_state(state, kind=self.name, shares=list(self._shares))
 
 
 # ---------------------------------------------------------------------------
@@ -111,6 +124,15 @@ class CostParams:
     """Predicted local compute seconds of every host for `shares`."""
     x = padded(shares, self.granularity)
     return np.where(x > 0, self.fixed_s + self.per_sample_s * x, 0.0)
+
+
+def _check_state(state: dict[str, Any], **expected: Any) -> None:
+  """Refuses balancer state written for another mode, batch or host count."""
+  differ = {k: (state.get(k), v) for k, v in expected.items() if state.get(k) != v}
+  if differ:
+    what = "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in differ.items())
+    raise ValueError(f"the saved balancer state belongs to another configuration ({what}); "
+                     "start the balancer afresh instead of restoring it.")
 
 
 def _weighted_median(values: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -169,6 +191,17 @@ class CostModel:
     y = np.asarray(compute_s, dtype=np.float64)
     self._x = np.vstack([self._x, x[None]])[-self.window:]
     self._y = np.vstack([self._y, y[None]])[-self.window:]
+
+  def state_dict(self) -> dict[str, Any]:
+    """The observation window and the identified shapes, as plain lists."""
+    return {"x": self._x.tolist(), "y": self._y.tolist(),
+            "shape": [None if np.isnan(v) else float(v) for v in self._shape]}
+
+  def load_state_dict(self, state: dict[str, Any]) -> None:
+    x = np.asarray(state["x"], np.float64).reshape(-1, self.num_hosts)
+    y = np.asarray(state["y"], np.float64).reshape(-1, self.num_hosts)
+    self._x, self._y = x[-self.window:], y[-self.window:]
+    self._shape = np.array([np.nan if v is None else v for v in state["shape"]], np.float64)
 
   def fit(self) -> CostParams:
     """The current per-host parameters; needs at least one observation."""
@@ -329,7 +362,7 @@ class ProfilingBalancer:
                mode: str = "dynamic", *, warmup_steps: int = 7, skip_steps: int = 1,
                every: int = 5, threshold: float = 0.05, max_move: float = 0.1,
                caps: Sequence[int] | None = None, window: int = 32, half_life: float = 3.0,
-               prior_fixed_fraction: float = 0.1):
+               prior_fixed_fraction: float = 0.1, start_step: int = 0):
     if mode not in ("static", "dynamic"):
       raise ValueError(f"profiling mode must be 'static' or 'dynamic', got {mode!r}.")
     if global_batch < 1 or num_hosts < 1:
@@ -353,6 +386,8 @@ class ProfilingBalancer:
       raise ValueError(f"caps {list(map(int, self.caps))} must give one value per host and sum "
                        f"to at least the global batch {global_batch}.")
     self.warmup_steps, self.skip_steps, self.every = warmup_steps, skip_steps, every
+    # Warm-up counts from here: a job resumed on another set of hosts profiles anew.
+    self.start_step = int(start_step)
     self.threshold, self.max_move = threshold, max_move
     self.model = CostModel(num_hosts, granularity, window=window, half_life=half_life,
                            prior_fixed_fraction=prior_fixed_fraction)
@@ -372,7 +407,7 @@ class ProfilingBalancer:
 
   def _phase_start(self, phase: int) -> int:
     span = self.warmup_steps - self.skip_steps
-    return self.skip_steps + -(-phase * span // 3)
+    return self.start_step + self.skip_steps + -(-phase * span // 3)
 
   def _phase(self, step: int) -> int:
     return min(2, max(0, (step - self.skip_steps) * 3 // (self.warmup_steps - self.skip_steps)))
@@ -383,8 +418,8 @@ class ProfilingBalancer:
     self._unmeasured.append(len(self.decisions) - 1)
 
   def shares(self, step: int) -> tuple[int, ...]:
-    if step < self.warmup_steps:
-      return self._plan[self._phase(step)]
+    if step - self.start_step < self.warmup_steps:
+      return self._plan[self._phase(max(step - self.start_step, 0))]
     return self._current
 
   def predict(self, shares: Sequence[int]) -> np.ndarray:
@@ -402,15 +437,33 @@ class ProfilingBalancer:
       if step >= d["step"] and shares == d["shares"]:
         d["measured_s"] = float(times.max())
         self._unmeasured.remove(i)
-    if step >= self.skip_steps:
+    rel = step - self.start_step
+    if rel >= self.skip_steps:
       self.model.observe(shares, times)
-    if step < self.warmup_steps - 1 or self.model.num_observations == 0:
+    if rel < self.warmup_steps - 1 or self.model.num_observations == 0:
       return
-    since = step - (self.warmup_steps - 1)
+    since = rel - (self.warmup_steps - 1)
     if since == 0:
       self._first_solve(step)
     elif self.mode == "dynamic" and since % self.every == 0:
       self._resolve(step)
+
+  def state_dict(self) -> dict[str, Any]:
+    """Split, cost-model window and decision log: enough to continue identically."""
+    return {"kind": self.mode, "global_batch": self.global_batch, "num_hosts": self.num_hosts,
+            "granularity": self.granularity.tolist(), "start_step": self.start_step,
+            "current": list(self._current), "model": self.model.state_dict(),
+            "decisions": [dict(d, shares=list(d["shares"])) for d in self.decisions],
+            "unmeasured": list(self._unmeasured)}
+
+  def load_state_dict(self, state: dict[str, Any]) -> None:
+    _check_state(state, kind=self.mode, global_batch=self.global_batch,
+                 num_hosts=self.num_hosts, granularity=self.granularity.tolist())
+    self.start_step = int(state["start_step"])
+    self._current = tuple(int(v) for v in state["current"])
+    self.model.load_state_dict(state["model"])
+    self.decisions = [dict(d, shares=tuple(d["shares"])) for d in state["decisions"]]
+    self._unmeasured = [int(i) for i in state["unmeasured"]]
 
   def _first_solve(self, step: int) -> None:
     params = self.model.fit()

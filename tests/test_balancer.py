@@ -1,6 +1,7 @@
 """Property tests of the cost model, the solver and the profiling balancer (pure numpy)."""
 
 import itertools
+import json
 import subprocess
 import sys
 
@@ -190,3 +191,40 @@ def test_make_balancer_stays_compatible_and_builds_profiling_modes():
 def test_importing_balancer_and_sim_does_not_load_jax():
   code = "import hetjax.balancer, hetjax.sim, sys; assert 'jax' not in sys.modules, 'jax loaded'"
   subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_restored_state_continues_with_the_same_decisions():
+  cluster, original = _cluster(), _dynamic()
+  for s in range(30):
+    cluster.run(original, s)
+  saved = json.loads(json.dumps(original.state_dict()))  # As a checkpoint stores it.
+  restored = _dynamic()
+  restored.load_state_dict(saved)
+  twin = Cluster(cluster.params.fixed_s, cluster.params.per_sample_s, [4] * 4, seed=3)
+  cluster.rng = np.random.default_rng(3)
+  cluster.factor[2] = twin.factor[2] = 4.0  # A host slows down after the restart.
+  for s in range(30, 80):
+    assert cluster.run(original, s) == twin.run(restored, s)
+  assert original.decisions == restored.decisions
+
+
+def test_state_from_another_job_is_refused():
+  cluster, bal = _cluster(), _dynamic()
+  for s in range(10):
+    cluster.run(bal, s)
+  with pytest.raises(ValueError, match="num_hosts: saved 4, now 3"):
+    balancer.ProfilingBalancer(512, 3, [4] * 3, "dynamic").load_state_dict(bal.state_dict())
+  with pytest.raises(ValueError, match="kind: saved 'dynamic', now 'static'"):
+    balancer.ProfilingBalancer(512, 4, [4] * 4, "static").load_state_dict(bal.state_dict())
+  fixed = balancer.make_balancer("5,23,36", 64, 3)
+  with pytest.raises(ValueError, match="shares"):
+    balancer.make_balancer("equal", 64, 3).load_state_dict(fixed.state_dict())
+
+
+def test_start_step_moves_the_warm_up_to_a_resumed_job():
+  cluster, bal = _cluster(), _dynamic(start_step=100)
+  seen = [cluster.run(bal, s) for s in range(100, 140)]
+  assert seen[0] == balancer.equal_split(512, 4)
+  assert len(set(seen[:bal.warmup_steps])) == 3  # Equal split, then the two probes.
+  assert seen[-1][0] > seen[-1][3]
+  assert bal.decisions[0]["step"] == 101
