@@ -35,6 +35,12 @@ ENV_HOST_ID = "HETJAX_HOST_ID"
 ENV_INIT_TIMEOUT = "HETJAX_INIT_TIMEOUT"
 ENV_CPU_DEVICES = "HETJAX_CPU_DEVICES"
 
+# A host that exits with this code was preempted and saved what it needs to
+# resume: "restart me", not "I failed" (EX_TEMPFAIL from sysexits.h, which
+# schedulers and shells already read as "try again later"). The trainer exits
+# with it; the launchers restart on it or pass it on to an outer scheduler.
+PREEMPTED_EXIT = 75
+
 # A JAX host with the distributed runtime up treats SIGTERM as a preemption
 # notice and keeps running, so the grace is the time a trainer that watches
 # for preemption gets to react; after it, SIGKILL.
