@@ -42,6 +42,15 @@ def _parser() -> argparse.ArgumentParser:
   t.add_argument("--init-timeout", type=float, default=None,
                  help="seconds to reach the coordinator (default HETJAX_INIT_TIMEOUT or 120)")
   t.add_argument("--model-width", type=int, default=None, help="override the model's width")
+  c = t.add_argument_group("checkpoints (orbax; the folder must be shared by all hosts)")
+  c.add_argument("--ckpt-dir", default=None,
+                 help="save checkpoints here and resume from the newest one found there")
+  c.add_argument("--ckpt-every", type=int, default=100, help="steps between checkpoints")
+  c.add_argument("--ckpt-keep", type=int, default=3, help="how many checkpoints to keep")
+  c.add_argument("--no-resume", dest="resume", action="store_false",
+                 help="start afresh even if --ckpt-dir holds a checkpoint")
+  c.add_argument("--sync-save", dest="async_save", action="store_false",
+                 help="block training while a checkpoint is written (default: background)")
   return p
 
 
@@ -61,7 +70,10 @@ def _check_args(args: argparse.Namespace) -> None:
   if args.microbatch < 1:
     raise ValueError(f"--microbatch must be >= 1, got {args.microbatch}.")
   if args.steps < 1:
-    raise ValueError(f"--steps must be >= 1, got {args.steps}.")
+    raise ValueError(f"--steps must be >= 1 (the total, a resumed run does what is left), "
+                     f"got {args.steps}.")
+  if args.ckpt_dir is not None:
+    _checkpoint_config(args).validate()
   if not args.lr > 0:
     raise ValueError(f"--lr must be > 0, got {args.lr}.")
   assignment = balancer.parse_assignment(args.assignment)
@@ -71,6 +83,12 @@ def _check_args(args: argparse.Namespace) -> None:
   if assignment != "equal":
     hosts = int(os.environ.get("HETJAX_NUM_HOSTS", "1"))
     balancer.validate_shares(assignment, args.global_batch, hosts)
+
+
+def _checkpoint_config(args: argparse.Namespace):
+  from hetjax import checkpoint
+  return checkpoint.CheckpointConfig(args.ckpt_dir, every=args.ckpt_every, keep=args.ckpt_keep,
+                                     resume=args.resume, async_save=args.async_save)
 
 
 def _optimizer(name: str, lr: float):
@@ -95,8 +113,10 @@ def train(args: argparse.Namespace) -> dict:
                                seed=args.seed, assignment=args.assignment, reduction=args.reduction,
                                balancer=args.balancer)
   identity = f"{args.model}|{args.optimizer}|{args.lr}|{args.model_width}"
-  tr = trainer.Trainer(task, _optimizer(args.optimizer, args.lr), source, config, identity=identity)
-  summary = tr.fit(args.steps, log_every=args.log_every)
+  ckpt = None if args.ckpt_dir is None else _checkpoint_config(args)
+  tr = trainer.Trainer(task, _optimizer(args.optimizer, args.lr), source, config,
+                       identity=identity, checkpoint=ckpt)
+  summary = tr.fit(until=args.steps, log_every=args.log_every)
   summary.update(model=args.model, dataset=args.dataset, optimizer=args.optimizer, lr=args.lr,
                  seed=args.seed, command=shlex.join(sys.argv))
   if source.info.kind == "image":
@@ -120,6 +140,8 @@ def _print_summary(summary: dict) -> None:
           "params_digest")
   print("summary: " + json.dumps({k: summary[k] for k in keys if k in summary}))
   for i, host in enumerate(summary["per_host"]):
+    if not host["compute_s"] or not host["wait_s"]:
+      continue  # A resumed run that had nothing left to do.
     c, w = host["compute_s"][2:] or host["compute_s"], host["wait_s"][2:] or host["wait_s"]
     print(f"  host {i}: share {host['batch'][-1]:4d}  compute {sum(c) / len(c) * 1e3:7.1f} ms  "
           f"wait {sum(w) / len(w) * 1e3:7.1f} ms" + ("  (emulated speeds)" if summary["emulated_speeds"] else ""))
@@ -135,6 +157,7 @@ def _exit_now(code: int) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
   args = _parser().parse_args(argv)
   multi_host = int(os.environ.get("HETJAX_NUM_HOSTS", "1")) > 1
+  from hetjax import procs
   try:
     summary = train(args)
   except (ValueError, ConnectionError) as e:
@@ -142,7 +165,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if multi_host:
       _exit_now(2)
     return 2
-  except BaseException:
+  except BaseException as e:
+    if type(e).__name__ == "Preempted":  # Not imported up front: the trainer pulls in JAX.
+      print(f"hetjax {args.command}: {e}", file=sys.stderr)
+      _exit_now(procs.PREEMPTED_EXIT)
     if not multi_host:
       raise
     traceback.print_exc()

@@ -8,11 +8,14 @@ cross-host reduction, which also carries every host's timings -> balancer.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import os
+import signal
+import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +23,9 @@ import numpy as np
 import optax
 
 from hetjax import balancer as balancer_lib
+from hetjax import checkpoint as ckpt_lib
 from hetjax import data as data_lib
+from hetjax import procs
 from hetjax import runtime
 from hetjax import step as step_lib
 from hetjax.task import Task
@@ -72,6 +77,22 @@ class History:
   metrics: list[dict[str, float]] = dataclasses.field(default_factory=list)
 
 
+class Preempted(RuntimeError):
+  """Every host saved a checkpoint at the same step boundary and must now exit.
+
+  The command line exits with `exit_code` (`hetjax.procs.PREEMPTED_EXIT`),
+  which the launchers read as "restart me": the restarted job resumes from
+  the checkpoint.
+  """
+
+  exit_code = procs.PREEMPTED_EXIT
+
+  def __init__(self, step: int, directory: str):
+    super().__init__(f"preempted: checkpoint of step {step} saved in {directory}; exiting "
+                     f"with code {self.exit_code} so the job is restarted and resumes there.")
+    self.step = step
+
+
 def params_digest(params: PyTree) -> str:
   """sha256 over the float32 bytes of the parameter leaves, in tree order."""
   h = hashlib.sha256()
@@ -99,7 +120,8 @@ class Trainer:
   def __init__(self, task: Task, optimizer: optax.GradientTransformation,
                source: data_lib.ArraySource, config: TrainConfig, *,
                balancer: balancer_lib.Balancer | None = None,
-               pace: Callable[[float, int], float] | None = None, identity: str = ""):
+               pace: Callable[[float, int], float] | None = None, identity: str = "",
+               checkpoint: ckpt_lib.CheckpointConfig | None = None):
     """Validates everything, agrees with the other hosts, then initialises.
 
     Args:
@@ -111,21 +133,25 @@ class Trainer:
       pace: `pace(compute_s, step) -> seconds to report`, called with each
         step's real local compute seconds; only for emulation (default: from
         HETJAX_SPEED / HETJAX_SLOWDOWN, set by the launcher).
-      identity: extra text the hosts must agree on (e.g. the command line).
+      identity: extra text the hosts must agree on (e.g. the command line);
+        a checkpoint written under another identity is refused.
+      checkpoint: where and how often to save; with `resume`, the trainer
+        continues from the newest complete checkpoint there, also when it was
+        written by another number of hosts.
     """
     if int(os.environ.get(runtime.ENV_NUM_HOSTS, "1")) > 1 and not runtime.is_initialized():
       raise RuntimeError(f"{runtime.ENV_NUM_HOSTS} asks for several hosts but the cluster is not joined: "
                          "call hetjax.initialize() before building a Trainer.")
     config.validate()
+    if checkpoint is not None:
+      checkpoint.validate()  # An unwritable folder fails before anything compiles.
     self.task, self.optimizer, self.source, self.config = task, optimizer, source, config
     self.meshes = step_lib.Meshes.create()
     self.host_id, self.num_hosts = self.meshes.host_id, self.meshes.num_hosts
-    granularity = [config.microbatch * d for d in self.meshes.devices_per_host()]
-    self.balancer = balancer or balancer_lib.make_balancer(
-        config.assignment, config.global_batch, self.num_hosts, mode=config.balancer,
-        granularity=granularity)
+    self._custom_balancer = balancer is not None
+    self.balancer = balancer or self._default_balancer(start_step=0)
     self.sampler = data_lib.GlobalSampler(len(source), config.global_batch, config.seed)
-    self._check_hosts_agree(identity)
+    self._check_hosts_agree(f"{identity}|{checkpoint!r}")
     self.emulated = pace is not None or any(k in os.environ for k in ("HETJAX_SPEED", "HETJAX_SLOWDOWN"))
     if pace is None and self.emulated:
       from hetjax import emulate  # Emulation stays off the real path.
@@ -140,6 +166,64 @@ class Trainer:
     self._last_wait = 0.0
     self._start_step = 0
     self._base_key = jax.random.key(config.seed)
+    self._stop_requested = False  # Set by SIGTERM; travels to every host in the reduction.
+    self._stop_agreed = False
+    self.resumed_from: int | None = None
+    self.job = ckpt_lib.describe_job(self.state, {
+        "global_batch": config.global_batch, "seed": config.seed,
+        "dataset": repr(source.info), "num_records": len(source), "identity": identity})
+    self.checkpointer = None
+    if checkpoint is not None:
+      self.checkpointer = ckpt_lib.Checkpointer(checkpoint, self._all_hosts_agree)
+      if checkpoint.resume:
+        self._resume()
+
+  def _default_balancer(self, start_step: int) -> balancer_lib.Balancer:
+    config = self.config
+    options = {}
+    if config.balancer in ("static", "dynamic"):
+      options["start_step"] = start_step
+    return balancer_lib.make_balancer(
+        config.assignment, config.global_batch, self.num_hosts, mode=config.balancer,
+        granularity=[config.microbatch * d for d in self.meshes.devices_per_host()], **options)
+
+  def _all_hosts_agree(self, flag: bool) -> bool:
+    flags = step_lib.gather_host_values(np.array([float(flag)]), self.meshes)
+    return bool(np.all(flags > 0))
+
+  def _layout(self) -> dict[str, Any]:
+    return {"hosts": self.num_hosts, "devices_per_host": list(self.meshes.devices_per_host()),
+            "microbatch": self.config.microbatch}
+
+  def _checkpoint_meta(self) -> dict[str, Any]:
+    meta = {"job": self.job, "layout": self._layout(),
+            "data": {"step": self.step, "seed": self.config.seed, "num_records": len(self.source),
+                     "global_batch": self.config.global_batch}}
+    if hasattr(self.balancer, "state_dict"):
+      meta["balancer"] = self.balancer.state_dict()
+    return meta
+
+  def _resume(self) -> None:
+    """Continues from the newest complete checkpoint, if the folder has one."""
+    restored = self.checkpointer.restore_latest(self.state, self.job)
+    if restored is None:
+      return
+    self.state, meta = restored
+    step = int(meta["step"])
+    self._start_step = self.resumed_from = step
+    try:
+      if meta["layout"] != self._layout() or "balancer" not in meta:
+        raise ValueError("another host layout")
+      self.balancer.load_state_dict(meta["balancer"])
+    except (ValueError, AttributeError):
+      # Another layout or policy: the old timings say nothing about these
+      # hosts, so a profiling balancer warms up afresh from this step.
+      if not self._custom_balancer:
+        self.balancer = self._default_balancer(start_step=step)
+    if self.host_id == 0:
+      print(f"hetjax: resumed from {self.checkpointer.directory}/{step} (written by "
+            f"{meta['layout']['hosts']} host(s) x {meta['layout']['devices_per_host']} device(s))",
+            flush=True)
 
   def _check_hosts_agree(self, identity: str) -> None:
     mine = f"{self.config!r}|{self.source.info!r}|{len(self.source)}|{identity}"
@@ -170,7 +254,9 @@ class Trainer:
     if self.pace is not None:
       compute = self.pace(compute, step)
     t1 = time.perf_counter()
-    self.state, stats, rows = self.reduction(self.state, sums, np.array([compute, self._last_wait]))
+    host_values = np.array([compute, self._last_wait, float(self._stop_requested)])
+    self.state, stats, rows = self.reduction(self.state, sums, host_values)
+    self._stop_agreed = bool(rows[:, 2].max() > 0)
     t2 = time.perf_counter()
     self._last_wait = t2 - t1
     if stats["count"] <= 0:
@@ -188,17 +274,68 @@ class Trainer:
     self.balancer.observe(step, shares, rows[:, 0].tolist())
     return metrics
 
-  def fit(self, steps: int, *, log_every: int = 0,
-          log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Runs `steps` steps and returns the run's summary (same on every host)."""
-    if steps < 0:
+  def fit(self, steps: int | None = None, *, until: int | None = None, log_every: int = 0,
+          log: Callable[[str], None] = print,
+          on_step: Callable[["Trainer", dict[str, float]], None] | None = None) -> dict[str, Any]:
+    """Runs `steps` more steps, or until step `until`; returns the summary (same on every host).
+
+    With a checkpoint folder it saves every `every` steps and at the end, and
+    a SIGTERM to any host (a preemption notice) makes every host save at the
+    next step boundary and raise `Preempted`.
+
+    Args:
+      steps: how many steps to run from here.
+      until: the step to stop at (a resumed job runs only what is left).
+      log_every: host 0 logs every this many steps (0: never).
+      log: where log lines go.
+      on_step: called after every step with the trainer and the step's metrics.
+    """
+    if (steps is None) == (until is None):
+      raise ValueError("give fit() exactly one of steps (how many more) or until (the last step).")
+    if steps is not None and steps < 0:
       raise ValueError(f"steps must be >= 0, got {steps}.")
-    for i in range(steps):
-      metrics = self.train_step()
-      if log_every and (i + 1) % log_every == 0 and self.host_id == 0:
-        shown = " ".join(f"{k}={v:.4f}" for k, v in metrics.items())
-        log(f"step {self.step:5d} {shown} shares={','.join(map(str, self.history.shares[-1]))}")
+    target = self.step + steps if until is None else until
+    with self._sigterm_requests_stop():
+      while self.step < target:
+        metrics = self.train_step()
+        if on_step is not None:
+          on_step(self, metrics)
+        if log_every and self.step % log_every == 0 and self.host_id == 0:
+          shown = " ".join(f"{k}={v:.4f}" for k, v in metrics.items())
+          log(f"step {self.step:5d} {shown} shares={','.join(map(str, self.history.shares[-1]))}")
+        if self._stop_agreed:
+          self.save_checkpoint(wait=True)
+          raise Preempted(self.step, self.checkpointer.directory)
+        if self.checkpointer is not None and self.step % self.checkpointer.config.every == 0:
+          self.save_checkpoint()
+    if self.checkpointer is not None:
+      self.save_checkpoint(wait=True)
     return self.summary()
+
+  def save_checkpoint(self, wait: bool = False) -> None:
+    """Saves the state after `self.step` steps (every host must call it)."""
+    if self.checkpointer is None:
+      raise ValueError("this trainer has no checkpoint folder; pass checkpoint=CheckpointConfig(...).")
+    self.checkpointer.save(self.step, self.state, self._checkpoint_meta())
+    if wait:
+      self.checkpointer.wait()
+
+  @contextlib.contextmanager
+  def _sigterm_requests_stop(self) -> Iterator[None]:
+    """While training with checkpoints, SIGTERM asks every host to save and stop."""
+    if self.checkpointer is None or threading.current_thread() is not threading.main_thread():
+      yield
+      return
+
+    def request_stop(signum, frame):
+      del signum, frame
+      self._stop_requested = True
+
+    previous = signal.signal(signal.SIGTERM, request_stop)
+    try:
+      yield
+    finally:
+      signal.signal(signal.SIGTERM, previous)
 
   def _final_waits(self) -> None:
     """The last step's waits travel in one extra small collective."""
@@ -220,6 +357,8 @@ class Trainer:
                        "idle_fraction": sum(wait[WARMUP_STEPS:]) / busy if busy else 0.0})
     return {
         "steps": len(h.shares),
+        "last_step": self.step,
+        "resumed_from": self.resumed_from,
         "global_batch": self.config.global_batch,
         "hosts": self.num_hosts,
         "devices_per_host": self.meshes.local_devices,

@@ -1,0 +1,215 @@
+"""Checkpoints of the whole train state with orbax (DESIGN.md invariant 5).
+
+A checkpoint is one orbax step folder with two items:
+- `state`: the `TrainState` (step, parameters, optimizer state, model state)
+  as global replicated arrays, which orbax saves once for the whole job and
+  can restore onto another mesh (another number of hosts or devices);
+- `meta`: JSON with what the arrays do not say: the job description (to
+  refuse a checkpoint of another model or optimizer), the data cursor, the
+  balancer state and the host layout that wrote it.
+
+The RNG needs no entry of its own: every step's key is the seed's key folded
+with the step (and micro-batch), so (seed, step) is the whole RNG state.
+
+Every host calls every method here in the same order with the same
+arguments (orbax's multi-host contract); which checkpoint to load is agreed
+through a collective, so no host loads one the others skip.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import tempfile
+from typing import Any, Callable
+
+import jax
+import orbax.checkpoint as ocp
+
+PyTree = Any
+FORMAT = 1
+_COMMIT_MARKER = "commit_success.txt"  # Written by orbax when a step folder is complete.
+log = logging.getLogger("hetjax.checkpoint")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  """Where and how often to checkpoint.
+
+  Attributes:
+    directory: the checkpoint folder (shared by all hosts).
+    every: save every this many steps (and always at the end of `fit`).
+    keep: keep the newest this many checkpoints.
+    resume: continue from the newest complete checkpoint in `directory`.
+    async_save: write in the background while training goes on.
+  """
+
+  directory: str
+  every: int = 100
+  keep: int = 3
+  resume: bool = True
+  async_save: bool = True
+
+  def validate(self) -> None:
+    if self.every < 1:
+      raise ValueError(f"checkpoint interval (--ckpt-every) must be >= 1 step, got {self.every}.")
+    if self.keep < 1:
+      raise ValueError(f"checkpoints to keep (--ckpt-keep) must be >= 1, got {self.keep}.")
+    check_writable(self.directory)
+
+
+def check_writable(directory: str) -> None:
+  """Fails now, not after hours of training, if `directory` cannot take checkpoints."""
+  path = os.path.abspath(directory)
+  try:
+    os.makedirs(path, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path, prefix=".hetjax-write-probe-"):
+      pass
+  except OSError as e:
+    raise ValueError(f"checkpoint folder {path} is not writable ({e.strerror or e}); choose "
+                     "another --ckpt-dir or fix its permissions.") from None
+
+
+def describe_job(state: Any, job: dict[str, Any]) -> dict[str, Any]:
+  """What a checkpoint must match to be continued: shapes, optimizer, settings."""
+  def shapes(tree: PyTree) -> dict[str, str]:
+    return {jax.tree_util.keystr(path): f"{tuple(x.shape)} {x.dtype}"
+            for path, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+  return {"params": shapes(state.params), "model_state": shapes(state.model_state),
+          "optimizer": str(jax.tree.structure(state.opt_state)), **job}
+
+
+def job_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+  """Human lines naming what differs between two `describe_job` results."""
+  out = []
+  for key in sorted(set(saved) | set(current)):
+    a, b = saved.get(key), current.get(key)
+    if a == b:
+      continue
+    if isinstance(a, dict) and isinstance(b, dict):
+      names = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+      shown = ", ".join(f"{n}: saved {a.get(n, 'absent')}, now {b.get(n, 'absent')}"
+                        for n in names[:3])
+      more = f" (and {len(names) - 3} more)" if len(names) > 3 else ""
+      out.append(f"{key} differ ({len(names)} entries): {shown}{more}")
+    elif key == "optimizer":
+      out.append("optimizer state has another structure (another optimizer or schedule)")
+    else:
+      out.append(f"{key}: saved {a!r}, now {b!r}")
+  return out
+
+
+class Checkpointer:
+  """An orbax `CheckpointManager` for hetjax train states.
+
+  Args:
+    config: folder, interval, how many to keep.
+    agree: `agree(flag) -> bool`, True when every host's flag is True (a
+      collective); decides together whether a checkpoint loaded everywhere.
+  """
+
+  def __init__(self, config: CheckpointConfig, agree: Callable[[bool], bool]):
+    config.validate()
+    self.config = config
+    self.directory = os.path.abspath(config.directory)
+    self._agree = agree
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=config.keep, create=True, enable_async_checkpointing=config.async_save)
+    self._manager = ocp.CheckpointManager(self.directory, options=options)
+    self.last_saved: int | None = None
+
+  def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
+    """Starts saving the state after `step` steps (in the background if async)."""
+    if step == self.last_saved:
+      return
+    meta = {"format": FORMAT, "step": step, **meta}
+    self._manager.save(step, force=True, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state._asdict()), meta=ocp.args.JsonSave(meta)))
+    self.last_saved = step
+
+  def wait(self) -> None:
+    """Blocks until every started save is complete on disk."""
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    self._manager.close()
+
+  def complete_steps(self) -> list[int]:
+    """Steps whose folders orbax committed, newest first."""
+    self._manager.reload()
+    steps = sorted(self._manager.all_steps(), reverse=True)
+    return [s for s in steps if os.path.exists(os.path.join(self.directory, str(s), _COMMIT_MARKER))]
+
+  def restore_latest(self, like: Any, job: dict[str, Any]) -> tuple[Any, dict[str, Any]] | None:
+    """The newest checkpoint that loads on every host, restored onto `like`'s shardings.
+
+    Args:
+      like: a freshly initialised `TrainState` on this job's mesh (its
+        shardings decide where the restored arrays go: another host count is
+        fine).
+      job: `describe_job(...)` of this run; a checkpoint of another job is
+        refused with a `ValueError` saying what differs.
+
+    Returns:
+      `(state, meta)`, or None when the folder holds no usable checkpoint.
+    """
+    all_steps = sorted(self._manager.all_steps(), reverse=True)
+    complete = self.complete_steps()
+    for step in all_steps:
+      if step not in complete:
+        _warn(f"skipping checkpoint {self.directory}/{step}: it was never completed "
+              "(no commit marker); a save was interrupted.")
+    for step in complete:
+      meta = self._read_meta(step)
+      ok = self._agree(meta is not None)
+      if not ok:
+        _warn(f"skipping checkpoint {self.directory}/{step}: its metadata is missing or damaged "
+              "on at least one host; trying the previous one.")
+        continue
+      differences = job_differences(meta["job"], job)
+      if differences:
+        raise ValueError(f"checkpoint {self.directory}/{step} belongs to another job: "
+                         + "; ".join(differences) + ". Use another --ckpt-dir, or "
+                         "--no-resume to start afresh (its checkpoints are then replaced).")
+      state = self._read_state(step, like)
+      if not self._agree(state is not None):
+        _warn(f"skipping checkpoint {self.directory}/{step}: its arrays are damaged or "
+              "incomplete on at least one host; trying the previous one.")
+        continue
+      return type(like)(**state), meta
+    return None
+
+  def _read_meta(self, step: int) -> dict[str, Any] | None:
+    try:
+      meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+    except Exception as e:  # pylint: disable=broad-except
+      log.debug("metadata of step %d unreadable: %s", step, e)
+      return None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or "job" not in meta:
+      return None
+    return meta
+
+  def _read_state(self, step: int, like: Any) -> dict[str, Any] | None:
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like._asdict())
+    try:
+      restored = self._manager.restore(
+          step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))).state
+    except Exception as e:  # pylint: disable=broad-except
+      log.debug("arrays of step %d unreadable: %s", step, e)
+      return None
+    # Restored containers may be plain tuples; the arrays go back into our structure.
+    leaves = jax.tree.leaves(restored)
+    treedef = jax.tree.structure(like._asdict())
+    if len(leaves) != treedef.num_leaves:
+      return None
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def _warn(message: str) -> None:
+  if jax.process_index() == 0:
+    print(f"hetjax: warning: {message}", flush=True)
+  log.warning(message)
+

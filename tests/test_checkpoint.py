@@ -1,0 +1,140 @@
+"""Checkpoints on one host: exact resume, damaged folders, another job, bad folders, SIGTERM."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import optax
+import pytest
+
+import hetjax
+import hetjax_models
+from hetjax import checkpoint, data, procs, trainer
+
+DIGITS = data.load("digits")
+
+
+def _trainer(directory, *, resume=True, every=3, width=None, optimizer=None, keep=3):
+  hetjax.initialize()
+  overrides = {} if width is None else {"hidden": (width, width)}
+  task = hetjax_models.build("mlp", kind="image", num_classes=10, **overrides)
+  return trainer.Trainer(
+      task, optimizer or optax.adam(1e-3), DIGITS,
+      trainer.TrainConfig(global_batch=64, microbatch=4),
+      checkpoint=checkpoint.CheckpointConfig(str(directory), every=every, keep=keep, resume=resume))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+  """The digest of a 10-step run that was never stopped."""
+  return _trainer(tmp_path_factory.mktemp("ref"), resume=False).fit(until=10)["params_digest"]
+
+
+@pytest.mark.parametrize("stop_at", [4, 7])
+def test_stopping_and_resuming_gives_the_uninterrupted_parameters_bit_for_bit(
+    tmp_path, uninterrupted, stop_at):
+  _trainer(tmp_path).fit(until=stop_at)
+  resumed = _trainer(tmp_path)
+  assert resumed.resumed_from == stop_at and resumed.step == stop_at
+  assert resumed.fit(until=10)["params_digest"] == uninterrupted
+
+
+def test_a_background_save_is_not_disturbed_by_the_steps_that_follow(tmp_path, uninterrupted):
+  # Saved asynchronously at step 6 while steps 7 and 8 ran (and donated their
+  # input buffers); resuming from 6 must still continue exactly.
+  _trainer(tmp_path).fit(until=8)
+  shutil.rmtree(tmp_path / "8")
+  assert _trainer(tmp_path).fit(until=10)["params_digest"] == uninterrupted
+
+
+def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(tmp_path, uninterrupted, capsys):
+  _trainer(tmp_path).fit(until=7)  # Checkpoints 3, 6 and 7.
+  for root, _, files in os.walk(tmp_path / "7" / "state"):
+    for name in files:
+      if name not in ("commit_success.txt",):
+        with open(os.path.join(root, name), "r+b") as f:
+          f.truncate(max(0, os.path.getsize(f.name) // 2))
+  resumed = _trainer(tmp_path)
+  assert f"skipping checkpoint {tmp_path}/7" in capsys.readouterr().out
+  assert resumed.resumed_from == 6
+  assert resumed.fit(until=10)["params_digest"] == uninterrupted
+
+
+def test_a_checkpoint_without_its_commit_marker_is_never_loaded(tmp_path, capsys):
+  _trainer(tmp_path).fit(until=7)
+  os.remove(tmp_path / "7" / "commit_success.txt")
+  resumed = _trainer(tmp_path)
+  assert "never completed" in capsys.readouterr().out
+  assert resumed.resumed_from == 6
+
+
+def test_a_checkpoint_of_another_model_or_optimizer_is_refused_saying_what_differs(tmp_path):
+  _trainer(tmp_path).fit(until=3)
+  with pytest.raises(ValueError, match=r"another job: params differ .*saved \(64, 128\) float32, now \(64, 32\)"):
+    _trainer(tmp_path, width=32)
+  with pytest.raises(ValueError, match="optimizer state has another structure"):
+    _trainer(tmp_path, optimizer=optax.sgd(0.1))
+  assert _trainer(tmp_path, resume=False).resumed_from is None  # --no-resume starts afresh.
+
+
+@pytest.mark.parametrize("bad", ["file", "under-file"])
+def test_an_unwritable_checkpoint_folder_fails_before_anything_compiles(tmp_path, bad):
+  blocker = tmp_path / "not-a-folder"
+  blocker.write_text("x")
+  target = blocker if bad == "file" else blocker / "ckpt"
+  with pytest.raises(ValueError, match="is not writable"):
+    checkpoint.CheckpointConfig(str(target)).validate()
+  result = subprocess.run(
+      [sys.executable, "-m", "hetjax.cli", "train", "--model", "mlp", "--ckpt-dir", str(target)],
+      capture_output=True, text=True, timeout=120)
+  assert result.returncode == 2 and "is not writable" in result.stderr
+  assert "Compiling" not in result.stderr
+
+
+def test_bad_checkpoint_settings_are_refused(tmp_path):
+  with pytest.raises(ValueError, match="--ckpt-every"):
+    checkpoint.CheckpointConfig(str(tmp_path), every=0).validate()
+  with pytest.raises(ValueError, match="--ckpt-keep"):
+    checkpoint.CheckpointConfig(str(tmp_path), keep=0).validate()
+
+
+def test_only_the_newest_k_checkpoints_are_kept(tmp_path):
+  _trainer(tmp_path, every=2, keep=2).fit(until=9)
+  assert sorted(int(p) for p in os.listdir(tmp_path) if p.isdigit()) == [8, 9]
+
+
+def _cli(out, ckpt, steps):
+  return [sys.executable, "-m", "hetjax.cli", "train", "--model", "mlp", "--global-batch", "32",
+          "--microbatch", "4", "--steps", str(steps), "--ckpt-dir", str(ckpt), "--ckpt-every", "25",
+          "--out", str(out), "--log-every", "0"]
+
+
+def test_sigterm_saves_at_the_next_step_boundary_exits_75_and_the_rerun_resumes(tmp_path):
+  steps = 1000
+  ref = subprocess.run(_cli(tmp_path / "ref", tmp_path / "ref-ckpt", steps), capture_output=True,
+                       text=True, timeout=600)
+  assert ref.returncode == 0, ref.stderr[-2000:]
+  ckpt = tmp_path / "ckpt"
+  proc = subprocess.Popen(_cli(tmp_path / "run", ckpt, steps), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  deadline = time.monotonic() + 300
+  while not any(p.isdigit() for p in (os.listdir(ckpt) if ckpt.exists() else [])):
+    assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-2000:]
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGTERM)
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == procs.PREEMPTED_EXIT, err[-2000:]
+  preempted_at = int(err.split("checkpoint of step ")[1].split()[0])
+  assert 0 < preempted_at < steps and str(preempted_at) in os.listdir(ckpt)
+  again = subprocess.run(_cli(tmp_path / "run", ckpt, steps), capture_output=True, text=True,
+                         timeout=600)
+  assert again.returncode == 0, again.stderr[-2000:]
+  assert f"resumed from {ckpt}/{preempted_at}" in again.stdout
+  summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+  reference = json.loads((tmp_path / "ref" / "summary.json").read_text())
+  assert summary["resumed_from"] == preempted_at
+  assert summary["params_digest"] == reference["params_digest"]
