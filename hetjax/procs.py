@@ -1,7 +1,9 @@
-"""Running N host processes on one machine: spawn, prefix output, stop trees.
+"""Running N host processes: spawn, prefix output, stop trees, restart.
 
-Shared by `launch/local.py` and `hetjax.testing`, so the launcher that people
-use and the harness that tests use stop processes in exactly the same way.
+Shared by `launch/local.py`, `launch/hosts.py` (whose processes are the ssh
+clients) and `hetjax.testing`, so the launchers that people use and the
+harness that tests use stop processes in exactly the same way. `supervise`
+restarts a whole group after a failure or a preemption (PREEMPTED_EXIT).
 
 Every host runs in its own session (and so its own process group), which
 lets us signal the host together with everything it started. Stopping is
@@ -15,6 +17,7 @@ Stdlib only: this module must never import JAX.
 
 from __future__ import annotations
 
+import argparse
 import collections
 import dataclasses
 import os
@@ -24,7 +27,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Mapping, Sequence
+from typing import IO, Callable, Mapping, Sequence
 
 from hetjax import emulate
 
@@ -34,12 +37,17 @@ ENV_NUM_HOSTS = "HETJAX_NUM_HOSTS"
 ENV_HOST_ID = "HETJAX_HOST_ID"
 ENV_INIT_TIMEOUT = "HETJAX_INIT_TIMEOUT"
 ENV_CPU_DEVICES = "HETJAX_CPU_DEVICES"
+# How many times a launcher restarted the job before this attempt (for logs).
+ENV_RESTART_COUNT = "HETJAX_RESTART_COUNT"
 
 # A host that exits with this code was preempted and saved what it needs to
 # resume: "restart me", not "I failed" (EX_TEMPFAIL from sysexits.h, which
 # schedulers and shells already read as "try again later"). The trainer exits
 # with it; the launchers restart on it or pass it on to an outer scheduler.
 PREEMPTED_EXIT = 75
+# Restarts after preemptions are not failures, so they have their own budget;
+# a bound still stops a job that reports preemption at every start.
+DEFAULT_MAX_PREEMPTIONS = 20
 
 # A JAX host with the distributed runtime up treats SIGTERM as a preemption
 # notice and keeps running, so the grace is the time a trainer that watches
@@ -130,6 +138,12 @@ class Outcome:
   @property
   def ok(self) -> bool:
     return self.failed_host is None and self.signal is None and not self.timed_out
+
+  @property
+  def preempted(self) -> bool:
+    """Whether the hosts stopped because one was preempted (exit PREEMPTED_EXIT), not failed."""
+    return (self.signal is None and not self.timed_out and self.failed_host is not None
+            and self.returncodes[self.failed_host] == PREEMPTED_EXIT)
 
   def exit_code(self) -> int:
     """A shell-style exit code: 0, the failed host's code, or 128 + signal."""
@@ -258,11 +272,11 @@ def run_group(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str
     group.start()
     while True:
       codes = group.poll()
-      failed = [i for i, rc in enumerate(codes) if rc not in (None, 0)]
+      failed = first_failure(codes)
       if received:
         outcome.signal = received[0]
-      elif failed:
-        outcome.failed_host = failed[0]
+      elif failed is not None:
+        outcome.failed_host = failed
       elif all(rc == 0 for rc in codes):
         break
       elif deadline is not None and time.monotonic() > deadline:
@@ -280,15 +294,27 @@ def run_group(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str
   return outcome
 
 
+def first_failure(codes: Sequence[int | None]) -> int | None:
+  """The host to blame among those that exited non-zero by themselves, if any.
+
+  A real failure outranks a preemption: restarting a crash as "preempted"
+  would hide it from --max-restarts.
+  """
+  failed = [i for i, rc in enumerate(codes) if rc not in (None, 0)]
+  return next((i for i in failed if codes[i] != PREEMPTED_EXIT), failed[0] if failed else None)
+
+
 def launch_local(command: Sequence[str], *, hosts: int, devices_per_host: int = 1,
                  speeds: Sequence[float] | None = None, init_timeout_s: float | None = None,
                  grace_s: float = DEFAULT_GRACE_S, sink: IO[str] | None = None,
-                 slowdown: str | None = None) -> int:
+                 slowdown: str | None = None, max_restarts: int = 0,
+                 max_preemptions: int | None = None) -> int:
   """Runs `command` as `hosts` hosts of a localhost cluster; returns the exit code.
 
-  The code is 0 when every host exits 0, the first failing host's code when
-  one fails, and 128 + signal when the launcher itself is interrupted. What
-  went wrong is printed to stderr.
+  The code is 0 when every host exits 0, the last failing host's code when
+  the job fails (after any restarts), and 128 + signal when the launcher
+  itself is interrupted. What went wrong is printed to stderr. Every attempt
+  gets a fresh coordinator port; see `supervise` for the restart rules.
 
   Raises:
     ValueError: on a bad argument, before anything starts.
@@ -296,39 +322,145 @@ def launch_local(command: Sequence[str], *, hosts: int, devices_per_host: int = 
   if not command:
     raise ValueError("no host command given; put it after '--', e.g. "
                      "`--hosts 2 -- hetjax train --model cnn`.")
-  envs = cluster_envs(hosts, devices_per_host, speeds=speeds, init_timeout_s=init_timeout_s,
-                      slowdown=slowdown)
-  _note(f"{hosts} host(s) x {devices_per_host} device(s), coordinator "
-        f"{envs[0][ENV_COORDINATOR]}: {' '.join(command)}")
+  check_restarts(max_restarts, max_preemptions)
+  cluster_envs(hosts, devices_per_host, speeds=speeds, init_timeout_s=init_timeout_s,
+               slowdown=slowdown)  # Validates everything before the first start.
+
+  def attempt(restart_count: int) -> Outcome:
+    envs = cluster_envs(hosts, devices_per_host, speeds=speeds, init_timeout_s=init_timeout_s,
+                        slowdown=slowdown)
+    for env in envs:
+      env[ENV_RESTART_COUNT] = str(restart_count)
+    note(f"{hosts} host(s) x {devices_per_host} device(s), coordinator "
+         f"{envs[0][ENV_COORDINATOR]}: {' '.join(command)}")
+    return run_group([command] * hosts, envs, sink=sink or sys.stdout, grace_s=grace_s,
+                     handle_signals=True)
+
   try:
-    outcome = run_group([command] * hosts, envs, sink=sink or sys.stdout, grace_s=grace_s,
-                        handle_signals=True)
+    return supervise(attempt, max_restarts=max_restarts, max_preemptions=max_preemptions)
   except OSError as e:
-    _note(f"cannot start the host command {command[0]!r}: {e}")
+    note(f"cannot start the host command {command[0]!r}: {e}")
     return 127 if isinstance(e, FileNotFoundError) else 126
-  if not outcome.ok:
-    _note(describe(outcome))
-  return outcome.exit_code()
 
 
-def _note(message: str) -> None:
+def add_restart_arguments(parser: argparse.ArgumentParser) -> None:
+  """Adds --max-restarts and --max-preemptions, as every launcher spells them."""
+  parser.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                      help="restart all hosts up to K times after a host fails (default 0)")
+  parser.add_argument("--max-preemptions", type=int, default=None, metavar="P",
+                      help=f"restart all hosts up to P times after a preemption (a host exits "
+                           f"{PREEMPTED_EXIT}), not counted in --max-restarts (default "
+                           f"{DEFAULT_MAX_PREEMPTIONS} with --max-restarts, else 0: exit "
+                           f"{PREEMPTED_EXIT} for an outer scheduler)")
+
+
+def check_restarts(max_restarts: int, max_preemptions: int | None) -> None:
+  """Raises ValueError on a restart budget that is not a count."""
+  if not isinstance(max_restarts, int) or max_restarts < 0:
+    raise ValueError(f"--max-restarts must be an integer >= 0, got {max_restarts!r}.")
+  if max_preemptions is not None and (not isinstance(max_preemptions, int) or max_preemptions < 0):
+    raise ValueError(f"--max-preemptions must be an integer >= 0, got {max_preemptions!r}.")
+
+
+def supervise(attempt: Callable[[int], Outcome], *, max_restarts: int = 0,
+              max_preemptions: int | None = None) -> int:
+  """Runs `attempt` until the hosts succeed or the restart budgets are spent.
+
+  Two budgets, because a preemption is not a failure:
+  - a failure (a host exits non-zero, or dies by a signal) is restarted at
+    most `max_restarts` times in all;
+  - a preemption (the hosts stop with PREEMPTED_EXIT, having saved) is
+    restarted at most `max_preemptions` times, without using up
+    `max_restarts`. Its default is DEFAULT_MAX_PREEMPTIONS when
+    `max_restarts > 0` and 0 otherwise, so a plain run that is preempted
+    exits PREEMPTED_EXIT and an outer scheduler can requeue it.
+  The launcher being interrupted, or a deadline, is never restarted.
+
+  Args:
+    attempt: starts all hosts, waits for them (`run_group`), returns how they
+      ended; it gets the number of restarts so far.
+    max_restarts: restarts allowed after failures.
+    max_preemptions: restarts allowed after preemptions (see above).
+
+  Returns:
+    0 on success, else the exit code of the last attempt (`Outcome.exit_code`).
+  """
+  check_restarts(max_restarts, max_preemptions)
+  if max_preemptions is None:
+    max_preemptions = DEFAULT_MAX_PREEMPTIONS if max_restarts > 0 else 0
+  restarts = preemptions = 0
+  while True:
+    outcome = attempt(restarts + preemptions)
+    if outcome.ok:
+      if restarts + preemptions:
+        done = [_plural(n, noun) for n, noun in ((restarts, "restart"),
+                                                  (preemptions, "preemption restart")) if n]
+        note(f"all hosts exited 0 after {' and '.join(done)}.")
+      return 0
+    note(describe(outcome))
+    code = outcome.exit_code()
+    if outcome.signal is not None or outcome.timed_out:
+      return code
+    what = failure(outcome)
+    if outcome.preempted:
+      if preemptions >= max_preemptions:
+        if max_preemptions:
+          note(f"giving up after {_plural(preemptions, 'preemption restart')} "
+               f"(--max-preemptions {max_preemptions}); last: {what}; exiting {code}.")
+        else:
+          note(f"exiting {code} (preempted) so that an outer scheduler can requeue the job; "
+               "--max-preemptions N restarts it here instead.")
+        return code
+      preemptions += 1
+      note(f"preemption restart {preemptions}/{max_preemptions} after {what}")
+    else:
+      if restarts >= max_restarts:
+        if max_restarts:
+          note(f"giving up after {_plural(restarts, 'restart')} (--max-restarts {max_restarts}); "
+               f"last failure: {what}; exiting {code}.")
+        return code
+      restarts += 1
+      note(f"restart {restarts}/{max_restarts} after {what}")
+
+
+def _plural(n: int, noun: str) -> str:
+  return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def note(message: str) -> None:
+  """Prints a `[launcher] ` line to stderr, where the launchers say what they decide."""
   print(f"[launcher] {message}", file=sys.stderr, flush=True)
+
+
+def failure(outcome: Outcome) -> str:
+  """One phrase for what ended the hosts, e.g. `host 1 failed with signal SIGKILL`."""
+  n = len(outcome.returncodes)
+  if outcome.signal is not None:
+    return f"received {_signal_name(outcome.signal)}"
+  if outcome.timed_out:
+    return "timed out"
+  if outcome.failed_host is None:
+    return f"all {n} hosts exited 0"
+  i = outcome.failed_host
+  rc = outcome.returncodes[i] or 0
+  if rc == PREEMPTED_EXIT:
+    return f"host {i} was preempted (exit code {rc})"
+  how = f"exit code {rc}" if rc >= 0 else f"signal {_signal_name(-rc)}"
+  return f"host {i} failed with {how}"
 
 
 def describe(outcome: Outcome) -> str:
   """A human summary of a failed `Outcome`: who failed, how, and the last lines."""
   n = len(outcome.returncodes)
-  if outcome.signal is not None:
-    return f"received {_signal_name(outcome.signal)}; stopped all {n} hosts."
-  if outcome.timed_out:
-    return f"timed out; stopped all {n} hosts."
+  if outcome.signal is not None or outcome.timed_out:
+    return f"{failure(outcome)}; stopped all {n} hosts."
   if outcome.failed_host is None:
-    return f"all {n} hosts exited 0."
+    return f"{failure(outcome)}."
   i = outcome.failed_host
-  rc = outcome.returncodes[i] or 0
-  how = f"exit code {rc}" if rc >= 0 else f"signal {_signal_name(-rc)}"
   others = {1: "", 2: "; stopped the other host"}.get(n, f"; stopped the other {n - 1} hosts")
-  text = f"host {i} failed with {how}{others}."
+  text = f"{failure(outcome)}{others}."
+  if outcome.preempted:
+    return text  # It saved and asked for a restart: its last lines are no error report.
   lines = outcome.tails[i] if outcome.tails else []
   if lines:
     text += f"\nLast {len(lines)} output lines of host {i}:\n" + "\n".join(

@@ -7,8 +7,17 @@ Each host gets HETJAX_COORDINATOR (a free port on 127.0.0.1),
 HETJAX_NUM_HOSTS, HETJAX_HOST_ID, HETJAX_CPU_DEVICES and, with --speeds, the
 emulated HETJAX_SPEED; its output lines are prefixed with `[host i] `. When a
 host fails, or the launcher gets Ctrl-C / SIGTERM, every host is stopped with
-everything it started. The mechanism lives in `hetjax.procs`; this file only
-parses the command line.
+everything it started.
+
+Supervised restarts: with `--max-restarts K`, a failed job (a host exits
+non-zero or is killed) is started again, all hosts, with the same command and
+a new coordinator port, at most K times; the command resumes from its own
+checkpoint folder. A host exiting 75 (`hetjax.procs.PREEMPTED_EXIT`) was
+preempted and saved: such restarts have their own budget, `--max-preemptions`
+(default 20 with --max-restarts, else 0, so that a preempted run exits 75 for
+an outer scheduler to requeue). Each host sees HETJAX_RESTART_COUNT.
+
+The mechanism lives in `hetjax.procs`; this file only parses the command line.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog="launch/local.py",
       usage="%(prog)s --hosts N [--devices-per-host D] [--speeds 1,0.5,...] "
-            "[--slowdown H:F@S] [--init-timeout S] -- COMMAND ...",
+            "[--slowdown H:F@S] [--init-timeout S] [--max-restarts K] -- COMMAND ...",
       description="Run COMMAND as N hetjax hosts on localhost (CPU emulation).")
   parser.add_argument("--hosts", type=int, required=True, help="number of host processes")
   parser.add_argument("--devices-per-host", type=int, default=1,
@@ -42,6 +51,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="seconds a host may take to join the cluster")
   parser.add_argument("--grace", type=float, default=procs.DEFAULT_GRACE_S,
                       help="seconds between SIGTERM and SIGKILL when stopping hosts")
+  procs.add_restart_arguments(parser)
   return parser
 
 
@@ -58,7 +68,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       raise ValueError(f"--grace must be >= 0 seconds, got {args.grace!r}.")
     return procs.launch_local(command, hosts=args.hosts, devices_per_host=args.devices_per_host,
                               speeds=speeds, init_timeout_s=args.init_timeout,
-                              grace_s=args.grace, slowdown=args.slowdown)
+                              grace_s=args.grace, slowdown=args.slowdown,
+                              max_restarts=args.max_restarts, max_preemptions=args.max_preemptions)
   except ValueError as e:
     parser.error(str(e))  # Exits 2 with the usage line.
 

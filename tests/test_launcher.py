@@ -213,6 +213,8 @@ def test_host_killed_by_a_signal_is_reported(marker):
     (["--hosts", "2", "--speeds", "1,fast"], "'fast' in '1,fast' is not a number"),
     (["--hosts", "2", "--init-timeout", "0"], "(--init-timeout) must be > 0 seconds"),
     (["--hosts", "2", "--grace", "-1"], "--grace must be >= 0 seconds"),
+    (["--hosts", "2", "--max-restarts", "-1"], "--max-restarts must be an integer >= 0, got -1"),
+    (["--hosts", "2", "--max-preemptions", "-2"], "--max-preemptions must be an integer >= 0"),
 ])
 def test_bad_arguments_fail_before_any_host_starts(tmp_path, marker, args, message):
   witness = tmp_path / "started"
@@ -241,3 +243,142 @@ def test_launcher_modules_import_no_jax():
           "assert not heavy, heavy")
   root = os.path.dirname(os.path.dirname(LAUNCHER))
   subprocess.run([sys.executable, "-c", code], check=True, cwd=root, timeout=DEADLINE_S)
+
+
+# Supervised restarts. Host 1 fails in the way under test until a flag file
+# (its "checkpoint") exists; host 0 runs until stopped while the flag is
+# missing, so a failed attempt always has a host to stop.
+_FAIL_ONCE = """
+  import os, signal, sys, time
+  flag, how, always = sys.argv[2], sys.argv[3], sys.argv[4] == "always"
+  print(f"attempt {os.environ['HETJAX_RESTART_COUNT']} at {os.environ['HETJAX_COORDINATOR']}",
+        flush=True)
+  if os.environ["HETJAX_HOST_ID"] == "1" and (always or not os.path.exists(flag)):
+    open(flag, "w").close()
+    if how == "kill":
+      os.kill(os.getpid(), signal.SIGKILL)
+    sys.exit(int(how))
+  if not os.path.exists(flag):
+    time.sleep(120)
+"""
+
+
+def _fail_once(marker: str, flag, how: str, always: bool = False) -> list[str]:
+  return [*_host(_FAIL_ONCE, marker), str(flag), how, "always" if always else "once"]
+
+
+def _attempts(stdout: str, host: int) -> list[str]:
+  """The coordinator that `host` saw, per attempt, in order."""
+  return [line.split(" at ")[1] for line in stdout.splitlines()
+          if line.startswith(f"[host {host}] attempt ")]
+
+
+@pytest.mark.parametrize("how, what", [("3", "host 1 failed with exit code 3"),
+                                       ("kill", "host 1 failed with signal SIGKILL")])
+def test_failed_job_is_restarted_and_succeeds(tmp_path, marker, how, what):
+  result = _launch(["--hosts", "2", "--grace", "0.5", "--max-restarts", "2"],
+                   _fail_once(marker, tmp_path / "flag", how))
+  assert result.returncode == 0, result.stderr
+  assert f"[launcher] restart 1/2 after {what}\n" in result.stderr
+  assert "restart 2/2" not in result.stderr
+  assert "all hosts exited 0 after 1 restart." in result.stderr
+  # Host 0 may be stopped before it prints in the first attempt; host 1 always prints.
+  first, second = _attempts(result.stdout, 1)
+  assert first != second  # A new coordinator port for the new attempt.
+  assert _attempts(result.stdout, 0)[-1] == second  # HETJAX_RESTART_COUNT counts.
+  assert "[host 0] attempt 1 at " in result.stdout
+  _assert_none_left(marker)
+
+
+@pytest.mark.parametrize("how, code, what", [
+    ("4", 4, "host 1 failed with exit code 4"),
+    ("kill", 128 + signal.SIGKILL, "host 1 failed with signal SIGKILL")])
+def test_gives_up_after_max_restarts_with_the_last_failure(tmp_path, marker, how, code, what):
+  result = _launch(["--hosts", "2", "--grace", "0.5", "--max-restarts", "2"],
+                   _fail_once(marker, tmp_path / "flag", how, always=True))
+  assert result.returncode == code
+  assert f"restart 1/2 after {what}" in result.stderr
+  assert f"restart 2/2 after {what}" in result.stderr
+  assert (f"giving up after 2 restarts (--max-restarts 2); last failure: {what}; "
+          f"exiting {code}.") in result.stderr
+  assert len(_attempts(result.stdout, 1)) == 3
+  _assert_none_left(marker)
+
+
+def test_without_max_restarts_a_failure_is_final(tmp_path, marker):
+  result = _launch(["--hosts", "2", "--grace", "0.5"], _fail_once(marker, tmp_path / "flag", "3"))
+  assert result.returncode == 3
+  assert "[launcher] restart" not in result.stderr and "giving up" not in result.stderr
+  assert len(_attempts(result.stdout, 1)) == 1
+  _assert_none_left(marker)
+
+
+def test_preemption_restarts_without_using_up_max_restarts(tmp_path, marker):
+  result = _launch(["--hosts", "2", "--grace", "0.5", "--max-restarts", "1"],
+                   _fail_once(marker, tmp_path / "flag", "75"))
+  assert result.returncode == 0, result.stderr
+  assert ("[launcher] preemption restart 1/20 after host 1 was preempted (exit code 75)\n"
+          in result.stderr)
+  assert "restart 1/1" not in result.stderr
+  assert "output lines of host 1" not in result.stderr  # A preemption is no error report.
+  assert "all hosts exited 0 after 1 preemption restart." in result.stderr
+  _assert_none_left(marker)
+
+
+def test_preempted_run_without_restarts_exits_75_for_an_outer_scheduler(tmp_path, marker):
+  result = _launch(["--hosts", "2", "--grace", "0.5"], _fail_once(marker, tmp_path / "flag", "75"))
+  assert result.returncode == 75
+  assert "host 1 was preempted (exit code 75); stopped the other host." in result.stderr
+  assert "exiting 75 (preempted) so that an outer scheduler can requeue the job" in result.stderr
+  assert len(_attempts(result.stdout, 1)) == 1
+  _assert_none_left(marker)
+
+
+def test_preemption_restarts_are_bounded(tmp_path, marker):
+  result = _launch(["--hosts", "2", "--grace", "0.5", "--max-restarts", "5",
+                    "--max-preemptions", "2"],
+                   _fail_once(marker, tmp_path / "flag", "75", always=True))
+  assert result.returncode == 75
+  assert "preemption restart 2/2 after" in result.stderr
+  assert ("giving up after 2 preemption restarts (--max-preemptions 2); last: host 1 was "
+          "preempted (exit code 75); exiting 75.") in result.stderr
+  assert "restart 1/5" not in result.stderr
+  assert len(_attempts(result.stdout, 1)) == 3
+  _assert_none_left(marker)
+
+
+def test_a_failure_outranks_a_preemption_seen_at_the_same_time():
+  from hetjax import procs
+  assert procs.first_failure([None, 0, None]) is None
+  assert procs.first_failure([75, None, 3]) == 2
+  assert procs.first_failure([75, 75]) == 0
+  assert procs.first_failure([0, -9, 75]) == 1
+
+
+def test_supervise_counts_failures_and_preemptions_apart(capsys):
+  from hetjax import procs
+  ends = {"ok": 0, "fail": 3, "preempted": procs.PREEMPTED_EXIT, "killed": -signal.SIGKILL}
+
+  def run(script, **budgets):
+    seen = []
+
+    def attempt(restart_count):
+      seen.append(restart_count)
+      code = ends[script[len(seen) - 1]]
+      return procs.Outcome([code, None], failed_host=None if code == 0 else 0,
+                           tails=[["last words"], []])
+
+    return procs.supervise(attempt, **budgets), seen
+
+  assert run(["preempted", "fail", "preempted", "ok"], max_restarts=1) == (0, [0, 1, 2, 3])
+  assert run(["fail", "killed"], max_restarts=1) == (128 + signal.SIGKILL, [0, 1])
+  assert run(["preempted"]) == (procs.PREEMPTED_EXIT, [0])
+  assert run(["preempted", "ok"], max_preemptions=1) == (0, [0, 1])
+  assert run(["fail"], max_preemptions=5) == (3, [0])
+  err = capsys.readouterr().err
+  assert "restart 1/1 after host 0 failed with exit code 3" in err
+  assert "last failure: host 0 failed with signal SIGKILL; exiting 137." in err
+  interrupted = procs.Outcome([None, None], signal=signal.SIGINT)
+  assert procs.supervise(lambda n: interrupted, max_restarts=3) == 130
+  with pytest.raises(ValueError, match="--max-restarts must be an integer >= 0, got -1"):
+    procs.supervise(lambda n: interrupted, max_restarts=-1)
