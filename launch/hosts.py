@@ -1,0 +1,213 @@
+"""Runs a hetjax job over ssh, process i on line i of a host file (stdlib only).
+
+    python launch/hosts.py --hostfile hosts.txt --workdir /shared/hetjax \\
+        -- .venv/bin/hetjax train --model resnet18 --global-batch 512
+
+The host file names one host per line as `name` or `user@name`; `#` starts a
+comment. The first host runs process 0 and the coordinator, at `name:PORT`
+(`--port`, default 29517; `--coordinator HOST[:PORT]` when the other hosts
+know host 0 by another name than the one ssh uses):
+
+    # hosts.txt
+    alice@h100-a     # process 0, the coordinator
+    a100-b
+    v100-c
+
+Every host gets, inside its remote command, HETJAX_COORDINATOR,
+HETJAX_NUM_HOSTS, HETJAX_HOST_ID (and HETJAX_INIT_TIMEOUT, HETJAX_RESTART_COUNT,
+PYTHONUNBUFFERED, any `--env KEY=VALUE`), runs from `--workdir`, and its
+output comes back prefixed with `[host i] `. `--dry-run` prints the exact ssh
+command of each host, in host order, and starts nothing.
+
+When a host fails, or the launcher is interrupted, every local ssh process
+is stopped. The default `--ssh` asks for a terminal (`-tt`) so that closing
+the connection hangs up the remote process too; a remote process that
+ignores SIGHUP survives, which no launcher can fix over plain ssh.
+`--max-restarts` / `--max-preemptions` restart all hosts as `launch/local.py`
+does (see `hetjax.procs.supervise`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import sys
+from typing import Callable, Mapping, Sequence
+
+try:
+  from hetjax import procs
+except ImportError:  # Run from a checkout without installing hetjax.
+  sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  from hetjax import procs
+
+DEFAULT_PORT = 29517
+# -tt: a remote terminal, so the remote process is hung up with the connection.
+# BatchMode: a host without a usable key fails at once instead of waiting
+# at a password prompt that nobody can answer.
+DEFAULT_SSH = "ssh -tt -o BatchMode=yes"
+_ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Set by the launcher from the host file; an --env that names one would break the cluster.
+_RESERVED = (procs.ENV_COORDINATOR, procs.ENV_NUM_HOSTS, procs.ENV_HOST_ID,
+             procs.ENV_RESTART_COUNT)
+
+
+def parse_hostfile(text: str, source: str = "the host file") -> list[str]:
+  """The `[user@]host` entries of a host file, in order; raises ValueError naming the line."""
+  hosts = []
+  for number, raw in enumerate(text.splitlines(), start=1):
+    words = raw.split("#", 1)[0].split()
+    if not words:
+      continue
+    if len(words) > 1:
+      raise ValueError(f"line {number} of {source} has {len(words)} words ({raw.strip()!r}); "
+                       "write one host per line as [user@]host.")
+    host = words[0]
+    user, at, name = host.rpartition("@")
+    if not name or (at and not user) or host.startswith("-"):
+      raise ValueError(f"line {number} of {source}: {host!r} is not [user@]host "
+                       "(a name that does not start with '-').")
+    hosts.append(host)
+  if not hosts:
+    raise ValueError(f"{source} lists no hosts; write one [user@]host per line.")
+  return hosts
+
+
+def coordinator_address(hosts: Sequence[str], port: int, coordinator: str | None = None) -> str:
+  """`host:port` of process 0: `coordinator` if given, else the first host's name."""
+  if not 1 <= port <= 65535:
+    raise ValueError(f"--port must be in [1, 65535], got {port}.")
+  if coordinator:
+    return coordinator if ":" in coordinator else f"{coordinator}:{port}"
+  return f"{hosts[0].rpartition('@')[2]}:{port}"
+
+
+def parse_env(items: Sequence[str]) -> dict[str, str]:
+  """`KEY=VALUE` strings from --env as a dict; raises ValueError on a bad or reserved key."""
+  env = {}
+  for item in items:
+    key, sep, value = item.partition("=")
+    if not sep or not _ENV_KEY_RE.match(key):
+      raise ValueError(f"--env {item!r} is not KEY=VALUE with KEY a shell variable name.")
+    if key in _RESERVED:
+      raise ValueError(f"--env {key} is set by the launcher from the host file; drop it "
+                       "(use --coordinator / --port for the address).")
+    env[key] = value
+  return env
+
+
+def remote_command(command: Sequence[str], env: Mapping[str, str], workdir: str | None) -> str:
+  """The shell line one host runs: cd, then exec the command with `env`, all quoted."""
+  words = [f"cd {shlex.quote(workdir)} &&"] if workdir else []
+  words.append("exec env")
+  words += [shlex.quote(f"{k}={v}") for k, v in env.items()]
+  words += [shlex.quote(word) for word in command]
+  return " ".join(words)
+
+
+def host_commands(hosts: Sequence[str], command: Sequence[str], *, coordinator: str,
+                  ssh: str = DEFAULT_SSH, workdir: str | None = None,
+                  env: Mapping[str, str] | None = None, init_timeout_s: float | None = None,
+                  restart_count: int = 0) -> list[list[str]]:
+  """The local argv (ssh, host, remote line) that starts process i on host i."""
+  ssh_argv = shlex.split(ssh)
+  if not ssh_argv:
+    raise ValueError("--ssh is empty; give the ssh program, e.g. --ssh 'ssh -p 2222'.")
+  commands = []
+  for i, host in enumerate(hosts):
+    host_env = {procs.ENV_COORDINATOR: coordinator, procs.ENV_NUM_HOSTS: str(len(hosts)),
+                procs.ENV_HOST_ID: str(i), procs.ENV_RESTART_COUNT: str(restart_count),
+                "PYTHONUNBUFFERED": "1"}
+    if init_timeout_s is not None:
+      host_env[procs.ENV_INIT_TIMEOUT] = f"{init_timeout_s:g}"
+    host_env.update(env or {})
+    commands.append([*ssh_argv, host, remote_command(command, host_env, workdir)])
+  return commands
+
+
+def _parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+      prog="launch/hosts.py",
+      usage="%(prog)s --hostfile FILE [--workdir DIR] [--port P] [--ssh CMD] [--env K=V] "
+            "[--dry-run] [--max-restarts K] -- COMMAND ...",
+      description="Run COMMAND as one hetjax host per line of FILE, over ssh.")
+  parser.add_argument("--hostfile", required=True, help="one [user@]host per line; # comments")
+  parser.add_argument("--workdir", default=None, help="folder to cd into on every host")
+  parser.add_argument("--port", type=int, default=DEFAULT_PORT,
+                      help=f"coordinator port on the first host (default {DEFAULT_PORT})")
+  parser.add_argument("--coordinator", default=None, metavar="HOST[:PORT]",
+                      help="address the hosts use to reach process 0 (default: the first host)")
+  parser.add_argument("--ssh", default=DEFAULT_SSH,
+                      help=f"ssh program and options, split like a shell (default {DEFAULT_SSH!r})")
+  parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                      help="extra environment for every host (repeatable)")
+  parser.add_argument("--init-timeout", type=float, default=None,
+                      help="seconds a host may take to join the cluster")
+  parser.add_argument("--grace", type=float, default=procs.DEFAULT_GRACE_S,
+                      help="seconds between SIGTERM and SIGKILL when stopping the ssh processes")
+  parser.add_argument("--dry-run", action="store_true",
+                      help="print each host's ssh command, one per line, and start nothing")
+  procs.add_restart_arguments(parser)
+  return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """Parses `argv` (default: sys.argv[1:]), runs the hosts, returns the exit code."""
+  argv = list(sys.argv[1:] if argv is None else argv)
+  split = argv.index("--") if "--" in argv else len(argv)
+  parser = _parser()
+  args = parser.parse_args(argv[:split])
+  command = argv[split + 1:]
+  try:
+    if not command:
+      raise ValueError("no host command given; put it after '--', e.g. "
+                       "`--hostfile hosts.txt -- .venv/bin/hetjax train`.")
+    try:
+      with open(args.hostfile, encoding="utf-8") as f:
+        hosts = parse_hostfile(f.read(), args.hostfile)
+    except OSError as e:
+      raise ValueError(f"cannot read --hostfile {args.hostfile!r}: {e.strerror}.") from e
+    if args.init_timeout is not None and not args.init_timeout > 0:
+      raise ValueError(f"--init-timeout must be > 0 seconds, got {args.init_timeout!r}.")
+    if args.grace < 0:
+      raise ValueError(f"--grace must be >= 0 seconds, got {args.grace!r}.")
+    procs.check_restarts(args.max_restarts, args.max_preemptions)
+    coordinator = coordinator_address(hosts, args.port, args.coordinator)
+    extra_env = parse_env(args.env)
+
+    def commands(restart_count: int) -> list[list[str]]:
+      return host_commands(hosts, command, coordinator=coordinator, ssh=args.ssh,
+                           workdir=args.workdir, env=extra_env,
+                           init_timeout_s=args.init_timeout, restart_count=restart_count)
+
+    first = commands(0)
+  except ValueError as e:
+    parser.error(str(e))  # Exits 2 with the usage line.
+  if args.dry_run:
+    for argv_i in first:
+      print(shlex.join(argv_i))
+    return 0
+  return run(hosts, commands, coordinator=coordinator, grace_s=args.grace,
+             max_restarts=args.max_restarts, max_preemptions=args.max_preemptions)
+
+
+def run(hosts: Sequence[str], commands: Callable[[int], list[list[str]]], *, coordinator: str,
+        grace_s: float, max_restarts: int = 0, max_preemptions: int | None = None) -> int:
+  """Starts the ssh processes, supervised by `procs.supervise`; returns the exit code."""
+  names = ", ".join(f"host {i} {h}" for i, h in enumerate(hosts))
+
+  def attempt(restart_count: int) -> procs.Outcome:
+    procs.note(f"{len(hosts)} host(s) over ssh, coordinator {coordinator}: {names}")
+    return procs.run_group(commands(restart_count), [os.environ] * len(hosts), sink=sys.stdout,
+                           grace_s=grace_s, handle_signals=True)
+
+  try:
+    return procs.supervise(attempt, max_restarts=max_restarts, max_preemptions=max_preemptions)
+  except OSError as e:
+    procs.note(f"cannot start ssh ({commands(0)[0][0]!r}): {e}; check --ssh.")
+    return 127 if isinstance(e, FileNotFoundError) else 126
+
+
+if __name__ == "__main__":
+  sys.exit(main())
