@@ -1,0 +1,122 @@
+"""One progress line for the whole job, printed by process 0 only.
+
+On a terminal the line is rewritten in place (`\\r`); in a log (not a TTY) a
+plain line is printed every `every` steps, so log files stay readable. Every
+host sees the same records, so one host speaking for all loses nothing.
+
+Example:
+  >>> progress = Progress(total_steps=1000, host_id=jax.process_index())
+  >>> progress.update(record)   # a hetjax.metrics record, once per step
+  >>> progress.close()
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from typing import Any, Callable, TextIO
+
+_RECENT = 20  # Steps whose mean duration predicts the rest.
+_WARMUP = 2   # First steps (compilation) that would spoil the ETA.
+
+
+def format_eta(seconds: float) -> str:
+  """`1:02:03` / `2:03` style; `?` while unknown."""
+  if not seconds >= 0 or seconds == float("inf"):
+    return "?"
+  seconds = int(round(seconds))
+  hours, rest = divmod(seconds, 3600)
+  minutes, secs = divmod(rest, 60)
+  return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def format_line(record: dict[str, Any], total_steps: int, eta_s: float) -> str:
+  """The progress text for one metrics record (no line ending)."""
+  step = record["step"] + 1  # Steps done, counting this one.
+  width = len(str(total_steps))
+  shares = "/".join(str(s) for s in record["shares"])
+  return (f"step {step:{width}d}/{total_steps}  loss {record['loss']:.4f}  "
+          f"{record['samples_per_sec']:,.0f} samples/s  shares {shares}  ETA {format_eta(eta_s)}"
+          + ("  (emulated speeds)" if record["emulated"] else ""))
+
+
+class Progress:
+  """Shows step/total, loss, samples/s, every host's share and the ETA."""
+
+  def __init__(self, total_steps: int, *, host_id: int, stream: TextIO | None = None,
+               every: int = 10, tty: bool | None = None,
+               clock: Callable[[], float] = time.monotonic, min_interval_s: float = 0.1):
+    """Args:
+      total_steps: the step count at the end of the run (for `step/total`).
+      host_id: this process's host; only host 0 prints.
+      stream: where to print (default: sys.stderr at construction).
+      every: steps between lines when `stream` is not a terminal.
+      tty: force in-place (True) or line (False) output; default: detect.
+      clock: for tests; used to limit terminal redraws.
+      min_interval_s: least seconds between terminal redraws.
+    """
+    if total_steps < 0:
+      raise ValueError(f"total_steps must be >= 0, got {total_steps}.")
+    if every < 1:
+      raise ValueError(f"every must be >= 1 step, got {every}.")
+    self.total_steps, self.every = total_steps, every
+    self.enabled = host_id == 0
+    self._stream = stream if stream is not None else sys.stderr
+    isatty = getattr(self._stream, "isatty", lambda: False)
+    self._tty = bool(isatty()) if tty is None else tty
+    self._clock, self._min_interval_s = clock, min_interval_s
+    self._recent: list[float] = []
+    self._seen = 0
+    self._last_draw = -float("inf")
+    self._pending: str | None = None  # A terminal line not yet drawn.
+    self._width = 0
+
+  def eta_s(self, record: dict[str, Any]) -> float:
+    """Seconds left: steps left times the mean duration of recent steps.
+
+    The first steps compile; they count only until later steps are known.
+    """
+    left = max(0, self.total_steps - record["step"] - 1)
+    return left * sum(self._recent) / len(self._recent) if self._recent else float("inf")
+
+  def update(self, record: dict[str, Any]) -> None:
+    """Takes one step's metrics record; prints when it is time to."""
+    if not self.enabled:
+      return
+    self._seen += 1
+    if self._seen == _WARMUP + 1:
+      self._recent = []
+    self._recent = (self._recent + [record["step_s"]])[-_RECENT:]
+    line = format_line(record, self.total_steps, self.eta_s(record))
+    if not self._tty:
+      if (record["step"] + 1) % self.every == 0 or record["step"] + 1 == self.total_steps:
+        self._stream.write(line + "\n")
+        self._stream.flush()
+      return
+    self._pending = line
+    if self._clock() - self._last_draw >= self._min_interval_s:
+      self._draw()
+
+  def _draw(self) -> None:
+    columns = shutil.get_terminal_size((120, 24)).columns - 1
+    line = self._pending[:columns]
+    # Pad over the previous, possibly longer, line.
+    self._stream.write("\r" + line + " " * max(0, self._width - len(line)))
+    self._stream.flush()
+    self._width, self._pending, self._last_draw = len(line), None, self._clock()
+
+  def close(self) -> None:
+    """Draws the last line and ends it, so later output starts on a new line."""
+    if self.enabled and self._tty and (self._pending or self._width):
+      if self._pending:
+        self._draw()
+      self._stream.write("\n")
+      self._stream.flush()
+      self._width = 0
+
+  def __enter__(self) -> "Progress":
+    return self
+
+  def __exit__(self, *exc: Any) -> None:
+    self.close()
