@@ -1,0 +1,243 @@
+"""`hetjax report OUT`: what a finished (or crashed) run spent its time on.
+
+Reads OUT/metrics.jsonl (and OUT/summary.json when the run finished) and
+writes OUT/report.png, with (a) a per-host timeline of compute vs wait,
+(b) the shares over the steps and (c) the throughput, and OUT/report.txt,
+also printed:
+
+- efficiency = measured samples/s / ideal samples/s, where measured is the
+  global batch over the mean step time and ideal is the sum over hosts of
+  each host's own throughput (its samples over its compute seconds, on the
+  steps where it had samples): what the hosts would deliver if nobody ever
+  waited and the collective were free;
+- idle fraction of each host: wait / (compute + wait);
+- balancer moves: decisions after warm-up that changed the split.
+
+The first `WARMUP_STEPS` steps (compilation) are left out of every figure
+but the plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from typing import Any, Sequence
+
+from hetjax import metrics as metrics_lib
+
+WARMUP_STEPS = 2  # As hetjax.trainer.WARMUP_STEPS, which this must not import (it pulls in JAX).
+SUMMARY_FILE = "summary.json"
+PNG_FILE = "report.png"
+TEXT_FILE = "report.txt"
+TIMELINE_STEPS = 200  # The timeline shows at most this many steps (the last ones) to stay legible.
+
+
+@dataclasses.dataclass(frozen=True)
+class Figures:
+  """The numbers of a run's report (see the module docstring for definitions)."""
+
+  steps: int
+  warmup_steps: int
+  hosts: int
+  global_batch: int
+  measured_samples_per_sec: float
+  ideal_samples_per_sec: float
+  efficiency: float
+  host_samples_per_sec: list[float]
+  idle_fraction: list[float]
+  last_shares: list[int]
+  split_changes: int            # steps whose split differs from the step before
+  balancer_mode: str | None
+  balancer_decisions: int | None  # None without summary.json
+  balancer_moves: int | None
+  emulated: bool
+
+
+def load_run(out_dir: str) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+  """The run's summary (None if the run did not finish) and its metrics records."""
+  hint = f"run `hetjax train ... --out {out_dir}` first"
+  if not os.path.isdir(out_dir):
+    raise ValueError(f"run folder {out_dir!r} does not exist; {hint}.")
+  path = os.path.join(out_dir, metrics_lib.METRICS_FILE)
+  if not os.path.isfile(path):
+    raise ValueError(f"{out_dir!r} has no {metrics_lib.METRICS_FILE}; {hint}.")
+  records = metrics_lib.read_records(path)
+  if not records:
+    raise ValueError(f"{path} holds no step records (the run stopped before its first "
+                     f"step ended?); {hint}.")
+  summary_path = os.path.join(out_dir, SUMMARY_FILE)
+  summary = None
+  if os.path.isfile(summary_path):
+    with open(summary_path) as f:
+      summary = json.load(f)
+  return summary, records
+
+
+def steady(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+  """The records after warm-up (fewer steps: all but the first, or all)."""
+  return records[WARMUP_STEPS:] or records[1:] or records
+
+
+def host_throughput(records: Sequence[dict[str, Any]], host: int) -> float:
+  """Samples over compute seconds of `host`, on the steps where it had samples."""
+  used = [r for r in records if r["shares"][host] > 0]
+  compute = sum(r["compute_s"][host] for r in used)
+  return sum(r["shares"][host] for r in used) / compute if compute > 0 else 0.0
+
+
+def balancer_moves(decisions: Sequence[dict[str, Any]]) -> int:
+  """Decisions after warm-up whose split differs from the one before."""
+  moves, previous = 0, None
+  for d in decisions:
+    shares = list(d["shares"])
+    if previous is not None and shares != previous and not str(d.get("reason", "")).startswith("warm-up"):
+      moves += 1
+    previous = shares
+  return moves
+
+
+def analyze(summary: dict[str, Any] | None, records: list[dict[str, Any]]) -> Figures:
+  """Computes the report's figures from the summary and the step records."""
+  hosts = len(records[0]["shares"])
+  if any(len(r["shares"]) != hosts for r in records):
+    raise ValueError(f"the records disagree on the number of hosts ({hosts} at step "
+                     f"{records[0]['step']}); is the folder a mix of two runs?")
+  run = steady(records)
+  step_s = sum(r["step_s"] for r in run)
+  measured = sum(r["global_batch"] for r in run) / step_s if step_s > 0 else 0.0
+  own = [host_throughput(run, i) for i in range(hosts)]
+  ideal = sum(own)
+  idle = []
+  for i in range(hosts):
+    wait, compute = sum(r["wait_s"][i] for r in run), sum(r["compute_s"][i] for r in run)
+    idle.append(wait / (wait + compute) if wait + compute > 0 else 0.0)
+  changes = sum(a["shares"] != b["shares"] for a, b in zip(records, records[1:]))
+  decisions = None if summary is None else summary.get("balancer_decisions")
+  emulated = any(r["emulated"] for r in records) or bool((summary or {}).get("emulated_speeds"))
+  return Figures(
+      steps=len(records), warmup_steps=len(records) - len(run), hosts=hosts,
+      global_batch=records[-1]["global_batch"], measured_samples_per_sec=measured,
+      ideal_samples_per_sec=ideal, efficiency=measured / ideal if ideal > 0 else float("nan"),
+      host_samples_per_sec=own, idle_fraction=idle, last_shares=list(records[-1]["shares"]),
+      split_changes=changes, balancer_mode=(summary or {}).get("balancer_mode"),
+      balancer_decisions=None if decisions is None else len(decisions),
+      balancer_moves=None if decisions is None else balancer_moves(decisions), emulated=emulated)
+
+
+def _count(n: int, noun: str) -> str:
+  return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def format_text(fig: Figures, out_dir: str) -> str:
+  """The report as a few lines of text."""
+  tag = "  (emulated speeds)" if fig.emulated else ""
+  lines = [
+      f"hetjax report: {out_dir}{tag}",
+      f"{fig.steps} steps ({fig.warmup_steps} warm-up steps left out), {fig.hosts} hosts, "
+      f"global batch {fig.global_batch}",
+      f"throughput: {fig.measured_samples_per_sec:,.1f} samples/s measured, "
+      f"{fig.ideal_samples_per_sec:,.1f} ideal; efficiency {fig.efficiency:.1%}",
+      "  (ideal = sum of each host's own samples/s, its share / compute_s; "
+      "efficiency = measured / ideal)",
+      "host  own samples/s  last share  idle",
+  ]
+  for i in range(fig.hosts):
+    lines.append(f"{i:4d}  {fig.host_samples_per_sec[i]:13,.1f}  {fig.last_shares[i]:10d}  "
+                 f"{fig.idle_fraction[i]:.1%}")
+  if fig.balancer_moves is None:
+    lines.append(f"balancer: unknown ({SUMMARY_FILE} missing: did the run finish?); "
+                 f"the split changed {_count(fig.split_changes, 'time')}")
+  else:
+    lines.append(f"balancer: {fig.balancer_mode}, {_count(fig.balancer_moves, 'move')} after "
+                 f"warm-up ({_count(fig.balancer_decisions, 'decision')}); the split changed "
+                 f"{_count(fig.split_changes, 'time')}")
+  return "\n".join(lines) + "\n"
+
+
+def plot(records: list[dict[str, Any]], fig: Figures, path: str, title: str = "") -> None:
+  """Draws the timeline, shares and throughput panels into a PNG at `path`."""
+  from matplotlib.figure import Figure  # No pyplot: no global backend, Agg by default.
+
+  hosts = fig.hosts
+  figure = Figure(figsize=(11, 3 + 0.35 * hosts + 5), layout="constrained")
+  timeline, shares, throughput = figure.subplots(
+      3, 1, height_ratios=[1 + 0.25 * hosts, 1.2, 1.2])
+  shown = steady(records)[-TIMELINE_STEPS:]
+  for i in range(hosts):
+    starts = [r["time_s"] - r["step_s"] for r in shown]
+    timeline.broken_barh([(s, r["compute_s"][i]) for s, r in zip(starts, shown)], (i - 0.4, 0.8),
+                         facecolors="tab:blue", label="compute" if i == 0 else None)
+    timeline.broken_barh([(s + r["compute_s"][i], r["wait_s"][i]) for s, r in zip(starts, shown)],
+                         (i - 0.4, 0.8), facecolors="tab:orange", label="wait" if i == 0 else None)
+  timeline.set_yticks(range(hosts), [f"host {i}" for i in range(hosts)])
+  timeline.invert_yaxis()
+  timeline.set_xlabel("seconds since start")
+  timeline.set_title(f"(a) compute vs wait per host, steps {shown[0]['step']}-{shown[-1]['step']}")
+  timeline.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
+
+  steps = [r["step"] for r in records]
+  # Stacked, so every band shows and the total stays the fixed global batch.
+  shares.stackplot(steps, [[r["shares"][i] for r in records] for i in range(hosts)], step="post",
+                   labels=[f"host {i}" for i in range(hosts)])
+  shares.set_ylabel("samples")
+  shares.set_title("(b) share of the global batch per host (stacked)")
+  if hosts <= 12:
+    shares.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
+
+  sps = [r["samples_per_sec"] for r in records]
+  throughput.plot(steps, sps, color="tab:gray", lw=0.8, label="per step")
+  window = 5
+  smooth = [sum(sps[max(0, k - window + 1):k + 1]) / len(sps[max(0, k - window + 1):k + 1])
+            for k in range(len(sps))]
+  throughput.plot(steps, smooth, color="tab:green", lw=2, label=f"mean of {window}")
+  throughput.axhline(fig.ideal_samples_per_sec, color="k", ls="--", lw=1, label="ideal")
+  if fig.warmup_steps:
+    throughput.axvspan(steps[0], steps[fig.warmup_steps], color="0.9", label="warm-up")
+  throughput.set_ylim(0, 1.15 * max(max(smooth[fig.warmup_steps:] or smooth), fig.ideal_samples_per_sec))
+  throughput.set_xlabel("step")
+  throughput.set_ylabel("samples/s")
+  throughput.set_title(f"(c) throughput; efficiency {fig.efficiency:.1%}")
+  throughput.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
+  figure.suptitle(title + ("  (emulated speeds)" if fig.emulated else ""))
+  figure.savefig(path, dpi=100)
+
+
+def make_report(out_dir: str) -> tuple[Figures, str]:
+  """Writes OUT/report.png and OUT/report.txt; returns the figures and the text."""
+  summary, records = load_run(out_dir)
+  fig = analyze(summary, records)
+  text = format_text(fig, out_dir)
+  plot(records, fig, os.path.join(out_dir, PNG_FILE), title=f"hetjax run {out_dir}")
+  with open(os.path.join(out_dir, TEXT_FILE), "w") as f:
+    f.write(text)
+  return fig, text
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+  """The `hetjax report` arguments."""
+  parser.add_argument("out", help="a run's output folder (the --out of `hetjax train`)")
+
+
+def run(args: argparse.Namespace) -> int:
+  """`hetjax report OUT`; returns the exit code (2 on a bad folder)."""
+  try:
+    _, text = make_report(args.out)
+  except ValueError as e:
+    print(f"hetjax report: error: {e}", file=sys.stderr)
+    return 2
+  print(text, end="")
+  print(f"wrote {os.path.join(args.out, PNG_FILE)} and {os.path.join(args.out, TEXT_FILE)}")
+  return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="hetjax report", description=__doc__.splitlines()[0])
+  add_arguments(parser)
+  return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,85 @@
+"""`hetjax report OUT` on a recorded run folder (3 hosts, 30 steps, known speeds)."""
+
+import json
+
+import numpy as np
+import pytest
+
+import _metrics_fixture as fixture
+from hetjax import metrics, report
+
+
+def _run_folder(path, records, summary=True):
+  with metrics.MetricsWriter(str(path)) as writer:
+    for r in records:
+      writer.write(r)
+  if summary:
+    (path / "summary.json").write_text(json.dumps(
+        {"steps": len(records), "balancer_mode": "dynamic", "emulated_speeds": True,
+         "balancer_decisions": fixture.DECISIONS}))
+  return path
+
+
+def _expected(records):
+  """The report's figures, recomputed here with numpy from the records."""
+  steady = records[2:]
+  shares = np.array([r["shares"] for r in steady], float)
+  compute = np.array([r["compute_s"] for r in steady])
+  wait = np.array([r["wait_s"] for r in steady])
+  measured = fixture.GLOBAL_BATCH * len(steady) / np.sum([r["step_s"] for r in steady])
+  busy = shares > 0  # A host with no samples in a step says nothing about its speed.
+  own = (shares * busy).sum(0) / (compute * busy).sum(0)
+  idle = wait.sum(0) / (wait.sum(0) + compute.sum(0))
+  return measured, own, idle
+
+
+def test_report_on_a_recorded_run(tmp_path, capsys):
+  records = fixture.records()
+  out = _run_folder(tmp_path / "run", records)
+  assert report.main([str(out)]) == 0
+  printed = capsys.readouterr().out
+
+  png = (out / "report.png").read_bytes()
+  assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+  text = (out / "report.txt").read_text()
+  assert printed.startswith(text)
+
+  measured, own, idle = _expected(records)
+  # By construction each host's own speed is speeds[i] / per-sample seconds.
+  np.testing.assert_allclose(own, np.array(fixture.SPEEDS) / fixture.PER_SAMPLE_S, rtol=1e-9)
+  fig = report.analyze(*report.load_run(str(out)))
+  assert fig.measured_samples_per_sec == pytest.approx(measured, rel=1e-9)
+  assert fig.ideal_samples_per_sec == pytest.approx(own.sum(), rel=1e-9)
+  assert fig.efficiency == pytest.approx(measured / own.sum(), rel=1e-9)
+  np.testing.assert_allclose(fig.idle_fraction, idle, rtol=1e-9)
+  assert (fig.balancer_moves, fig.balancer_decisions, fig.split_changes) == (3, 6, 3)
+  assert fig.emulated and fig.warmup_steps == 2 and fig.steps == 30
+
+  assert "(emulated speeds)" in text
+  assert f"efficiency {measured / own.sum():.1%}" in text
+  assert f"{measured:,.1f} samples/s measured, {own.sum():,.1f} ideal" in text
+  for i in range(3):
+    assert f"{own[i]:13,.1f}  {records[-1]['shares'][i]:10d}  {idle[i]:.1%}" in text
+  assert "dynamic, 3 moves after warm-up (6 decisions); the split changed 3 times" in text
+
+
+def test_a_crashed_run_without_summary_still_reports(tmp_path, capsys):
+  out = _run_folder(tmp_path / "run", fixture.records(steps=12), summary=False)
+  with open(out / "metrics.jsonl", "a") as f:
+    f.write('{"step": 12, "time_s"')  # Died mid-line.
+  assert report.main([str(out)]) == 0
+  text = capsys.readouterr().out
+  assert "12 steps" in text and "balancer: unknown (summary.json missing" in text
+  assert (out / "report.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("setup, message", [
+    (lambda p: None, "does not exist; run `hetjax train ... --out"),
+    (lambda p: p.mkdir(), "has no metrics.jsonl; run `hetjax train ... --out"),
+    (lambda p: (p.mkdir(), (p / "metrics.jsonl").write_text("")), "holds no step records"),
+])
+def test_a_folder_without_metrics_says_what_to_run(tmp_path, capsys, setup, message):
+  folder = tmp_path / "run"
+  setup(folder)
+  assert report.main([str(folder)]) == 2
+  assert message in capsys.readouterr().err
