@@ -1,0 +1,317 @@
+"""`hetjax doctor`: can this cluster train, and how fast is each host?
+
+Run it on every host, exactly like `hetjax train`:
+
+    python launch/local.py --hosts 3 --devices-per-host 2 -- hetjax doctor
+
+Every host joins the cluster, then all hosts, in the same order:
+  1. share who they are (name, JAX version, collectives, emulated speed)
+     through one small all-gather;
+  2. check that every host reaches every other with a cross-host sum whose
+     answer is known (each device row carries its host id + 1);
+  3. time a few local train steps (forward and backward, the compute that
+     `hetjax train` measures for the balancer) of a small model on synthetic
+     data, one host at a time, so hosts that share a machine do not slow
+     each other. Under emulated speeds (HETJAX_SPEED) the pacing applies and
+     the figure says "emulated".
+Process 0 prints the report (and writes `--json FILE`); every host returns
+the same exit code, 0 when every check passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+import traceback
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import numpy as np
+
+if TYPE_CHECKING:  # JAX loads only once the arguments are checked, so errors come fast.
+  from hetjax.step import Meshes
+
+TEXT_BYTES = 64  # Each text field travels as this many byte codes (exact in float32).
+_TEXTS = ("hostname", "jax_version", "collectives", "platform")
+MODELS = ("mlp", "cnn")
+
+
+def encode_text(text: str, size: int = TEXT_BYTES) -> np.ndarray:
+  """UTF-8 bytes as float32 codes, zero-padded (truncated) to `size`."""
+  raw = text.encode()[:size]
+  return np.frombuffer(raw.ljust(size, b"\0"), np.uint8).astype(np.float32)
+
+
+def decode_text(codes: np.ndarray) -> str:
+  return bytes(np.asarray(codes, np.float32).astype(np.uint8)).rstrip(b"\0").decode(errors="replace")
+
+
+def _fingerprint(text: str) -> np.ndarray:
+  """A hash as 16-bit chunks, exact in float32."""
+  return np.frombuffer(hashlib.sha256(text.encode()).digest()[:8], np.uint16).astype(np.float32)
+
+
+def _collectives() -> str:
+  import jax
+  return str(jax.config.jax_cpu_collectives_implementation)
+
+
+def _coordinator() -> str | None:
+  from hetjax import runtime
+  if os.environ.get(runtime.ENV_COORDINATOR):
+    return os.environ[runtime.ENV_COORDINATOR]
+  from jax._src import distributed  # No public accessor in JAX 0.10.
+  return distributed.global_state.coordinator_address
+
+
+def _pacing(host_id: int) -> tuple[Callable[[float, int], float] | None, float, bool]:
+  """The emulation hook, the emulated speed and whether anything is emulated."""
+  if not any(k in os.environ for k in ("HETJAX_SPEED", "HETJAX_SLOWDOWN")):
+    return None, 1.0, False
+  from hetjax import emulate  # Emulation stays off the real path.
+  return emulate.pacing_from_env(host_id), emulate.speed_from_env(), True
+
+
+def gather_identity(meshes: Meshes, settings: str) -> list[dict[str, Any]]:
+  """Every host's name, versions, collectives, speed and settings hash."""
+  import jax
+  _, speed, emulated = _pacing(meshes.host_id)
+  texts = {"hostname": socket.gethostname(), "jax_version": jax.__version__,
+           "collectives": _collectives(), "platform": jax.devices()[0].platform}
+  head = np.array([meshes.host_id, meshes.local_devices, speed, float(emulated)], np.float32)
+  vector = np.concatenate([head, _fingerprint(settings)] + [encode_text(texts[k]) for k in _TEXTS])
+  rows = _gather(vector, meshes)
+  hosts = []
+  for h, row in enumerate(rows):
+    texts = {k: decode_text(row[8 + i * TEXT_BYTES: 8 + (i + 1) * TEXT_BYTES])
+             for i, k in enumerate(_TEXTS)}
+    hosts.append({"host": h, "reported_id": int(row[0]), "local_devices": int(row[1]),
+                  "speed": float(row[2]), "emulated": bool(row[3]),
+                  "settings": row[4:8].tolist(), **texts})
+  return hosts
+
+
+def _gather(vector: np.ndarray, meshes: Meshes) -> np.ndarray:
+  from hetjax import step as step_lib
+  return step_lib.gather_host_values(vector, meshes)
+
+
+def check_reduction(meshes: Meshes, repeats: int = 5) -> dict[str, Any]:
+  """A cross-host sum with a known answer, and its median latency."""
+  import jax
+  import jax.numpy as jnp
+  from hetjax import step as step_lib
+
+  rows = step_lib.host_rows(np.array([meshes.host_id + 1.0]), meshes)
+  total = jax.jit(lambda x: jnp.sum(x[:, 0]), out_shardings=meshes.replicated)
+  got = float(np.asarray(total(rows)))  # The first call compiles.
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(total(rows))
+    times.append(time.perf_counter() - t0)
+  per_host = meshes.devices_per_host()
+  expected = float(sum(d * (h + 1) for h, d in enumerate(per_host)))
+  return {"ok": got == expected, "got": got, "expected": expected,
+          "latency_ms": 1e3 * statistics.median(times)}
+
+
+def build_local_step(model: str, batch: int, meshes: Meshes) -> Callable[[int], Any]:
+  """A compiled local train step of `model` on `batch` synthetic samples.
+
+  Every host must call it (initialising the state is one program over all
+  hosts); the step it returns is local to this host.
+  """
+  import jax
+  import optax
+  import hetjax_models
+  from hetjax import data
+  from hetjax import step as step_lib
+
+  source = data.synthetic_images(size=batch)
+  task = hetjax_models.build(model, kind="image", num_classes=source.info.num_classes)
+  per_device = -(-batch // meshes.local_devices)  # One micro-batch per step.
+  example = source[np.arange(1)]
+  state = step_lib.init_state(task, optax.sgd(1e-2), meshes,
+                              next(step_lib.micro_batches(example, per_device)), 0)
+  local = step_lib.LocalProgram(task, meshes, per_device)
+  key, full = jax.random.key(0), source[np.arange(batch)]
+  run = lambda s: jax.block_until_ready(local(state.params, state.model_state, full, example, key, s))
+  run(0)  # Compiles here, on every host at once.
+  return run
+
+
+def time_steps(run: Callable[[int], Any], batch: int, steps: int,
+               pace: Callable[[float, int], float] | None) -> dict[str, float]:
+  """Samples/s of the median step, paced (as training sees it) and real.
+
+  The median, so that one slow step (a page fault, a neighbour) does not set it.
+  """
+  run(1)  # Warms caches after compilation.
+  real, paced = [], []
+  for s in range(steps):
+    t0 = time.perf_counter()
+    run(s + 2)
+    dt = time.perf_counter() - t0
+    real.append(dt)
+    paced.append(pace(dt, s) if pace is not None else dt)
+  return {"samples_per_sec": batch / statistics.median(paced),
+          "real_samples_per_sec": batch / statistics.median(real)}
+
+
+def measure_in_turns(model: str, batch: int, steps: int, meshes: Meshes) -> list[dict[str, float]]:
+  """Every host's local samples/s, measured one host at a time."""
+  pace, _, _ = _pacing(meshes.host_id)
+  run = build_local_step(model, batch, meshes)
+  mine = np.zeros(2, np.float32)
+  for turn in range(meshes.num_hosts):
+    if turn == meshes.host_id:
+      result = time_steps(run, batch, steps, pace)
+      mine = np.array([result["samples_per_sec"], result["real_samples_per_sec"]], np.float32)
+    _gather(np.zeros(1), meshes)  # The turn ends for everyone together.
+  rows = _gather(mine, meshes)
+  return [{"samples_per_sec": float(r[0]), "real_samples_per_sec": float(r[1])} for r in rows]
+
+
+def diagnose(*, model: str = "mlp", batch: int = 256, steps: int = 10) -> dict[str, Any]:
+  """Runs every check on this host (call it on every host); same result everywhere."""
+  import jax
+  from hetjax import step as step_lib
+
+  meshes = step_lib.Meshes.create()
+  settings = f"{model}|{batch}|{steps}"
+  hosts = gather_identity(meshes, settings)
+  problems = []
+  if [h["reported_id"] for h in hosts] != list(range(meshes.num_hosts)):
+    problems.append(f"the all-gather put hosts {[h['reported_id'] for h in hosts]} in rows "
+                    f"{list(range(meshes.num_hosts))}: host rows are mixed up.")
+  for key in ("jax_version", "collectives"):
+    values = sorted({h[key] for h in hosts})
+    if len(values) > 1:
+      problems.append(f"hosts disagree on {key}: {_by_host(hosts, key)}; install the same "
+                      "JAX everywhere and start every host the same way.")
+  if len({tuple(h["settings"]) for h in hosts}) > 1:
+    problems.append("hosts run doctor with different --model/--batch/--steps; give every host "
+                    "the same arguments. Skipped the speed test.")
+  reduction = check_reduction(meshes)
+  if not reduction["ok"]:
+    problems.append(f"the cross-host sum gave {reduction['got']:g}, expected "
+                    f"{reduction['expected']:g}: some host's values are lost or counted twice.")
+  speeds = (measure_in_turns(model, batch, steps, meshes) if not problems
+            else [{"samples_per_sec": None, "real_samples_per_sec": None}] * meshes.num_hosts)
+  devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+  for h, host in enumerate(hosts):
+    del host["reported_id"], host["settings"]
+    host["devices"] = [{"id": d.id, "kind": d.device_kind} for d in devices if d.process_index == h]
+    host.update(speeds[h])
+  return {
+      "ok": not problems, "problems": problems, "num_hosts": meshes.num_hosts,
+      "devices_per_host": list(meshes.devices_per_host()), "coordinator": _coordinator(),
+      "platform": devices[0].platform, "collectives": _collectives(),
+      "jax_version": jax.__version__, "reduction": reduction,
+      "benchmark": {"model": model, "batch": batch, "steps": steps}, "hosts": hosts,
+  }
+
+
+def _by_host(hosts: list[dict[str, Any]], key: str) -> str:
+  return ", ".join(f"host {h['host']} {h[key]}" for h in hosts)
+
+
+def format_report(report: dict[str, Any]) -> str:
+  """The doctor's findings as text (what process 0 prints)."""
+  bench = report["benchmark"]
+  lines = [
+      f"hetjax doctor: {report['num_hosts']} hosts, {sum(report['devices_per_host'])} devices, "
+      f"platform {report['platform']}, jax {report['jax_version']}",
+      f"coordinator {report['coordinator'] or '(none: single host)'}; "
+      f"CPU collectives {report['collectives']}",
+      f"samples/s: local train steps of {bench['model']}, batch {bench['batch']}, "
+      f"median of {bench['steps']} steps, one host at a time",
+  ]
+  rows = [("host", "name", "devices", "samples/s", "")]
+  for h in report["hosts"]:
+    kinds = "/".join(sorted({d["kind"] for d in h["devices"]}))
+    ids = ",".join(str(d["id"]) for d in h["devices"])
+    sps = h["samples_per_sec"]
+    note = ""
+    if sps is not None and h["emulated"]:
+      note = f"emulated speed {h['speed']:g} (real {h['real_samples_per_sec']:,.0f})"
+    rows.append((str(h["host"]), h["hostname"], f"{len(h['devices'])} x {kinds} (ids {ids})",
+                 "not measured" if sps is None else f"{sps:,.0f}", note))
+  widths = [max(len(row[i]) for row in rows) for i in range(4)]
+  for row in rows:
+    lines.append(("  " + "  ".join([row[0].rjust(widths[0]), row[1].ljust(widths[1]),
+                                     row[2].ljust(widths[2]), row[3].rjust(widths[3]), row[4]])).rstrip())
+  r = report["reduction"]
+  lines.append(f"cross-host sum: {'ok' if r['ok'] else 'WRONG'} (got {r['got']:g}, expected "
+               f"{r['expected']:g}; {r['latency_ms']:.2f} ms)")
+  lines += [f"problem: {p}" for p in report["problems"]]
+  lines.append("doctor: all checks passed" if report["ok"] else
+               f"doctor: {len(report['problems'])} problem(s)")
+  return "\n".join(lines) + "\n"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+  """The `hetjax doctor` arguments."""
+  parser.add_argument("--model", default="mlp", choices=MODELS, help="model of the speed test")
+  parser.add_argument("--batch", type=int, default=256, help="samples per timed step, per host")
+  parser.add_argument("--steps", type=int, default=10, help="timed steps per host")
+  parser.add_argument("--json", default=None, metavar="FILE", help="also write the report (host 0)")
+  parser.add_argument("--init-timeout", type=float, default=None,
+                      help="seconds to reach the coordinator (default HETJAX_INIT_TIMEOUT or 120)")
+
+
+def _check(args: argparse.Namespace) -> None:
+  if args.batch < 1:
+    raise ValueError(f"--batch must be >= 1, got {args.batch}.")
+  if args.steps < 1:
+    raise ValueError(f"--steps must be >= 1, got {args.steps}.")
+
+
+def run(args: argparse.Namespace) -> int:
+  """`hetjax doctor` on this host; 0 when every check passed, 1 if not, 2 on bad input."""
+  multi_host = int(os.environ.get("HETJAX_NUM_HOSTS", "1")) > 1
+  try:
+    _check(args)
+    from hetjax import runtime
+    topo = runtime.initialize(timeout_s=args.init_timeout)
+    report = diagnose(model=args.model, batch=args.batch, steps=args.steps)
+  except (ValueError, ConnectionError) as e:
+    print(f"hetjax doctor: error: {e}", file=sys.stderr)
+    return _leave(2, multi_host)
+  except BaseException:
+    if not multi_host:
+      raise
+    traceback.print_exc()
+    return _leave(1, multi_host)
+  if topo.host_id == 0:
+    print(format_report(report), end="", flush=True)
+    if args.json:
+      os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+      with open(args.json, "w") as f:
+        json.dump(report, f, indent=1)
+  return 0 if report["ok"] else 1
+
+
+def _leave(code: int, multi_host: bool) -> int:
+  """Leaves at once on a multi-host failure: JAX's exit-time shutdown would wait for the others."""
+  if multi_host:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+  return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="hetjax doctor", description=__doc__.splitlines()[0])
+  add_arguments(parser)
+  return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+  sys.exit(main())

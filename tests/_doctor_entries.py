@@ -1,0 +1,21 @@
+"""`hetjax doctor` as a run_hosts entry: its exit code, and host 0's printout and JSON."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+
+from hetjax import doctor
+
+
+def doctor_on_every_host(json_path: str, steps: int = 6):
+  printed = io.StringIO()
+  with contextlib.redirect_stdout(printed):
+    code = doctor.main(["--steps", str(steps), "--batch", "128", "--json", json_path])
+  report = None
+  if os.path.exists(json_path):
+    with open(json_path) as f:
+      report = json.load(f)
+  return code, printed.getvalue(), report
