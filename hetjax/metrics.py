@@ -142,7 +142,9 @@ class RecordStream:
 
   A record for history index `i` is complete once `wait_s[i]` is known: one
   step late, and for the last step after `Trainer.summary()` gathered it.
-  `time_s` is the running sum of `step_s` (seconds spent in steps).
+  `time_s` is the running sum of `step_s` (seconds spent in steps). A new
+  stream starts after the records already complete, so each `fit` call can
+  make its own.
   """
 
   def __init__(self, history: Any, *, global_batch: int, emulated: bool, first_step: int = 0,
@@ -156,13 +158,18 @@ class RecordStream:
     """
     self._history, self._sinks = history, list(sinks)
     self._global_batch, self._emulated, self._first_step = global_batch, emulated, first_step
-    self._next = 0
-    self._time_s = 0.0
+    # Records complete before this stream began were someone else's to emit
+    # (an earlier `fit` call); the clock keeps running from them.
+    self._next = self._ready()
+    self._time_s = float(sum(history.step_s[:self._next]))
+
+  def _ready(self) -> int:
+    h = self._history
+    return min(len(h.shares), len(h.compute_s), len(h.wait_s), len(h.step_s))
 
   def pop(self) -> list[dict[str, Any]]:
     """The records completed since the last call, also handed to every sink."""
-    h = self._history
-    ready = min(len(h.shares), len(h.compute_s), len(h.wait_s), len(h.step_s))
+    h, ready = self._history, self._ready()
     records = []
     for i in range(self._next, ready):
       self._time_s += h.step_s[i]

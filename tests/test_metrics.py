@@ -145,6 +145,11 @@ def test_the_record_stream_emits_each_step_once_its_wait_is_known():
   assert (last["step"], last["time_s"], last["samples_per_sec"], last["wait_s"]) == (
       101, 0.75, 192.0, [0.01, 0.02])
   assert stream.pop() == [] and seen == [first, last]
+  # A second `fit` makes a new stream: it continues, it does not repeat.
+  later = metrics.RecordStream(history, global_batch=48, emulated=False, first_step=100)
+  _step(history, (24, 24), [0.1, 0.1], None, 0.25, 1.0)
+  history.wait_s.append([0.0, 0.0])
+  assert [(r["step"], r["time_s"]) for r in later.pop()] == [(102, 1.0)]
 
 
 class _Clock:
