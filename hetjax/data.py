@@ -1,81 +1,101 @@
-"""Global-batch sampling, host slices and in-memory sources.
+"""Global-batch sampling, host slices, and datasets by name.
 
 DESIGN.md invariant 1: the samples of step `s` depend only on (dataset, seed,
-step). The sampler enumerates one global stream of indices (a fresh
-permutation per epoch); step `s` takes positions `[s*B, (s+1)*B)` of that
-stream, so batches may cross epoch boundaries. Host `i` then takes the
-contiguous slice `[o_i, o_i + b_i)` of the step's `B` indices.
+step). The sampler enumerates one global stream of record indices, epoch
+after epoch, each epoch a fresh keyed permutation (`hetjax/shuffle.py`, O(1)
+memory); step `s` takes stream positions `[s*B, (s+1)*B)`, so batches may
+cross epoch boundaries. Host `i` then takes the contiguous slice
+`[o_i, o_i + b_i)` of the step's `B` indices.
+
+Sources live in `hetjax/sources.py` (memory, synthetic) and
+`hetjax/tfds_data.py` (TFDS on disk); the names below are re-exported here.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-from typing import Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-Batch = dict[str, np.ndarray]
+from hetjax import shuffle
+from hetjax.sources import (ArraySource, Batch, DatasetInfo, Source, SyntheticSource,  # noqa: F401
+                            check_records, digits, record_spec, synthetic_images,
+                            synthetic_tokens)
 
-
-@dataclasses.dataclass(frozen=True)
-class DatasetInfo:
-  """What a model needs to know about the data."""
-
-  name: str
-  kind: str  # "image", "tokens", or "custom" for a user's own arrays
-  num_classes: int | None = None
-  vocab_size: int | None = None
-
-
-class ArraySource:
-  """Records held in memory as equally long numpy arrays."""
-
-  def __init__(self, arrays: dict[str, np.ndarray], info: DatasetInfo | None = None):
-    info = info or DatasetInfo("arrays", "custom")
-    if not arrays:
-      raise ValueError(f"dataset {info.name!r} has no arrays; give at least one, e.g. {{'x': x}}.")
-    lengths = {k: len(v) for k, v in arrays.items()}
-    if len(set(lengths.values())) != 1:
-      raise ValueError(f"dataset {info.name!r}: arrays disagree on length: {lengths}.")
-    self.arrays = arrays
-    self.info = info
-
-  def __len__(self) -> int:
-    return len(next(iter(self.arrays.values())))
-
-  def __getitem__(self, indices: np.ndarray) -> Batch:
-    return {k: v[indices] for k, v in self.arrays.items()}
+SAMPLER_VERSION = 1  # Bump when the stream for a given (size, batch, seed) changes.
 
 
 class GlobalSampler:
-  """The split-independent stream of global batches."""
+  """The split-independent stream of global batches.
 
-  def __init__(self, num_records: int, global_batch: int, seed: int):
+  Example:
+    >>> sampler = GlobalSampler(num_records=10**9, global_batch=96, seed=0)
+    >>> mine = sampler.host_indices(step=7, shares=(55, 27, 14), host=1)  # 27 indices
+  """
+
+  def __init__(self, num_records: int, global_batch: int, seed: int, *, name: str | None = None):
+    what = f"dataset {name!r}" if name else "the dataset"
+    if global_batch < 1:
+      raise ValueError(f"the global batch must be >= 1, got {global_batch}.")
     if num_records < global_batch:
-      raise ValueError(f"the dataset has {num_records} records, fewer than one global batch "
+      raise ValueError(f"{what} has {num_records} records, fewer than one global batch "
                        f"({global_batch}); lower --global-batch or use a larger dataset.")
-    self.num_records = num_records
-    self.global_batch = global_batch
-    self.seed = seed
+    if num_records > shuffle.MAX_RECORDS:
+      raise ValueError(f"{what} has {num_records} records; the sampler handles up to 2^62.")
+    self.num_records = int(num_records)
+    self.global_batch = int(global_batch)
+    self.seed = int(seed)
 
-  @functools.lru_cache(maxsize=4)
-  def _permutation(self, epoch: int) -> np.ndarray:
-    return np.random.default_rng([self.seed, epoch]).permutation(self.num_records)
+  def at(self, positions: np.ndarray) -> np.ndarray:
+    """The record indices at global stream `positions` (int64, same shape)."""
+    epochs, offsets = np.divmod(np.asarray(positions, dtype=np.int64), self.num_records)
+    return shuffle.permute(offsets, self.num_records, shuffle.epoch_key(self.seed, epochs))
+
+  def positions(self, step: int, part: slice = slice(None)) -> np.ndarray:
+    """Stream positions of `step`'s batch elements `part` (default: all `B`)."""
+    start, stop, _ = part.indices(self.global_batch)
+    return step * self.global_batch + np.arange(start, max(start, stop), dtype=np.int64)
 
   def indices(self, step: int) -> np.ndarray:
     """The `B` global record indices of `step`, in batch order."""
-    positions = step * self.global_batch + np.arange(self.global_batch)
-    epochs, offsets = np.divmod(positions, self.num_records)
-    out = np.empty(self.global_batch, dtype=np.int64)
-    for epoch in np.unique(epochs):
-      sel = epochs == epoch
-      out[sel] = self._permutation(int(epoch))[offsets[sel]]
-    return out
+    return self.at(self.positions(step))
+
+  def host_indices(self, step: int, shares: Sequence[int], host: int) -> np.ndarray:
+    """Host `host`'s slice of `indices(step)`, computing only that slice."""
+    return self.at(self.positions(step, host_slice(shares, host)))
 
   def epoch(self, step: int) -> float:
     """Epochs completed after `step` steps."""
     return step * self.global_batch / self.num_records
+
+  def epochs_completed(self, step: int) -> int:
+    """Whole epochs completed after `step` steps (exact integer arithmetic)."""
+    return step * self.global_batch // self.num_records
+
+  def state_dict(self, step: int) -> dict[str, int]:
+    """The data cursor as small integers a checkpoint can store.
+
+    The stream is a function of (size, batch, seed), so the cursor is the
+    step plus what a restore must find unchanged.
+    """
+    return {"step": int(step), "position": int(step) * self.global_batch,
+            "num_records": self.num_records, "global_batch": self.global_batch,
+            "seed": self.seed, "version": SAMPLER_VERSION}
+
+  def restore(self, state: Mapping[str, Any]) -> int:
+    """The step to resume at; ValueError if the checkpoint's stream differs."""
+    for key, mine, fix in (
+        ("version", SAMPLER_VERSION, "resume with the hetjax version that wrote it"),
+        ("num_records", self.num_records, "resume on the same dataset and split"),
+        ("seed", self.seed, "resume with the same --seed"),
+        ("global_batch", self.global_batch, "resume with the same --global-batch")):
+      if int(state[key]) != mine:
+        raise ValueError(f"the checkpoint's data cursor has {key}={int(state[key])} but this run has "
+                         f"{key}={mine}; its sample order would not continue: {fix}.")
+    if int(state["position"]) != int(state["step"]) * self.global_batch:
+      raise ValueError(f"the checkpoint's data cursor is inconsistent (step {state['step']}, "
+                       f"position {state['position']}); the checkpoint is damaged.")
+    return int(state["step"])
 
 
 def host_slice(shares: Sequence[int], host: int) -> slice:
@@ -84,56 +104,53 @@ def host_slice(shares: Sequence[int], host: int) -> slice:
   return slice(start, start + int(shares[host]))
 
 
-# ---- In-memory datasets -------------------------------------------------
+# ---- Datasets by name ------------------------------------------------------
+
+TFDS_PREFIX = "tfds:"
+SYNTHETIC_BIG_SIZE = 10**7
+SYNTHETIC_BIG_TEST_SIZE = 10**4  # Small: the CLI evaluates the whole test split in memory.
+_SPLITS = {"train": 0, "test": 1}  # Built-in split -> generator seed.
 
 
-def digits(split: str = "train") -> ArraySource:
-  """The 1,797 real 8x8 handwritten digits that ship inside scikit-learn.
+def _synthetic_big(split: str) -> SyntheticSource:
+  size = SYNTHETIC_BIG_SIZE if split == "train" else SYNTHETIC_BIG_TEST_SIZE
+  return SyntheticSource(size, seed=_SPLITS[split])
 
-  A fixed 80/20 split (permutation seed 0), pixels scaled to [0, 1].
+
+DATASETS: dict[str, Callable[..., Source]] = {
+    "digits": digits, "synthetic": synthetic_images, "synthetic_big": _synthetic_big,
+    "tokens": synthetic_tokens}
+
+
+def check_dataset_name(name: str, data_dir: str | None = None, split: str = "train") -> None:
+  """Cheap checks before JAX starts (no TFDS import); raises ValueError.
+
+  `tfds:NAME` must be prepared in `data_dir` in a random-access format and
+  have `split`; a built-in name must exist and have `split` (built-in
+  datasets read no folder, so `data_dir` is ignored for them).
   """
-  from sklearn.datasets import load_digits  # Heavy import; only when asked.
-
-  d = load_digits()
-  x = (d.images.astype(np.float32) / 16.0)[..., None]
-  y = d.target.astype(np.int32)
-  order = np.random.default_rng(0).permutation(len(y))
-  cut = int(0.8 * len(y))
-  idx = {"train": order[:cut], "test": order[cut:]}
-  if split not in idx:
-    raise ValueError(f"dataset 'digits' has splits 'train' and 'test', not {split!r}.")
-  return ArraySource({"x": x[idx[split]], "y": y[idx[split]]},
-                     DatasetInfo("digits", "image", num_classes=10))
-
-
-def synthetic_images(size: int = 4096, seed: int = 0, shape=(8, 8, 1), num_classes: int = 10) -> ArraySource:
-  """Gaussian images labelled by a fixed random linear teacher (learnable)."""
-  rng = np.random.default_rng(seed)
-  x = rng.standard_normal((size, *shape), dtype=np.float32)
-  teacher = np.random.default_rng(1234).standard_normal((int(np.prod(shape)), num_classes))
-  y = np.argmax(x.reshape(size, -1) @ teacher, axis=1).astype(np.int32)
-  return ArraySource({"x": x, "y": y}, DatasetInfo("synthetic", "image", num_classes=num_classes))
-
-
-def synthetic_tokens(size: int = 4096, seed: int = 0, seq_len: int = 16, vocab_size: int = 32) -> ArraySource:
-  """Arithmetic progressions modulo the vocabulary: a sequence task an LM can learn."""
-  rng = np.random.default_rng(seed)
-  start = rng.integers(0, vocab_size, size=(size, 1))
-  stride = rng.integers(1, 4, size=(size, 1))
-  x = ((start + stride * np.arange(seq_len)) % vocab_size).astype(np.int32)
-  return ArraySource({"x": x}, DatasetInfo("tokens", "tokens", vocab_size=vocab_size))
-
-
-DATASETS = {"digits": digits, "synthetic": synthetic_images, "tokens": synthetic_tokens}
-
-
-def load(name: str, split: str = "train") -> ArraySource:
-  """A dataset by name; raises `ValueError` listing the known names."""
+  if name.startswith(TFDS_PREFIX):
+    from hetjax import tfds_data
+    tfds_data.check(name[len(TFDS_PREFIX):], split, data_dir)
+    return
   if name not in DATASETS:
-    raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(sorted(DATASETS))}.")
-  if name == "digits":
-    return digits(split)
-  seed = {"train": 0, "test": 1}.get(split)
-  if seed is None:
+    raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(sorted(DATASETS))}, "
+                     "or tfds:NAME for a TFDS dataset prepared in --data-dir.")
+  if split not in _SPLITS:
     raise ValueError(f"dataset {name!r} has splits 'train' and 'test', not {split!r}.")
-  return DATASETS[name](seed=seed)
+
+
+def load(name: str, split: str = "train", data_dir: str | None = None) -> Source:
+  """A dataset by name: a built-in one, or `tfds:NAME[:VERSION]` from `data_dir`.
+
+  Raises:
+    ValueError: an unknown name, a split it lacks, or a TFDS dataset that is
+      not prepared in `data_dir` (see `check_dataset_name`).
+  """
+  check_dataset_name(name, data_dir, split)
+  if name.startswith(TFDS_PREFIX):
+    from hetjax import tfds_data
+    return tfds_data.tfds_source(name[len(TFDS_PREFIX):], split, data_dir)
+  if name in ("digits", "synthetic_big"):
+    return DATASETS[name](split)
+  return DATASETS[name](seed=_SPLITS[split])

@@ -1,0 +1,188 @@
+"""One host's reader: its slice of each global batch, prefetched in threads.
+
+The balancer fixes step s+1's shares only after step s's cross-host
+reduction, so the loader cannot know the next slice for sure. The trainer
+guesses (the shares stay) and calls `prefetch(s + 1, shares)` before running
+step s; `get(s + 1, actual_shares)` then takes whatever prefetched records
+overlap the actual slice, keyed by their position in the global batch, and
+reads the rest at once. A wrong guess costs time, never correctness: the
+result equals `read(step, shares)`, the synchronous read, element for element.
+
+Example:
+  >>> with HostLoader(source, sampler, host_id=1, augment=augment.parse("crop")) as loader:
+  ...   batch = loader.get(step, shares)
+  ...   loader.prefetch(step + 1, shares)
+  ...   ... compute on batch ...
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import weakref
+from typing import Sequence
+
+import numpy as np
+
+from hetjax import augment as augment_lib
+from hetjax import data as data_lib
+from hetjax.sources import Batch, Source
+
+
+@dataclasses.dataclass
+class _Chunk:
+  """Records `[start, stop)` of `step`'s global batch, being read."""
+
+  step: int
+  start: int
+  stop: int
+  future: concurrent.futures.Future
+
+
+class HostLoader:
+  """Reads host `host_id`'s records of each step, decoding ahead in threads.
+
+  Not itself thread-safe: call `get`, `prefetch` and `close` from one thread
+  (the training loop). Errors raised while reading surface in `get` as the
+  original exception.
+  """
+
+  def __init__(self, source: Source, sampler: data_lib.GlobalSampler, host_id: int, *,
+               threads: int = 2, augment: augment_lib.Augment | None = None,
+               min_chunk: int = 64):
+    """Args:
+      source: random-access records.
+      sampler: the global stream (decides which record sits where).
+      host_id: this host's position in the shares.
+      threads: background readers; the slice is split among them.
+      augment: per-example augmentation (see `hetjax.augment`), or None.
+      min_chunk: do not split a read into pieces smaller than this.
+    """
+    if threads < 1 or min_chunk < 1:
+      raise ValueError(f"HostLoader needs threads >= 1 and min_chunk >= 1, got {threads}, {min_chunk}.")
+    if len(source) != sampler.num_records:
+      raise ValueError(f"dataset {source.info.name!r} has {len(source)} records but the sampler "
+                       f"was built for {sampler.num_records}; build both from the same source.")
+    self.source, self.sampler, self.host_id = source, sampler, host_id
+    self.augment, self.threads, self.min_chunk = augment, threads, min_chunk
+    self.stats = {"prefetched": 0, "read_on_demand": 0}  # Records served each way.
+    self._chunks: list[_Chunk] = []
+    self._pool = concurrent.futures.ThreadPoolExecutor(threads, f"hetjax-loader-{host_id}")
+    self._closed = False
+    # A forgotten loader still lets its threads go when collected.
+    self._finalizer = weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
+
+  # ---- Public API ----------------------------------------------------------
+
+  def read(self, step: int, shares: Sequence[int]) -> Batch:
+    """This host's records of `step`, read synchronously (the reference)."""
+    part = self._slice(shares)
+    return self._read(step, part.start, part.stop)
+
+  def prefetch(self, step: int, shares: Sequence[int]) -> None:
+    """Starts reading this host's slice of `step` under `shares` (a guess).
+
+    Records already being read for `step` are not read twice; `get` drops
+    what its step no longer needs, so prefetching never grows memory past
+    about two steps' slices when each step is fetched with `get`.
+    """
+    self._check_open()
+    part = self._slice(shares)
+    self._cover(step, part.start, part.stop)
+
+  def get(self, step: int, shares: Sequence[int]) -> Batch:
+    """This host's records of `step` under `shares`, equal to `read(step, shares)`."""
+    self._check_open()
+    part = self._slice(shares)
+    start, stop = part.start, part.stop
+    self._drop(lambda c: c.step < step or (c.step == step and (c.stop <= start or c.start >= stop)))
+    had = {id(c) for c in self._chunks}
+    try:
+      plan = self._cover(step, start, stop)
+      pieces = []
+      for chunk, a, b in plan:
+        batch = chunk.future.result()
+        pieces.append({k: v[a - chunk.start:b - chunk.start] for k, v in batch.items()})
+        self.stats["prefetched" if id(chunk) in had else "read_on_demand"] += b - a
+    finally:
+      self._drop(lambda c: c.step <= step)
+    if not pieces:
+      return self._read(step, start, start)  # An empty batch with the right trailing shapes.
+    if len(pieces) == 1:
+      return pieces[0]
+    return {k: np.concatenate([p[k] for p in pieces]) for k in pieces[0]}
+
+  def close(self) -> None:
+    """Cancels pending reads and joins the threads; safe to call twice."""
+    if not self._closed:
+      self._closed = True
+      self._drop(lambda c: True)
+      self._pool.shutdown(wait=True, cancel_futures=True)
+      self._finalizer.detach()
+
+  def __enter__(self) -> HostLoader:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  # ---- Internals -----------------------------------------------------------
+
+  def _check_open(self) -> None:
+    if self._closed:
+      raise RuntimeError("this HostLoader is closed; make a new one to read again.")
+
+  def _slice(self, shares: Sequence[int]) -> slice:
+    if not 0 <= self.host_id < len(shares):
+      raise ValueError(f"shares {tuple(shares)} have no entry for host {self.host_id}.")
+    part = data_lib.host_slice(shares, self.host_id)
+    if part.start < 0 or part.stop < part.start or part.stop > self.sampler.global_batch:
+      raise ValueError(f"shares {tuple(shares)} give host {self.host_id} the slice "
+                       f"[{part.start}, {part.stop}), outside the global batch of "
+                       f"{self.sampler.global_batch}; shares must be >= 0 and sum to it.")
+    return part
+
+  def _read(self, step: int, start: int, stop: int) -> Batch:
+    """Records `[start, stop)` of `step`'s global batch: fetch, then augment."""
+    positions = self.sampler.positions(step, slice(start, stop))
+    indices = self.sampler.at(positions)
+    batch = self.source[indices]
+    if self.augment is not None:
+      epochs = positions // self.sampler.num_records
+      batch = self.augment(batch, augment_lib.example_keys(self.sampler.seed, epochs, indices))
+    return batch
+
+  def _submit(self, step: int, start: int, stop: int) -> list[_Chunk]:
+    """Reads `[start, stop)` in up to `threads` pieces, in the background."""
+    pieces = max(1, min(self.threads, (stop - start) // self.min_chunk))
+    cuts = np.linspace(start, stop, pieces + 1).round().astype(int)
+    chunks = [_Chunk(step, int(a), int(b), self._pool.submit(self._read, step, int(a), int(b)))
+              for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
+    self._chunks.extend(chunks)
+    return chunks
+
+  def _cover(self, step: int, start: int, stop: int) -> list[tuple[_Chunk, int, int]]:
+    """Chunks (reused or new) that together hold `[start, stop)`, in order."""
+    mine = sorted((c for c in self._chunks if c.step == step and c.start < stop and c.stop > start),
+                  key=lambda c: c.start)
+    plan, cur = [], start
+    while cur < stop:
+      held = next((c for c in mine if c.start <= cur < c.stop), None)
+      if held is not None:
+        end = min(held.stop, stop)
+        plan.append((held, cur, end))
+      else:
+        end = min([c.start for c in mine if c.start > cur] + [stop])
+        plan.extend((c, c.start, c.stop) for c in self._submit(step, cur, end))
+      cur = end
+    return plan
+
+  def _drop(self, which) -> None:
+    """Forgets the chunks `which` selects, cancelling those not yet started."""
+    keep = []
+    for chunk in self._chunks:
+      if which(chunk):
+        chunk.future.cancel()
+      else:
+        keep.append(chunk)
+    self._chunks = keep
