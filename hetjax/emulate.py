@@ -19,6 +19,10 @@ from typing import Callable, Mapping, Sequence
 
 ENV_SPEED = "HETJAX_SPEED"
 ENV_SLOWDOWN = "HETJAX_SLOWDOWN"
+# Stretches every host's compute, the fastest's too: emulates devices slower
+# than this CPU, so that the local compute (not the reduction) dominates a
+# step, as it does on a GPU cluster. Benchmarks use it; 1 means off.
+ENV_TIME_SCALE = "HETJAX_TIME_SCALE"
 
 
 def check_speed(speed: float, *, name: str = "speed") -> float:
@@ -149,12 +153,27 @@ def slowdown_factor(slowdowns: Sequence[Slowdown], host: int, step: int) -> floa
   return factor
 
 
+def time_scale_from_env(env: Mapping[str, str] = os.environ) -> float:
+  """The emulated time scale from HETJAX_TIME_SCALE (1.0 when unset)."""
+  raw = env.get(ENV_TIME_SCALE, "").strip() or "1"
+  try:
+    scale = float(raw)
+  except ValueError:
+    scale = float("nan")
+  if not scale >= 1.0:
+    raise ValueError(f"{ENV_TIME_SCALE}={raw!r} must be a number >= 1 (how many times slower "
+                     "than this CPU every emulated device is), or unset.")
+  return scale
+
+
 def pacing_from_env(host: int, env: Mapping[str, str] = os.environ) -> Callable[[float, int], float] | None:
   """The pacing hook `(compute_s, step) -> emulated_s` for this host, `None` when nothing is emulated."""
   speed = speed_from_env(env)
+  scale = time_scale_from_env(env)
   slowdowns = parse_slowdowns(env.get(ENV_SLOWDOWN, ""))
-  if speed == 1.0 and not any(s.host == host for s in slowdowns):
+  if speed == 1.0 and scale == 1.0 and not any(s.host == host for s in slowdowns):
     return None
   pacer = Pacer(speed)
-  return lambda compute_s, step: pacer.pace(compute_s, slowdown_factor(slowdowns, host, step))
+  return lambda compute_s, step: pacer.pace(
+      compute_s, scale * slowdown_factor(slowdowns, host, step))
 

@@ -152,7 +152,7 @@ class Trainer:
     self.balancer = balancer or self._default_balancer(start_step=0)
     self.sampler = data_lib.GlobalSampler(len(source), config.global_batch, config.seed)
     self._check_hosts_agree(f"{identity}|{checkpoint!r}")
-    self.emulated = pace is not None or any(k in os.environ for k in ("HETJAX_SPEED", "HETJAX_SLOWDOWN"))
+    self.emulated = pace is not None or any(k in os.environ for k in ("HETJAX_SPEED", "HETJAX_SLOWDOWN", "HETJAX_TIME_SCALE"))
     if pace is None and self.emulated:
       from hetjax import emulate  # Emulation stays off the real path.
       pace = emulate.pacing_from_env(self.host_id)

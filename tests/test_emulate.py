@@ -125,3 +125,15 @@ def test_pacing_from_env_combines_speed_and_slowdown(monkeypatch):
   assert pace(1.0, 3) == pytest.approx(2.0)
   assert pace(1.0, 4) == pytest.approx(6.0)
   assert slept == pytest.approx([1.0, 5.0])
+
+
+
+def test_time_scale_paces_even_the_fastest_host():
+  pace = emulate.pacing_from_env(0, {"HETJAX_TIME_SCALE": "4"})
+  assert pace is not None and pace(0.001, 0) == pytest.approx(0.004)  # Sleeps 3 ms.
+  slower = emulate.pacing_from_env(1, {"HETJAX_TIME_SCALE": "4", "HETJAX_SPEED": "0.5",
+                                       "HETJAX_SLOWDOWN": "1:3@10"})
+  assert slower(0.0001, 9) == pytest.approx(0.0008) and slower(0.0001, 10) == pytest.approx(0.0024)
+  assert emulate.pacing_from_env(0, {}) is None
+  with pytest.raises(ValueError, match="HETJAX_TIME_SCALE='0.5' must be a number >= 1"):
+    emulate.pacing_from_env(0, {"HETJAX_TIME_SCALE": "0.5"})
