@@ -22,7 +22,10 @@ def _parser() -> argparse.ArgumentParser:
   sub = p.add_subparsers(dest="command", required=True)
   t = sub.add_parser("train", help="train a built-in model on a built-in dataset")
   t.add_argument("--model", default="cnn", help="mlp, cnn, resnet18 or transformer")
-  t.add_argument("--dataset", default="digits", help="digits, synthetic or tokens")
+  t.add_argument("--dataset", default="digits",
+                 help="digits, synthetic, synthetic_big, tokens, or tfds:NAME (prepared in --data-dir)")
+  t.add_argument("--data-dir", default=None, help="TFDS data folder for --dataset tfds:NAME")
+  t.add_argument("--augment", default="none", help="none, crop, flip or crop,flip (images)")
   t.add_argument("--global-batch", type=int, default=64, help="samples per step over all hosts")
   t.add_argument("--steps", type=int, default=100)
   t.add_argument("--optimizer", default="adam", help=", ".join(OPTIMIZERS))
@@ -35,10 +38,12 @@ def _parser() -> argparse.ArgumentParser:
   t.add_argument("--microbatch", type=int, default=16, help="samples per device per micro-batch")
   t.add_argument("--reduction", default="device", choices=("device", "host"),
                  help="cross-host reduction backend")
-  t.add_argument("--out", default="runs/latest", help="folder for summary.json (host 0)")
+  t.add_argument("--out", default="runs/latest",
+                 help="folder for summary.json, metrics.jsonl and tensorboard/ (host 0)")
   t.add_argument("--save-params", default=None, metavar="FILE.npz",
                  help="write the final parameters (host 0)")
-  t.add_argument("--log-every", type=int, default=10)
+  t.add_argument("--log-every", type=int, default=10,
+                 help="progress line every N steps when not on a terminal (0: none)")
   t.add_argument("--init-timeout", type=float, default=None,
                  help="seconds to reach the coordinator (default HETJAX_INIT_TIMEOUT or 120)")
   t.add_argument("--model-width", type=int, default=None, help="override the model's width")
@@ -51,6 +56,10 @@ def _parser() -> argparse.ArgumentParser:
                  help="start afresh even if --ckpt-dir holds a checkpoint")
   c.add_argument("--sync-save", dest="async_save", action="store_false",
                  help="block training while a checkpoint is written (default: background)")
+  from hetjax import doctor, report  # Neither imports JAX at module level.
+  report.add_arguments(sub.add_parser("report", help="draw and summarise a run folder"))
+  doctor.add_arguments(sub.add_parser(
+      "doctor", help="check the cluster and measure every host (run it on every host)"))
   return p
 
 
@@ -61,8 +70,9 @@ def _check_args(args: argparse.Namespace) -> None:
 
   if args.model not in hetjax_models.MODEL_NAMES:
     raise ValueError(f"unknown model {args.model!r}; choose one of {', '.join(hetjax_models.MODEL_NAMES)}.")
-  if args.dataset not in data.DATASETS:
-    raise ValueError(f"unknown dataset {args.dataset!r}; choose one of {', '.join(sorted(data.DATASETS))}.")
+  data.check_dataset_name(args.dataset, args.data_dir)
+  from hetjax import augment
+  augment.parse(args.augment)
   if args.optimizer not in OPTIMIZERS:
     raise ValueError(f"unknown optimizer {args.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}.")
   if args.global_batch < 1:
@@ -102,25 +112,38 @@ def train(args: argparse.Namespace) -> dict:
   _check_args(args)
   import numpy as np
   import hetjax_models
-  from hetjax import data, runtime, trainer
+  from hetjax import data, metrics, progress, runtime, trainer
 
   topo = runtime.initialize(timeout_s=args.init_timeout)
-  source = data.load(args.dataset, "train")
+  source = data.load(args.dataset, "train", data_dir=args.data_dir)
   overrides = {} if args.model_width is None else {"width": args.model_width}
   task = hetjax_models.build(args.model, kind=source.info.kind, num_classes=source.info.num_classes,
                              vocab_size=source.info.vocab_size, **overrides)
   config = trainer.TrainConfig(global_batch=args.global_batch, microbatch=args.microbatch,
                                seed=args.seed, assignment=args.assignment, reduction=args.reduction,
-                               balancer=args.balancer)
+                               balancer=args.balancer, augment=args.augment)
   identity = f"{args.model}|{args.optimizer}|{args.lr}|{args.model_width}"
   ckpt = None if args.ckpt_dir is None else _checkpoint_config(args)
   tr = trainer.Trainer(task, _optimizer(args.optimizer, args.lr), source, config,
                        identity=identity, checkpoint=ckpt)
-  summary = tr.fit(until=args.steps, log_every=args.log_every)
+  sinks, writer = [], None
+  if topo.host_id == 0:
+    writer = metrics.MetricsWriter(args.out, resume_step=tr.resumed_from)
+    sinks.append(writer.write)
+  bar = progress.Progress(args.steps, host_id=topo.host_id, every=max(args.log_every, 1))
+  if args.log_every > 0:
+    sinks.append(bar.update)
+  try:
+    summary = tr.fit(until=args.steps, sinks=sinks)
+  finally:
+    bar.close()
+    if writer is not None:
+      writer.close()
+  tr.close()
   summary.update(model=args.model, dataset=args.dataset, optimizer=args.optimizer, lr=args.lr,
                  seed=args.seed, command=shlex.join(sys.argv))
   if source.info.kind == "image":
-    test = tr.evaluate(data.load(args.dataset, "test"))
+    test = tr.evaluate(data.load(args.dataset, "test", data_dir=args.data_dir))
     summary["test_accuracy"] = test.get("accuracy")
     summary["test_loss"] = test["loss"]
   if topo.host_id == 0:
@@ -156,6 +179,9 @@ def _exit_now(code: int) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
   args = _parser().parse_args(argv)
+  if args.command in ("report", "doctor"):
+    from hetjax import doctor, report
+    return {"report": report, "doctor": doctor}[args.command].run(args)
   multi_host = int(os.environ.get("HETJAX_NUM_HOSTS", "1")) > 1
   from hetjax import procs
   try:

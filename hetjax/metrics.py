@@ -370,15 +370,24 @@ class MetricsWriter:
   as `NaN` (Python's json reads it back; it is the signal, not an error).
   """
 
-  def __init__(self, out_dir: str, *, tensorboard: bool = True):
+  def __init__(self, out_dir: str, *, tensorboard: bool = True, resume_step: int | None = None):
     """Args:
       out_dir: the run's output folder (created if missing).
       tensorboard: also write TensorBoard scalars under OUT/tensorboard/.
+      resume_step: a resumed run keeps the earlier records of steps before
+        this one (those after it were redone from the checkpoint); None
+        starts the file afresh.
     """
     os.makedirs(out_dir, exist_ok=True)
     self.out_dir = out_dir
     self.path = os.path.join(out_dir, METRICS_FILE)
+    kept = []
+    if resume_step is not None and os.path.exists(self.path):
+      kept = [r for r in read_records(self.path) if r["step"] < resume_step]
     self._file = open(self.path, "w")
+    for record in kept:
+      self._file.write(json.dumps(record, allow_nan=True) + "\n")
+    self._file.flush()
     self._events = EventFileWriter(os.path.join(out_dir, TENSORBOARD_DIR)) if tensorboard else None
 
   def write(self, record: dict[str, Any]) -> None:

@@ -15,16 +15,19 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from hetjax import augment as augment_lib
 from hetjax import balancer as balancer_lib
 from hetjax import checkpoint as ckpt_lib
 from hetjax import data as data_lib
+from hetjax import loader as loader_lib
+from hetjax import metrics as metrics_lib
 from hetjax import procs
 from hetjax import runtime
 from hetjax import step as step_lib
@@ -47,6 +50,8 @@ class TrainConfig:
     balancer: None (follow `assignment`), 'equal', 'static' (profile a short
       warm-up, then fix the split) or 'dynamic' (keep re-sizing shares from
       the measured step times).
+    augment: per-example augmentation, e.g. 'crop,flip' (see hetjax.augment);
+      its randomness follows the example's global index, not the host.
   """
 
   global_batch: int
@@ -55,6 +60,7 @@ class TrainConfig:
   assignment: str | tuple[int, ...] = "equal"
   reduction: str = "device"
   balancer: str | None = None
+  augment: str = "none"
 
   def validate(self) -> None:
     if self.global_batch < 1:
@@ -63,6 +69,7 @@ class TrainConfig:
       raise ValueError(f"micro-batch must be >= 1, got {self.microbatch}.")
     if self.reduction not in step_lib.REDUCTIONS:
       raise ValueError(f"unknown reduction backend {self.reduction!r}; choose 'device' or 'host'.")
+    augment_lib.parse(self.augment)  # Raises on an unknown augmentation.
 
 
 @dataclasses.dataclass
@@ -150,13 +157,16 @@ class Trainer:
     self.host_id, self.num_hosts = self.meshes.host_id, self.meshes.num_hosts
     self._custom_balancer = balancer is not None
     self.balancer = balancer or self._default_balancer(start_step=0)
-    self.sampler = data_lib.GlobalSampler(len(source), config.global_batch, config.seed)
+    self.sampler = data_lib.GlobalSampler(len(source), config.global_batch, config.seed,
+                                          name=source.info.name)
     self._check_hosts_agree(f"{identity}|{checkpoint!r}")
     self.emulated = pace is not None or any(k in os.environ for k in ("HETJAX_SPEED", "HETJAX_SLOWDOWN", "HETJAX_TIME_SCALE"))
     if pace is None and self.emulated:
       from hetjax import emulate  # Emulation stays off the real path.
       pace = emulate.pacing_from_env(self.host_id)
     self.pace = pace
+    self.loader = loader_lib.HostLoader(source, self.sampler, self.host_id,
+                                        augment=augment_lib.parse(config.augment))
     self._example = source[np.arange(1)]
     init_batch = next(step_lib.micro_batches(self._example, config.microbatch))
     self.state = step_lib.init_state(task, optimizer, self.meshes, init_batch, config.seed)
@@ -196,9 +206,7 @@ class Trainer:
             "microbatch": self.config.microbatch}
 
   def _checkpoint_meta(self) -> dict[str, Any]:
-    meta = {"job": self.job, "layout": self._layout(),
-            "data": {"step": self.step, "seed": self.config.seed, "num_records": len(self.source),
-                     "global_batch": self.config.global_batch}}
+    meta = {"job": self.job, "layout": self._layout(), "data": self.sampler.state_dict(self.step)}
     if hasattr(self.balancer, "state_dict"):
       meta["balancer"] = self.balancer.state_dict()
     return meta
@@ -209,7 +217,7 @@ class Trainer:
     if restored is None:
       return
     self.state, meta = restored
-    step = int(meta["step"])
+    step = self.sampler.restore(meta["data"])
     self._start_step = self.resumed_from = step
     try:
       if meta["layout"] != self._layout() or "balancer" not in meta:
@@ -245,8 +253,8 @@ class Trainer:
     t0 = time.perf_counter()
     shares = balancer_lib.validate_shares(
         self.balancer.shares(step), self.config.global_batch, self.num_hosts)
-    indices = self.sampler.indices(step)[data_lib.host_slice(shares, self.host_id)]
-    batch = self.source[indices]
+    batch = self.loader.get(step, shares)
+    self.loader.prefetch(step + 1, shares)  # A guess: shares rarely change.
     sums = self.local(self.state.params, self.state.model_state, batch, self._example,
                       self._base_key, step)
     jax.block_until_ready(sums)
@@ -265,7 +273,7 @@ class Trainer:
     h = self.history
     h.shares.append(shares)
     h.compute_s.append([float(r) for r in rows[:, 0]])
-    if h.compute_s[:-1]:
+    if len(h.wait_s) < len(h.shares) - 1:  # Not yet gathered by summary().
       h.wait_s.append([float(r) for r in rows[:, 1]])
     h.step_s.append(t2 - t0)
     metrics = {k: float(v) for k, v in stats.items() if k != "count"}
@@ -276,7 +284,8 @@ class Trainer:
 
   def fit(self, steps: int | None = None, *, until: int | None = None, log_every: int = 0,
           log: Callable[[str], None] = print,
-          on_step: Callable[["Trainer", dict[str, float]], None] | None = None) -> dict[str, Any]:
+          on_step: Callable[["Trainer", dict[str, float]], None] | None = None,
+          sinks: Sequence[Callable[[dict[str, Any]], Any]] = ()) -> dict[str, Any]:
     """Runs `steps` more steps, or until step `until`; returns the summary (same on every host).
 
     With a checkpoint folder it saves every `every` steps and at the end, and
@@ -289,15 +298,22 @@ class Trainer:
       log_every: host 0 logs every this many steps (0: never).
       log: where log lines go.
       on_step: called after every step with the trainer and the step's metrics.
+      sinks: fed one complete per-step record each (`hetjax.metrics` schema),
+        e.g. `MetricsWriter.write` or `Progress.update`; a step's record
+        comes one step late, when its wait seconds are known.
     """
     if (steps is None) == (until is None):
       raise ValueError("give fit() exactly one of steps (how many more) or until (the last step).")
     if steps is not None and steps < 0:
       raise ValueError(f"steps must be >= 0, got {steps}.")
     target = self.step + steps if until is None else until
+    stream = metrics_lib.RecordStream(self.history, global_batch=self.config.global_batch,
+                                      emulated=self.emulated, first_step=self._start_step,
+                                      sinks=sinks)
     with self._sigterm_requests_stop():
       while self.step < target:
         metrics = self.train_step()
+        stream.pop()
         if on_step is not None:
           on_step(self, metrics)
         if log_every and self.step % log_every == 0 and self.host_id == 0:
@@ -310,7 +326,16 @@ class Trainer:
           self.save_checkpoint()
     if self.checkpointer is not None:
       self.save_checkpoint(wait=True)
-    return self.summary()
+    summary = self.summary()
+    stream.pop()  # The last step's record, now that summary() gathered its waits.
+    return summary
+
+  def close(self) -> None:
+    """Stops the input threads and finishes any checkpoint being written."""
+    self.loader.close()
+    if self.checkpointer is not None:
+      self.checkpointer.wait()
+      self.checkpointer.close()
 
   def save_checkpoint(self, wait: bool = False) -> None:
     """Saves the state after `self.step` steps (every host must call it)."""
