@@ -59,6 +59,13 @@ _POLL_S = 0.05
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
+def split_command(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+  """A launcher's `ARGS -- COMMAND...` as (launcher arguments, host command)."""
+  argv = list(argv)
+  split = argv.index("--") if "--" in argv else len(argv)
+  return argv[:split], argv[split + 1:]
+
+
 def free_port(host: str = "127.0.0.1") -> int:
   """A TCP port that was free a moment ago (the OS picks it)."""
   with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

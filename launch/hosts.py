@@ -154,11 +154,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
   """Parses `argv` (default: sys.argv[1:]), runs the hosts, returns the exit code."""
-  argv = list(sys.argv[1:] if argv is None else argv)
-  split = argv.index("--") if "--" in argv else len(argv)
+  own, command = procs.split_command(sys.argv[1:] if argv is None else argv)
   parser = _parser()
-  args = parser.parse_args(argv[:split])
-  command = argv[split + 1:]
+  args = parser.parse_args(own)
   try:
     if not command:
       raise ValueError("no host command given; put it after '--', e.g. "
