@@ -4,10 +4,13 @@ Run: `.venv/bin/python bench/balance.py` (about 5 minutes on 2 cores).
 
 Three host processes (speeds 1, 0.5, 0.25, emulated by pacing) train the
 CNN on the digits with the modes `equal`, `static` and `dynamic`, one after
-another in one invocation. HETJAX_TIME_SCALE stretches every host's real
-compute (the fastest host's too), so that, as on a GPU cluster, the local
-compute dominates a step and the cross-host reduction is a small part of it;
-the reduction's measured share of the step is printed next to the figures.
+another in one invocation. Each host's device is EMULATED
+(HETJAX_DEVICE_SAMPLE_MS): its local step takes the real compute plus
+`samples x ms / speed` of paced device time, so that, as on a GPU cluster,
+the local compute dominates a step, grows with the share, and the
+cross-host reduction is a small part of it; the host's own overhead stays
+real. The reduction's measured share of the step is printed next to the
+figures.
 
 Figures per mode (steady state: the second half of the steps):
 - samples/s, and the speedup over `equal`, next to the bound sum(s)/(N min s);
@@ -101,8 +104,8 @@ def main(argv=None) -> dict:
   p.add_argument("--recovery-steps", type=int, default=80, help="steps of the slowdown run")
   p.add_argument("--global-batch", type=int, default=192)
   p.add_argument("--microbatch", type=int, default=8)
-  p.add_argument("--time-scale", type=float, default=8.0,
-                 help="HETJAX_TIME_SCALE: every emulated device is this much slower than this CPU")
+  p.add_argument("--sample-ms", type=float, default=5.0,
+                 help="emulated device milliseconds per sample on the fastest host")
   p.add_argument("--every", type=int, default=None, help="dynamic: re-solve every K steps")
   p.add_argument("--max-move", type=float, default=None, help="dynamic: rate limit (share of B)")
   args = p.parse_args(argv)
@@ -110,10 +113,10 @@ def main(argv=None) -> dict:
   from hetjax.testing import run_hosts  # pylint: disable=g-import-not-at-top
 
   options = {k: v for k, v in (("every", args.every), ("max_move", args.max_move)) if v is not None}
-  env = {"HETJAX_TIME_SCALE": f"{args.time_scale:g}"}
+  env = {"HETJAX_DEVICE_SAMPLE_MS": f"{args.sample_ms:g}"}
   bound = sum(SPEEDS) / (len(SPEEDS) * min(SPEEDS))
-  print(f"EMULATED cluster: 3 hosts x 1 CPU device, speeds {SPEEDS}, time scale "
-        f"{args.time_scale:g}; CNN on digits, global batch {args.global_batch}, "
+  print(f"EMULATED cluster: 3 hosts x 1 CPU device, speeds {SPEEDS}, emulated device "
+        f"{args.sample_ms:g} ms/sample on the fastest host; CNN on digits, global batch {args.global_batch}, "
         f"{args.steps} steps per mode. Shared 2-core CPU: read the ratios, not the times.")
   figures, t0 = {}, time.time()
   for mode in ("equal", "static", "dynamic"):
@@ -141,7 +144,7 @@ def main(argv=None) -> dict:
   print("per-step efficiency after the slowdown: "
         + " ".join(f"{e:.2f}" for e in eff[slow_at:slow_at + 25]))
   result = {
-      "emulated": True, "speeds": SPEEDS, "time_scale": args.time_scale, "bound": bound,
+      "emulated": True, "speeds": SPEEDS, "device_sample_ms": args.sample_ms, "bound": bound,
       "global_batch": args.global_batch, "steps": args.steps,
       **{f"{m}_{k}": v for m, f in figures.items() for k, v in f.items() if k != "final_shares"},
       "recovery_steps": recovery, "recovery_level": RECOVERY_LEVEL,

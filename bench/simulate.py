@@ -46,7 +46,7 @@ def solve_time_ms(n: int = 1024, repeats: int = 21) -> float:
 
 def main() -> None:
   print(f"SIMULATED cluster (hetjax.sim): hosts cycle {'/'.join(sim.DEFAULT_MIX)}, 4 GPUs each, "
-        f"approx. ResNet-50 speed H100:A100:V100 = 3.0:1.0:0.4, global batch 512/host, "
+        f"ResNet-50 speed H100:A100:V100 = 1.85:1.0:0.36 (cited in BUILD_NOTES), global batch 512/host, "
         f"{STEPS} steps x {len(SEEDS)} seeds (mean), noise 3%, slow spells 2.5x, ring all-reduce of 102 MB at 25 GB/s.")
   print("Speedup over ONE fastest (H100) host, simulated:")
   print(f"{'hosts':>6} {'equal':>8} {'static':>8} {'dynamic':>8} {'ideal*':>8} {'dyn/eq':>7} "
@@ -72,7 +72,7 @@ def main() -> None:
   print(f"  ours over one average node of the mix: equal {over_mean['equal']:.1f}x, static "
         f"{over_mean['static']:.1f}x, dynamic {over_mean['dynamic']:.1f}x (16 = perfect)")
   print(f"  ours, balanced / equal synchronous: {ours_gain:.2f}x "
-        f"(bound sum(s)/(N min s) = {r16['ideal'] / (16 * 0.4 / 3.0):.2f}x)")
+        f"(bound sum(s)/(N min s) = {r16['ideal'] / (16 * sim.GPU_SPEED['V100'] / sim.GPU_SPEED['H100']):.2f}x)")
   reached = ("asynchronous/hybrid" if ours_gain >= 0.9 * eddis_gain else "synchronous")
   print(f"  -> our balanced synchronous mode reaches EDDIS's {reached} class: its gain over a "
         f"plain synchronous split is {ours_gain:.2f}x against EDDIS's {eddis_gain:.2f}x "

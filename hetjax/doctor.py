@@ -159,7 +159,7 @@ def time_steps(run: Callable[[int], Any], batch: int, steps: int,
     run(s + 2)
     dt = time.perf_counter() - t0
     real.append(dt)
-    paced.append(pace(dt, s) if pace is not None else dt)
+    paced.append(pace(dt, s, batch) if pace is not None else dt)
   return {"samples_per_sec": batch / statistics.median(paced),
           "real_samples_per_sec": batch / statistics.median(real)}
 

@@ -19,10 +19,13 @@ from typing import Callable, Mapping, Sequence
 
 ENV_SPEED = "HETJAX_SPEED"
 ENV_SLOWDOWN = "HETJAX_SLOWDOWN"
-# Stretches every host's compute, the fastest's too: emulates devices slower
-# than this CPU, so that the local compute (not the reduction) dominates a
-# step, as it does on a GPU cluster. Benchmarks use it; 1 means off.
-ENV_TIME_SCALE = "HETJAX_TIME_SCALE"
+# Milliseconds per sample of the fastest EMULATED device. With it, a host's
+# local step takes its real compute plus `samples * ms / speed` of emulated
+# device time: the device part is proportional to the work and to 1 / speed,
+# while the host's own overhead (Python, dispatch) stays real and unscaled, as
+# on a GPU server. Benchmarks use it so that the local compute, not this
+# CPU's reduction, dominates a step.
+ENV_DEVICE_SAMPLE_MS = "HETJAX_DEVICE_SAMPLE_MS"
 
 
 def check_speed(speed: float, *, name: str = "speed") -> float:
@@ -153,27 +156,60 @@ def slowdown_factor(slowdowns: Sequence[Slowdown], host: int, step: int) -> floa
   return factor
 
 
-def time_scale_from_env(env: Mapping[str, str] = os.environ) -> float:
-  """The emulated time scale from HETJAX_TIME_SCALE (1.0 when unset)."""
-  raw = env.get(ENV_TIME_SCALE, "").strip() or "1"
-  try:
-    scale = float(raw)
-  except ValueError:
-    scale = float("nan")
-  if not scale >= 1.0:
-    raise ValueError(f"{ENV_TIME_SCALE}={raw!r} must be a number >= 1 (how many times slower "
-                     "than this CPU every emulated device is), or unset.")
-  return scale
+class DevicePacer:
+  """Emulates a device that needs `sample_s / speed` seconds per sample."""
+
+  def __init__(self, speed: float, sample_s: float, *, sleep: Callable[[float], None] | None = None):
+    self.speed = check_speed(speed)
+    if not sample_s > 0.0:
+      raise ValueError(f"emulated seconds per sample must be > 0, got {sample_s!r}.")
+    self.sample_s = sample_s
+    self._sleep = sleep or time.sleep
+
+  def pace(self, compute_s: float, samples: int, factor: float = 1.0) -> float:
+    """Sleeps for the emulated device time; returns real + emulated seconds."""
+    if not factor >= 1.0:
+      raise ValueError(f"factor must be >= 1 (a slowdown), got {factor!r}.")
+    device_s = samples * self.sample_s * factor / self.speed
+    if device_s > 0.0:
+      self._sleep(device_s)
+    return compute_s + device_s
 
 
-def pacing_from_env(host: int, env: Mapping[str, str] = os.environ) -> Callable[[float, int], float] | None:
-  """The pacing hook `(compute_s, step) -> emulated_s` for this host, `None` when nothing is emulated."""
-  speed = speed_from_env(env)
-  scale = time_scale_from_env(env)
-  slowdowns = parse_slowdowns(env.get(ENV_SLOWDOWN, ""))
-  if speed == 1.0 and scale == 1.0 and not any(s.host == host for s in slowdowns):
+def sample_ms_from_env(env: Mapping[str, str] = os.environ) -> float | None:
+  """HETJAX_DEVICE_SAMPLE_MS as milliseconds, or None when unset."""
+  raw = env.get(ENV_DEVICE_SAMPLE_MS, "").strip()
+  if not raw:
     return None
-  pacer = Pacer(speed)
-  return lambda compute_s, step: pacer.pace(
-      compute_s, scale * slowdown_factor(slowdowns, host, step))
+  try:
+    value = float(raw)
+  except ValueError:
+    value = float("nan")
+  if not value > 0.0:
+    raise ValueError(f"{ENV_DEVICE_SAMPLE_MS}={raw!r} must be a number of milliseconds > 0 "
+                     "(per sample, on the fastest emulated device), or unset.")
+  return value
 
+
+Pace = Callable[..., float]
+
+
+def pacing_from_env(host: int, env: Mapping[str, str] = os.environ) -> Pace | None:
+  """The pacing hook `(compute_s, step, samples=0) -> emulated_s` for this host.
+
+  `None` when nothing is emulated. Without HETJAX_DEVICE_SAMPLE_MS the whole
+  measured compute is stretched by `1 / speed`; with it, an emulated device
+  time proportional to `samples` is added (see `ENV_DEVICE_SAMPLE_MS`).
+  """
+  speed = speed_from_env(env)
+  sample_ms = sample_ms_from_env(env)
+  slowdowns = parse_slowdowns(env.get(ENV_SLOWDOWN, ""))
+  if speed == 1.0 and sample_ms is None and not any(s.host == host for s in slowdowns):
+    return None
+  if sample_ms is not None:
+    device = DevicePacer(speed, sample_ms / 1e3)
+    return lambda compute_s, step, samples=0: device.pace(
+        compute_s, samples, slowdown_factor(slowdowns, host, step))
+  pacer = Pacer(speed)
+  return lambda compute_s, step, samples=0: pacer.pace(
+      compute_s, slowdown_factor(slowdowns, host, step))

@@ -16,11 +16,12 @@ import numpy as np
 
 from hetjax import balancer as balancer_lib
 
-# Approximate per-GPU ResNet-50 training throughput relative to an A100.
-# Assumption, not a measurement: public figures (NVIDIA's Deep Learning
-# Performance pages and MLPerf Training results, mixed precision) put an
-# A100 near 2,500 images/s, an H100 about 3x that and a V100 about 0.4x.
-GPU_SPEED = {"H100": 3.0, "A100": 1.0, "V100": 0.4}
+# Per-GPU ResNet-50 training throughput relative to an A100, from public
+# figures (sources in BUILD_NOTES.md, "Simulator"): H100 / A100 = 14.4 / 7.8
+# min to train in MLPerf Training v3.0 (two Dell 16-GPU submissions) = 1.85;
+# V100 / A100 = 8.75 / 24.2 h for 90 epochs on one GPU, mixed precision
+# (NVIDIA NGC ResNet-50 v1.5 MXNet performance tables) = 0.36.
+GPU_SPEED = {"H100": 1.85, "A100": 1.0, "V100": 0.36}
 A100_SAMPLES_PER_S = 2500.0
 DEFAULT_MIX = ("H100", "A100", "V100", "V100")  # A cluster grown over the years.
 

@@ -137,9 +137,10 @@ class Trainer:
       source: random-access records (`len`, `source[indices] -> batch`).
       config: the settings every host must share.
       balancer: overrides `config.assignment` with a custom split policy.
-      pace: `pace(compute_s, step) -> seconds to report`, called with each
-        step's real local compute seconds; only for emulation (default: from
-        HETJAX_SPEED / HETJAX_SLOWDOWN, set by the launcher).
+      pace: `pace(compute_s, step, samples) -> seconds to report`, called
+        with each step's real local compute seconds and the samples this host
+        computed (padded micro-batches); only for emulation (default: from
+        HETJAX_SPEED / HETJAX_SLOWDOWN / HETJAX_DEVICE_SAMPLE_MS).
       identity: extra text the hosts must agree on (e.g. the command line);
         a checkpoint written under another identity is refused.
       checkpoint: where and how often to save; with `resume`, the trainer
@@ -160,7 +161,7 @@ class Trainer:
     self.sampler = data_lib.GlobalSampler(len(source), config.global_batch, config.seed,
                                           name=source.info.name)
     self._check_hosts_agree(f"{identity}|{checkpoint!r}")
-    self.emulated = pace is not None or any(k in os.environ for k in ("HETJAX_SPEED", "HETJAX_SLOWDOWN", "HETJAX_TIME_SCALE"))
+    self.emulated = pace is not None or any(k in os.environ for k in ("HETJAX_SPEED", "HETJAX_SLOWDOWN", "HETJAX_DEVICE_SAMPLE_MS"))
     if pace is None and self.emulated:
       from hetjax import emulate  # Emulation stays off the real path.
       pace = emulate.pacing_from_env(self.host_id)
@@ -260,7 +261,8 @@ class Trainer:
     jax.block_until_ready(sums)
     compute = time.perf_counter() - t0
     if self.pace is not None:
-      compute = self.pace(compute, step)
+      unit = self.config.microbatch * self.meshes.local_devices
+      compute = self.pace(compute, step, -(-shares[self.host_id] // unit) * unit)
     t1 = time.perf_counter()
     host_values = np.array([compute, self._last_wait, float(self._stop_requested)])
     self.state, stats, rows = self.reduction(self.state, sums, host_values)

@@ -128,12 +128,18 @@ def test_pacing_from_env_combines_speed_and_slowdown(monkeypatch):
 
 
 
-def test_time_scale_paces_even_the_fastest_host():
-  pace = emulate.pacing_from_env(0, {"HETJAX_TIME_SCALE": "4"})
-  assert pace is not None and pace(0.001, 0) == pytest.approx(0.004)  # Sleeps 3 ms.
-  slower = emulate.pacing_from_env(1, {"HETJAX_TIME_SCALE": "4", "HETJAX_SPEED": "0.5",
-                                       "HETJAX_SLOWDOWN": "1:3@10"})
-  assert slower(0.0001, 9) == pytest.approx(0.0008) and slower(0.0001, 10) == pytest.approx(0.0024)
-  assert emulate.pacing_from_env(0, {}) is None
-  with pytest.raises(ValueError, match="HETJAX_TIME_SCALE='0.5' must be a number >= 1"):
-    emulate.pacing_from_env(0, {"HETJAX_TIME_SCALE": "0.5"})
+
+def test_device_pacing_adds_time_proportional_to_samples_and_1_over_speed():
+  sleep = FakeSleep()
+  pacer = emulate.DevicePacer(0.25, 0.002, sleep=sleep)
+  assert pacer.pace(0.01, samples=32) == pytest.approx(0.01 + 32 * 0.002 / 0.25)
+  assert pacer.pace(0.01, samples=0) == pytest.approx(0.01)  # A host with no work waits for none.
+  assert pacer.pace(0.0, samples=8, factor=3.0) == pytest.approx(8 * 0.002 * 3 / 0.25)
+  assert sleep.calls == [pytest.approx(0.256), pytest.approx(0.192)]
+  env = {"HETJAX_DEVICE_SAMPLE_MS": "0.01", "HETJAX_SPEED": "0.5", "HETJAX_SLOWDOWN": "1:3@10"}
+  pace = emulate.pacing_from_env(1, env)
+  assert pace(0.001, 9, 10) == pytest.approx(0.001 + 10 * 1e-5 / 0.5)
+  assert pace(0.001, 10, 10) == pytest.approx(0.001 + 3 * 10 * 1e-5 / 0.5)
+  assert emulate.pacing_from_env(0, {"HETJAX_DEVICE_SAMPLE_MS": "1"}) is not None
+  with pytest.raises(ValueError, match="HETJAX_DEVICE_SAMPLE_MS='-1' must be a number of milliseconds > 0"):
+    emulate.pacing_from_env(0, {"HETJAX_DEVICE_SAMPLE_MS": "-1"})
