@@ -349,8 +349,10 @@ class ProfilingBalancer:
   distinct shares and its fixed and per-sample costs can be told apart.
   Then `static` solves once and keeps the split; `dynamic` re-solves every
   `every` steps and moves only if the slowest host's predicted time drops by
-  more than `threshold` (relative), by at most `max_move * B` samples per host
-  at once: a dead band and a rate limit, so noise does not make it oscillate.
+  more than `threshold` (relative), by at most `max(max_move, gain) * B`
+  samples per host at once: a dead band and a rate limit, so noise does not
+  make it oscillate, while a host that really slows down is answered in one
+  move.
 
   Every input is the timing vector that every host holds, and every
   computation is deterministic, so all hosts hold the same split
@@ -360,7 +362,7 @@ class ProfilingBalancer:
 
   def __init__(self, global_batch: int, num_hosts: int, granularity: Sequence[int] | None = None,
                mode: str = "dynamic", *, warmup_steps: int = 7, skip_steps: int = 1,
-               every: int = 5, threshold: float = 0.05, max_move: float = 0.1,
+               every: int = 3, threshold: float = 0.05, max_move: float = 0.1,
                caps: Sequence[int] | None = None, window: int = 32, half_life: float = 3.0,
                prior_fixed_fraction: float = 0.1, start_step: int = 0):
     if mode not in ("static", "dynamic"):
@@ -486,7 +488,9 @@ class ProfilingBalancer:
     if gain <= band:
       return
     cur, tgt = np.asarray(self._current), np.asarray(target)
-    limit = max(1, int(self.max_move * self.global_batch))
+    # Small predicted gains move slowly (noise may hide in them); a large one
+    # (a host that really slowed down) may move as far as it promises.
+    limit = max(1, int(max(self.max_move, gain) * self.global_batch))
     biggest = int(np.abs(tgt - cur).max())
     new, limited = tgt, False
     if biggest > limit:
