@@ -89,11 +89,14 @@ def steady_figures(run: dict) -> dict[str, float]:
 
 
 def recovery_steps(run: dict, slowdown_step: int) -> int | None:
-  """Steps after the slowdown until the 3-step median efficiency stays above 0.85."""
+  """Slowed steps before the efficiency is back above 0.85 for good.
+
+  The first step `r >= slowdown_step` whose efficiency, and the median of
+  the five from it, exceed the level; `r - slowdown_step` steps ran below it.
+  """
   eff = per_step(run)["efficiency"]
-  smooth = np.array([np.median(eff[i:i + 3]) for i in range(len(eff) - 2)])
-  for r in range(slowdown_step, len(smooth)):
-    if np.all(smooth[r:] > RECOVERY_LEVEL):
+  for r in range(slowdown_step, len(eff) - 4):
+    if eff[r] > RECOVERY_LEVEL and np.median(eff[r:r + 5]) > RECOVERY_LEVEL:
       return r - slowdown_step
   return None
 
@@ -103,7 +106,7 @@ def main(argv=None) -> dict:
   p.add_argument("--steps", type=int, default=60, help="steps per mode")
   p.add_argument("--recovery-steps", type=int, default=80, help="steps of the slowdown run")
   p.add_argument("--global-batch", type=int, default=192)
-  p.add_argument("--microbatch", type=int, default=8)
+  p.add_argument("--microbatch", type=int, default=4)
   p.add_argument("--sample-ms", type=float, default=5.0,
                  help="emulated device milliseconds per sample on the fastest host")
   p.add_argument("--every", type=int, default=None, help="dynamic: re-solve every K steps")

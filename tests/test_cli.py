@@ -30,6 +30,9 @@ def compiles():
     (["--assignment", "half"], "'equal' or comma-separated integers"),
     (["--global-batch", "5000"], "fewer than one global batch (5000)"),
     (["--model", "transformer"], "model 'transformer' needs token data"),
+    (["--augment", "rotate"], "rotate"),
+    (["--ckpt-dir", "/tmp/hetjax-cli-test", "--ckpt-every", "0"], "--ckpt-every"),
+    (["--dataset", "tfds:no_such_dataset", "--data-dir", "/nonexistent-hetjax"], "no_such_dataset"),
 ])
 def test_bad_input_fails_fast_with_a_message(capsys, compiles, extra, message):
   assert cli.main(BASE + extra) == 2
@@ -62,3 +65,27 @@ def test_a_host_that_cannot_reach_the_coordinator_exits_naming_it():
                        env=env, capture_output=True, text=True, timeout=120)
   assert run.returncode == 2
   assert "Could not reach the hetjax coordinator at 127.0.0.1:9 within 1 s" in run.stderr
+
+
+def test_a_two_host_run_shows_progress_on_host_0_only_and_its_report_matches(tmp_path):
+  import json
+  import os
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = tmp_path / "run"
+  run = subprocess.run(
+      [sys.executable, os.path.join(root, "launch", "local.py"), "--hosts", "2", "--", sys.executable,
+       "-m", "hetjax.cli", *BASE[:-1], str(out), "--steps", "12", "--log-every", "3",
+       "--assignment", "40,24"], capture_output=True, text=True, timeout=600)
+  assert run.returncode == 0, run.stderr[-3000:]
+  progress = [line for line in run.stdout.splitlines() if "step " in line and "/12" in line]
+  assert len(progress) == 4 and all(line.startswith("[host 0] ") for line in progress), run.stdout
+  records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in records] == list(range(12))
+  assert all(r["shares"] == [40, 24] and len(r["wait_s"]) == 2 for r in records)
+  assert cli.main(["report", str(out)]) == 0
+  assert (out / "report.png").stat().st_size > 10_000
+  summary = json.loads((out / "summary.json").read_text())
+  text = (out / "report.txt").read_text()
+  assert f"{summary['samples_per_sec']:,.1f} samples/s measured" in text

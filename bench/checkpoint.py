@@ -1,0 +1,95 @@
+"""How long a checkpoint stalls training: asynchronous vs synchronous saves.
+
+Run: `.venv/bin/python bench/checkpoint.py` (one host, CPU; a few minutes).
+
+For the ResNet-18 and the transformer, one run trains with a checkpoint
+every `--every` steps, with asynchronous saves (the default) and then with
+synchronous ones, in the same invocation. The stall of a save is the extra wall time of the
+step that saves and the step after it (the background write competes for
+the CPU), over two median steps without a save; it is printed as a fraction
+of a median step. The last line is one JSON object with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import optax
+
+import hetjax
+import hetjax_models
+from hetjax import checkpoint, data, trainer
+
+MODELS = {
+    "resnet18": ("synthetic", {}),
+    "transformer": ("tokens", {}),
+}
+
+
+def _trainer(model: str, directory: str, async_save: bool, global_batch: int) -> trainer.Trainer:
+  dataset, overrides = MODELS[model]
+  source = data.load(dataset)
+  task = hetjax_models.build(model, kind=source.info.kind, num_classes=source.info.num_classes,
+                             vocab_size=source.info.vocab_size, **overrides)
+  config = trainer.TrainConfig(global_batch=global_batch, microbatch=global_batch)
+  ckpt = checkpoint.CheckpointConfig(directory, every=10 ** 9, keep=2, resume=False,
+                                     async_save=async_save)
+  return trainer.Trainer(task, optax.adam(1e-3), source, config, checkpoint=ckpt)
+
+
+def measure(model: str, async_save: bool, steps: int, every: int, global_batch: int) -> dict:
+  """Per-step wall times of a run that saves every `every` steps."""
+  with tempfile.TemporaryDirectory(prefix="hetjax-bench-ckpt-") as directory:
+    tr = _trainer(model, directory, async_save, global_batch)
+    for _ in range(3):  # Compilation and the first save's one-time setup.
+      tr.train_step()
+    tr.save_checkpoint(wait=True)
+    times, saved = [], []
+    for i in range(steps):
+      t0 = time.perf_counter()
+      tr.train_step()
+      if i % every == every - 1:
+        tr.save_checkpoint(wait=not async_save)
+        saved.append(i)
+      times.append(time.perf_counter() - t0)
+    tr.close()
+    size = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(directory) for f in fs)
+  touched = {j for i in saved for j in (i, i + 1)}
+  plain = statistics.median(t for j, t in enumerate(times) if j not in touched)
+  stalls = [times[i] + (times[i + 1] if i + 1 < len(times) else plain) - 2 * plain for i in saved]
+  return {"step_s": plain, "stall_s": statistics.median(stalls),
+          "stall_fraction": statistics.median(stalls) / plain, "saves": len(saved),
+          "checkpoint_mb": size / 2 ** 20 / max(1, len(saved) + 1)}
+
+
+def main(argv=None) -> dict:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--steps", type=int, default=40)
+  p.add_argument("--every", type=int, default=8)
+  p.add_argument("--global-batch", type=int, default=32)
+  args = p.parse_args(argv)
+  hetjax.initialize()
+  print(f"1 host, CPU (shared 2-core machine): save every {args.every} steps, {args.steps} steps "
+        "per run; stall = extra wall time of the saving step and the next, over two median steps.")
+  result = {}
+  for model in MODELS:
+    for mode in ("async", "sync"):
+      r = measure(model, mode == "async", args.steps, args.every, args.global_batch)
+      result[f"{model}_{mode}"] = r
+      print(f"{model:12s} {mode:5s} step {r['step_s'] * 1e3:7.1f} ms  stall per save "
+            f"{r['stall_s'] * 1e3:7.1f} ms = {r['stall_fraction']:.1%} of a step  "
+            f"(~{r['checkpoint_mb']:.1f} MB per checkpoint)")
+    ratio = result[f"{model}_async"]["stall_s"] / max(result[f"{model}_sync"]["stall_s"], 1e-9)
+    result[f"{model}_async_over_sync"] = ratio
+    print(f"{model:12s} async stall / sync stall = {ratio:.2f}")
+  print(json.dumps(result))
+  return result
+
+
+if __name__ == "__main__":
+  main()
