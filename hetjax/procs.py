@@ -89,7 +89,8 @@ def validate_cluster(hosts: int, devices_per_host: int, speeds: Sequence[float] 
 
 def cluster_envs(hosts: int, devices_per_host: int, *, speeds: Sequence[float] | None = None,
                  init_timeout_s: float | None = None, base: Mapping[str, str] | None = None,
-                 coordinator: str | None = None, slowdown: str | None = None) -> list[dict[str, str]]:
+                 coordinator: str | None = None, slowdown: str | None = None,
+                 device_sample_ms: float | None = None) -> list[dict[str, str]]:
   """One environment per host, as `hetjax.runtime.initialize()` reads it.
 
   Args:
@@ -100,11 +101,15 @@ def cluster_envs(hosts: int, devices_per_host: int, *, speeds: Sequence[float] |
     base: environment to extend; defaults to this process's.
     coordinator: `host:port`; defaults to a free port on 127.0.0.1.
     slowdown: optional emulated stragglers, `HOST:FACTOR@STEP,...` (HETJAX_SLOWDOWN).
+    device_sample_ms: optional emulated device milliseconds per sample on the
+      fastest host (HETJAX_DEVICE_SAMPLE_MS).
 
   Returns:
     A list of `hosts` complete environments.
   """
   speeds = validate_cluster(hosts, devices_per_host, speeds, init_timeout_s)
+  if device_sample_ms is not None:
+    emulate.sample_ms_from_env({emulate.ENV_DEVICE_SAMPLE_MS: str(device_sample_ms)})
   for s in emulate.parse_slowdowns(slowdown or ""):
     if s.host >= hosts:
       raise ValueError(f"--slowdown names host {s.host} but there are {hosts} hosts (0..{hosts - 1}).")
@@ -120,6 +125,8 @@ def cluster_envs(hosts: int, devices_per_host: int, *, speeds: Sequence[float] |
       env[emulate.ENV_SPEED] = repr(speeds[i])
     if slowdown:
       env[emulate.ENV_SLOWDOWN] = slowdown
+    if device_sample_ms is not None:
+      env[emulate.ENV_DEVICE_SAMPLE_MS] = repr(float(device_sample_ms))
     envs.append(env)
   return envs
 
@@ -315,7 +322,8 @@ def launch_local(command: Sequence[str], *, hosts: int, devices_per_host: int = 
                  speeds: Sequence[float] | None = None, init_timeout_s: float | None = None,
                  grace_s: float = DEFAULT_GRACE_S, sink: IO[str] | None = None,
                  slowdown: str | None = None, max_restarts: int = 0,
-                 max_preemptions: int | None = None) -> int:
+                 max_preemptions: int | None = None,
+                 device_sample_ms: float | None = None) -> int:
   """Runs `command` as `hosts` hosts of a localhost cluster; returns the exit code.
 
   The code is 0 when every host exits 0, the last failing host's code when
@@ -330,12 +338,12 @@ def launch_local(command: Sequence[str], *, hosts: int, devices_per_host: int = 
     raise ValueError("no host command given; put it after '--', e.g. "
                      "`--hosts 2 -- hetjax train --model cnn`.")
   check_restarts(max_restarts, max_preemptions)
-  cluster_envs(hosts, devices_per_host, speeds=speeds, init_timeout_s=init_timeout_s,
-               slowdown=slowdown)  # Validates everything before the first start.
+  emulation = {"speeds": speeds, "slowdown": slowdown, "device_sample_ms": device_sample_ms}
+  cluster_envs(hosts, devices_per_host, init_timeout_s=init_timeout_s,
+               **emulation)  # Validates everything before the first start.
 
   def attempt(restart_count: int) -> Outcome:
-    envs = cluster_envs(hosts, devices_per_host, speeds=speeds, init_timeout_s=init_timeout_s,
-                        slowdown=slowdown)
+    envs = cluster_envs(hosts, devices_per_host, init_timeout_s=init_timeout_s, **emulation)
     for env in envs:
       env[ENV_RESTART_COUNT] = str(restart_count)
     note(f"{hosts} host(s) x {devices_per_host} device(s), coordinator "

@@ -193,10 +193,15 @@ def plot(records: list[dict[str, Any]], fig: Figures, path: str, title: str = ""
   smooth = [sum(sps[max(0, k - window + 1):k + 1]) / len(sps[max(0, k - window + 1):k + 1])
             for k in range(len(sps))]
   throughput.plot(steps, smooth, color="tab:green", lw=2, label=f"mean of {window}")
-  throughput.axhline(fig.ideal_samples_per_sec, color="k", ls="--", lw=1, label="ideal")
+  # The ideal moves when a host changes speed, so it is drawn step by step.
+  own = [sum(b / c for b, c in zip(r["shares"], r["compute_s"]) if b > 0 and c > 0) for r in records]
+  ideal = [sum(own[max(0, k - window + 1):k + 1]) / len(own[max(0, k - window + 1):k + 1])
+           for k in range(len(own))]
+  throughput.plot(steps, ideal, color="k", ls="--", lw=1, label=f"ideal (mean of {window})")
   if fig.warmup_steps:
     throughput.axvspan(steps[0], steps[fig.warmup_steps], color="0.9", label="warm-up")
-  throughput.set_ylim(0, 1.15 * max(max(smooth[fig.warmup_steps:] or smooth), fig.ideal_samples_per_sec))
+  top = max(smooth[fig.warmup_steps:] + ideal[fig.warmup_steps:] or smooth + ideal)
+  throughput.set_ylim(0, 1.15 * top)
   throughput.set_xlabel("step")
   throughput.set_ylabel("samples/s")
   throughput.set_title(f"(c) throughput; efficiency {fig.efficiency:.1%}")

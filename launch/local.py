@@ -38,13 +38,16 @@ def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog="launch/local.py",
       usage="%(prog)s --hosts N [--devices-per-host D] [--speeds 1,0.5,...] "
-            "[--slowdown H:F@S] [--init-timeout S] [--max-restarts K] -- COMMAND ...",
+            "[--device-sample-ms MS] [--slowdown H:F@S] [--init-timeout S] [--max-restarts K] -- COMMAND ...",
       description="Run COMMAND as N hetjax hosts on localhost (CPU emulation).")
   parser.add_argument("--hosts", type=int, required=True, help="number of host processes")
   parser.add_argument("--devices-per-host", type=int, default=1,
                       help="emulated CPU devices per host (default 1)")
   parser.add_argument("--speeds", type=str, default=None,
                       help="emulated relative host speeds, e.g. 1,0.5,0.25; fastest is 1.0")
+  parser.add_argument("--device-sample-ms", type=float, default=None,
+                      help="emulated device milliseconds per sample on the fastest host: a host's "
+                           "step takes its real compute plus samples x ms / speed")
   parser.add_argument("--slowdown", type=str, default=None,
                       help="emulated stragglers, HOST:FACTOR@STEP[,...], e.g. 2:3@50")
   parser.add_argument("--init-timeout", type=float, default=None,
@@ -67,6 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return procs.launch_local(command, hosts=args.hosts, devices_per_host=args.devices_per_host,
                               speeds=speeds, init_timeout_s=args.init_timeout,
                               grace_s=args.grace, slowdown=args.slowdown,
+                              device_sample_ms=args.device_sample_ms,
                               max_restarts=args.max_restarts, max_preemptions=args.max_preemptions)
   except ValueError as e:
     parser.error(str(e))  # Exits 2 with the usage line.
