@@ -116,6 +116,11 @@ def train(args: argparse.Namespace) -> dict:
 
   topo = runtime.initialize(timeout_s=args.init_timeout)
   source = data.load(args.dataset, "train", data_dir=args.data_dir)
+  test_source = None
+  if source.info.kind == "image":
+    from hetjax import sources
+    test_source = data.load(args.dataset, "test", data_dir=args.data_dir)
+    sources.check_records(test_source, sources.record_spec(source))  # Before, not after, training.
   overrides = {} if args.model_width is None else {"width": args.model_width}
   task = hetjax_models.build(args.model, kind=source.info.kind, num_classes=source.info.num_classes,
                              vocab_size=source.info.vocab_size, **overrides)
@@ -142,8 +147,8 @@ def train(args: argparse.Namespace) -> dict:
   tr.close()
   summary.update(model=args.model, dataset=args.dataset, optimizer=args.optimizer, lr=args.lr,
                  seed=args.seed, command=shlex.join(sys.argv))
-  if source.info.kind == "image":
-    test = tr.evaluate(data.load(args.dataset, "test", data_dir=args.data_dir))
+  if test_source is not None:
+    test = tr.evaluate(test_source)
     summary["test_accuracy"] = test.get("accuracy")
     summary["test_loss"] = test["loss"]
   if topo.host_id == 0:

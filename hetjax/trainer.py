@@ -30,6 +30,7 @@ from hetjax import loader as loader_lib
 from hetjax import metrics as metrics_lib
 from hetjax import procs
 from hetjax import runtime
+from hetjax import sources as sources_lib
 from hetjax import step as step_lib
 from hetjax.task import Task
 
@@ -169,6 +170,8 @@ class Trainer:
     self.loader = loader_lib.HostLoader(source, self.sampler, self.host_id,
                                         augment=augment_lib.parse(config.augment))
     self._example = source[np.arange(1)]
+    # Records that disagree with one another fail here, not mid-run.
+    sources_lib.check_records(source, sources_lib.record_spec(source))
     init_batch = next(step_lib.micro_batches(self._example, config.microbatch))
     self.state = step_lib.init_state(task, optimizer, self.meshes, init_batch, config.seed)
     self.local = step_lib.LocalProgram(task, self.meshes, config.microbatch)

@@ -61,17 +61,21 @@ def test_readme_example_gives_the_same_parameters_on_one_and_three_uneven_hosts(
 
 def test_the_demo_command_writes_the_summary_contract(tmp_path):
   out = tmp_path / "run"
+  # The README demo's flags, shortened: emulated devices, a slowdown, the dynamic balancer.
   cmd = [sys.executable, str(ROOT / "launch" / "local.py"), "--hosts", "3", "--devices-per-host", "1",
-         "--speeds", "1,0.5,0.25", "--", sys.executable, "-m", "hetjax.cli", "train", "--model", "mlp",
-         "--dataset", "digits", "--global-batch", "48", "--steps", "4", "--assignment", "24,16,8",
-         "--microbatch", "4", "--out", str(out), "--save-params", str(tmp_path / "p.npz")]
+         "--speeds", "1,0.5,0.25", "--device-sample-ms", "0.5", "--slowdown", "0:3@8", "--",
+         sys.executable, "-m", "hetjax.cli", "train", "--model", "mlp", "--dataset", "digits",
+         "--global-batch", "48", "--steps", "10", "--balancer", "dynamic", "--microbatch", "4",
+         "--out", str(out), "--save-params", str(tmp_path / "p.npz")]
   run = subprocess.run(cmd, timeout=300, capture_output=True, text=True)
   assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
   summary = json.loads((out / "summary.json").read_text())
   for key in ("steps", "global_batch", "hosts", "samples_per_sec", "final_loss", "params_digest"):
     assert key in summary
-  assert (summary["steps"], summary["global_batch"], summary["hosts"]) == (4, 48, 3)
-  assert [h["batch"] for h in summary["per_host"]] == [[24] * 4, [16] * 4, [8] * 4]
-  assert all(len(h["compute_s"]) == len(h["wait_s"]) == 4 for h in summary["per_host"])
-  assert summary["emulated_speeds"] is True
+  assert (summary["steps"], summary["global_batch"], summary["hosts"]) == (10, 48, 3)
+  shares = list(zip(*(h["batch"] for h in summary["per_host"])))
+  assert shares[0] == (16, 16, 16) and all(sum(s) == 48 for s in shares)
+  assert all(len(h["compute_s"]) == len(h["wait_s"]) == 10 for h in summary["per_host"])
+  assert summary["emulated_speeds"] is True and summary["balancer_mode"] == "dynamic"
+  assert summary["balancer_decisions"][0]["reason"] == "warm-up: equal split"
   assert len(np.load(tmp_path / "p.npz").files) > 0

@@ -163,3 +163,23 @@ def test_a_dataset_smaller_than_one_global_batch_is_refused():
   task = hetjax.from_functions(lambda rng, b: {"w": jnp.zeros(2)}, lambda p, b, r: (b["x"] @ p["w"], {}))
   with pytest.raises(ValueError, match="has 10 records, fewer than one global batch"):
     hetjax.Trainer(task, optax.sgd(0.1), source, hetjax.TrainConfig(global_batch=11))
+
+
+def test_records_whose_shapes_disagree_are_refused_before_anything_compiles():
+  hetjax.initialize()
+
+  class Ragged:
+    """The last record is 4x4 where the others are 8x8, as a badly prepared dataset might be."""
+    info = data.DatasetInfo("ragged", "image", num_classes=10)
+
+    def __len__(self):
+      return 100
+
+    def __getitem__(self, indices):
+      side = 4 if 99 in indices else 8
+      n = len(indices)
+      return {"x": np.zeros((n, side, side, 1), np.float32), "y": np.zeros(n, np.int32)}
+
+  task = hetjax_models.build("mlp", kind="image", num_classes=10)
+  with pytest.raises(ValueError, match="ragged"):
+    hetjax.Trainer(task, optax.sgd(0.1), Ragged(), hetjax.TrainConfig(global_batch=16))
