@@ -19,6 +19,8 @@ _EXPORTS = {
     "TrainConfig": "hetjax.trainer",
     "train": "hetjax.trainer",
     "params_digest": "hetjax.trainer",
+    "Preempted": "hetjax.trainer",
+    "CheckpointConfig": "hetjax.checkpoint",
     "ArraySource": "hetjax.data",
     "DatasetInfo": "hetjax.data",
 }
