@@ -49,7 +49,7 @@ def test_tensorboard_scalars_read_back_with_valid_crcs(tmp_path):
 
 
 def test_tensorboard_itself_reads_the_event_file(tmp_path):
-  accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+  from tensorboard.backend.event_processing import event_accumulator as accumulator
   with metrics.MetricsWriter(str(tmp_path)) as writer:
     for r in fixture.records(steps=3):
       writer.write(r)
