@@ -36,6 +36,9 @@ from hetjax.task import Task
 
 PyTree = Any
 WARMUP_STEPS = 2  # Steps excluded from throughput: compilation and first transfers.
+# Set by the launchers' emulation flags; named here so that `hetjax.emulate`
+# is imported only when something is emulated.
+_EMULATION_ENV = ("HETJAX_SPEED", "HETJAX_SLOWDOWN", "HETJAX_DEVICE_SAMPLE_MS")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +165,7 @@ class Trainer:
     self.sampler = data_lib.GlobalSampler(len(source), config.global_batch, config.seed,
                                           name=source.info.name)
     self._check_hosts_agree(f"{identity}|{checkpoint!r}")
-    self.emulated = pace is not None or any(k in os.environ for k in ("HETJAX_SPEED", "HETJAX_SLOWDOWN", "HETJAX_DEVICE_SAMPLE_MS"))
+    self.emulated = pace is not None or any(k in os.environ for k in _EMULATION_ENV)
     if pace is None and self.emulated:
       from hetjax import emulate  # Emulation stays off the real path.
       pace = emulate.pacing_from_env(self.host_id)

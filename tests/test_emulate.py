@@ -143,3 +143,9 @@ def test_device_pacing_adds_time_proportional_to_samples_and_1_over_speed():
   assert emulate.pacing_from_env(0, {"HETJAX_DEVICE_SAMPLE_MS": "1"}) is not None
   with pytest.raises(ValueError, match="HETJAX_DEVICE_SAMPLE_MS='-1' must be a number of milliseconds > 0"):
     emulate.pacing_from_env(0, {"HETJAX_DEVICE_SAMPLE_MS": "-1"})
+
+
+def test_the_trainer_knows_every_emulation_variable():
+  from hetjax import trainer
+  assert set(trainer._EMULATION_ENV) == {emulate.ENV_SPEED, emulate.ENV_SLOWDOWN,
+                                         emulate.ENV_DEVICE_SAMPLE_MS}
