@@ -178,6 +178,7 @@ class Checkpointer:
         _warn(f"skipping checkpoint {self.directory}/{step}: its arrays are damaged or "
               "incomplete on at least one host; trying the previous one.")
         continue
+      self.last_saved = step  # Already on disk: a run with nothing left to do must not resave it.
       return type(like)(**state), meta
     return None
 

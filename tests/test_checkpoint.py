@@ -138,3 +138,12 @@ def test_sigterm_saves_at_the_next_step_boundary_exits_75_and_the_rerun_resumes(
   reference = json.loads((tmp_path / "ref" / "summary.json").read_text())
   assert summary["resumed_from"] == preempted_at
   assert summary["params_digest"] == reference["params_digest"]
+
+
+def test_a_finished_run_started_again_resumes_does_nothing_and_keeps_its_checkpoint(
+    tmp_path, uninterrupted):
+  _trainer(tmp_path).fit(until=10)
+  again = _trainer(tmp_path)
+  summary = again.fit(until=10)
+  assert again.resumed_from == 10 and summary["steps"] == 0 and summary["last_step"] == 10
+  assert summary["params_digest"] == uninterrupted
