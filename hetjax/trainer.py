@@ -315,13 +315,15 @@ class Trainer:
     if steps is not None and steps < 0:
       raise ValueError(f"steps must be >= 0, got {steps}.")
     target = self.step + steps if until is None else until
-    stream = metrics_lib.RecordStream(self.history, global_batch=self.config.global_batch,
-                                      emulated=self.emulated, first_step=self._start_step,
-                                      sinks=sinks)
+    # Records are built only for someone to read them: the step loop stays lean.
+    stream = None if not sinks else metrics_lib.RecordStream(
+        self.history, global_batch=self.config.global_batch, emulated=self.emulated,
+        first_step=self._start_step, sinks=sinks)
     with self._sigterm_requests_stop():
       while self.step < target:
         metrics = self.train_step()
-        stream.pop()
+        if stream is not None:
+          stream.pop()
         if on_step is not None:
           on_step(self, metrics)
         if log_every and self.step % log_every == 0 and self.host_id == 0:
@@ -335,7 +337,8 @@ class Trainer:
     if self.checkpointer is not None:
       self.save_checkpoint(wait=True)
     summary = self.summary()
-    stream.pop()  # The last step's record, now that summary() gathered its waits.
+    if stream is not None:
+      stream.pop()  # The last step's record, now that summary() gathered its waits.
     return summary
 
   def close(self) -> None:
