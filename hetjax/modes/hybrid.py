@@ -1,0 +1,96 @@
+"""How a round of hybrid works (local SGD across hosts, data parallel inside a host).
+
+Round r, on every host i (`hetjax.modes.rounds` supplies the pieces):
+1. start from the centre `theta` (the parameters every host agrees on) and
+   the host's own inner optimizer state, which stays on the host;
+2. run `tau_i` local steps of `b` samples, reaching `theta_i`;
+3. one reduction of `[n_i * (theta - theta_i), n_i * model_state_i]`, with
+   `n_i = tau_i * b` the samples the host processed;
+4. the outer gradient `sum n_i delta_i / sum n_i` (sample-weighted: the
+   FedNova-consistent form when every host reads one global stream) goes
+   through the outer optax optimizer, on every host identically.
+
+With one local step per host, plain SGD inside and outer SGD with lr 1, a
+round is exactly a sync step over the same positions.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from hetjax import step as step_lib
+from hetjax.step import Meshes
+
+PyTree = Any
+
+
+def outer_optimizer(name: str, lr: float, momentum: float) -> optax.GradientTransformation:
+  """'sgd' (momentum optional) or 'nesterov' (DiLoCo's outer optimizer)."""
+  if name == "nesterov":
+    return optax.sgd(lr, momentum=momentum, nesterov=True)
+  return optax.sgd(lr, momentum=momentum or None)
+
+
+class Centre(NamedTuple):
+  """What every host agrees on, as global replicated arrays (also what is saved)."""
+
+  round: jax.Array
+  params: PyTree
+  opt_state: PyTree     # the outer optimizer's
+  model_state: PyTree
+
+
+class Hybrid:
+  name = "hybrid"
+
+  def __init__(self, outer: optax.GradientTransformation, meshes: Meshes):
+    self.meshes = meshes
+
+    def init(params, model_state):
+      return Centre(jnp.zeros((), jnp.int32), params, outer.init(params), model_state)
+
+    self._init = jax.jit(init, out_shardings=meshes.replicated)
+
+    def contribution(centre_params, params, model_state, n):
+      delta = jax.tree.map(lambda c, p: n * (c - p).astype(jnp.float32), centre_params, params)
+      drift = jnp.sqrt(sum(jnp.sum(jnp.square(d)) for d in jax.tree.leaves(delta))) / n
+      return {"delta": delta, "model_state": jax.tree.map(lambda s: n * s, model_state)}, drift
+
+    self._contribution = jax.jit(contribution, out_shardings=meshes.local_replicated)
+
+    def finish(centre, totals, total_n):
+      grads = jax.tree.map(lambda d, p: (d / total_n).astype(p.dtype), totals["delta"],
+                           centre.params)
+      updates, opt_state = outer.update(grads, centre.opt_state, centre.params)
+      params = optax.apply_updates(centre.params, updates)
+      model_state = jax.tree.map(lambda s, old: (s / total_n).astype(old.dtype),
+                                 totals["model_state"], centre.model_state)
+      return Centre(centre.round + 1, params, opt_state, model_state)
+
+    self._finish = jax.jit(finish, out_shardings=meshes.replicated, donate_argnums=(0,))
+
+  def init_centre(self, params: PyTree, model_state: PyTree) -> Centre:
+    return self._init(params, model_state)
+
+  def start(self, centre: Centre, host_params: PyTree, host_model_state: PyTree
+            ) -> tuple[PyTree, PyTree]:
+    """Every round starts from the centre (the inner optimizer state is kept)."""
+    del host_params, host_model_state
+    local = lambda t: jax.tree.map(lambda x: jnp.copy(step_lib.to_local(x, self.meshes)), t)
+    return local(centre.params), local(centre.model_state)
+
+  def contribution(self, centre: Centre, params: PyTree, model_state: PyTree, n: int,
+                   total_n: int) -> tuple[dict, jax.Array]:
+    """`([n_i * delta_i, n_i * model_state_i], ||delta_i||)` on this host's devices."""
+    del total_n
+    centre_params = jax.tree.map(lambda x: step_lib.to_local(x, self.meshes), centre.params)
+    return self._contribution(centre_params, params, model_state, jnp.float32(n))
+
+  def finish(self, centre: Centre, totals: dict, params: PyTree, total_n: int
+             ) -> tuple[Centre, PyTree]:
+    """The outer update (identical on every host); the host's parameters restart next round."""
+    return self._finish(centre, totals, jnp.float32(total_n)), params

@@ -1,0 +1,467 @@
+"""`RoundsTrainer`: the loop of the rounds modes (hybrid, elastic).
+
+One round, on every host (DESIGN "Modes: one lockstep rule"):
+taus (same on every host) -> the round's positions -> this host's `tau_i`
+local steps on its own devices -> (emulated pacing) -> the mode's
+contribution -> the one reduction, which also carries every host's timings
+and its stop flag -> the mode's finish (outer update / elastic move).
+
+`--steps` counts rounds; `global_batch` is the samples of one round step of
+every host (each local step of a host takes `global_batch / hosts` unless
+`local_batch` is set).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import os
+import signal
+import threading
+import time
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from hetjax import augment as augment_lib
+from hetjax import checkpoint as ckpt_lib
+from hetjax import data as data_lib
+from hetjax import runtime
+from hetjax import step as step_lib
+from hetjax import task as task_lib
+from hetjax.modes import elastic as elastic_lib
+from hetjax.modes import hybrid as hybrid_lib
+from hetjax.modes import rounds as rounds_lib
+from hetjax.modes.options import RoundsConfig
+from hetjax.task import Task
+
+PyTree = Any
+WARMUP_ROUNDS = rounds_lib.WARMUP_ROUNDS
+_EMULATION_ENV = ("HETJAX_SPEED", "HETJAX_SLOWDOWN", "HETJAX_DEVICE_SAMPLE_MS")
+# The host vector of the reduction: seconds per local step, the round's
+# local compute seconds, the last reduction's seconds, the stop flag, the
+# distance of the host's parameters from the centre.
+_STEP_S, _COMPUTE_S, _WAIT_S, _STOP, _DRIFT = range(5)
+
+
+class Saved(NamedTuple):
+  """What a checkpoint holds: the centre, and each host's inner state with a leading row per device.
+
+  Orbax saves global arrays only, so a host's own state travels as rows of
+  `[all devices, ...]` arrays (every device row of host h holds host h's).
+  """
+
+  round: jax.Array
+  params: PyTree
+  opt_state: PyTree
+  model_state: PyTree
+  host_params: PyTree
+  host_opt_state: PyTree
+  host_model_state: PyTree
+
+
+@dataclasses.dataclass
+class RoundsHistory:
+  """Per-round records; per-host lists are `[rounds][hosts]`."""
+
+  taus: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
+  samples: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
+  compute_s: list[list[float]] = dataclasses.field(default_factory=list)
+  wait_s: list[list[float]] = dataclasses.field(default_factory=list)
+  drift: list[list[float]] = dataclasses.field(default_factory=list)
+  round_s: list[float] = dataclasses.field(default_factory=list)
+  loss: list[float] = dataclasses.field(default_factory=list)
+  metrics: list[dict[str, float]] = dataclasses.field(default_factory=list)
+
+
+def _fingerprint(text: str) -> np.ndarray:
+  digest = hashlib.sha256(text.encode()).digest()[:8]
+  return np.frombuffer(digest, dtype=np.uint16).astype(np.float32)
+
+
+class RoundsTrainer:
+  """Hybrid or elastic training over whatever hosts this process belongs to.
+
+  Example:
+    >>> hetjax.initialize()
+    >>> trainer = RoundsTrainer(task, optax.sgd(0.1), source,
+    ...                         hetjax.TrainConfig(global_batch=96),
+    ...                         RoundsConfig(mode="hybrid", round_steps=4))
+    >>> summary = trainer.fit(until=50)   # 50 rounds
+  """
+
+  def __init__(self, task: Task, optimizer: optax.GradientTransformation,
+               source: data_lib.ArraySource, config: Any, rounds: RoundsConfig, *,
+               pace: Callable[..., float] | None = None, identity: str = "",
+               checkpoint: ckpt_lib.CheckpointConfig | None = None):
+    """Validates everything, agrees with the other hosts, then initialises.
+
+    Args:
+      task: the model.
+      optimizer: the inner optax optimizer (its state stays on each host).
+      source: random-access records.
+      config: a `hetjax.TrainConfig` (global batch, micro-batch, seed,
+        reduction backend, augmentation; `assignment`/`balancer` do not apply).
+      rounds: the mode and its settings.
+      pace: emulation hook, as for `hetjax.Trainer`.
+      identity: extra text the hosts must agree on.
+      checkpoint: where and how often (in rounds) to save; resumes by default.
+    """
+    if int(os.environ.get(runtime.ENV_NUM_HOSTS, "1")) > 1 and not runtime.is_initialized():
+      raise RuntimeError(f"{runtime.ENV_NUM_HOSTS} asks for several hosts but the cluster is not "
+                         "joined: call hetjax.initialize() before building a trainer.")
+    config.validate()
+    if config.balancer is not None or config.assignment != "equal":
+      raise ValueError(f"--mode {rounds.mode} sizes the hosts' work by local steps; the "
+                       "assignment and balancer settings do not apply (use --local-steps).")
+    self.meshes = step_lib.Meshes.create()
+    self.host_id, self.num_hosts = self.meshes.host_id, self.meshes.num_hosts
+    rounds.validate(self.num_hosts, config.global_batch)
+    if checkpoint is not None:
+      checkpoint.validate()
+    self.task, self.source, self.config, self.rounds = task, source, config, rounds
+    self.local_batch = rounds.local_batch_for(config.global_batch, self.num_hosts)
+    self.sampler = data_lib.GlobalSampler(len(source), config.global_batch, config.seed,
+                                          name=source.info.name)
+    mine = f"{config!r}|{rounds!r}|{source.info!r}|{len(source)}|{identity}|{checkpoint!r}"
+    everyone = step_lib.gather_host_values(_fingerprint(mine), self.meshes)
+    differ = [h for h in range(self.num_hosts) if not np.array_equal(everyone[h], everyone[0])]
+    if differ:
+      raise ValueError(f"host(s) {differ} run a different configuration from host 0 (config "
+                       "hash mismatch): every host must run the same command and arguments.")
+    self.emulated = pace is not None or any(k in os.environ for k in _EMULATION_ENV)
+    if pace is None and self.emulated:
+      from hetjax import emulate  # Emulation stays off the real path.
+      pace = emulate.pacing_from_env(self.host_id)
+    self.pace = pace
+    self.augment = augment_lib.parse(config.augment)
+    example = source[np.arange(1)]
+    task_lib.check_batch_keys(list(example))
+    block = next(step_lib.micro_batches(example, config.microbatch))
+    init = jax.jit(task.init, out_shardings=self.meshes.replicated)
+    params, model_state = init(jax.random.key(config.seed), block)
+    task_lib.check_contract(task.loss, params, model_state, block, jax.random.key(0))
+    if rounds.mode == "hybrid":
+      outer = hybrid_lib.outer_optimizer(rounds.outer_optimizer, rounds.outer_lr,
+                                         rounds.outer_momentum)
+      self.mode = hybrid_lib.Hybrid(outer, self.meshes)
+    else:
+      self.mode = elastic_lib.Elastic(rounds.elastic_beta, self.meshes)
+    self.centre = self.mode.init_centre(params, model_state)
+    self.local = rounds_lib.LocalStep(task, optimizer, self.meshes, config.microbatch,
+                                      self.local_batch)
+    self.host_params, self.host_model_state = None, None
+    self.host_opt_state = self.local.init_opt_state(rounds_lib.to_host_mesh(params, self.meshes))
+    self.reduction = rounds_lib.RoundReduction(config.reduction, self.meshes)
+    self.taus = rounds_lib.TauPolicy(rounds.round_steps, self.num_hosts, rounds.local_steps)
+    self.history = RoundsHistory()
+    self.position = 0          # The data cursor: next position of the global stream.
+    self._start_round = 0
+    self._base_key = jax.random.key(config.seed)
+    self._last_wait = 0.0
+    self._stop_requested = False
+    self._stop_agreed = False
+    self.resumed_from: int | None = None
+    self.job = ckpt_lib.describe_job(self.centre, {
+        "mode": rounds.mode, "global_batch": config.global_batch, "seed": config.seed,
+        "dataset": repr(source.info), "num_records": len(source), "identity": identity,
+        "rounds": repr(dataclasses.replace(rounds, local_steps=None))})
+    self.checkpointer = None
+    if checkpoint is not None:
+      self.checkpointer = ckpt_lib.Checkpointer(checkpoint, self._all_hosts_agree)
+      if checkpoint.resume:
+        self._resume()
+
+  # ---- one round ----------------------------------------------------------
+
+  @property
+  def round(self) -> int:
+    """The index of the next round to run."""
+    return self._start_round + len(self.history.taus)
+
+  @property
+  def step(self) -> int:
+    return self.round
+
+  @property
+  def state(self) -> hybrid_lib.Centre:
+    """The centre (what is evaluated and reported)."""
+    return self.centre
+
+  def train_round(self) -> dict[str, float]:
+    """Runs one round on every host; returns the round's global metrics."""
+    r, me, b = self.round, self.host_id, self.local_batch
+    taus = self.taus.taus(r)
+    plan = rounds_lib.RoundData(self.position, taus, b, self.config.microbatch)
+    n = plan.samples()
+    total_n = sum(n)
+    t0 = time.perf_counter()
+    params, model_state = self.mode.start(self.centre, self.host_params, self.host_model_state)
+    opt_state = self.host_opt_state
+    batch = rounds_lib.read(self.source, self.sampler, plan.host_positions(me), self.augment)
+    totals = None
+    for k in range(taus[me]):
+      part = {key: v[k * b:(k + 1) * b] for key, v in batch.items()}
+      params, opt_state, model_state, stats = self.local(
+          params, opt_state, model_state, part, self._base_key, r, plan.first_block(me, k))
+      totals = stats if totals is None else jax.tree.map(jnp.add, totals, stats)
+    contribution, drift = self.mode.contribution(self.centre, params, model_state, n[me], total_n)
+    jax.block_until_ready(contribution)
+    compute = time.perf_counter() - t0
+    if self.pace is not None:
+      padded = self.local.micro_rounds * self.meshes.local_devices * self.config.microbatch
+      compute = self.pace(compute, r, taus[me] * padded)
+    t1 = time.perf_counter()
+    host_values = np.array([compute / taus[me], compute, self._last_wait,
+                            float(self._stop_requested), float(drift)])
+    reduced, rows = self.reduction({"update": contribution, "stats": totals}, host_values)
+    self.centre, params = self.mode.finish(self.centre, reduced["update"], params, total_n)
+    self.host_params, self.host_opt_state, self.host_model_state = params, opt_state, model_state
+    stats = jax.device_get(reduced["stats"])
+    t2 = time.perf_counter()
+    self._last_wait = t2 - t1
+    self._stop_agreed = bool(rows[:, _STOP].max() > 0)
+    self.taus.observe(r, rows[:, _STEP_S].tolist())
+    self.position += plan.size
+    weight = float(stats["weight"]) or 1.0
+    metrics = {"loss": float(stats["loss"]) / weight,
+               **{k: float(v) / weight for k, v in stats["metrics"].items()}}
+    h = self.history
+    h.taus.append(taus)
+    h.samples.append(n)
+    h.compute_s.append(rows[:, _COMPUTE_S].tolist())
+    if len(h.wait_s) < len(h.taus) - 1:
+      h.wait_s.append(rows[:, _WAIT_S].tolist())
+    h.drift.append(rows[:, _DRIFT].tolist())
+    h.round_s.append(t2 - t0)
+    h.loss.append(metrics["loss"])
+    h.metrics.append(metrics)
+    return metrics
+
+  # ---- records ------------------------------------------------------------
+
+  def _record(self, i: int, time_s: float) -> dict[str, Any]:
+    """Round `i` of this run (0-based in history) in the `hetjax.metrics` schema.
+
+    A round is a "step" of the schema: shares are the samples each host
+    processed, and the round's figures (tau, drift, reduction seconds) ride
+    in `metrics` as `tau/<host>`, `drift/<host>`, `reduction_s`.
+    """
+    h = self.history
+    metrics = {k: v for k, v in h.metrics[i].items() if k != "loss"}
+    for host in range(self.num_hosts):
+      metrics[f"tau/{host}"] = float(h.taus[i][host])
+      metrics[f"drift/{host}"] = float(h.drift[i][host])
+    metrics["reduction_s"] = float(min(h.wait_s[i]))
+    return {"step": self._start_round + i, "time_s": time_s, "loss": h.loss[i],
+            "metrics": metrics, "samples_per_sec": sum(h.samples[i]) / h.round_s[i],
+            "step_s": h.round_s[i], "global_batch": sum(h.samples[i]),
+            "shares": list(h.samples[i]), "compute_s": h.compute_s[i], "wait_s": h.wait_s[i],
+            "emulated": self.emulated}
+
+  def _final_waits(self) -> None:
+    if len(self.history.wait_s) < len(self.history.taus):
+      rows = step_lib.gather_host_values(np.array([self._last_wait]), self.meshes)
+      self.history.wait_s.append([float(r) for r in rows[:, 0]])
+
+  # ---- the loop -------------------------------------------------------------
+
+  def fit(self, rounds: int | None = None, *, until: int | None = None, log_every: int = 0,
+          log: Callable[[str], None] = print,
+          on_round: Callable[["RoundsTrainer", dict[str, float]], None] | None = None,
+          sinks: Sequence[Callable[[dict[str, Any]], Any]] = ()) -> dict[str, Any]:
+    """Runs `rounds` more rounds, or until round `until`; returns the summary (same on every host).
+
+    `on_round` runs after every round, outside the round's clock (e.g. an
+    evaluation of the centre): its seconds are not counted in `time_s`.
+    """
+    if (rounds is None) == (until is None):
+      raise ValueError("give fit() exactly one of rounds (how many more) or until (the last round).")
+    if rounds is not None and rounds < 0:
+      raise ValueError(f"rounds must be >= 0, got {rounds}.")
+    target = self.round + rounds if until is None else until
+    emitted, clock = len(self.history.wait_s), 0.0
+
+    def emit() -> None:
+      nonlocal emitted, clock
+      while sinks and emitted < len(self.history.wait_s):
+        clock += self.history.round_s[emitted]
+        record = self._record(emitted, clock)
+        for sink in sinks:
+          sink(record)
+        emitted += 1
+
+    with self._sigterm_requests_stop():
+      while self.round < target:
+        metrics = self.train_round()
+        emit()
+        if on_round is not None:
+          on_round(self, metrics)
+        if log_every and self.round % log_every == 0 and self.host_id == 0:
+          shown = " ".join(f"{k}={v:.4f}" for k, v in metrics.items())
+          log(f"round {self.round:5d} {shown} taus={','.join(map(str, self.history.taus[-1]))}")
+        if self._stop_agreed:
+          self.save_checkpoint(wait=True)
+          from hetjax.trainer import Preempted
+          raise Preempted(self.round, self.checkpointer.directory)
+        if self.checkpointer is not None and self.round % self.checkpointer.config.every == 0:
+          self.save_checkpoint()
+    if self.checkpointer is not None:
+      self.save_checkpoint(wait=True)
+    summary = self.summary()
+    emit()
+    return summary
+
+  @contextlib.contextmanager
+  def _sigterm_requests_stop(self) -> Iterator[None]:
+    if self.checkpointer is None or threading.current_thread() is not threading.main_thread():
+      yield
+      return
+
+    def request_stop(signum, frame):
+      del signum, frame
+      self._stop_requested = True
+
+    previous = signal.signal(signal.SIGTERM, request_stop)
+    try:
+      yield
+    finally:
+      signal.signal(signal.SIGTERM, previous)
+
+  def summary(self) -> dict[str, Any]:
+    """The figures of the run so far; identical on every host."""
+    from hetjax.trainer import params_digest
+    self._final_waits()
+    h = self.history
+    steady = list(range(min(WARMUP_ROUNDS, max(len(h.round_s) - 1, 0)), len(h.round_s)))
+    seconds = sum(h.round_s[i] for i in steady)
+    samples = sum(sum(h.samples[i]) for i in steady)
+    per_host = []
+    for i in range(self.num_hosts):
+      per_host.append({"batch": [s[i] for s in h.samples], "tau": [t[i] for t in h.taus],
+                       "compute_s": [c[i] for c in h.compute_s],
+                       "wait_s": [w[i] for w in h.wait_s], "drift": [d[i] for d in h.drift]})
+    return {
+        "mode": self.rounds.mode,
+        "steps": len(h.taus),
+        "last_step": self.round,
+        "resumed_from": self.resumed_from,
+        "global_batch": self.config.global_batch,
+        "local_batch": self.local_batch,
+        "hosts": self.num_hosts,
+        "devices_per_host": self.meshes.local_devices,
+        "reduction": self.config.reduction,
+        "balancer_mode": "rounds",
+        "samples_per_sec": samples / seconds if seconds else 0.0,
+        "final_loss": h.loss[-1] if h.loss else None,
+        "final_metrics": h.metrics[-1] if h.metrics else {},
+        "params_digest": params_digest(self.params()),
+        "emulated_speeds": self.emulated,
+        "data_position": self.position,
+        "per_host": per_host,
+    }
+
+  def params(self) -> PyTree:
+    """The centre's parameters as host numpy arrays."""
+    return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), self.centre.params)
+
+  def evaluate(self, source: data_lib.ArraySource, batch_size: int = 256) -> dict[str, float]:
+    """Mean loss and metrics of the centre over all of `source`."""
+    from hetjax.trainer import Trainer
+    return Trainer.evaluate(self, source, batch_size)  # Reads task, params(), state.model_state.
+
+  def close(self) -> None:
+    if self.checkpointer is not None:
+      self.checkpointer.wait()
+      self.checkpointer.close()
+
+  # ---- checkpoints ------------------------------------------------------------
+
+  def _all_hosts_agree(self, flag: bool) -> bool:
+    flags = step_lib.gather_host_values(np.array([float(flag)]), self.meshes)
+    return bool(np.all(flags > 0))
+
+  def _layout(self) -> dict[str, Any]:
+    return {"hosts": self.num_hosts, "devices_per_host": list(self.meshes.devices_per_host()),
+            "microbatch": self.config.microbatch}
+
+  def _rows(self, tree: PyTree) -> PyTree:
+    """This host's arrays as its rows of `[all devices, ...]` global arrays."""
+    d = self.meshes.local_devices
+    spread = jax.jit(lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (d,) + x.shape), t),
+                     out_shardings=self.meshes.local_by_device)
+    return jax.tree.map(lambda x: step_lib.to_world(x, self.meshes), spread(tree))
+
+  def _saved(self) -> Saved:
+    params, model_state = self.mode.start(self.centre, self.host_params, self.host_model_state)
+    c = self.centre
+    return Saved(c.round, c.params, c.opt_state, c.model_state, self._rows(params),
+                 self._rows(self.host_opt_state), self._rows(model_state))
+
+  def save_checkpoint(self, wait: bool = False) -> None:
+    """Saves the state after `self.round` rounds (every host must call it)."""
+    if self.checkpointer is None:
+      raise ValueError("this trainer has no checkpoint folder; pass checkpoint=CheckpointConfig(...).")
+    meta = {"job": self.job, "layout": self._layout(), "position": self.position,
+            "round": self.round, "taus": self.taus.state_dict()}
+    self.checkpointer.save(self.round, self._saved(), meta)
+    if wait:
+      self.checkpointer.wait()
+
+  def _resume(self) -> None:
+    """Continues from the newest complete checkpoint written on this layout.
+
+    On another layout the per-host rows do not fit: the centre and the outer
+    state are restored, and every host's inner state restarts from the centre.
+    """
+    newest = self.checkpointer.complete_steps()
+    if not newest:
+      return
+    # The saved layout decides the shape of the per-host rows: on another
+    # layout they are read replicated and dropped (private read of the meta:
+    # the Checkpointer restores whole states only).
+    peek = self.checkpointer._read_meta(newest[0])  # pylint: disable=protected-access
+    like = self._saved()
+    if peek is not None and peek.get("layout") != self._layout():
+      rows = sum(peek["layout"]["devices_per_host"])
+      as_saved = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+          (rows,) + x.shape[1:], x.dtype, sharding=self.meshes.replicated), t)
+      like = like._replace(host_params=as_saved(like.host_params),
+                           host_opt_state=as_saved(like.host_opt_state),
+                           host_model_state=as_saved(like.host_model_state))
+    restored = self.checkpointer.restore_latest(like, self.job)
+    if restored is None:
+      return
+    saved, meta = restored
+    same_layout = meta["layout"] == self._layout()
+    self.centre = hybrid_lib.Centre(saved.round, saved.params, saved.opt_state, saved.model_state)
+    if same_layout:
+      self.host_params = self._own_rows(saved.host_params)
+      self.host_opt_state = self._own_rows(saved.host_opt_state)
+      self.host_model_state = self._own_rows(saved.host_model_state)
+      self.taus.load_state_dict(meta.get("taus", {}))
+    else:
+      self.host_params = self.host_model_state = None  # The mode starts them at the centre.
+      self.host_opt_state = self.local.init_opt_state(
+          rounds_lib.to_host_mesh(self.centre.params, self.meshes))
+    self.position = int(meta["position"])
+    self._start_round = self.resumed_from = int(meta["round"])
+    if self.host_id == 0:
+      print(f"hetjax: resumed {self.rounds.mode} from {self.checkpointer.directory}/"
+            f"{self._start_round} (written by {meta['layout']['hosts']} host(s) x "
+            f"{meta['layout']['devices_per_host']} device(s))"
+            + ("" if same_layout else "; another layout: every host's inner state restarts "
+               "from the centre"), flush=True)
+
+  def _own_rows(self, tree: PyTree) -> PyTree:
+    """This host's state back from its rows: device row j holds the same copy."""
+    def own(x):
+      shards = sorted(x.addressable_shards, key=lambda s: s.index[0].start)
+      local = [s.data.reshape(s.data.shape[1:]) for s in shards]
+      return jax.make_array_from_single_device_arrays(
+          x.shape[1:], self.meshes.local_replicated, local)
+    return jax.tree.map(own, tree)

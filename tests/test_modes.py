@@ -1,0 +1,91 @@
+"""The rounds modes (hybrid, elastic): exactness against sync, accuracy, taus, bad input."""
+
+import argparse
+
+import jax
+import numpy as np
+import pytest
+
+import _modes_entries  # noqa: F401  (importable by the hosts)
+from hetjax.modes import options, rounds
+from hetjax.testing import run_hosts
+
+
+def test_hybrid_with_one_local_step_is_sync_on_both_backends():
+  """1 local step per host, SGD inside, outer SGD lr 1 == sync with the equal split (3 hosts x 2 devices)."""
+  out = run_hosts("_modes_entries:degenerate", hosts=3, devices_per_host=2,
+                  args=(3, 48, 0.5), timeout_s=600)
+  for host in out:
+    for reduction in ("device", "host"):
+      got = host[reduction]
+      assert got["positions"][0] == got["positions"][1]
+      leaves = jax.tree_util.tree_leaves_with_path(got["sync"])
+      for (path, want), have, start in zip(leaves, jax.tree.leaves(got["hybrid"]),
+                                           jax.tree.leaves(got["initial"])):
+        np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-7,
+                                   err_msg=f"{reduction} {jax.tree_util.keystr(path)}")
+        assert np.abs(want - start).max() > 1e-4  # Training moved every leaf.
+
+
+def test_taus_from_speeds_follow_the_hosts_speeds():
+  assert rounds.taus_from_speeds(8, [0.1, 0.2, 0.4]) == (8, 4, 2)
+  assert rounds.taus_from_speeds(4, [0.1, 0.2, 10.0]) == (4, 2, 1)  # never below 1
+  policy = rounds.TauPolicy(4, 3)
+  assert policy.taus(0) == (1, 1, 1)          # warm-up
+  policy.observe(0, [9.0, 9.0, 9.0])          # round 0 (compilation) is not measured
+  policy.observe(1, [0.1, 0.2, 0.4])
+  assert policy.taus(2) == (4, 2, 1)
+  state = policy.state_dict()
+  other = rounds.TauPolicy(4, 3)
+  other.load_state_dict(state)
+  assert other.taus(2) == (4, 2, 1)
+  assert rounds.TauPolicy(4, 3, fixed=(3, 2, 1)).taus(0) == (3, 2, 1)
+
+
+def test_round_data_is_contiguous_slices_of_the_global_stream():
+  plan = rounds.RoundData(start=100, taus=(3, 2, 1), local_batch=10, block=4)
+  assert plan.size == 60 and plan.samples() == (30, 20, 10)
+  got = np.concatenate([plan.host_positions(h) for h in range(3)])
+  np.testing.assert_array_equal(got, np.arange(100, 160))
+  # 3 blocks per local step of 10 (the last one partial): host 1's local step 1 is the 5th step.
+  assert plan.first_block(1, 1) == 4 * 3
+
+
+def _args(**kw):
+  p = argparse.ArgumentParser()
+  p.add_argument("--global-batch", type=int, default=48)
+  p.add_argument("--balancer", default=None)
+  p.add_argument("--assignment", default="equal")
+  options.add_arguments(p)
+  argv = []
+  for k, v in kw.items():
+    argv += [f"--{k.replace('_', '-')}", str(v)]
+  return p.parse_args(argv)
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"mode": "sync", "round_steps": 4}, "--round-steps does not apply to --mode sync"),
+    ({"mode": "hybrid", "elastic_beta": 0.5}, "--elastic-beta does not apply to --mode hybrid"),
+    ({"mode": "elastic", "outer_lr": 0.5}, "--outer-lr does not apply to --mode elastic"),
+    ({"mode": "hybrid", "round_steps": 0}, "--round-steps must be >= 1"),
+    ({"mode": "hybrid", "local_steps": "4,2"}, "gives 2 count(s) for 3 host(s)"),
+    ({"mode": "hybrid", "local_steps": "4,x,1"}, "comma-separated whole numbers"),
+    ({"mode": "hybrid", "local_steps": "4,0,1"}, ">= 1 local step"),
+    ({"mode": "elastic", "elastic_beta": 0.0}, "--elastic-beta must be in (0, 1]"),
+    ({"mode": "elastic", "elastic_beta": 1.5}, "--elastic-beta must be in (0, 1]"),
+    ({"mode": "hybrid", "outer_optimizer": "adam"}, "unknown --outer-optimizer 'adam'"),
+    ({"mode": "hybrid", "outer_momentum": 1.0}, "--outer-momentum must be in [0, 1)"),
+    ({"mode": "hybrid", "balancer": "dynamic"}, "--balancer does not apply to --mode hybrid"),
+    ({"mode": "hybrid", "local_batch": 0}, "--local-batch must be >= 1"),
+])
+def test_bad_mode_flags_are_refused_before_anything_starts(kw, message):
+  with pytest.raises(ValueError) as e:
+    options.from_args(_args(**kw), num_hosts=3)
+  assert message in str(e.value)
+
+
+def test_mode_flags_make_the_config():
+  config = options.from_args(_args(mode="hybrid", local_steps="4,2,1", outer_lr=0.5), num_hosts=3)
+  assert config.local_steps == (4, 2, 1) and config.outer_lr == 0.5
+  assert config.outer_optimizer == "nesterov" and config.local_batch_for(48, 3) == 16
+  assert options.from_args(_args(mode="sync"), num_hosts=3) is None
