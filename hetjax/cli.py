@@ -51,6 +51,8 @@ def _parser() -> argparse.ArgumentParser:
   t.add_argument("--dropout", type=float, default=None,
                  help="dropout rate of mlp, cnn and transformer (default 0); keyed per block, "
                       "so the same example gets the same mask on any split")
+  from hetjax.modes import options as mode_options  # No JAX: the flags and their checks.
+  mode_options.add_arguments(t)
   c = t.add_argument_group("checkpoints (orbax; the folder must be shared by all hosts)")
   c.add_argument("--ckpt-dir", default=None,
                  help="save checkpoints here and resume from the newest one found there")
@@ -99,6 +101,8 @@ def _check_args(args: argparse.Namespace) -> None:
     from hetjax import blocks
     blocks.check_aligned(balancer.validate_shares(assignment, args.global_batch, hosts),
                          args.global_batch, args.microbatch)
+  from hetjax.modes import options as mode_options
+  mode_options.from_args(args, int(os.environ.get("HETJAX_NUM_HOSTS", "1")))
   if args.dropout is not None:
     if not 0 <= args.dropout < 1:
       raise ValueError(f"--dropout must be in [0, 1), got {args.dropout}.")
@@ -144,7 +148,14 @@ def train(args: argparse.Namespace) -> dict:
                                balancer=args.balancer, augment=args.augment)
   identity = f"{args.model}|{args.optimizer}|{args.lr}|{args.model_width}|{args.dropout}"
   ckpt = None if args.ckpt_dir is None else _checkpoint_config(args)
-  tr = trainer.Trainer(task, _optimizer(args.optimizer, args.lr), source, config,
+  from hetjax.modes import options as mode_options
+  rounds = mode_options.from_args(args, topo.num_hosts)
+  if rounds is None:
+    tr = trainer.Trainer(task, _optimizer(args.optimizer, args.lr), source, config,
+                         identity=identity, checkpoint=ckpt)
+  else:  # --mode hybrid / elastic: --steps counts rounds, --optimizer is the inner one.
+    from hetjax.modes.trainer import RoundsTrainer
+    tr = RoundsTrainer(task, _optimizer(args.optimizer, args.lr), source, config, rounds,
                        identity=identity, checkpoint=ckpt)
   sinks, writer = [], None
   if topo.host_id == 0:

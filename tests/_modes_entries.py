@@ -40,15 +40,24 @@ def degenerate(steps: int, global_batch: int, lr: float) -> dict:
   return out
 
 
-def accuracy(mode: str, rounds: int, local_steps: tuple, lr: float, **options) -> dict:
+def accuracy(mode: str, rounds: int, local_steps: tuple, lr: float, momentum: float | None = 0.9,
+             adam: bool = False, **options) -> dict:
   """One mode on uneven local step counts; the centre's test accuracy."""
-  hetjax.initialize()
+  from hetjax import runtime
+  if not runtime.is_initialized():
+    hetjax.initialize()
   source, test = data.load("digits"), data.load("digits", "test")
   task = hetjax_models.build("mlp", kind="image", num_classes=10)
   config = trainer.TrainConfig(global_batch=48, microbatch=BLOCK, seed=0)
-  tr = RoundsTrainer(task, optax.sgd(lr, momentum=0.9), source, config,
+  inner = optax.adam(lr) if adam else optax.sgd(lr, momentum=momentum)
+  tr = RoundsTrainer(task, inner, source, config,
                      RoundsConfig(mode=mode, local_steps=local_steps, **options))
   summary = tr.fit(until=rounds)
-  return {"accuracy": tr.evaluate(test)["accuracy"], "taus": summary["per_host"][0]["tau"],
+  return {"accuracy": tr.evaluate(test)["accuracy"], "taus": [h["tau"][-1] for h in summary["per_host"]],
           "samples": [h["batch"][-1] for h in summary["per_host"]],
           "digest": summary["params_digest"]}
+
+
+def accuracies(specs: list) -> list:
+  """`accuracy(*args, **kwargs)` for each `(args, kwargs)` on one cluster (one start-up)."""
+  return [accuracy(*args, **kwargs) for args, kwargs in specs]

@@ -27,6 +27,26 @@ def test_hybrid_with_one_local_step_is_sync_on_both_backends():
         assert np.abs(want - start).max() > 1e-4  # Training moved every leaf.
 
 
+def test_hybrid_and_elastic_reach_97_percent_on_uneven_hosts():
+  """3 hosts running 4, 2 and 1 local steps per round (fixed: deterministic); the centre's test accuracy."""
+  hybrid = (("hybrid", 80, (4, 2, 1), 0.1), {"momentum": None})          # outer: nesterov 0.7, 0.9
+  elastic = (("elastic", 120, (4, 2, 1), 0.05), {"elastic_beta": 0.5})   # inner momentum 0.9
+  out = run_hosts("_modes_entries:accuracies", hosts=3, args=([hybrid, elastic],), timeout_s=600)
+  for host in out:
+    for result in host:
+      assert result["taus"] == [4, 2, 1] and result["samples"] == [64, 32, 16]
+      assert result["accuracy"] >= 0.97, result
+  assert out[0] == out[1] == out[2]  # One centre on every host.
+
+
+def test_a_mode_flag_for_another_mode_fails_before_jax_starts(capsys):
+  from hetjax import cli
+  assert cli.main(["train", "--mode", "sync", "--local-steps", "1,1"]) == 2
+  assert "--local-steps does not apply to --mode sync" in capsys.readouterr().err
+  assert cli.main(["train", "--mode", "elastic", "--elastic-beta", "2"]) == 2
+  assert "--elastic-beta must be in (0, 1]" in capsys.readouterr().err
+
+
 def test_taus_from_speeds_follow_the_hosts_speeds():
   assert rounds.taus_from_speeds(8, [0.1, 0.2, 0.4]) == (8, 4, 2)
   assert rounds.taus_from_speeds(4, [0.1, 0.2, 10.0]) == (4, 2, 1)  # never below 1
