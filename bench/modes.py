@@ -1,0 +1,208 @@
+"""Which mode reaches a target accuracy first on an EMULATED uneven 3-host cluster?
+
+Run: `.venv/bin/python bench/modes.py` (a few minutes on 2 cores).
+
+Three host processes (speeds 1, 0.5, 0.25, emulated by pacing; each host's
+device EMULATED with HETJAX_DEVICE_SAMPLE_MS as in bench/balance.py) train
+the CNN on the real digits from the same seed with:
+- sync-equal: `--mode sync`, equal shares;
+- sync-dynamic: `--mode sync --balancer dynamic`;
+- hybrid-H4, hybrid-H8: `--mode hybrid --round-steps H`, taus from speeds;
+- elastic-H4: `--mode elastic --round-steps 4`.
+Every step (sync) or round (hybrid, elastic) every host evaluates the same
+centre on the test split; evaluation is kept off the clock (the clock sums
+the measured step / round seconds). A run stops once the centre reaches
+the target (0.97) or after `--max-epochs` of samples.
+
+Figures per mode, median over the seeds: wall-clock seconds to the target,
+the accuracy reached within a common budget (the median time-to-target of
+sync-equal, unless `--budget-s`), samples/s, and each mode's time-to-target
+over sync-equal's. All run inside one cluster start; all times are EMULATED
+and the machine is shared: read the ratios. The last line is one JSON object.
+
+Learning rates: `--sweep` runs seed 0 of every mode at each of `--lrs` and
+prints the best (the fastest to the target); the defaults below are what
+that sweep chose (see BUILD_NOTES).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+SPEEDS = (1.0, 0.5, 0.25)
+# mode name -> (trainer kind, settings, inner optimizer momentum, default lr)
+MODES = {
+    "sync-equal": ("sync", {}, 0.9, 0.05),
+    "sync-dynamic": ("sync", {"balancer": "dynamic"}, 0.9, 0.05),
+    "hybrid-H4": ("hybrid", {"round_steps": 4}, None, 0.1),
+    "hybrid-H8": ("hybrid", {"round_steps": 8}, None, 0.1),
+    "elastic-H4": ("elastic", {"round_steps": 4, "elastic_beta": 0.5}, 0.9, 0.05),
+}
+
+
+class _Reached(Exception):
+  """Raised by every host at the same step: the centre reached the target."""
+
+
+def host_main(runs: list, global_batch: int, microbatch: int, target: float,
+              max_samples: int) -> list | None:
+  """Every run of `runs` ((name, seed, lr)) on this cluster; host 0 returns the curves."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  import hetjax  # pylint: disable=g-import-not-at-top
+  import hetjax_models  # pylint: disable=g-import-not-at-top
+  from hetjax import data, task as task_lib, trainer  # pylint: disable=g-import-not-at-top
+  from hetjax.modes import RoundsConfig  # pylint: disable=g-import-not-at-top
+  from hetjax.modes.trainer import RoundsTrainer  # pylint: disable=g-import-not-at-top
+
+  hetjax.initialize()
+  source, test = data.load("digits"), data.load("digits", "test")
+  test_batch = test[np.arange(len(test))]
+  test_batch[task_lib.MASK] = np.ones(len(test), np.float32)
+  results = []
+  for name, seed, lr in runs:
+    kind, settings, momentum, _ = MODES[name]
+    task = hetjax_models.build("cnn", kind="image", num_classes=10)
+    loss_fn = task.evaluation_loss()
+
+    @jax.jit
+    def accuracy(params, model_state):
+      _, metrics, _ = loss_fn(params, model_state, test_batch, jax.random.key(0))
+      return jnp.mean(metrics["accuracy"])
+
+    inner = optax.sgd(lr, momentum=momentum)
+    if kind == "sync":
+      config = trainer.TrainConfig(global_batch=global_batch, microbatch=microbatch, seed=seed,
+                                   balancer=settings.get("balancer"))
+      tr = trainer.Trainer(task, inner, source, config)
+      seconds = lambda: tr.history.step_s
+      samples = lambda: global_batch * len(tr.history.step_s)
+    else:
+      config = trainer.TrainConfig(global_batch=global_batch, microbatch=microbatch, seed=seed)
+      tr = RoundsTrainer(task, inner, source, config, RoundsConfig(mode=kind, **settings))
+      seconds = lambda: tr.history.round_s
+      samples = lambda: int(sum(sum(s) for s in tr.history.samples))
+    curve = []  # (clock seconds, samples, accuracy), evaluation off the clock
+
+    def evaluate(tr_, metrics):
+      del metrics
+      state = tr_.state
+      acc = float(accuracy(jax.tree.map(lambda x: x.addressable_data(0), state.params),
+                           jax.tree.map(lambda x: x.addressable_data(0), state.model_state)))
+      curve.append((float(np.sum(seconds()[1:])), samples(), acc))  # Step 0 compiles.
+      if acc >= target or samples() >= max_samples:
+        raise _Reached()
+
+    try:
+      if kind == "sync":
+        tr.fit(10**9, on_step=evaluate)
+      else:
+        tr.fit(10**9, on_round=evaluate)
+    except _Reached:
+      pass
+    tr.close()
+    results.append({"name": name, "seed": seed, "lr": lr, "curve": curve})
+  return results if jax.process_index() == 0 else None
+
+
+def time_to_target(curve: list, target: float) -> float | None:
+  for t, _, acc in curve:
+    if acc >= target:
+      return t
+  return None
+
+
+def accuracy_within(curve: list, budget_s: float) -> float:
+  inside = [acc for t, _, acc in curve if t <= budget_s]
+  return inside[-1] if inside else 0.0
+
+
+def _median(values: list) -> float | None:
+  values = [v for v in values if v is not None]
+  return float(np.median(values)) if values else None
+
+
+def main(argv=None) -> dict:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--seeds", type=int, default=3)
+  p.add_argument("--modes", default=",".join(MODES), help="comma-separated, of " + ", ".join(MODES))
+  p.add_argument("--target", type=float, default=0.97)
+  p.add_argument("--global-batch", type=int, default=48)
+  p.add_argument("--microbatch", type=int, default=8)
+  p.add_argument("--sample-ms", type=float, default=1.0,
+                 help="emulated device milliseconds per sample on the fastest host")
+  p.add_argument("--max-epochs", type=float, default=12.0, help="give up after this many epochs")
+  p.add_argument("--budget-s", type=float, default=None,
+                 help="common time budget (default: sync-equal's median time to the target)")
+  p.add_argument("--sweep", action="store_true", help="seed 0 of each mode at each of --lrs")
+  p.add_argument("--lrs", default="0.02,0.05,0.1,0.2")
+  args = p.parse_args(argv)
+  names = args.modes.split(",")
+  unknown = [n for n in names if n not in MODES]
+  if unknown:
+    raise SystemExit(f"unknown mode(s) {unknown}; choose from {', '.join(MODES)}.")
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  from hetjax import data  # pylint: disable=g-import-not-at-top
+  from hetjax.testing import run_hosts  # pylint: disable=g-import-not-at-top
+
+  max_samples = int(args.max_epochs * len(data.load("digits")))
+  if args.sweep:
+    runs = [(n, 0, float(lr)) for n in names for lr in args.lrs.split(",")]
+  else:
+    runs = [(n, seed, MODES[n][3]) for n in names for seed in range(args.seeds)]
+  print(f"EMULATED cluster: 3 hosts x 1 CPU device, speeds {SPEEDS}, emulated device "
+        f"{args.sample_ms:g} ms/sample on the fastest host; CNN on digits, global batch "
+        f"{args.global_batch}, target test accuracy {args.target}. Shared CPU: read the ratios.",
+        flush=True)
+  t0 = time.time()
+  env = {"HETJAX_DEVICE_SAMPLE_MS": f"{args.sample_ms:g}"}
+  results = run_hosts("modes:host_main", hosts=3, speeds=list(SPEEDS), env=env, timeout_s=3600,
+                      args=(runs, args.global_batch, args.microbatch, args.target,
+                            max_samples))[0]
+  if args.sweep:
+    for r in results:
+      print(f"{r['name']:13s} lr {r['lr']:<5g} time to {args.target}: "
+            f"{time_to_target(r['curve'], args.target)}  final accuracy {r['curve'][-1][2]:.3f}")
+    print(json.dumps({"sweep": [{"name": r["name"], "lr": r["lr"],
+                                 "time_to_target_s": time_to_target(r["curve"], args.target)}
+                                for r in results]}))
+    return {}
+  by_mode = {n: [r for r in results if r["name"] == n] for n in names}
+  ttt = {n: [time_to_target(r["curve"], args.target) for r in rs] for n, rs in by_mode.items()}
+  budget = args.budget_s or _median(ttt.get("sync-equal", [])) or max(
+      r["curve"][-1][0] for r in results)
+  figures = {}
+  for n, rs in by_mode.items():
+    reached = [t for t in ttt[n] if t is not None]
+    figures[n] = {
+        "median_time_to_target_s": _median(ttt[n]) if len(reached) == len(rs) else None,
+        "reached": f"{len(reached)}/{len(rs)}",
+        "accuracy_within_budget": _median([accuracy_within(r["curve"], budget) for r in rs]),
+        "samples_per_s": _median([r["curve"][-1][1] / r["curve"][-1][0] for r in rs]),
+        "lr": rs[0]["lr"],
+    }
+  base = figures.get("sync-equal", {}).get("median_time_to_target_s")
+  print(f"{'mode':13s} {'to ' + str(args.target):>10s} {'reached':>8s} {'acc@' + format(budget, '.1f') + 's':>10s} "
+        f"{'samples/s':>10s} {'vs sync-equal':>14s}")
+  for n, f in figures.items():
+    t = f["median_time_to_target_s"]
+    f["time_ratio_to_sync_equal"] = t / base if (t and base) else None
+    ratio = f"{f['time_ratio_to_sync_equal']:.2f}x" if f["time_ratio_to_sync_equal"] else "-"
+    print(f"{n:13s} {(f'{t:.1f} s' if t else '-'):>10s} {f['reached']:>8s} "
+          f"{f['accuracy_within_budget']:10.3f} {f['samples_per_s']:10.0f} {ratio:>14s}")
+  out = {"emulated": True, "speeds": SPEEDS, "sample_ms": args.sample_ms, "target": args.target,
+         "seeds": args.seeds, "budget_s": budget, "global_batch": args.global_batch,
+         "wall_s": time.time() - t0, "modes": figures}
+  print(json.dumps(out))
+  return out
+
+
+if __name__ == "__main__":
+  main()
