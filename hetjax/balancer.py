@@ -403,12 +403,13 @@ class ProfilingBalancer:
   make it oscillate, while a host that really slows down is answered in one
   move.
 
-  Trust region: every solve keeps each host's share within `[smallest / trust,
-  largest * trust]` of the padded shares it ran in the last `2 * every`
-  measured steps (at least one micro-batch above). The model is only known near shares a host
-  has run, so a misfit costs at most one bounded step, never a pathological
-  one; and a host reaches share 0 only through several moves, each on fresh
-  evidence that it is slow, never from one noisy step.
+  Trust region: every solve keeps each host's share at most `trust` x the
+  largest padded share it ran in the last `2 * every` measured steps (at
+  least one micro-batch): the model is only known near shares a host has
+  run, so a misfit costs at most one bounded step, never a pathological one.
+  The first solve also keeps each share at least `smallest / trust`: there
+  one slow warm-up step is a sixth of the evidence, and it must not send a
+  host to share 0; later, the level median needs several slow steps.
 
   Every input is the timing vector that every host holds, and every
   computation is deterministic, so all hosts hold the same split
@@ -529,27 +530,32 @@ class ProfilingBalancer:
     self.model.load_state_dict(state["model"])
     self.decisions = [dict(d, shares=tuple(d["shares"])) for d in state["decisions"]]
     self._unmeasured = [int(i) for i in state["unmeasured"]]
-  def trust_region(self) -> tuple[np.ndarray, np.ndarray]:
-    """Per-host `(floors, caps)` a solve may use now: near the shares each host ran."""
+  def trust_region(self, first: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Per-host `(floors, caps)` a solve may use now: near the shares each host ran.
+
+    Floors only for the `first` solve after warm-up, where one step is a sixth
+    of the evidence; later the level median needs several slow steps anyway,
+    and a host whose fixed cost dominates must be able to reach share 0.
+    """
     # Padded shares of the last two re-solve periods (pylint: disable=protected-access)
     ran = self.model._x[-2 * self.every:]
     caps = np.minimum(self.caps, np.maximum(np.ceil(self.trust * ran.max(axis=0)),
                                             self.granularity)).astype(np.int64)
     # Whole micro-batches: half of one micro-batch costs as much as all of it.
     whole = np.floor(ran.min(axis=0) / self.trust / self.granularity) * self.granularity
-    floors = np.minimum(whole, caps).astype(np.int64)
+    floors = np.minimum(whole if first else 0, caps).astype(np.int64)
     if int(caps.sum()) < self.global_batch or int(floors.sum()) > self.global_batch:
       return np.zeros(self.num_hosts, np.int64), self.caps  # Cannot hold B: no region.
     return floors, caps
 
-  def _solve(self, params: CostParams) -> tuple[int, ...]:
-    floors, caps = self.trust_region()
+  def _solve(self, params: CostParams, first: bool = False) -> tuple[int, ...]:
+    floors, caps = self.trust_region(first)
     return solve(self.global_batch, params.fixed_s, params.per_sample_s, self.granularity,
                  caps, floors)
 
   def _first_solve(self, step: int) -> None:
     params = self.model.fit()
-    target = self._solve(params)
+    target = self._solve(params, first=True)
     self._current = target
     self._log(step + 1, target, float(params.predict(target).max()),
               f"{self.mode}: first solve after warm-up")
@@ -561,9 +567,10 @@ class ProfilingBalancer:
     best = float(params.predict(target).max())
     gain = (now - best) / now if now > 0 else 0.0
     # Dead band: the configured threshold, widened to 3 sigma of the noise in a
-    # gain (the difference of two hosts' fitted levels), plus the bias of the
-    # largest of N noisy levels (sqrt(2 ln N) sigma), so noise never moves it.
-    spread = 3.0 + math.sqrt(2.0 * math.log(self.num_hosts))
+    # gain (the difference of two hosts' fitted levels), and on many hosts to
+    # the bias of the largest of N noisy levels (about sqrt(2 ln N) sigma), so
+    # noise never moves it.
+    spread = max(3.0, 1.0 + math.sqrt(2.0 * math.log(self.num_hosts)))
     band = max(self.threshold, math.sqrt(2.0) * spread * self.model.level_error)
     if gain <= band:
       return

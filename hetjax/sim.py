@@ -242,18 +242,22 @@ class SimResult:
 
 def simulate(spec: ClusterSpec, bal: balancer_lib.Balancer, steps: int = 60, *,
              measure_from: int = 10, seed: int = 0,
-             factors: np.ndarray | None = None, comm: bool = True) -> SimResult:
+             factors: np.ndarray | None = None, comm: bool = True,
+             costs: balancer_lib.CostParams | None = None,
+             comm_s: float | None = None) -> SimResult:
   """Runs `steps` synchronous steps; throughput counts steps from `measure_from`.
 
   The same `seed` gives the same noise, persistent slow hosts and slow spells
   to every mode, so modes are compared on identical conditions. `comm=False`
-  leaves the all-reduce out (for the breakdown of a figure).
+  leaves the all-reduce out (for the breakdown of a figure); `costs` and
+  `comm_s` replace the GPU-class model with measured values (the replay of
+  an emulated cluster in bench/validate_sim.py).
   """
   if not 0 <= measure_from < steps:
     raise ValueError(f"measure_from ({measure_from}) must be in [0, steps={steps}).")
-  true = spec.costs(seed)
+  true = spec.costs(seed) if costs is None else costs
   factors = slowdowns(spec, steps, seed) if factors is None else factors
-  comm_s = spec.comm_s() if comm else 0.0
+  comm_s = (spec.comm_s() if comm_s is None else comm_s) if comm else 0.0
   step_s, seen = np.zeros(steps), []
   compute_all = np.zeros((steps, spec.num_hosts))
   for step in range(steps):

@@ -324,15 +324,15 @@ def test_one_slow_warm_up_step_never_gives_a_host_share_0(spike_step, seed):
   assert min(s[2] for s in seen) > 0, [s[2] for s in seen]
 
 
-def test_a_host_slow_over_several_steps_reaches_share_0_only_through_several_moves():
+def test_a_host_reaches_share_0_only_after_several_slow_steps():
   cluster = Cluster([0.01] * 3, [1e-3, 1e-3, 1e-3], [4] * 3, noise=0.01, seed=2)
   bal = balancer.ProfilingBalancer(96, 3, [4] * 3, "dynamic")
   for s in range(20):
     cluster.run(bal, s)
-  cluster.factor[2] = 50.0  # Host 2 becomes nearly useless for good.
+  cluster.factor[2] = 50.0  # Host 2 becomes nearly useless for good at step 20.
   seen = [cluster.run(bal, s) for s in range(20, 60)]
   host2 = [s[2] for s in seen]
   assert host2[-1] == 0
-  reached = host2.index(0)
-  distinct = sorted(set(host2[:reached]), reverse=True)
-  assert reached >= 3 and len(distinct) >= 3, host2  # Halved step by step, on fresh evidence.
+  # Several slow steps measured first (the recency-weighted level median needs
+  # about half its weight): never from the first slow step or two.
+  assert host2.index(0) >= 3, host2
