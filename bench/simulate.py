@@ -121,6 +121,7 @@ def sensitivity(n: int, steps: int, seeds) -> dict:
       "slow-spell rate 1e-3": dict(straggler_rate=1e-3),
       "slow-spell rate 1e-2": dict(straggler_rate=1e-2),
       "slow spells 1.5x": dict(straggler_slowdown=1.5),
+      "spells hit racks of 8 hosts": dict(spell_group=8),
   }
   print(f"\nWhat moves the {n}-host dynamic figure, SIMULATED (change vs the defaults):")
   out = {}

@@ -45,7 +45,7 @@ ASSUMPTIONS = (
     ("fixed cost per step", "5 ms host overhead + optimizer update (512 MB / HBM bandwidth)", "overhead assumed; HBM from data sheets"),
     ("noise", "log-normal, sigma 3 % per host and step", "assumed"),
     ("persistent slow hosts", "2 % of hosts, 1.3x slower for the whole run", "assumed"),
-    ("slow spells", "rate per host-step (curve 0..1e-2), 2.5x, geometric length, mean 20 steps", "assumed"),
+    ("slow spells", "rate per host-step (curve 0..1e-2), 2.5x, geometric length, mean 20 steps, independent per host", "assumed"),
     ("gradient", "102 MB (25.6 M fp32 values)", "ResNet-50"),
     ("all-reduce", "hierarchical: NVLink reduce-scatter, inter-host ring or double binary tree (the faster), NVLink all-gather; no overlap with compute", "NCCL's algorithms; hetjax reduces after the local step"),
     ("network", "25 GB/s (200 Gb/s) per host, 10 us per hop; NVLink 150/300/450 GB/s, 2 us", "assumed NIC; NVLink from data sheets"),
@@ -115,6 +115,8 @@ class ClusterSpec:
     straggler_rate: chance per host and step that a transient slow spell starts.
     straggler_steps: mean length of a slow spell (geometric).
     straggler_slowdown: compute-time factor during a slow spell.
+    spell_group: hosts that share each slow spell (consecutive hosts, e.g. a
+      rack behind one switch or one power feed); 1 = independent hosts.
     grad_bytes: bytes all-reduced per step (ResNet-50: 25.6 M fp32 values).
     bandwidth: bytes/s of each host's network link (25 GB/s = 200 Gb/s).
     latency_s: per-hop latency between hosts.
@@ -133,6 +135,7 @@ class ClusterSpec:
   straggler_rate: float = 0.0005
   straggler_steps: float = 20.0
   straggler_slowdown: float = 2.5
+  spell_group: int = 1
   grad_bytes: float = RESNET50_PARAMS * 4
   bandwidth: float = 25e9
   latency_s: float = 10e-6
@@ -185,13 +188,21 @@ def noise_factors(spec: ClusterSpec, steps: int, seed: int = 0) -> np.ndarray:
 
 
 def spell_factors(spec: ClusterSpec, steps: int, seed: int = 0) -> np.ndarray:
-  """`[steps, hosts]` transient slow spells: starts at `straggler_rate`, geometric lengths."""
+  """`[steps, hosts]` transient slow spells: starts at `straggler_rate`, geometric lengths.
+
+  With `spell_group` k > 1 spells start per group of k consecutive hosts, at
+  `straggler_rate` per group and step, and slow the whole group at once: each
+  host is slowed as often as alone, but together with its rack.
+  """
   rng = np.random.default_rng([seed, 3])
-  starts = rng.random((steps, spec.num_hosts)) < spec.straggler_rate
-  lengths = rng.geometric(1.0 / max(spec.straggler_steps, 1.0), size=(steps, spec.num_hosts))
-  slow = np.zeros((steps, spec.num_hosts), bool)
+  k = max(int(spec.spell_group), 1)
+  groups = -(-spec.num_hosts // k)
+  starts = rng.random((steps, groups)) < spec.straggler_rate
+  lengths = rng.geometric(1.0 / max(spec.straggler_steps, 1.0), size=(steps, groups))
+  slow = np.zeros((steps, groups), bool)
   for s, h in zip(*np.nonzero(starts)):  # Few starts: loop over them, not over steps.
     slow[s:s + lengths[s, h], h] = True
+  slow = np.repeat(slow, k, axis=1)[:, :spec.num_hosts]
   return np.where(slow, spec.straggler_slowdown, 1.0)
 
 

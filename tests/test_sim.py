@@ -58,6 +58,16 @@ def test_slow_spells_have_random_lengths_with_the_given_mean():
   assert 0.0015 < began.mean() < 0.0025
 
 
+def test_grouped_spells_slow_whole_racks_as_often_per_host():
+  spec = sim.ClusterSpec(sim.mix(2000), straggler_rate=0.002, straggler_steps=10, spell_group=8)
+  spell = sim.spell_factors(spec, 400, seed=0) > 1.0
+  racks = spell[:, :2000].reshape(400, 250, 8)
+  assert (racks == racks[:, :, :1]).all()  # A rack is slow or fast as a whole.
+  alone = sim.spell_factors(sim.ClusterSpec(sim.mix(2000), straggler_rate=0.002,
+                                            straggler_steps=10), 400, seed=0) > 1.0
+  assert 0.7 < spell.mean() / alone.mean() < 1.3  # The same slowed host-steps on average.
+
+
 def test_unknown_gpu_class_is_refused():
   with pytest.raises(ValueError, match="unknown GPU class"):
     sim.ClusterSpec(("H100", "B200"))
