@@ -336,3 +336,20 @@ def test_a_host_reaches_share_0_only_after_several_slow_steps():
   # Several slow steps measured first (the recency-weighted level median needs
   # about half its weight): never from the first slow step or two.
   assert host2.index(0) >= 3, host2
+
+
+def test_the_balancer_is_unit_agnostic_blocks_give_the_sample_split_over_m():
+  # The trainer drives it in blocks of m samples (granularity = devices per
+  # host); the same cluster counted in samples (granularity = m x devices)
+  # must get the same split, times m.
+  m, over, per = 4, np.array([0.025, 0.0135, 0.022]), np.array([5e-3, 1e-2, 2e-2])
+  splits = []
+  for scale, batch, gran in ((1, 192, m), (m, 192 // m, 1)):
+    true = balancer.CostParams(over, per * scale, np.full(3, gran))
+    rng = np.random.default_rng(0)
+    bal = balancer.make_balancer("equal", batch, 3, mode="dynamic", granularity=[gran] * 3)
+    for s in range(40):
+      shares = bal.shares(s)
+      bal.observe(s, shares, (true.predict(shares) * np.exp(0.015 * rng.standard_normal(3))).tolist())
+    splits.append(np.asarray(bal.shares(40)) * (1 if scale == 1 else m))
+  assert np.array_equal(splits[0], splits[1]) and splits[0][0] > splits[0][1] > splits[0][2]
