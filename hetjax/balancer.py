@@ -530,6 +530,7 @@ class ProfilingBalancer:
     self.model.load_state_dict(state["model"])
     self.decisions = [dict(d, shares=tuple(d["shares"])) for d in state["decisions"]]
     self._unmeasured = [int(i) for i in state["unmeasured"]]
+
   def trust_region(self, first: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Per-host `(floors, caps)` a solve may use now: near the shares each host ran.
 
