@@ -426,9 +426,74 @@ def test_hosts_restart(ssh_run, tmp_path, marker):
   code = ("import os, sys\n"
           "if os.environ['HETJAX_HOST_ID'] == '2' and not os.path.exists(sys.argv[2]):\n"
           "  open(sys.argv[2], 'w').close(); sys.exit(4)\n")
+  code = _REPORT.replace("sys.exit(", "if host == '2' and not os.path.exists(sys.argv[2]):\n"
+                                      "  open(sys.argv[2], 'w').close(); sys.exit(4)\nsys.exit(")
   result, _ = ssh_run(["--max-restarts", "1"], [sys.executable, "-c", code, marker, str(flag)])
   assert result.returncode == 0, result.stderr
   assert "[launcher] restart 1/1 after host 2 failed with exit code 4" in result.stderr
+  # A fresh coordinator port for the restart: the old one may still be held.
+  seen = [json.loads(line.split("REPORT ", 1)[1])["env"]["HETJAX_COORDINATOR"]
+          for line in result.stdout.splitlines() if line.startswith("[host 2] REPORT ")]
+  assert seen == ["node-a:29517", "node-a:29518"]
+  _assert_none_left(marker)
+
+
+def test_hosts_per_host_settings_arrive_on_their_host_only(tmp_path, marker):
+  fake_ssh = _script(tmp_path / "fake-ssh", _FAKE_SSH)
+  other = tmp_path / "other checkout"
+  other.mkdir()
+  hostfile = tmp_path / "hosts.txt"
+  hostfile.write_text(f"node-a NCCL_SOCKET_IFNAME=ib0   # process 0\n"
+                      f"node-b NCCL_SOCKET_IFNAME=eth0 'CUDA_NOTE=a b' workdir='{other}'\n")
+  result = subprocess.run([sys.executable, HOSTS, "--hostfile", str(hostfile), "--ssh", fake_ssh,
+                           "--env", "NCCL_SOCKET_IFNAME=lo", "--", sys.executable, "-c", _REPORT,
+                           marker], capture_output=True, text=True, timeout=DEADLINE_S)
+  assert result.returncode == 0, result.stderr
+  reports = {int(l[len("[host "):].split("]")[0]): json.loads(l.split("REPORT ", 1)[1])
+             for l in result.stdout.splitlines() if " REPORT " in l}
+  assert reports[0]["env"]["NCCL_SOCKET_IFNAME"] == "ib0"  # The host's own setting wins.
+  assert reports[1]["env"]["NCCL_SOCKET_IFNAME"] == "eth0"
+  assert reports[1]["env"]["CUDA_NOTE"] == "a b" and "CUDA_NOTE" not in reports[0]["env"]
+  assert reports[1]["cwd"] == str(other) and reports[0]["cwd"] != str(other)
+
+
+# Reports how its signals are set up, then saves on SIGTERM as a hetjax host does.
+_HOST_ON_SSH = textwrap.dedent("""
+  import os, signal, sys, time
+  def preempted(signum, frame):
+    print("got SIGTERM, saving", flush=True)
+    sys.exit(75)
+  signal.signal(signal.SIGTERM, preempted)
+  print("ready HUP ignored:", signal.getsignal(signal.SIGHUP) == signal.SIG_IGN,
+        "INT default:", signal.getsignal(signal.SIGINT) is signal.default_int_handler, flush=True)
+  time.sleep(120)
+""")
+
+
+def test_a_hung_up_connection_makes_the_remote_host_save(tmp_path, marker):
+  """ssh -tt hangs up the remote side when the connection closes: SIGHUP to the wrapper."""
+  fake_ssh = _script(tmp_path / "fake-ssh", _FAKE_SSH)
+  hostfile = tmp_path / "hosts.txt"
+  hostfile.write_text("node-a\n")
+  launcher = subprocess.Popen([sys.executable, HOSTS, "--hostfile", str(hostfile), "--ssh",
+                               fake_ssh, "--", sys.executable, "-c", _HOST_ON_SSH, marker],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    line = launcher.stdout.readline()
+    assert line == "[host 0] ready HUP ignored: True INT default: True\n", line
+    # The host is the python running _HOST_ON_SSH; the wrapper is its parent.
+    (host,) = [pid for pid in _marked(marker)
+               if open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")[1:3] == [
+                   b"-c", _HOST_ON_SSH.encode()]]
+    wrapper = int(open(f"/proc/{host}/stat").read().rsplit(")", 1)[1].split()[1])
+    assert b"set -m" in open(f"/proc/{wrapper}/cmdline", "rb").read()
+    os.kill(wrapper, signal.SIGHUP)
+    out, err = launcher.communicate(timeout=DEADLINE_S)
+  finally:
+    launcher.kill()
+  assert "[host 0] got SIGTERM, saving" in out
+  assert launcher.returncode == procs.PREEMPTED_EXIT, err
+  assert "host 0 was preempted (exit code 75)" in err
   _assert_none_left(marker)
 
 
@@ -440,14 +505,21 @@ def test_hosts_dry_run_prints_the_exact_commands(tmp_path):
        "--port", "4242", "--", ".venv/bin/hetjax", "train", "--steps", "10"],
       capture_output=True, text=True, timeout=DEADLINE_S)
   assert result.returncode == 0, result.stderr
-  env = "HETJAX_NUM_HOSTS=3 HETJAX_HOST_ID={} HETJAX_RESTART_COUNT=0 PYTHONUNBUFFERED=1"
-  expected = [
-      f"ssh -tt -o BatchMode=yes {host} 'cd '\"'\"'/srv/het jax'\"'\"' && exec env "
-      f"HETJAX_COORDINATOR=node-a:4242 {env.format(i)} .venv/bin/hetjax train --steps 10'"
-      for i, host in enumerate(["alice@node-a", "node-b", "node-c"])]
-  assert result.stdout.splitlines() == expected
-  # What the shell makes of it: ssh, its options, the host, one remote line.
-  assert shlex.split(expected[1])[:5] == ["ssh", "-tt", "-o", "BatchMode=yes", "node-b"]
+  ssh = ["ssh", "-tt", "-o", "BatchMode=yes", "-o", "ServerAliveInterval=15", "-o",
+         "ServerAliveCountMax=4"]
+  lines = result.stdout.splitlines()
+  assert len(lines) == 3
+  for i, (line, host) in enumerate(zip(lines, ["alice@node-a", "node-b", "node-c"])):
+    # What the local shell makes of it: ssh, its options, the host, one remote line;
+    # what the remote login shell makes of that: bash running the wrapper.
+    *local, remote = shlex.split(line)
+    assert local == [*ssh, host]
+    exec_, bash, dash_c, wrapper = shlex.split(remote)
+    assert (exec_, bash, dash_c) == ("exec", "bash", "-c")
+    assert wrapper.startswith("set -m; cd '/srv/het jax' || exit 1; ")
+    assert (f"env HETJAX_COORDINATOR=node-a:4242 HETJAX_NUM_HOSTS=3 HETJAX_HOST_ID={i} "
+            f"HETJAX_RESTART_COUNT=0 PYTHONUNBUFFERED=1 .venv/bin/hetjax train --steps 10 "
+            f"</dev/null ") in wrapper
 
 
 @pytest.mark.parametrize("hostfile, args, message", [
@@ -456,6 +528,9 @@ def test_hosts_dry_run_prints_the_exact_commands(tmp_path):
     ("@node-a\n", [], "line 1 of"),
     ("-oProxyCommand=x\n", [], "is not [user@]host"),
     ("node-a\n", ["--port", "0"], "--port must be in [1, 65535], got 0."),
+    ("node-a FOO\n", [], "line 1 of"),
+    ("node-a HETJAX_HOST_ID=1\n", [], "HETJAX_HOST_ID is set by the launcher"),
+    ("node-a 'unclosed\n", [], "line 1 of"),
     ("node-a\n", ["--env", "HETJAX_HOST_ID=3"], "--env HETJAX_HOST_ID is set by the launcher"),
     ("node-a\n", ["--env", "1X=2"], "is not KEY=VALUE"),
     ("node-a\n", ["--max-restarts", "-1"], "--max-restarts must be an integer >= 0"),
