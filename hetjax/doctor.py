@@ -388,6 +388,7 @@ def run(args: argparse.Namespace) -> int:
     if args.gloo_interface:
       os.environ[runtime.ENV_GLOO_INTERFACE] = args.gloo_interface  # Host 0's report shows it.
     spec = runtime.resolve(os.environ, timeout_s=args.init_timeout)
+    multi_host = spec.num_hosts != 1  # Also a srun step or Open MPI, not only HETJAX_*.
     if spec.num_hosts is not None:
       parse_expected_devices(args.expect_devices, spec.num_hosts)  # Fails before joining.
     if spec.host_id == 0 and spec.coordinator is not None and not runtime.is_initialized():

@@ -370,6 +370,10 @@ def initialize(coordinator: str | None = None, num_hosts: int | None = None,
     _use_gloo_interface(interface)
   if spec.detect is not None:
     _say(f"joined as host {jax.process_index()} of {jax.process_count()}")
+  # Found from SLURM, Open MPI or JAX: written down as a launcher would have, so
+  # code that reads the HETJAX_* variables sees the same cluster.
+  os.environ.setdefault(ENV_NUM_HOSTS, str(jax.process_count()))
+  os.environ.setdefault(ENV_HOST_ID, str(jax.process_index()))
   return topology()
 
 
