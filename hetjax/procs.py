@@ -35,6 +35,7 @@ import dataclasses
 import math
 import os
 import re
+import select
 import shutil
 import signal
 import socket
@@ -228,8 +229,7 @@ class HostGroup:
     self.procs: list[subprocess.Popen] = []
     self.tails = [collections.deque(maxlen=tail_lines) for _ in commands]
     self._readers: list[threading.Thread] = []
-    self._waiters: list[threading.Thread] = []
-    self._exit_times: list[float | None] = [None] * len(commands)
+    self._exits = _ExitClock(len(commands))
 
   def start(self) -> None:
     """Starts every host; if one cannot start, stops those already running.
@@ -238,7 +238,11 @@ class HostGroup:
       FileNotFoundError: a host's program is not on its PATH (nothing started).
     """
     for cmd, env in zip(self._commands, self._envs):
-      if not cmd or shutil.which(cmd[0], path=env.get("PATH", os.defpath)) is None:
+      program = cmd[0] if cmd else ""
+      if self._cwd and os.sep in program:  # A relative path names a file in the hosts' folder.
+        program = os.path.join(self._cwd, program)
+      if not program or shutil.which(program, path=env.get("PATH", os.defpath)) is None:
+        self._exits.close()
         raise FileNotFoundError(f"no such program: {cmd[0] if cmd else '(empty command)'!r}")
     try:
       for i, (cmd, env) in enumerate(zip(self._commands, self._envs)):
@@ -248,12 +252,11 @@ class HostGroup:
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         self.procs.append(proc)
-        for target, args, name in ((self._pump, (i, proc.stdout), "output"),
-                                   (self._wait_exit, (i, proc), "exit")):
-          thread = threading.Thread(target=target, args=args, name=f"hetjax-host-{i}-{name}",
-                                    daemon=True)
-          thread.start()
-          (self._readers if name == "output" else self._waiters).append(thread)
+        self._exits.watch(i, proc.pid)
+        reader = threading.Thread(target=self._pump, args=(i, proc.stdout),
+                                  name=f"hetjax-host-{i}-output", daemon=True)
+        reader.start()
+        self._readers.append(reader)
     except BaseException:
       self.stop(grace_s=0.0)
       raise
@@ -276,25 +279,13 @@ class HostGroup:
             except (OSError, ValueError):  # Closed or broken sink: keep draining the host.
               self._sink = None
 
-  def _wait_exit(self, host: int, proc: subprocess.Popen) -> None:
-    """Records when the host's process exited (without reaping it)."""
-    try:
-      os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
-    except ChildProcessError:  # Reaped by `stop` before this thread ran.
-      pass
-    self._exit_times[host] = time.monotonic()
-
   def exit_times(self, settle_s: float = 1.0) -> list[float | None]:
-    """Each host's own exit time (monotonic seconds; None while running).
+    """Each host's own exit time (monotonic seconds, in the order the kernel saw the exits).
 
-    Waits up to `settle_s` for the time of every host that has exited to be
-    recorded, so that a caller deciding who died first sees them all.
+    None while running. Waits up to `settle_s` for every host that has exited
+    to be recorded, so that a caller deciding who died first sees them all.
     """
-    deadline = time.monotonic() + settle_s
-    for i, rc in enumerate(self.poll()):
-      if rc is not None and i < len(self._waiters):
-        self._waiters[i].join(max(0.0, deadline - time.monotonic()))
-    return list(self._exit_times)
+    return self._exits.settle([i for i, rc in enumerate(self.poll()) if rc is not None], settle_s)
 
   def forward(self, signum: int) -> None:
     """Sends `signum` to every host's process group, as a terminal's Ctrl-C would."""
@@ -325,6 +316,7 @@ class HostGroup:
       _signal_group(p.pid, signal.SIGKILL)
     for p in self.procs:
       p.wait()  # Reaps only now, after the last signal to its group.
+    self._exits.close()
 
   def join_output(self, timeout_s: float = 5.0) -> None:
     """Waits for the output of stopped hosts to drain (bounded: escapees hold pipes)."""
@@ -335,6 +327,88 @@ class HostGroup:
   def tail(self, host: int) -> list[str]:
     with self._lock:
       return list(self.tails[host])
+
+
+class _ExitClock:
+  """When each process exited, in the order the kernel saw the exits.
+
+  One thread waits on the processes' pidfds with epoll, which hands ready
+  descriptors back in the order they became ready: two hosts that die a
+  millisecond apart are told apart however late this thread gets to run (a
+  thread per process, stamping the time when it wakes, can swap them while it
+  waits for the GIL). Without pidfds (not Linux), one such thread per process.
+  """
+
+  def __init__(self, n: int):
+    self._times: list[float | None] = [None] * n
+    self._last = -math.inf
+    self._lock = threading.Lock()
+    self._fds: dict[int, int] = {}
+    self._epoll = None
+    if hasattr(os, "pidfd_open") and hasattr(select, "epoll"):
+      self._epoll = select.epoll()
+      self._wake_r, self._wake_w = os.pipe()
+      self._epoll.register(self._wake_r, select.EPOLLIN)
+      self._thread = threading.Thread(target=self._run, name="hetjax-host-exits", daemon=True)
+      self._thread.start()
+
+  def watch(self, host: int, pid: int) -> None:
+    """Starts watching the (unreaped) child `pid`, host `host`."""
+    if self._epoll is not None:
+      try:
+        fd = os.pidfd_open(pid)
+      except OSError:
+        fd = None
+      if fd is not None:
+        with self._lock:
+          self._fds[fd] = host
+        self._epoll.register(fd, select.EPOLLIN)
+        return
+    threading.Thread(target=self._wait_one, args=(host, pid), daemon=True,
+                     name=f"hetjax-host-{host}-exit").start()
+
+  def _record(self, host: int) -> None:
+    with self._lock:  # Strictly increasing, so that the order survives equal clock readings.
+      self._last = max(time.monotonic(), self._last + 1e-6)
+      self._times[host] = self._last
+
+  def _run(self) -> None:
+    while True:
+      for fd, _ in self._epoll.poll():
+        if fd == self._wake_r:
+          return
+        with self._lock:
+          host = self._fds.pop(fd)
+        self._epoll.unregister(fd)
+        os.close(fd)
+        self._record(host)
+
+  def _wait_one(self, host: int, pid: int) -> None:
+    try:
+      os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+    except ChildProcessError:  # Reaped by `stop` before this thread ran.
+      pass
+    self._record(host)
+
+  def settle(self, hosts: Sequence[int], timeout_s: float) -> list[float | None]:
+    """The times, once those of `hosts` are recorded (or `timeout_s` passed)."""
+    deadline = time.monotonic() + timeout_s
+    while any(self._times[h] is None for h in hosts) and time.monotonic() < deadline:
+      time.sleep(0.001)
+    with self._lock:
+      return list(self._times)
+
+  def close(self) -> None:
+    """Stops the watching thread and closes its descriptors (the processes are reaped)."""
+    if self._epoll is None or self._epoll.closed:
+      return
+    os.write(self._wake_w, b"x")
+    self._thread.join()
+    for fd in list(self._fds):
+      os.close(fd)
+    for fd in (self._wake_r, self._wake_w):
+      os.close(fd)
+    self._epoll.close()
 
 
 def run_group(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str]], *,
