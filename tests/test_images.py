@@ -1,0 +1,208 @@
+"""Variable-size JPEG datasets: recipes, worker processes, uint8 to the device, 3-host training."""
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from hetjax import augment, data, images, loader, tfds_data
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SIZE = 16
+
+
+def upscaled_digits(split: str, seed: int) -> dict:
+  """sklearn's 8x8 digits upscaled to random sizes of 20-96 pixels (aspect 4:5 to 5:4)."""
+  from PIL import Image
+
+  digits = data.load("digits", split)
+  rng = np.random.default_rng(seed)
+  out = []
+  for pixels in digits.arrays["x"]:
+    h = int(rng.integers(20, 97))
+    w = int(np.clip(round(h * rng.uniform(0.8, 1.25)), 20, 96))
+    grey = Image.fromarray((pixels[..., 0] * 255).astype(np.uint8))
+    out.append(np.asarray(grey.resize((w, h), Image.BILINEAR))[..., None])
+  return {"image": out, "label": digits.arrays["y"]}
+
+
+@pytest.fixture(scope="module")
+def jpeg_digits(tmp_path_factory):
+  """The digits as a TFDS array_record dataset of variable-size JPEGs; its data folder."""
+  folder = tmp_path_factory.mktemp("tfds")
+  tfds_data.build_from_arrays("jpeg_digits", {"train": upscaled_digits("train", 0),
+                                              "test": upscaled_digits("test", 1)},
+                              str(folder), image_format="jpeg")
+  return str(folder)
+
+
+def _equal(a: dict, b: dict) -> None:
+  assert sorted(a) == sorted(b)
+  for k in a:
+    np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+# ---- The dataset on disk ------------------------------------------------------
+
+
+def test_variable_size_jpegs_are_stored_as_a_catalog_image_feature(jpeg_digits):
+  import tensorflow_datasets as tfds
+
+  builder = tfds.builder("jpeg_digits", data_dir=jpeg_digits)
+  feature = builder.info.features["image"]
+  assert feature.shape == (None, None, 1) and feature.encoding_format == "jpeg"
+  assert builder.info.features["label"].num_classes == 10
+  raw = tfds.data_source("jpeg_digits", split="train", data_dir=jpeg_digits)
+  sizes = {raw[i]["image"].shape[:2] for i in range(40)}
+  assert len(sizes) > 20 and all(20 <= min(s) and max(s) <= 96 for s in sizes)
+
+
+def test_without_an_image_size_variable_images_are_refused_naming_the_flag(jpeg_digits):
+  with pytest.raises(ValueError, match="feature 'image' has shape \\(None, None, 1\\).*--image-size S"):
+    data.load("tfds:jpeg_digits", data_dir=jpeg_digits)
+
+
+def test_the_evaluation_view_is_a_uint8_centre_crop_of_the_image(jpeg_digits):
+  source = data.load("tfds:jpeg_digits", "test", data_dir=jpeg_digits, image_size=SIZE)
+  assert len(source) == 360 and source.info.kind == "image" and source.info.num_classes == 10
+  batch = source[np.array([7, 0, 359])]
+  assert batch["x"].shape == (3, SIZE, SIZE, 1) and batch["x"].dtype == np.uint8
+  np.testing.assert_array_equal(batch["y"], data.load("digits", "test").arrays["y"][[7, 0, 359]])
+  _equal({k: v[1:2] for k, v in batch.items()}, source[np.array([0])])
+  # The digit's ink survives the crop: the image is not blank and not clipped flat.
+  assert batch["x"].max() > 150 and batch["x"].min() < 50
+
+
+# ---- The recipes -------------------------------------------------------------
+
+
+def test_the_random_crop_stays_inside_the_image_and_follows_the_inception_bounds():
+  rng = np.random.default_rng(0)
+  for _ in range(500):
+    w, h = (int(v) for v in rng.integers(1, 400, size=2))
+    left, top, right, bottom = images.random_crop_box(w, h, rng.random(40))
+    assert 0 <= left < right <= w and 0 <= top < bottom <= h
+  areas = [np.prod(np.subtract(images.random_crop_box(300, 200, rng.random(40))[2:],
+                               images.random_crop_box(300, 200, np.zeros(40))[:2])) for _ in range(10)]
+  assert min(areas) >= 0.07 * 300 * 200
+
+
+def test_an_example_is_cropped_and_flipped_by_its_key_alone(jpeg_digits):
+  source = data.load("tfds:jpeg_digits", data_dir=jpeg_digits, image_size=SIZE, augment="crop,flip")
+  assert source.recipe == images.ImageRecipe(SIZE, 1, crop=True, flip=True)
+  indices = np.array([3, 11, 3, 500])
+  keys = augment.example_keys(0, np.array([0, 0, 1, 0]), indices)
+  batch = source.train_records(indices, keys)
+  alone = source.train_records(indices[3:], keys[3:])
+  np.testing.assert_array_equal(batch["x"][3:], alone["x"])
+  assert not np.array_equal(batch["x"][0], batch["x"][2])  # Record 3 in epochs 0 and 1.
+  evaluation = source[indices]
+  assert not np.array_equal(batch["x"], evaluation["x"])
+  plain = data.load("tfds:jpeg_digits", data_dir=jpeg_digits, image_size=SIZE)
+  np.testing.assert_array_equal(plain.train_records(indices, keys)["x"], evaluation["x"])
+
+
+def test_recipe_errors_name_the_value_and_the_fix(jpeg_digits):
+  with pytest.raises(ValueError, match="image size must be in \\[1, 4096\\] pixels, got 0"):
+    data.load("tfds:jpeg_digits", data_dir=jpeg_digits, image_size=0)
+  with pytest.raises(ValueError, match="only crop \\(random resized crop\\) and flip apply, not crop:2"):
+    data.load("tfds:jpeg_digits", data_dir=jpeg_digits, image_size=SIZE, augment="crop:2")
+  with pytest.raises(ValueError, match="--image-size applies to TFDS image datasets.*'digits'"):
+    data.load("digits", image_size=SIZE)
+
+
+# ---- Hosts and workers ---------------------------------------------------------
+
+
+def test_any_split_and_any_worker_count_read_the_one_host_batch(jpeg_digits):
+  source = data.load("tfds:jpeg_digits", data_dir=jpeg_digits, image_size=SIZE, augment="crop,flip")
+  sampler = data.GlobalSampler(len(source), 64, seed=3)
+  step = 22  # Crosses the first epoch boundary (1437 records, 64 per step).
+  whole = loader.HostLoader(source, sampler, 0).read(step, (64,))
+  # Hosts with 2 worker processes, 1, and threads only: the workers never show in the records.
+  readers = [loader.HostLoader(source, sampler, host, workers=w) for host, w in enumerate((2, 1, 0))]
+  try:
+    for shares in ((40, 16, 8), (8, 0, 56), (21, 22, 21)):
+      parts = []
+      for reader in readers:
+        reader.prefetch(step, (64, 0, 0))  # A wrong guess, patched in get().
+        parts.append(reader.get(step, shares))
+      _equal({k: np.concatenate([p[k] for p in parts]) for k in whole}, whole)
+  finally:
+    for reader in readers:
+      reader.close()
+
+
+class _BrokenImages:
+  """A picklable source whose record 5 cannot be decoded."""
+
+  info = data.DatasetInfo("broken", "image", num_classes=2)
+
+  def __len__(self):
+    return 16
+
+  def __getitem__(self, indices):
+    if 5 in np.asarray(indices):
+      raise OSError("record 5: cannot identify image file")
+    return {"x": np.zeros((len(indices), 2, 2, 1), np.uint8), "y": np.zeros(len(indices), np.int32)}
+
+
+def test_a_worker_process_error_surfaces_in_get_and_close_ends_the_workers():
+  sampler = data.GlobalSampler(16, 16, seed=0)
+  reader = loader.HostLoader(_BrokenImages(), sampler, 0, workers=2)
+  reader.prefetch(0, (16,))
+  with pytest.raises(OSError, match="record 5: cannot identify image file"):
+    reader.get(0, (16,))
+  assert reader.running() == 2
+  reader.close()
+  assert reader.running() == 0
+  with pytest.raises(ValueError, match="workers >= 0.*workers=-1"):
+    loader.HostLoader(_BrokenImages(), sampler, 0, workers=-1)
+
+
+def test_image_sources_and_augmentations_pickle_for_worker_processes(jpeg_digits):
+  source = data.load("tfds:jpeg_digits", data_dir=jpeg_digits, image_size=SIZE, augment="crop")
+  copy = pickle.loads(pickle.dumps(source))
+  _equal(copy[np.arange(4)], source[np.arange(4)])
+  aug = augment.parse("crop:2,flip")
+  assert pickle.loads(pickle.dumps(aug)) == aug
+
+
+# ---- On the device -------------------------------------------------------------
+
+
+def test_uint8_pixels_are_scaled_on_the_device_exactly_as_floats_would_be():
+  import jax
+  import hetjax_models
+
+  task = hetjax_models.build("cnn", kind="image", num_classes=10, features=(4,), hidden=8)
+  pixels = np.random.default_rng(0).integers(0, 256, (4, 6, 6, 1), dtype=np.uint8)
+  batch = {"x": pixels, "y": np.arange(4, dtype=np.int32), "mask": np.ones(4, np.float32)}
+  params, state = task.init(jax.random.key(0), batch)
+  as_bytes = jax.jit(task.loss)(params, state, batch, jax.random.key(1))[0]
+  as_floats = jax.jit(task.loss)(params, state, {**batch, "x": pixels.astype(np.float32) / 255},
+                                 jax.random.key(1))[0]
+  np.testing.assert_allclose(as_bytes, as_floats, rtol=1e-6, atol=1e-6)
+  lowered = jax.jit(task.loss).lower(params, state, batch, jax.random.key(1)).as_text()
+  assert "tensor<4x6x6x1xui8>" in lowered  # The compiled program takes the bytes themselves.
+
+
+# ---- End to end ------------------------------------------------------------------
+
+
+def test_three_uneven_hosts_train_a_jpeg_dataset_from_tfds_to_95_percent(jpeg_digits, tmp_path):
+  out = tmp_path / "run"
+  run = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "launch", "local.py"), "--hosts", "3", "--",
+       sys.executable, "-m", "hetjax.cli", "train", "--model", "cnn", "--dataset", "tfds:jpeg_digits",
+       "--data-dir", jpeg_digits, "--image-size", str(SIZE), "--data-workers", "1", "--steps", "120",
+       "--global-batch", "64", "--assignment", "40,16,8", "--log-every", "0", "--out", str(out)],
+      capture_output=True, text=True, timeout=600)
+  assert run.returncode == 0, run.stderr[-3000:]
+  summary = json.loads((out / "summary.json").read_text())
+  assert summary["hosts"] == 3 and summary["per_host"][2]["batch"][-1] == 8
+  assert summary["test_accuracy"] >= 0.95, summary["test_accuracy"]
