@@ -3,6 +3,7 @@
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 
@@ -206,3 +207,28 @@ def test_three_uneven_hosts_train_a_jpeg_dataset_from_tfds_to_95_percent(jpeg_di
   summary = json.loads((out / "summary.json").read_text())
   assert summary["hosts"] == 3 and summary["per_host"][2]["batch"][-1] == 8
   assert summary["test_accuracy"] >= 0.95, summary["test_accuracy"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--image-size", "16"], "--image-size applies to TFDS image datasets .*'digits'"),
+    (["--data-workers", "-1"], "--data-workers must be >= 0 \\(0 reads in threads\\), got -1"),
+])
+def test_image_flags_are_checked_before_jax_starts(capsys, extra, message):
+  from hetjax import cli
+
+  argv = ["train", "--model", "cnn", "--dataset", "digits", "--steps", "1", "--out", "unused", *extra]
+  assert cli.main(argv) == 2
+  assert re.search(message, capsys.readouterr().err)
+
+
+def test_an_image_size_out_of_range_is_refused_before_jax_starts(capsys, jpeg_digits):
+  from hetjax import cli
+
+  argv = ["train", "--dataset", "tfds:jpeg_digits", "--data-dir", jpeg_digits, "--image-size", "5000",
+          "--augment", "crop,flip", "--out", "unused"]
+  assert cli.main(argv) == 2
+  assert "image size must be in [1, 4096] pixels, got 5000" in capsys.readouterr().err
+  argv[argv.index("crop,flip")] = "crop:2"
+  argv[argv.index("5000")] = "16"
+  assert cli.main(argv) == 2
+  assert "only crop (random resized crop) and flip apply, not crop:2" in capsys.readouterr().err
