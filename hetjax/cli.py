@@ -129,10 +129,10 @@ def train(args: argparse.Namespace) -> dict:
   topo = runtime.initialize(timeout_s=args.init_timeout)
   images = {"image_size": args.image_size} if args.image_size is not None else {}
   source = data.load(args.dataset, "train", data_dir=args.data_dir, augment=args.augment, **images)
-  test_source = None
-  if source.info.kind == "image":
+  test_source, test_split = None, data.evaluation_split(args.dataset, args.data_dir)
+  if source.info.kind == "image" and test_split is not None:
     from hetjax import sources
-    test_source = data.load(args.dataset, "test", data_dir=args.data_dir, **images)
+    test_source = data.load(args.dataset, test_split, data_dir=args.data_dir, **images)
     sources.check_records(test_source, sources.record_spec(source))  # Before, not after, training.
   overrides = {} if args.model_width is None else {"width": args.model_width}
   task = hetjax_models.build(args.model, kind=source.info.kind, num_classes=source.info.num_classes,

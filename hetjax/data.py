@@ -140,6 +140,16 @@ def check_dataset_name(name: str, data_dir: str | None = None, split: str = "tra
     raise ValueError(f"dataset {name!r} has splits 'train' and 'test', not {split!r}.")
 
 
+def evaluation_split(name: str, data_dir: str | None = None) -> str | None:
+  """The split to evaluate on: 'test', else 'validation' (ImageNet has no test labels), else None."""
+  if not name.startswith(TFDS_PREFIX):
+    return "test"
+  from hetjax import tfds_data
+  info = tfds_data.check(name[len(TFDS_PREFIX):], "train", data_dir)
+  splits = [s["name"] for s in info.get("splits", [])]
+  return next((s for s in ("test", "validation") if s in splits), None)
+
+
 def check_image_size(name: str, image_size: int | None) -> None:
   """`--image-size` is for TFDS image datasets only, and a sane size; raises ValueError."""
   if image_size is None:

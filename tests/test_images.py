@@ -232,3 +232,20 @@ def test_an_image_size_out_of_range_is_refused_before_jax_starts(capsys, jpeg_di
   argv[argv.index("5000")] = "16"
   assert cli.main(argv) == 2
   assert "only crop (random resized crop) and flip apply, not crop:2" in capsys.readouterr().err
+
+
+def test_imagenet_style_datasets_evaluate_on_their_validation_split(tmp_path):
+  pixels = [np.full((30 + i, 24, 3), 40 * i, np.uint8) for i in range(3)]
+  tfds_data.build_from_arrays("valonly", {"train": {"image": pixels, "label": [0, 1, 0]},
+                                          "validation": {"image": pixels[:2], "label": [1, 0]}},
+                              str(tmp_path), image_format="png")
+  tfds_data.build_from_arrays("trainonly", {"train": {"image": pixels, "label": [0, 1, 0]}},
+                              str(tmp_path), image_format="png")
+  assert data.evaluation_split("tfds:valonly", str(tmp_path)) == "validation"
+  assert data.evaluation_split("tfds:trainonly", str(tmp_path)) is None
+  assert data.evaluation_split("digits") == "test"
+  source = data.load("tfds:valonly", "validation", data_dir=str(tmp_path), image_size=8)
+  batch = source[np.arange(2)]
+  assert batch["x"].shape == (2, 8, 8, 3) and batch["x"].dtype == np.uint8
+  np.testing.assert_array_equal(batch["x"][1], 40)  # PNG is lossless: the flat image stays flat.
+  np.testing.assert_array_equal(batch["y"], [1, 0])
