@@ -34,6 +34,7 @@ import itertools
 import multiprocessing
 import os
 import threading
+import time
 import weakref
 from typing import Sequence
 
@@ -56,12 +57,22 @@ class _Chunk:
 
 _WORKER: tuple = ()  # (source, sampler, augment) inside a worker process.
 _LOADER_IDS = itertools.count()
+_WATCHDOG_S = 0.5  # How often a worker checks that its host process is alive.
 
 
 def _start_worker(source: Source, sampler: data_lib.GlobalSampler,
-                  augment: augment_lib.Augment | None) -> None:
+                  augment: augment_lib.Augment | None, parent: int) -> None:
   global _WORKER
   _WORKER = (source, sampler, augment)
+  threading.Thread(target=_exit_with, args=(parent,), name="hetjax-worker-watchdog",
+                   daemon=True).start()
+
+
+def _exit_with(parent: int) -> None:
+  """Ends this worker once its host process is gone, even after a SIGKILL."""
+  while os.getppid() == parent:
+    time.sleep(_WATCHDOG_S)
+  os._exit(0)
 
 
 def _read_in_worker(step: int, start: int, stop: int) -> Batch:
@@ -129,7 +140,7 @@ class HostLoader:
     if workers:
       self._pool = concurrent.futures.ProcessPoolExecutor(
           workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker,
-          initargs=(source, sampler, augment))
+          initargs=(source, sampler, augment, os.getpid()))
       self._read_piece = _read_in_worker
     else:
       self._pool = concurrent.futures.ThreadPoolExecutor(threads, self.thread_prefix)

@@ -249,3 +249,43 @@ def test_imagenet_style_datasets_evaluate_on_their_validation_split(tmp_path):
   assert batch["x"].shape == (2, 8, 8, 3) and batch["x"].dtype == np.uint8
   np.testing.assert_array_equal(batch["x"][1], 40)  # PNG is lossless: the flat image stays flat.
   np.testing.assert_array_equal(batch["y"], [1, 0])
+
+
+_KILLED_HOST = """
+import os, signal, sys
+from hetjax import data, loader
+if __name__ == "__main__":
+  source = data.load("digits")
+  reader = loader.HostLoader(source, data.GlobalSampler(len(source), 64, 0), 0, workers=2)
+  reader.get(0, (64,))
+  with open(sys.argv[1], "w") as f:
+    f.write(" ".join(str(p) for p in reader._pool._processes))
+  os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_worker_processes_end_when_their_host_is_killed(tmp_path):
+  import time
+
+  script = tmp_path / "host.py"
+  script.write_text(_KILLED_HOST)
+  pids = tmp_path / "workers.txt"
+  # No pipes shared with the workers: the run returns as soon as the host dies.
+  run = subprocess.run([sys.executable, str(script), str(pids)], stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, timeout=120)
+  assert run.returncode == -9
+  workers = [int(p) for p in pids.read_text().split()]
+  assert len(workers) == 2
+  deadline = time.monotonic() + 30
+  while any(_alive(p) for p in workers) and time.monotonic() < deadline:
+    time.sleep(0.1)
+  assert not [p for p in workers if _alive(p)]
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  with open(f"/proc/{pid}/stat") as f:  # A zombie waiting for init to reap it counts as gone.
+    return f.read().split(")")[-1].split()[0] != "Z"
