@@ -180,7 +180,7 @@ def test_uint8_pixels_are_scaled_on_the_device_exactly_as_floats_would_be():
   import jax
   import hetjax_models
 
-  task = hetjax_models.build("cnn", kind="image", num_classes=10, features=(4,), hidden=8)
+  task = hetjax_models.build("mlp", kind="image", num_classes=10, hidden=(8,))
   pixels = np.random.default_rng(0).integers(0, 256, (4, 6, 6, 1), dtype=np.uint8)
   batch = {"x": pixels, "y": np.arange(4, dtype=np.int32), "mask": np.ones(4, np.float32)}
   params, state = task.init(jax.random.key(0), batch)
