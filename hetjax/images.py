@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
+from typing import Callable
 
 import numpy as np
 
@@ -41,6 +42,7 @@ CROP_RATIO = (3 / 4, 4 / 3)
 _ATTEMPTS = 10
 _CROP_STREAM, _FLIP_STREAM = np.uint64(0x1C409), np.uint64(0x1F119)
 _MODES = {1: "L", 3: "RGB"}
+Box = tuple[float, float, float, float]  # (left, top, right, bottom) in pixels.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +86,7 @@ def _uniform(keys: np.ndarray, stream: np.uint64, count: int) -> np.ndarray:
   return (shuffle.mix64(shuffle.mix64(counters)) >> np.uint64(11)).astype(np.float64) * 2.0**-53
 
 
-def random_crop_box(width: int, height: int, draws: np.ndarray) -> tuple[float, float, float, float]:
+def random_crop_box(width: int, height: int, draws: np.ndarray) -> Box:
   """An Inception crop `(left, top, right, bottom)` from `_ATTEMPTS x 4` uniform draws.
 
   As torchvision's RandomResizedCrop: up to ten tries at an area and aspect
@@ -110,14 +112,15 @@ def random_crop_box(width: int, height: int, draws: np.ndarray) -> tuple[float, 
   return x, y, x + w, y + h
 
 
-def centre_crop_box(width: int, height: int) -> tuple[float, float, float, float]:
+def centre_crop_box(width: int, height: int) -> Box:
   """The central square the evaluation keeps, `EVAL_CROP_FRACTION` of the shorter side."""
   side = EVAL_CROP_FRACTION * min(width, height)
   x, y = (width - side) / 2, (height - side) / 2
   return x, y, x + side, y + side
 
 
-def decode_crop(data: bytes, size: int, channels: int, box_fn, flip: bool) -> np.ndarray:
+def decode_crop(data: bytes, size: int, channels: int, box_fn: Callable[[int, int], Box],
+                flip: bool) -> np.ndarray:
   """Decodes `data`, resizes `box_fn(width, height)` to `size x size`; uint8 [size, size, channels]."""
   from PIL import Image
 

@@ -141,10 +141,8 @@ class HostLoader:
       self._pool = concurrent.futures.ProcessPoolExecutor(
           workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker,
           initargs=(source, sampler, augment, os.getpid()))
-      self._read_piece = _read_in_worker
     else:
       self._pool = concurrent.futures.ThreadPoolExecutor(threads, self.thread_prefix)
-      self._read_piece = self._read
     self._closed = False
     # A forgotten loader still lets its threads go when collected.
     self._finalizer = weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
@@ -233,7 +231,8 @@ class HostLoader:
     """Reads `[start, stop)` in up to one piece per worker, in the background."""
     pieces = max(1, min(self.pieces, (stop - start) // self.min_chunk))
     cuts = np.linspace(start, stop, pieces + 1).round().astype(int)
-    chunks = [_Chunk(step, int(a), int(b), self._pool.submit(self._read_piece, step, int(a), int(b)))
+    read = _read_in_worker if self.workers else self._read  # A worker holds its own source.
+    chunks = [_Chunk(step, int(a), int(b), self._pool.submit(read, step, int(a), int(b)))
               for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
     self._chunks.extend(chunks)
     return chunks
