@@ -173,7 +173,8 @@ class ImageSource:
 
   def _decode(self, indices: np.ndarray, keys: np.ndarray | None) -> Batch:
     r = self.recipe
-    records = self.encoded[np.asarray(indices, np.int64).reshape(-1)]
+    indices = np.asarray(indices, np.int64).reshape(-1)
+    records = self.encoded[indices]
     blobs, n = records[self.image_key], len(records[self.label_key])
     crops = _uniform(keys, _CROP_STREAM, 4 * _ATTEMPTS) if keys is not None and r.crop else None
     flips = (_uniform(keys, _FLIP_STREAM, 1)[:, 0] < 0.5) if keys is not None and r.flip else None
@@ -181,6 +182,10 @@ class ImageSource:
     for i in range(n):
       box_fn = centre_crop_box if crops is None else (
           lambda w, h, d=crops[i]: random_crop_box(w, h, d))
-      x[i] = decode_crop(bytes(blobs[i]), r.size, r.channels, box_fn,
-                         flip=bool(flips[i]) if flips is not None else False)
+      try:
+        x[i] = decode_crop(bytes(blobs[i]), r.size, r.channels, box_fn,
+                           flip=bool(flips[i]) if flips is not None else False)
+      except (OSError, ValueError) as e:  # PIL's UnidentifiedImageError is an OSError.
+        raise ValueError(f"dataset {self.info.name!r}: record {indices[i]} is not a readable "
+                         f"image ({e}); rebuild the dataset or drop that record.") from e
     return {"x": x, "y": np.asarray(records[self.label_key], np.int32)}

@@ -289,3 +289,10 @@ def _alive(pid: int) -> bool:
     return False
   with open(f"/proc/{pid}/stat") as f:  # A zombie waiting for init to reap it counts as gone.
     return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_an_unreadable_image_names_its_record():
+  encoded = data.ArraySource({"image": np.array([b"\xff\xd8 not a jpeg"], dtype=object),
+                              "label": np.zeros(1, np.int32)}, data.DatasetInfo("bad", "image", 2))
+  with pytest.raises(ValueError, match="dataset 'bad': record 0 is not a readable image"):
+    images.ImageSource(encoded, images.ImageRecipe(8))[np.array([0])]
