@@ -3,7 +3,8 @@
 Run from the repository root:
 
   .venv/bin/python bench/input.py [--batch 96] [--steps 50] [--repeats 5] [--threads 2]
-      [--image-sizes 64,224] [--workers 1,2] [--jpeg-batch 32] [--skip-arrays]
+      [--image-sizes 64,224] [--workers 1,2] [--jpeg-batch 32] [--jpeg-records 2048]
+      [--photo-sizes 160-512] [--model-steps 2] [--skip-arrays]
 
 For each dataset, one host's `HostLoader` delivers `--batch` records per step
 in the trainer's pattern (`get(s)`, then `prefetch(s + 1)` with the same
@@ -113,8 +114,8 @@ def _tfds_digits(folder: str) -> data.Source:
 class _Photos:
   """`count` deterministic photo-like uint8 images of random sizes, made on demand."""
 
-  def __init__(self, count: int, seed: int = 0):
-    self.count, self.seed = count, seed
+  def __init__(self, count: int, sizes: tuple[int, int] = (160, 512), seed: int = 0):
+    self.count, self.sizes, self.seed = count, sizes, seed
 
   def __len__(self) -> int:
     return self.count
@@ -123,25 +124,31 @@ class _Photos:
     from PIL import Image
 
     rng = np.random.default_rng([self.seed, i])
-    h, w = (int(v) for v in rng.integers(160, 513, size=2))
+    h, w = (int(v) for v in rng.integers(self.sizes[0], self.sizes[1] + 1, size=2))
     coarse = Image.fromarray(rng.integers(0, 256, (12, 12, 3), dtype=np.uint8))
     smooth = np.asarray(coarse.resize((w, h), Image.BICUBIC), np.float32)
     return np.clip(smooth + rng.normal(0, 12, smooth.shape), 0, 255).astype(np.uint8)
 
 
-def _jpeg_photos(folder: str, records: int) -> str:
+def _jpeg_photos(folder: str, records: int, sizes: tuple[int, int]) -> str:
   """Builds the synthetic JPEG dataset in `folder`; returns its `tfds:` name."""
   labels = np.arange(records) % 1000
-  tfds_data.build_from_arrays("bench_photos", {"train": {"image": _Photos(records), "label": labels}},
-                              folder, image_format="jpeg")
+  t0 = time.perf_counter()
+  path = tfds_data.build_from_arrays(
+      "bench_photos", {"train": {"image": _Photos(records, sizes), "label": labels}}, folder,
+      image_format="jpeg")
+  megabytes = sum(f.stat().st_size for f in path.iterdir()) / 2**20
+  print(f"built {records:,} JPEG photos of {sizes[0]}-{sizes[1]} px in {time.perf_counter() - t0:.0f} s "
+        f"({megabytes:,.0f} MiB of array_record)")
   return "tfds:bench_photos"
 
 
 def _jpeg_rows(args: argparse.Namespace, folder: str) -> dict[str, Any]:
   """Decode cost, pipeline samples/s per worker count, and the resnet18 step, per image size."""
-  name = _jpeg_photos(folder, args.jpeg_records)
+  name = _jpeg_photos(folder, args.jpeg_records, args.photo_sizes)
   batch, figures = args.jpeg_batch, {}
-  print(f"JPEG photos ({args.jpeg_records} records, 160-512 px), batch {batch}, recipe crop,flip:")
+  lo, hi = args.photo_sizes
+  print(f"JPEG photos ({args.jpeg_records} records, {lo}-{hi} px), batch {batch}, recipe crop,flip:")
   print(f"{'size':>5} {'decode ms/img':>14} " + " ".join(f"{f'{w} worker(s) smp/s':>18}" for w in args.workers)
         + f" {'resnet18 smp/s':>15} {'ratio (most workers)':>21}")
   for size in args.image_sizes:
@@ -160,10 +167,12 @@ def _jpeg_rows(args: argparse.Namespace, folder: str) -> dict[str, Any]:
         _rate(produce, 2, batch)  # Warm-up: the workers start.
         rates[workers] = statistics.median(_rate(produce, args.jpeg_steps, batch)
                                            for _ in range(args.repeats))
-    consume = _consumer(source, batch, model="resnet18")
-    _rate(consume, 1, batch)  # Compilation.
-    step = statistics.median(_rate(consume, args.model_steps, batch) for _ in range(args.repeats))
-    ratio = rates[max(args.workers)] / step
+    step = ratio = float("nan")
+    if args.model_steps:
+      consume = _consumer(source, batch, model="resnet18")
+      _rate(consume, 1, batch)  # Compilation.
+      step = statistics.median(_rate(consume, args.model_steps, batch) for _ in range(args.repeats))
+      ratio = rates[max(args.workers)] / step
     figures[f"jpeg@{size}"] = {"decode_ms_per_image": round(decode_ms, 3),
                                "pipeline_samples_per_sec": {w: round(r, 1) for w, r in rates.items()},
                                "resnet18_samples_per_sec": round(step, 1), "ratio": round(ratio, 2)}
@@ -181,7 +190,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   p.add_argument("--jpeg-records", type=int, default=2048, help="synthetic JPEG photos to build")
   p.add_argument("--jpeg-batch", type=int, default=32, help="records per step in the JPEG rows")
   p.add_argument("--jpeg-steps", type=int, default=8, help="timed loader steps per JPEG repeat")
-  p.add_argument("--model-steps", type=int, default=2, help="timed resnet18 steps per repeat")
+  p.add_argument("--model-steps", type=int, default=2,
+                 help="timed resnet18 steps per repeat (0: no model rows)")
+  p.add_argument("--photo-sizes", type=lambda v: tuple(int(x) for x in v.split("-")),
+                 default=(160, 512), help="smallest-largest side of the synthetic photos, e.g. 20-96")
   p.add_argument("--image-sizes", type=lambda v: [int(x) for x in v.split(",")], default=[64, 224])
   p.add_argument("--workers", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2],
                  help="worker process counts to compare in the JPEG rows")

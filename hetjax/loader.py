@@ -17,7 +17,7 @@ result never depends on how many workers there are. Workers start by
 script that trains with workers needs the usual `if __name__ == "__main__":`.
 grain's loaders were considered and not used for the reading itself: their
 workers each walk a fixed shard of a fixed order, while a host's slice here
-changes size with the balancer every step (BUILD_NOTES.md, "Input pipeline").
+changes size with the balancer every step (BUILD_NOTES.md, "Big image datasets").
 
 Example:
   >>> with HostLoader(source, sampler, host_id=1, augment=augment.parse("crop")) as loader:
