@@ -7,8 +7,9 @@ memory); step `s` takes stream positions `[s*B, (s+1)*B)`, so batches may
 cross epoch boundaries. Host `i` then takes the contiguous slice
 `[o_i, o_i + b_i)` of the step's `B` indices.
 
-Sources live in `hetjax/sources.py` (memory, synthetic) and
-`hetjax/tfds_data.py` (TFDS on disk); the names below are re-exported here.
+Sources live in `hetjax/sources.py` (memory, synthetic),
+`hetjax/tfds_data.py` (TFDS on disk) and `hetjax/images.py` (encoded images
+decoded and cropped to a fixed size); the names below are re-exported here.
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ prepared in `data_dir` in the array_record format through `tfds.data_source`
 run time. `build_from_arrays` prepares such a dataset offline from numpy
 arrays, with the same layout `tfds build --file_format=array_record` writes,
 so a dataset made here and a catalog dataset go through one path.
+Image datasets whose images vary in size (ImageNet) are read with their
+images still encoded (`EncodedImages`) and decoded by `hetjax.images` on the
+loader's workers (`tfds_source(..., image_size=S)`).
 
 `check` reads only `dataset_info.json`, so the command line can refuse a
 missing folder, dataset or split in milliseconds, before JAX starts.
