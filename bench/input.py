@@ -43,7 +43,7 @@ import numpy as np
 import optax
 
 import hetjax_models
-from hetjax import augment, data, images, loader, tfds_data
+from hetjax import augment, data, loader, tfds_data
 
 REQUIRED = ("digits", "synthetic_big")
 TARGET = 2.0
