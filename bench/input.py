@@ -227,7 +227,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
       note = "" if name in REQUIRED else "  (information)"
       print(f"{name:>18} {pipe:>15,.0f} {step:>12,.0f} {ratio:>7.2f}{note}", flush=True)
   ok = all(figures[n]["ratio"] >= TARGET for n in REQUIRED if n in figures)
-  print(f"pipeline / consumption >= {TARGET} for {', '.join(REQUIRED)}: {'yes' if ok else 'NO'}")
+  if figures:
+    print(f"pipeline / consumption >= {TARGET} for {', '.join(REQUIRED)}: {'yes' if ok else 'NO'}")
   result = {"batch": args.batch, "steps": args.steps, "repeats": args.repeats,
             "threads": args.threads, "cpus": cpus, "target": TARGET, "ok": ok, "rows": figures,
             "jpeg": jpeg}
