@@ -1,6 +1,6 @@
 """Why hetjax keeps its own index shuffle instead of grain's: bijection, spread, cost.
 
-Run from the repository root (needs `pip install grain`, not a hetjax dependency):
+Run from the repository root (needs grain: `pip install -e ".[bench]"`):
 
   .venv/bin/python bench/shuffle_check.py
 
