@@ -26,6 +26,12 @@ def _parser() -> argparse.ArgumentParser:
                  help="digits, synthetic, synthetic_big, tokens, or tfds:NAME (prepared in --data-dir)")
   t.add_argument("--data-dir", default=None, help="TFDS data folder for --dataset tfds:NAME")
   t.add_argument("--augment", default="none", help="none, crop, flip or crop,flip (images)")
+  t.add_argument("--image-size", type=int, default=None, metavar="S",
+                 help="decode TFDS images (any size, JPEG/PNG) and crop/resize them to S x S on "
+                      "the input workers; --augment crop,flip gives the random resized crop")
+  t.add_argument("--data-workers", type=int, default=None, metavar="N",
+                 help="input worker processes on this host (default: its cores minus one with "
+                      "--image-size, else 0; 0 reads in threads)")
   t.add_argument("--global-batch", type=int, default=64, help="samples per step over all hosts")
   t.add_argument("--steps", type=int, default=100)
   t.add_argument("--optimizer", default="adam", help=", ".join(OPTIMIZERS))
@@ -77,6 +83,12 @@ def _check_args(args: argparse.Namespace) -> None:
   data.check_dataset_name(args.dataset, args.data_dir)
   from hetjax import augment
   augment.parse(args.augment)
+  data.check_image_size(args.dataset, args.image_size)
+  if args.image_size is not None:
+    from hetjax import images
+    images.recipe_from_augment(args.image_size, 3, args.augment)
+  if args.data_workers is not None and args.data_workers < 0:
+    raise ValueError(f"--data-workers must be >= 0 (0 reads in threads), got {args.data_workers}.")
   if args.optimizer not in OPTIMIZERS:
     raise ValueError(f"unknown optimizer {args.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}.")
   if args.global_batch < 1:
@@ -125,14 +137,15 @@ def train(args: argparse.Namespace) -> dict:
   _check_args(args)
   import numpy as np
   import hetjax_models
-  from hetjax import data, metrics, progress, runtime, trainer
+  from hetjax import data, loader, metrics, progress, runtime, trainer
 
   topo = runtime.initialize(timeout_s=args.init_timeout)
-  source = data.load(args.dataset, "train", data_dir=args.data_dir)
-  test_source = None
-  if source.info.kind == "image":
+  images = {"image_size": args.image_size} if args.image_size is not None else {}
+  source = data.load(args.dataset, "train", data_dir=args.data_dir, augment=args.augment, **images)
+  test_source, test_split = None, data.evaluation_split(args.dataset, args.data_dir)
+  if source.info.kind == "image" and test_split is not None:
     from hetjax import sources
-    test_source = data.load(args.dataset, "test", data_dir=args.data_dir)
+    test_source = data.load(args.dataset, test_split, data_dir=args.data_dir, **images)
     sources.check_records(test_source, sources.record_spec(source))  # Before, not after, training.
   overrides = {} if args.model_width is None else {"width": args.model_width}
   if args.dropout is not None:
@@ -141,11 +154,15 @@ def train(args: argparse.Namespace) -> dict:
                              vocab_size=source.info.vocab_size, **overrides)
   config = trainer.TrainConfig(global_batch=args.global_batch, microbatch=args.microbatch,
                                seed=args.seed, assignment=args.assignment, reduction=args.reduction,
-                               balancer=args.balancer, augment=args.augment)
+                               balancer=args.balancer,
+                               augment="none" if images else args.augment)  # Else the recipe's.
   identity = f"{args.model}|{args.optimizer}|{args.lr}|{args.model_width}|{args.dropout}"
+  identity += f"|{args.image_size}|{args.augment}" if images else ""
   ckpt = None if args.ckpt_dir is None else _checkpoint_config(args)
   tr = trainer.Trainer(task, _optimizer(args.optimizer, args.lr), source, config,
-                       identity=identity, checkpoint=ckpt)
+                       identity=identity, checkpoint=ckpt,
+                       data_workers=args.data_workers if args.data_workers is not None else
+                       (loader.default_workers() if images else 0))
   sinks, writer = [], None
   if topo.host_id == 0:
     writer = metrics.MetricsWriter(args.out, resume_step=tr.resumed_from)

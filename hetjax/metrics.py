@@ -5,9 +5,8 @@ it one step late, because the wait of step `s` is only known after the
 collective of step `s + 1` (`RecordStream` does that bookkeeping), and the
 last one at close. Only process 0 writes.
 
-The TensorBoard event file is written here, not through tensorboardX or
-TensorFlow: a scalar event is ten lines of protobuf wire format, and owning
-them keeps hetjax off the protobuf version that tensorflow-datasets pins.
+TensorBoard scalars go through `tensorboardX`, the maintained event writer
+that needs no TensorFlow (it replaced a hand-written TFRecord/crc32c one).
 
 Example:
   >>> with MetricsWriter("runs/latest") as writer:
@@ -19,10 +18,7 @@ from __future__ import annotations
 import json
 import numbers
 import os
-import socket
-import struct
-import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -187,166 +183,7 @@ class RecordStream:
     return records
 
 
-# ---- TensorBoard event files ---------------------------------------------
-
-
-def _crc32c_table() -> list[int]:
-  table = []
-  for n in range(256):
-    c = n
-    for _ in range(8):
-      c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
-    table.append(c)
-  return table
-
-
-_CRC_TABLE = _crc32c_table()
-
-
-def crc32c(data: bytes) -> int:
-  """CRC-32C (Castagnoli), the checksum of TFRecord framing."""
-  crc = 0xFFFFFFFF
-  for byte in data:
-    crc = _CRC_TABLE[(crc ^ byte) & 0xFF] ^ (crc >> 8)
-  return crc ^ 0xFFFFFFFF
-
-
-def masked_crc32c(data: bytes) -> int:
-  """TFRecord's masked CRC, so that CRCs of CRCs do not degenerate."""
-  crc = crc32c(data)
-  return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
-
-
-def tfrecord(data: bytes) -> bytes:
-  """One TFRecord: length, masked CRC of the length, data, masked CRC of the data."""
-  length = struct.pack("<Q", len(data))
-  return (length + struct.pack("<I", masked_crc32c(length)) + data
-          + struct.pack("<I", masked_crc32c(data)))
-
-
-def _varint(n: int) -> bytes:
-  n &= (1 << 64) - 1
-  out = bytearray()
-  while True:
-    byte, n = n & 0x7F, n >> 7
-    out.append(byte | (0x80 if n else 0))
-    if not n:
-      return bytes(out)
-
-
-def _field(number: int, wire: int, payload: bytes) -> bytes:
-  return _varint(number << 3 | wire) + payload
-
-
-def _bytes_field(number: int, data: bytes) -> bytes:
-  return _field(number, 2, _varint(len(data)) + data)
-
-
-def event_bytes(wall_time: float, step: int, *, file_version: str | None = None,
-                scalars: dict[str, float] | None = None) -> bytes:
-  """A `tensorflow.Event` proto: wall_time=1, step=2, file_version=3, summary=5.
-
-  Scalars use `Summary.Value.simple_value` (tag=1, simple_value=2), which
-  TensorBoard reads as scalars.
-  """
-  out = _field(1, 1, struct.pack("<d", wall_time)) + _field(2, 0, _varint(step))
-  if file_version is not None:
-    out += _bytes_field(3, file_version.encode())
-  if scalars:
-    values = b"".join(
-        _bytes_field(1, _bytes_field(1, tag.encode()) + _field(2, 5, struct.pack("<f", value)))
-        for tag, value in scalars.items())
-    out += _bytes_field(5, values)
-  return out
-
-
-class EventFileWriter:
-  """Appends scalar events to one `events.out.tfevents.*` file, flushed per event."""
-
-  def __init__(self, log_dir: str):
-    os.makedirs(log_dir, exist_ok=True)
-    name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}.hetjax"
-    self.path = os.path.join(log_dir, name)
-    self._file = open(self.path, "ab")
-    self._write(event_bytes(time.time(), 0, file_version="brain.Event:2"))
-
-  def _write(self, event: bytes) -> None:
-    self._file.write(tfrecord(event))
-    self._file.flush()
-
-  def add_scalars(self, step: int, scalars: dict[str, float], wall_time: float | None = None) -> None:
-    self._write(event_bytes(time.time() if wall_time is None else wall_time, step, scalars=scalars))
-
-  def close(self) -> None:
-    self._file.close()
-
-
-def read_events(path: str) -> list[dict[str, Any]]:
-  """Parses an event file written by `EventFileWriter`, checking every CRC.
-
-  Returns one dict per event: `wall_time`, `step`, and `file_version` or
-  `scalars` ({tag: value}). For tests and for reading runs without TensorBoard.
-  """
-  with open(path, "rb") as f:
-    data = f.read()
-  events, pos = [], 0
-  while pos < len(data):
-    (length,) = struct.unpack_from("<Q", data, pos)
-    (length_crc,) = struct.unpack_from("<I", data, pos + 8)
-    body = data[pos + 12:pos + 12 + length]
-    (body_crc,) = struct.unpack_from("<I", data, pos + 12 + length)
-    if length_crc != masked_crc32c(data[pos:pos + 8]) or body_crc != masked_crc32c(body):
-      raise ValueError(f"{path}: bad CRC in the record at byte {pos}; the file is corrupt.")
-    events.append(_parse_event(body))
-    pos += 16 + length
-  return events
-
-
-def _fields(data: bytes) -> Iterable[tuple[int, int, Any]]:
-  pos = 0
-  while pos < len(data):
-    key, pos = _read_varint(data, pos)
-    number, wire = key >> 3, key & 7
-    if wire == 0:
-      value, pos = _read_varint(data, pos)
-    elif wire == 1:
-      value, pos = data[pos:pos + 8], pos + 8
-    elif wire == 5:
-      value, pos = data[pos:pos + 4], pos + 4
-    elif wire == 2:
-      n, pos = _read_varint(data, pos)
-      value, pos = data[pos:pos + n], pos + n
-    else:
-      raise ValueError(f"unsupported protobuf wire type {wire} in an event.")
-    yield number, wire, value
-
-
-def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
-  result, shift = 0, 0
-  while True:
-    byte = data[pos]
-    pos += 1
-    result |= (byte & 0x7F) << shift
-    shift += 7
-    if not byte & 0x80:
-      return result, pos
-
-
-def _parse_event(body: bytes) -> dict[str, Any]:
-  event: dict[str, Any] = {}
-  for number, _, value in _fields(body):
-    if number == 1:
-      event["wall_time"] = struct.unpack("<d", value)[0]
-    elif number == 2:
-      event["step"] = value
-    elif number == 3:
-      event["file_version"] = value.decode()
-    elif number == 5:
-      scalars = event.setdefault("scalars", {})
-      for _, _, item in _fields(value):
-        parts = {n: v for n, _, v in _fields(item)}
-        scalars[parts[1].decode()] = struct.unpack("<f", parts[2])[0]
-  return event
+# ---- TensorBoard ------------------------------------------------------------
 
 
 def scalars_of(record: dict[str, Any]) -> dict[str, float]:
@@ -388,7 +225,10 @@ class MetricsWriter:
     for record in kept:
       self._file.write(json.dumps(record, allow_nan=True) + "\n")
     self._file.flush()
-    self._events = EventFileWriter(os.path.join(out_dir, TENSORBOARD_DIR)) if tensorboard else None
+    self._events = None
+    if tensorboard:
+      from tensorboardX import SummaryWriter  # Only process 0 pays for the import.
+      self._events = SummaryWriter(os.path.join(out_dir, TENSORBOARD_DIR))
 
   def write(self, record: dict[str, Any]) -> None:
     """Validates and appends one step's record; raises ValueError on schema drift."""
@@ -398,7 +238,9 @@ class MetricsWriter:
     self._file.write(json.dumps(record, allow_nan=True) + "\n")
     self._file.flush()
     if self._events is not None:
-      self._events.add_scalars(record["step"], scalars_of(record))
+      for tag, value in scalars_of(record).items():
+        self._events.add_scalar(tag, value, record["step"])
+      self._events.flush()  # As the jsonl: a crashed run keeps every step it finished.
 
   def close(self) -> None:
     if not self._file.closed:

@@ -139,7 +139,7 @@ class Trainer:
                source: data_lib.ArraySource, config: TrainConfig, *,
                balancer: balancer_lib.Balancer | None = None,
                pace: Callable[[float, int], float] | None = None, identity: str = "",
-               checkpoint: ckpt_lib.CheckpointConfig | None = None):
+               checkpoint: ckpt_lib.CheckpointConfig | None = None, data_workers: int = 0):
     """Validates everything, agrees with the other hosts, then initialises.
 
     Args:
@@ -157,6 +157,8 @@ class Trainer:
       checkpoint: where and how often to save; with `resume`, the trainer
         continues from the newest complete checkpoint there, also when it was
         written by another number of hosts.
+      data_workers: input worker processes on this host (0: threads); may
+        differ between hosts (see `hetjax.loader`).
     """
     if int(os.environ.get(runtime.ENV_NUM_HOSTS, "1")) > 1 and not runtime.is_initialized():
       raise RuntimeError(f"{runtime.ENV_NUM_HOSTS} asks for several hosts but the cluster is not joined: "
@@ -177,7 +179,7 @@ class Trainer:
       from hetjax import emulate  # Emulation stays off the real path.
       pace = emulate.pacing_from_env(self.host_id)
     self.pace = pace
-    self.loader = loader_lib.HostLoader(source, self.sampler, self.host_id,
+    self.loader = loader_lib.HostLoader(source, self.sampler, self.host_id, workers=data_workers,
                                         augment=augment_lib.parse(config.augment))
     self._example = source[np.arange(1)]
     task_lib.check_batch_keys(list(self._example))
