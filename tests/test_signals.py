@@ -1,0 +1,138 @@
+"""Stop signals: SIGTERM or Ctrl-C to any host stops every host at one step boundary.
+
+Also the hosts' agreement checks that stop a job (they share the two-host
+run: starting a cluster is the expensive part on a 2-core machine).
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hetjax import procs, signals
+from hetjax.testing import run_hosts
+
+
+@pytest.fixture(scope="module")
+def two_hosts(tmp_path_factory):
+  ckpt = tmp_path_factory.mktemp("ckpt")
+  results = run_hosts("_stop_entries:stops_and_disagreements", hosts=2, args=(str(ckpt),),
+                      timeout_s=600)
+  return results, str(ckpt)
+
+
+def test_ctrl_c_to_one_host_stops_both_at_the_same_boundary_without_checkpoints(two_hosts):
+  results, _ = two_hosts
+  # Host 1 got SIGINT after step 3; the flag reached host 0 in step 4's reduction.
+  for r in results:
+    seen = r["sigint_host1_no_ckpt"]
+    assert (seen["kind"], seen["step"], seen["directory"]) == ("Interrupted", 4, None)
+    assert seen["exit_code"] == signals.INTERRUPTED_EXIT and "nothing was saved" in seen["message"]
+
+
+def test_sigterm_without_checkpoints_stops_every_host_as_a_preemption(two_hosts):
+  results, _ = two_hosts
+  for r in results:
+    seen = r["sigterm_host0_no_ckpt"]
+    assert (seen["kind"], seen["step"], seen["exit_code"]) == ("Preempted", 3, procs.PREEMPTED_EXIT)
+
+
+def test_ctrl_c_with_checkpoints_saves_the_boundary_and_says_how_to_resume(two_hosts):
+  results, ckpt = two_hosts
+  for r in results:
+    seen = r["sigint_host0_ckpt"]
+    assert (seen["kind"], seen["step"], seen["directory"]) == ("Interrupted", 5, ckpt)
+    assert "run the same command to resume" in seen["message"]
+    assert r["saved_steps"] == [5]
+
+
+def test_a_host_whose_balancer_decides_another_split_stops_the_job_naming_it(two_hosts):
+  results, _ = two_hosts
+  for r in results:
+    assert r["permuted"].startswith("HostsDisagree: step 0: host(s) [1] computed another split")
+    assert "host 1 used (24, 40)" in r["permuted"]
+
+
+def test_a_host_whose_parameters_diverge_stops_the_job_at_the_next_check(two_hosts):
+  results, _ = two_hosts
+  for r in results:
+    # Perturbed after step 3; checked every 2 steps, so caught after step 4.
+    assert r["perturbed"].startswith("HostsDisagree: after step 4: host(s) [1] hold other "
+                                     "parameters than host 0")
+
+
+def test_a_host_with_another_model_is_refused_at_start_up(two_hosts):
+  results, _ = two_hosts
+  for r in results:
+    assert r["other_model"].startswith("ValueError: host(s) [1] run a different model or optimizer")
+
+
+# ---- The command line, on one host and on two ----------------------------
+
+
+def _cli(out, *extra):
+  return [sys.executable, "-m", "hetjax.cli", "train", "--model", "mlp", "--global-batch", "32",
+          "--microbatch", "4", "--steps", "100000", "--out", str(out), "--log-every", "0", *extra]
+
+
+def _saved(ckpt):
+  return sorted(int(p) for p in os.listdir(ckpt) if p.isdigit())
+
+
+def _wait_for_a_record(out, procs_):
+  metrics = out / "metrics.jsonl"
+  deadline = time.monotonic() + 300
+  while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+    for p in procs_:
+      assert p.poll() is None, p.communicate()[1][-3000:]
+    assert time.monotonic() < deadline
+    time.sleep(0.05)
+
+
+def test_ctrl_c_on_one_host_with_checkpoints_exits_130_saved_and_the_rerun_resumes(tmp_path):
+  ckpt = tmp_path / "ckpt"
+  cmd = _cli(tmp_path / "run", "--ckpt-dir", str(ckpt), "--ckpt-every", "100000")
+  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  _wait_for_a_record(tmp_path / "run", [proc])
+  proc.send_signal(signal.SIGINT)
+  _, err = proc.communicate(timeout=120)  # 100000 steps would take hours: it stopped.
+  assert proc.returncode == 130, err[-3000:]
+  assert "run the same command to resume" in err and "Traceback" not in err, err[-3000:]
+  step = int(err.split("stopped after step ")[1].split(",")[0])
+  assert _saved(ckpt) == [step]
+  again = subprocess.run(cmd[:cmd.index("--steps") + 1] + [str(step + 2)] + cmd[cmd.index("--steps") + 2:],
+                         capture_output=True, text=True, timeout=300)
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert f"resumed from {ckpt}/{step}" in again.stdout
+
+
+def test_sigterm_on_one_host_without_checkpoints_exits_75_at_once(tmp_path):
+  proc = subprocess.Popen(_cli(tmp_path / "run"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True)
+  _wait_for_a_record(tmp_path / "run", [proc])
+  proc.send_signal(signal.SIGTERM)
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == procs.PREEMPTED_EXIT, err[-3000:]
+  assert "preempted (SIGTERM) after step" in err and "nothing was saved" in err
+
+
+def test_ctrl_c_to_one_of_two_cli_hosts_stops_both_with_130(tmp_path):
+  envs = procs.cluster_envs(2, 1, base=dict(os.environ))
+  out = tmp_path / "run"
+  hosts = [subprocess.Popen(_cli(out, "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "100000"), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for env in envs]
+  try:
+    _wait_for_a_record(out, hosts)
+    hosts[1].send_signal(signal.SIGINT)
+    errs = [h.communicate(timeout=120)[1] for h in hosts]
+  finally:
+    for h in hosts:
+      if h.poll() is None:
+        h.kill()
+  assert [h.returncode for h in hosts] == [130, 130], errs
+  steps = {int(e.split("stopped after step ")[1].split(",")[0]) for e in errs}
+  assert len(steps) == 1 and _saved(tmp_path / "ckpt") == [steps.pop()]
