@@ -6,6 +6,7 @@ cluster costs seconds on a 2-core machine, a scenario a fraction of that.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 
@@ -83,13 +84,17 @@ def _perturb_on(host: int, after: int):
 def stops_and_disagreements(ckpt_dir: str):
   hetjax.initialize()
   out = {}
-  out["sigint_host1_no_ckpt"] = _stop(_trainer(), _signal_on(1, 3, signal.SIGINT))
-  out["sigterm_host0_no_ckpt"] = _stop(_trainer(), _signal_on(0, 2, signal.SIGTERM))
+  tr = _trainer()  # Reused: each scenario leaves it at a step boundary every host agrees on.
+  out["sigint_host1_no_ckpt"] = _stop(tr, _signal_on(1, 3, signal.SIGINT))
+  out["sigterm_host0_no_ckpt"] = _stop(tr, _signal_on(0, 6, signal.SIGTERM))
+  honest, tr.balancer = tr.balancer, _Permuted(jax.process_index())
+  out["permuted"] = _error(lambda: tr.fit(3))
+  tr.balancer = honest
+  tr.config = dataclasses.replace(tr.config, check_every=2)
+  out["perturbed"] = _error(lambda: tr.fit(6, on_step=_perturb_on(1, 8)))
+  out["perturbed_from"] = tr.step
   out["sigint_host0_ckpt"] = _stop(_trainer(ckpt_dir), _signal_on(0, 4, signal.SIGINT))
   out["saved_steps"] = sorted(int(p) for p in os.listdir(ckpt_dir) if p.isdigit())
-  out["permuted"] = _error(lambda: _trainer(custom_balancer=_Permuted(jax.process_index())).fit(3))
-  out["perturbed"] = _error(
-      lambda: _trainer(check_every=2).fit(6, on_step=_perturb_on(1, 3)))
   out["other_model"] = _error(lambda: _trainer(hidden=(32,) if jax.process_index() == 0 else (16,)))
   return out
 

@@ -36,8 +36,8 @@ def test_ctrl_c_to_one_host_stops_both_at_the_same_boundary_without_checkpoints(
 def test_sigterm_without_checkpoints_stops_every_host_as_a_preemption(two_hosts):
   results, _ = two_hosts
   for r in results:
-    seen = r["sigterm_host0_no_ckpt"]
-    assert (seen["kind"], seen["step"], seen["exit_code"]) == ("Preempted", 3, procs.PREEMPTED_EXIT)
+    seen = r["sigterm_host0_no_ckpt"]  # The same trainer, continued after the Ctrl-C stop.
+    assert (seen["kind"], seen["step"], seen["exit_code"]) == ("Preempted", 7, procs.PREEMPTED_EXIT)
 
 
 def test_ctrl_c_with_checkpoints_saves_the_boundary_and_says_how_to_resume(two_hosts):
@@ -52,15 +52,16 @@ def test_ctrl_c_with_checkpoints_saves_the_boundary_and_says_how_to_resume(two_h
 def test_a_host_whose_balancer_decides_another_split_stops_the_job_naming_it(two_hosts):
   results, _ = two_hosts
   for r in results:
-    assert r["permuted"].startswith("HostsDisagree: step 0: host(s) [1] computed another split")
+    assert r["permuted"].startswith("HostsDisagree: step 7: host(s) [1] computed another split")
     assert "host 1 used (24, 40)" in r["permuted"]
 
 
 def test_a_host_whose_parameters_diverge_stops_the_job_at_the_next_check(two_hosts):
   results, _ = two_hosts
   for r in results:
-    # Perturbed after step 3; checked every 2 steps, so caught after step 4.
-    assert r["perturbed"].startswith("HostsDisagree: after step 4: host(s) [1] hold other "
+    # Host 1's replica perturbed after step 8, a step the check (every 2) falls on.
+    assert r["perturbed_from"] == 8
+    assert r["perturbed"].startswith("HostsDisagree: after step 8: host(s) [1] hold other "
                                      "parameters than host 0")
 
 
