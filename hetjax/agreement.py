@@ -20,7 +20,7 @@ which float32 holds exactly.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -91,7 +91,7 @@ def check_shares(step: int, rows: np.ndarray) -> None:
     used = "; ".join(f"host {h} used {tuple(int(v) for v in rows[h])}" for h in differ)
     raise HostsDisagree(
         f"step {step}: host(s) {differ} computed another split of the global batch than host "
-        f"{ref} ({tuple(int(v) for v in rows[ref])}); {used}. Hosts read overlapping or missing "
+        f"{ref}, which used {tuple(int(v) for v in rows[ref])}; {used}. Hosts read overlapping or missing "
         "samples, so the job stops. Every host must run the same code and the same balancer.")
 
 
@@ -111,12 +111,3 @@ def check_all_equal(rows: np.ndarray, *, what: str, fix: str) -> None:
   differ = [h for h in range(len(rows)) if not np.array_equal(rows[h], rows[0])]
   if differ:
     raise ValueError(f"host(s) {differ} run a different {what} from host 0: {fix}")
-
-
-def stop_codes(rows: np.ndarray) -> float:
-  """The largest stop code any host sent (see `hetjax.signals`)."""
-  return float(np.max(rows)) if np.size(rows) else 0.0
-
-
-def shares_vector(shares: Sequence[int]) -> np.ndarray:
-  return np.asarray(shares, np.float32)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import sys
 import traceback
@@ -23,10 +24,11 @@ class _Parser(argparse.ArgumentParser):
   """argparse, with the fix for a value that starts with '-' (e.g. --assignment -8,56,48)."""
 
   def error(self, message: str):
-    if "expected one argument" in message:
-      flag = message.split(":")[1].strip().split()[0] if ":" in message else "--flag"
+    found = re.match(r"argument (\S+?)(/\S+)?: expected one argument", message)
+    if found:
+      example = "-8,56,48" if found.group(1) == "--assignment" else "VALUE"
       message += (f"; a value that starts with '-' must be joined to its flag with '=', "
-                  f"e.g. {flag}=-8,56,48")
+                  f"e.g. {found.group(1)}={example}")
     super().error(message)
 
 
