@@ -174,28 +174,35 @@ class RecordStream:
     self._global_batch, self._emulated, self._first_step = global_batch, emulated, first_step
     # Records complete before this stream began were someone else's to emit
     # (an earlier `fit` call); the clock keeps running from them.
+    # A bounded history (hetjax.history) drops old steps: index i is entry i - dropped.
     self._next = self._ready()
-    self._time_s = float(sum(history.step_s[:self._next]))
+    kept = self._next - self._dropped()
+    folded = getattr(getattr(history, "folded", None), "time_s", 0.0)
+    self._time_s = folded + float(sum(history.step_s[:kept]))
+
+  def _dropped(self) -> int:
+    return getattr(self._history, "dropped", 0)
 
   def _ready(self) -> int:
     h = self._history
-    return min(len(h.shares), len(h.compute_s), len(h.wait_s), len(h.step_s))
+    return self._dropped() + min(len(h.shares), len(h.compute_s), len(h.wait_s), len(h.step_s))
 
   def pop(self) -> list[dict[str, Any]]:
     """The records completed since the last call, also handed to every sink."""
-    h, ready = self._history, self._ready()
+    h, ready, dropped = self._history, self._ready(), self._dropped()
     records = []
-    for i in range(self._next, ready):
-      self._time_s += h.step_s[i]
-      metrics = {k: v for k, v in h.metrics[i].items() if k != "loss"}
+    for i in range(max(self._next, dropped), ready):
+      k = i - dropped
+      self._time_s += h.step_s[k]
+      metrics = {name: v for name, v in h.metrics[k].items() if name != "loss"}
       record = {
-          "step": self._first_step + i, "time_s": self._time_s, "loss": h.loss[i],
-          "metrics": metrics, "samples_per_sec": self._global_batch / h.step_s[i] if h.step_s[i] > 0 else 0.0,
-          "step_s": h.step_s[i], "global_batch": self._global_batch, "shares": list(h.shares[i]),
-          "compute_s": list(h.compute_s[i]), "wait_s": list(h.wait_s[i]),
+          "step": self._first_step + i, "time_s": self._time_s, "loss": h.loss[k],
+          "metrics": metrics, "samples_per_sec": self._global_batch / h.step_s[k] if h.step_s[k] > 0 else 0.0,
+          "step_s": h.step_s[k], "global_batch": self._global_batch, "shares": list(h.shares[k]),
+          "compute_s": list(h.compute_s[k]), "wait_s": list(h.wait_s[k]),
           "emulated": self._emulated}
-      lr = getattr(h, "lr", [])
-      if i < len(lr) and lr[i] is not None:
+      lr = getattr(h, "lr", {})
+      if lr.get(i) is not None:
         record["lr"] = lr[i]
       evals = getattr(h, "evals", {})
       if i in evals:

@@ -27,6 +27,7 @@ from hetjax import data as data_lib
 from hetjax import loader as loader_lib
 from hetjax import metrics as metrics_lib
 from hetjax import evaluate as evaluate_lib
+from hetjax.history import History
 from hetjax import runtime
 from hetjax import signals
 from hetjax import sources as sources_lib
@@ -80,20 +81,6 @@ class TrainConfig:
     if self.check_every < 0:
       raise ValueError(f"check_every must be >= 0 steps (0: only at checkpoints), got "
                        f"{self.check_every}.")
-
-
-@dataclasses.dataclass
-class History:
-  """Per-step records; `compute_s` and `wait_s` are `[steps][hosts]`."""
-
-  shares: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
-  compute_s: list[list[float]] = dataclasses.field(default_factory=list)
-  wait_s: list[list[float]] = dataclasses.field(default_factory=list)
-  step_s: list[float] = dataclasses.field(default_factory=list)
-  loss: list[float] = dataclasses.field(default_factory=list)
-  metrics: list[dict[str, float]] = dataclasses.field(default_factory=list)
-  lr: list[float | None] = dataclasses.field(default_factory=list)  # Kept while records are built.
-  evals: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)  # By history index.
 
 
 def params_digest(params: PyTree) -> str:
@@ -256,7 +243,7 @@ class Trainer:
   @property
   def step(self) -> int:
     """The index of the next step to run."""
-    return self._start_step + len(self.history.shares)
+    return self._start_step + self.history.steps
 
   def train_step(self) -> dict[str, float]:
     """Runs one synchronous step on every host; returns the global metrics."""
@@ -287,7 +274,7 @@ class Trainer:
     h = self.history
     h.shares.append(shares)
     h.compute_s.append([float(r) for r in rows[:, 0]])
-    if len(h.wait_s) < len(h.shares) - 1:  # Not yet gathered by summary().
+    if h.dropped + len(h.wait_s) < h.steps - 1:  # Not yet gathered by summary().
       h.wait_s.append([float(r) for r in rows[:, 1]])
     h.step_s.append(t2 - t0)
     metrics = {k: float(v) for k, v in stats.items() if k != "count"}
@@ -347,11 +334,12 @@ class Trainer:
         while self.step < target:
           metrics = self.train_step()
           if stream is not None:
-            self.history.lr.append(self.learning_rate())
+            self.history.lr[self.history.steps - 1] = self.learning_rate()
           if eval_every and self.step % eval_every == 0:
             self._evaluate_into_history(eval_source)
           if stream is not None:
             stream.pop()
+          self.history.trim(WARMUP_STEPS)  # Memory O(1) in steps: records are in the sinks.
           if on_step is not None:
             on_step(self, metrics)
           if log_every and self.step % log_every == 0 and self.host_id == 0:
@@ -363,8 +351,8 @@ class Trainer:
             self.check_params_agree()
           if self.checkpointer is not None and self.step % self.checkpointer.config.every == 0:
             self.save_checkpoint()
-      if eval_source is not None and self.history.shares and (
-          len(self.history.shares) - 1) not in self.history.evals:
+      if eval_source is not None and self.history.steps and (
+          self.history.steps - 1) not in self.history.evals:
         self._evaluate_into_history(eval_source)
       if self.checkpointer is not None:
         self.save_checkpoint(wait=True)
@@ -395,7 +383,7 @@ class Trainer:
 
   def _evaluate_into_history(self, source: data_lib.ArraySource) -> None:
     figures = self.evaluate(source)
-    self.history.evals[len(self.history.shares) - 1] = figures
+    self.history.evals[self.history.steps - 1] = figures
 
   def learning_rate(self) -> float | None:
     """The learning rate of the last update, when the optimizer exposes it.
@@ -434,12 +422,16 @@ class Trainer:
 
   def _final_waits(self) -> None:
     """The last step's waits travel in one extra small collective."""
-    if len(self.history.wait_s) < len(self.history.shares):
+    if len(self.history.wait_s) < len(self.history.shares):  # The window keeps them aligned.
       rows = step_lib.gather_host_values(np.array([self._last_wait]), self.meshes)
       self.history.wait_s.append([float(r) for r in rows[:, 0]])
 
   def summary(self, digest: bool = False) -> dict[str, Any]:
     """The figures of the run so far; identical on every host.
+
+    Aggregates cover the whole run; the per-host lists (`batch`, `compute_s`,
+    `wait_s`) only the recent steps the history keeps (`hetjax.history.WINDOW`):
+    every step is in metrics.jsonl.
 
     Args:
       digest: also hash every parameter (`params_digest`): a copy of the
@@ -447,16 +439,16 @@ class Trainer:
     """
     self._final_waits()
     h = self.history
-    steady = h.step_s[WARMUP_STEPS:] or h.step_s[1:] or h.step_s
-    samples_per_sec = self.config.global_batch * len(steady) / sum(steady) if steady else 0.0
+    steady, steady_s, busy_compute, busy_wait = h.steady_totals(WARMUP_STEPS, self.num_hosts)
+    samples_per_sec = self.config.global_batch * steady / steady_s if steady_s > 0 else 0.0
     per_host = []
     for i in range(self.num_hosts):
-      compute, wait = [c[i] for c in h.compute_s], [w[i] for w in h.wait_s]
-      busy = sum(compute[WARMUP_STEPS:]) + sum(wait[WARMUP_STEPS:])
-      per_host.append({"batch": [s[i] for s in h.shares], "compute_s": compute, "wait_s": wait,
-                       "idle_fraction": sum(wait[WARMUP_STEPS:]) / busy if busy else 0.0})
+      busy = busy_compute[i] + busy_wait[i]
+      per_host.append({"batch": [s[i] for s in h.shares], "compute_s": [c[i] for c in h.compute_s],
+                       "wait_s": [w[i] for w in h.wait_s],
+                       "idle_fraction": busy_wait[i] / busy if busy else 0.0})
     return {
-        "steps": len(h.shares),
+        "steps": h.steps,
         "last_step": self.step,
         "resumed_from": self.resumed_from,
         "global_batch": self.config.global_batch,
