@@ -15,7 +15,6 @@ import time
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -24,14 +23,14 @@ from hetjax import augment as augment_lib
 from hetjax import balancer as balancer_lib
 from hetjax import checkpoint as ckpt_lib
 from hetjax import data as data_lib
+from hetjax import evaluate as evaluate_lib
 from hetjax import loader as loader_lib
 from hetjax import metrics as metrics_lib
-from hetjax import evaluate as evaluate_lib
-from hetjax.history import History
 from hetjax import runtime
 from hetjax import signals
 from hetjax import sources as sources_lib
 from hetjax import step as step_lib
+from hetjax.history import History
 from hetjax.signals import Interrupted, Preempted, Stopped  # noqa: F401 (public names)
 from hetjax.task import Task
 

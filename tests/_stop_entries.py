@@ -93,18 +93,17 @@ def stops_and_disagreements(ckpt_dir: str):
   tr.config = dataclasses.replace(tr.config, check_every=2)
   out["perturbed"] = _error(lambda: tr.fit(6, on_step=_perturb_on(1, 8)))
   out["perturbed_from"] = tr.step
-  out["sigint_host0_ckpt"] = _stop(_trainer(ckpt_dir), _signal_on(0, 4, signal.SIGINT))
+  saving = _trainer(ckpt_dir)
+  out["sigint_host0_ckpt"] = _stop(saving, _signal_on(0, 4, signal.SIGINT))
   out["saved_steps"] = sorted(int(p) for p in os.listdir(ckpt_dir) if p.isdigit())
   out["other_model"] = _error(lambda: _trainer(hidden=(32,) if jax.process_index() == 0 else (16,)))
+  out["evaluation"] = evaluation_over_hosts(saving)
   return out
 
 
-def evaluation_over_hosts():
-  """Evaluation spread over two hosts, evenly and unevenly, and on one host's view."""
-  hetjax.initialize()
+def evaluation_over_hosts(tr):
+  """Evaluation spread over two hosts, evenly, unevenly and all on one host."""
   test = data.load("digits", "test")
-  tr = _trainer()
-  tr.fit(5)
   from hetjax import evaluate
   ev = evaluate.Evaluator(tr.task, tr.meshes, 16)
   even = ev.evaluate(tr.state.params, tr.state.model_state, test, [1, 1])

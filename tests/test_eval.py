@@ -1,4 +1,4 @@
-"""Evaluation: compiled once, streamed, spread over hosts, and the exact mean."""
+"""Evaluation: compiled once, streamed, and the exact mean (over two hosts: test_signals.py)."""
 
 import tracemalloc
 
@@ -11,7 +11,6 @@ import pytest
 import hetjax
 import hetjax_models
 from hetjax import data, evaluate, step, trainer
-from hetjax.testing import run_hosts
 
 
 @pytest.mark.parametrize("n, weights", [(10, [1, 1, 1]), (7, [0, 5, 1]), (100, [0, 0]), (3, [1, 1, 1, 1, 1])])
@@ -90,27 +89,15 @@ def test_evaluation_equals_the_plain_mean_and_compiles_once():
   assert first != second
 
 
-def test_evaluation_spread_over_two_hosts_equals_one_host_whatever_the_weights():
-  results = run_hosts("_stop_entries:evaluation_over_hosts", hosts=2, timeout_s=600)
-  assert results[0]["host_ranges"] == [(0, 300), (300, 360)]
-  import _stop_entries
-  reference = _stop_entries.reference_eval(results[0]["params"])
-  for r in results:
-    for name in ("even", "uneven", "skewed"):
-      assert r[name] == results[0][name]  # Every host got the same figures.
-      np.testing.assert_allclose(r[name]["loss"], reference["loss"], rtol=1e-5)
-      np.testing.assert_allclose(r[name]["accuracy"], reference["accuracy"], rtol=1e-6)
-
-
 def test_the_progress_line_shows_an_evaluation_even_between_its_scheduled_lines():
   import io
   from hetjax import progress
   out = io.StringIO()
   bar = progress.Progress(100, host_id=0, stream=out, every=10, tty=False)
   base = {"loss": 1.0, "samples_per_sec": 10.0, "step_s": 0.1, "shares": [2, 2], "emulated": False}
-  for step in range(12):
-    record = dict(base, step=step, lr=1e-3)
-    if step == 4:
+  for i in range(12):
+    record = dict(base, step=i, lr=1e-3)
+    if i == 4:
       record["eval"] = {"loss": 0.5, "accuracy": 0.875}
     bar.update(record)
   lines = out.getvalue().splitlines()

@@ -86,7 +86,6 @@ def test_a_folder_without_metrics_says_what_to_run(tmp_path, capsys, setup, mess
 
 
 def test_an_api_run_with_fit_out_writes_what_the_cli_writes_and_its_report_has_the_eval_panel(tmp_path):
-  import optax  # noqa: F401  (the trainer's optimizer comes from hetjax.optimizers)
   import hetjax
   import hetjax_models
   from hetjax import data, optimizers, trainer
