@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 
+import hetjax
 from hetjax import procs, signals
 from hetjax.testing import run_hosts
 
@@ -86,7 +87,44 @@ def test_evaluation_spread_over_two_hosts_equals_one_host_whatever_the_weights(t
       np.testing.assert_allclose(r[name]["accuracy"], reference["accuracy"], rtol=1e-6)
 
 
-# ---- The command line, on one host and on two ----------------------------
+# ---- One host, in this process ---------------------------------------------
+
+
+def _one_host(directory=None):
+  import _stop_entries
+  hetjax.initialize()
+  return _stop_entries._trainer(directory)
+
+
+def test_ctrl_c_on_one_host_with_checkpoints_saves_the_boundary_and_says_how_to_resume(tmp_path):
+  import _stop_entries
+  tr = _one_host(str(tmp_path))
+  with pytest.raises(signals.Interrupted, match="stopped after step 3, checkpoint saved in "
+                     f"{tmp_path}; run the same command to resume") as stop:
+    tr.fit(until=50, on_step=_stop_entries._signal_on(0, 2, signal.SIGINT))
+  assert stop.value.exit_code == 130 and _saved(tmp_path) == [3]
+  assert signal.getsignal(signal.SIGINT) is not None and signals.REQUESTS.code == signals.NONE
+  tr.close()
+
+
+def test_sigterm_on_one_host_without_checkpoints_stops_as_a_preemption_and_a_second_ctrl_c_aborts():
+  import _stop_entries
+  tr = _one_host()
+  with pytest.raises(signals.Preempted, match="after step 2; nothing was saved") as stop:
+    tr.fit(until=50, on_step=_stop_entries._signal_on(0, 1, signal.SIGTERM))
+  assert stop.value.exit_code == procs.PREEMPTED_EXIT
+
+  def twice(trainer, metrics):
+    if trainer.step == 4:
+      os.kill(os.getpid(), signal.SIGINT)  # Asks for a stop at the boundary...
+      os.kill(os.getpid(), signal.SIGINT)  # ...and the second one interrupts at once.
+  with pytest.raises(KeyboardInterrupt):
+    tr.fit(until=50, on_step=twice)
+  assert tr.step == 4
+  signals.REQUESTS.clear()
+
+
+# ---- The command line, on two hosts -----------------------------------------
 
 
 def _cli(out, *extra):
@@ -106,29 +144,6 @@ def _wait_for_a_record(out, procs_):
       assert p.poll() is None, p.communicate()[1][-3000:]
     assert time.monotonic() < deadline
     time.sleep(0.05)
-
-
-def test_ctrl_c_on_one_host_with_checkpoints_exits_130_having_saved_the_boundary(tmp_path):
-  ckpt = tmp_path / "ckpt"
-  cmd = _cli(tmp_path / "run", "--ckpt-dir", str(ckpt), "--ckpt-every", "100000")
-  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-  _wait_for_a_record(tmp_path / "run", [proc])
-  proc.send_signal(signal.SIGINT)
-  _, err = proc.communicate(timeout=120)  # 100000 steps would take hours: it stopped.
-  assert proc.returncode == 130, err[-3000:]
-  assert "run the same command to resume" in err and "Traceback" not in err, err[-3000:]
-  step = int(err.split("stopped after step ")[1].split(",")[0])
-  assert _saved(ckpt) == [step]  # Resuming from it: test_checkpoint.py, bit for bit.
-
-
-def test_sigterm_on_one_host_without_checkpoints_exits_75_at_once(tmp_path):
-  proc = subprocess.Popen(_cli(tmp_path / "run"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True)
-  _wait_for_a_record(tmp_path / "run", [proc])
-  proc.send_signal(signal.SIGTERM)
-  _, err = proc.communicate(timeout=120)
-  assert proc.returncode == procs.PREEMPTED_EXIT, err[-3000:]
-  assert "preempted (SIGTERM) after step" in err and "nothing was saved" in err
 
 
 def test_ctrl_c_to_one_of_two_cli_hosts_stops_both_with_130(tmp_path):
