@@ -350,8 +350,8 @@ class Trainer:
             self.check_params_agree()
           if self.checkpointer is not None and self.step % self.checkpointer.config.every == 0:
             self.save_checkpoint()
-      if eval_source is not None and self.history.steps and (
-          self.history.steps - 1) not in self.history.evals:
+      # Also when nothing was left to run (a finished job started again).
+      if eval_source is not None and (self.history.steps - 1) not in self.history.evals:
         self._evaluate_into_history(eval_source)
       if self.checkpointer is not None:
         self.save_checkpoint(wait=True)
