@@ -218,9 +218,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   multi_host = int(os.environ.get("HETJAX_NUM_HOSTS", "1")) > 1
   from hetjax import signals  # Stdlib only: bad arguments still fail before JAX loads.
   try:
-    # Caught from the start: a signal while joining or compiling is not lost to
-    # JAX's own SIGTERM handler; the first step boundary acts on it.
-    with signals.REQUESTS.installed():
+    # Caught from the start: a signal while joining or compiling stops this host
+    # at once (exit 75 / 130) instead of being swallowed by JAX's SIGTERM handler;
+    # inside the step loop it waits for the boundary every host agrees on.
+    with signals.REQUESTS.installed(defer=False):
       summary = train(args)
   except (ValueError, ConnectionError) as e:
     print(f"hetjax {args.command}: error: {e}", file=sys.stderr)

@@ -7,7 +7,9 @@ is a checkpoint folder. SIGTERM means "restart me" (exit 75, the launchers'
 preemption code); SIGINT means the user wants to stop (exit 130).
 
 A second Ctrl-C on the same host is not caught: it interrupts at once, as a
-user pressing it twice expects.
+user pressing it twice expects. Outside the step loop (joining the cluster,
+compiling, writing the summary) no step boundary is coming, so a signal
+stops the host at once (`installed(defer=False)`, the command line's).
 """
 
 from __future__ import annotations
@@ -39,9 +41,13 @@ class Stopped(RuntimeError):
   exit_code = 1
   signal_name = "a stop signal"
 
-  def __init__(self, step: int, directory: str | None):
+  def __init__(self, step: int | None, directory: str | None):
     self.step, self.directory = step, directory
-    super().__init__(self._message())
+    super().__init__(self._early() if step is None else self._message())
+
+  def _early(self) -> str:
+    return (f"stopped by {self.signal_name} outside the training steps; nothing was saved; "
+            f"exiting with code {self.exit_code}.")
 
   def _message(self) -> str:
     return f"stopped by {self.signal_name} after step {self.step}."
@@ -80,7 +86,7 @@ class Interrupted(Stopped):
             "run the same command to resume.")
 
 
-def stopped(code: float, step: int, directory: str | None) -> Stopped:
+def stopped(code: float, step: int | None, directory: str | None) -> Stopped:
   """The exception for the largest stop code any host sent."""
   return (Interrupted if code >= INT else Preempted)(step, directory)
 
@@ -96,11 +102,15 @@ class StopRequests:
   def __init__(self):
     self.code = NONE
     self._depth = 0
+    self._deferring = 0  # Installs inside a step loop: the flag waits for the boundary.
     self._previous: dict[int, object] = {}
 
   def _handle(self, signum: int, frame) -> None:
     del frame
     self.code = max(self.code, _CODES[signum])
+    if not self._deferring:
+      code, self.code = self.code, NONE
+      raise stopped(code, None, None)
     if signum == signal.SIGINT:
       # A second Ctrl-C interrupts at once.
       signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -108,8 +118,14 @@ class StopRequests:
             "abort at once)", file=sys.stderr, flush=True)
 
   @contextlib.contextmanager
-  def installed(self) -> Iterator["StopRequests"]:
-    """Catches the stop signals inside the block (main thread only; elsewhere a no-op)."""
+  def installed(self, defer: bool = True) -> Iterator["StopRequests"]:
+    """Catches the stop signals inside the block (main thread only; elsewhere a no-op).
+
+    Args:
+      defer: raise the flag for the next step boundary (a step loop); False
+        raises `Preempted` / `Interrupted` at once, unless a deferring
+        install is active inside this one.
+    """
     if threading.current_thread() is not threading.main_thread():
       yield self
       return
@@ -119,9 +135,11 @@ class StopRequests:
         # A handler installed outside Python reads as None and cannot be put back.
         self._previous[signum] = signal.SIG_DFL if previous is None else previous
     self._depth += 1
+    self._deferring += defer
     try:
       yield self
     finally:
+      self._deferring -= defer
       self._depth -= 1
       if self._depth == 0:
         for signum, previous in self._previous.items():

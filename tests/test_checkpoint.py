@@ -182,3 +182,16 @@ def test_a_finished_run_started_again_resumes_does_nothing_and_keeps_its_checkpo
   assert again.resumed_from == 10 and summary["steps"] == 0 and summary["last_step"] == 10
   assert summary["eval"]["step"] == 9 and 0 <= summary["eval"]["accuracy"] <= 1  # Still evaluated.
   assert trainer.params_digest(again.params()) == uninterrupted
+
+
+def test_a_url_reaches_orbax_unchanged_and_skips_the_local_checks(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  checkpoint.CheckpointConfig("gs://some-bucket/run").validate()  # No local probe...
+  assert os.listdir(tmp_path) == []  # ...and no local folder named "gs:".
+  seen = []
+  monkeypatch.setattr(checkpoint.ocp, "CheckpointManager",
+                      lambda directory, options: seen.append(directory))
+  ckpt = checkpoint.Checkpointer(checkpoint.CheckpointConfig("gs://some-bucket/run"), bool)
+  assert ckpt.directory == "gs://some-bucket/run"
+  assert [str(d) for d in seen] == ["gs://some-bucket/run"] and os.listdir(tmp_path) == []
+  assert checkpoint.resolve("rel/ckpt") == str(tmp_path / "rel" / "ckpt")

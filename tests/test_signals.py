@@ -90,6 +90,20 @@ def test_evaluation_spread_over_two_hosts_equals_one_host_whatever_the_weights(t
 # ---- One host, in this process ---------------------------------------------
 
 
+def test_outside_the_step_loop_a_signal_stops_at_once_inside_it_waits_for_the_boundary():
+  with signals.REQUESTS.installed(defer=False):
+    with pytest.raises(signals.Preempted, match="outside the training steps; nothing was saved; "
+                       "exiting with code 75"):
+      os.kill(os.getpid(), signal.SIGTERM)
+    with signals.REQUESTS.installed():  # What Trainer.fit does.
+      os.kill(os.getpid(), signal.SIGTERM)
+      assert signals.REQUESTS.code == signals.TERM  # Raised, not acted on: the boundary will.
+    signals.REQUESTS.clear()
+    with pytest.raises(signals.Interrupted, match="stopped by Ctrl-C outside the training steps"):
+      os.kill(os.getpid(), signal.SIGINT)
+  assert signals.REQUESTS.code == signals.NONE
+
+
 def _one_host(directory=None):
   import _stop_entries
   hetjax.initialize()
