@@ -82,7 +82,8 @@ class History:
       del getattr(self, name)[:cut]
     self.dropped += cut
     self.lr = {i: v for i, v in self.lr.items() if i >= self.dropped}
-    self.evals = {i: e for i, e in self.evals.items() if i >= self.dropped}
+    latest = max(self.evals, default=None)  # The summary reports it, however old.
+    self.evals = {i: e for i, e in self.evals.items() if i >= self.dropped or i == latest}
 
   def steady_totals(self, warmup: int, hosts: int) -> tuple[int, float, list[float], list[float]]:
     """(steps, step seconds, compute per host, wait per host) after warm-up, whole run.

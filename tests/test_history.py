@@ -26,12 +26,15 @@ def test_a_long_run_keeps_a_window_and_exact_totals():
     h.loss.append(1.0)
     h.metrics.append({"loss": 1.0})
     h.lr[i] = 0.5
+    if i == 10:
+      h.evals[i] = {"accuracy": 0.25}  # Long before the window: the latest still kept.
     stream.pop()
     h.trim(warmup=2, window=100)
     assert len(h.shares) < 200 and len(h.lr) < 200
   h.wait_s.append(list(wait[-1]))
   stream.pop()
   assert [r["step"] for r in seen] == list(range(steps)) and all(r["lr"] == 0.5 for r in seen)
+  assert [r["step"] for r in seen if "eval" in r] == [10] and h.evals == {10: {"accuracy": 0.25}}
   assert seen[-1]["time_s"] == pytest.approx(step_s.sum())
   n, total_s, busy_compute, busy_wait = h.steady_totals(warmup=2, hosts=2)
   assert (h.steps, n) == (steps, steps - 2)
