@@ -231,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   except signals.Stopped as e:
     print(f"hetjax {args.command}: {e}", file=sys.stderr)
     _exit_now(e.exit_code)
-  except KeyboardInterrupt:  # A second Ctrl-C, or one before the first step.
+  except KeyboardInterrupt:  # A second Ctrl-C inside the step loop.
     print(f"hetjax {args.command}: interrupted (Ctrl-C) before a step boundary; nothing saved.",
           file=sys.stderr)
     _exit_now(signals.INTERRUPTED_EXIT)
