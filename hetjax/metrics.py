@@ -21,6 +21,7 @@ import os
 from typing import Any, Callable, Sequence
 
 METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
 TENSORBOARD_DIR = "tensorboard"
 
 # The record schema: key -> kind. Every record has exactly these keys.
@@ -36,6 +37,13 @@ RECORD_KEYS = {
     "compute_s": "host_floats",
     "wait_s": "host_floats",
     "emulated": "bool",       # host speeds were emulated (hetjax.emulate)
+}
+# Keys a record has only sometimes: the learning rate when the optimizer
+# exposes it (optax.inject_hyperparams), the evaluation figures on the steps
+# after which the trainer evaluated (measured after the step, off its clock).
+OPTIONAL_KEYS = {
+    "lr": "float",
+    "eval": "floats",
 }
 
 
@@ -88,7 +96,7 @@ def validate_record(record: dict[str, Any]) -> dict[str, Any]:
     raise ValueError(f"a metrics record must be a dict, got {type(record).__name__}.")
   where = f"metrics record for step {record.get('step', '?')}"
   missing = sorted(set(RECORD_KEYS) - set(record))
-  unknown = sorted(set(record) - set(RECORD_KEYS))
+  unknown = sorted(set(record) - set(RECORD_KEYS) - set(OPTIONAL_KEYS))
   if missing or unknown:
     raise ValueError(f"{where}: missing key(s) {missing}, unknown key(s) {unknown}; the schema "
                      "is hetjax.metrics.RECORD_KEYS (change it there and in its readers together).")
@@ -98,6 +106,12 @@ def validate_record(record: dict[str, Any]) -> dict[str, Any]:
     if not check(record[key]):
       raise ValueError(f"{where}: {key!r} must be {want}, got {record[key]!r}.")
     out[key] = convert(record[key])
+  for key, kind in OPTIONAL_KEYS.items():
+    if key in record:
+      check, convert, want = _KINDS[kind]
+      if not check(record[key]):
+        raise ValueError(f"{where}: {key!r} must be {want}, got {record[key]!r}.")
+      out[key] = convert(record[key])
   hosts = {k: len(out[k]) for k in ("shares", "compute_s", "wait_s")}
   if len(set(hosts.values())) != 1 or not out["shares"]:
     raise ValueError(f"{where}: shares, compute_s and wait_s need one entry per host (at least "
@@ -156,26 +170,40 @@ class RecordStream:
     self._global_batch, self._emulated, self._first_step = global_batch, emulated, first_step
     # Records complete before this stream began were someone else's to emit
     # (an earlier `fit` call); the clock keeps running from them.
+    # A bounded history (hetjax.history) drops old steps: index i is entry i - dropped.
     self._next = self._ready()
-    self._time_s = float(sum(history.step_s[:self._next]))
+    kept = self._next - self._dropped()
+    folded = getattr(getattr(history, "folded", None), "time_s", 0.0)
+    self._time_s = folded + float(sum(history.step_s[:kept]))
+
+  def _dropped(self) -> int:
+    return getattr(self._history, "dropped", 0)
 
   def _ready(self) -> int:
     h = self._history
-    return min(len(h.shares), len(h.compute_s), len(h.wait_s), len(h.step_s))
+    return self._dropped() + min(len(h.shares), len(h.compute_s), len(h.wait_s), len(h.step_s))
 
   def pop(self) -> list[dict[str, Any]]:
     """The records completed since the last call, also handed to every sink."""
-    h, ready = self._history, self._ready()
+    h, ready, dropped = self._history, self._ready(), self._dropped()
     records = []
-    for i in range(self._next, ready):
-      self._time_s += h.step_s[i]
-      metrics = {k: v for k, v in h.metrics[i].items() if k != "loss"}
-      records.append(validate_record({
-          "step": self._first_step + i, "time_s": self._time_s, "loss": h.loss[i],
-          "metrics": metrics, "samples_per_sec": self._global_batch / h.step_s[i] if h.step_s[i] > 0 else 0.0,
-          "step_s": h.step_s[i], "global_batch": self._global_batch, "shares": list(h.shares[i]),
-          "compute_s": list(h.compute_s[i]), "wait_s": list(h.wait_s[i]),
-          "emulated": self._emulated}))
+    for i in range(max(self._next, dropped), ready):
+      k = i - dropped
+      self._time_s += h.step_s[k]
+      metrics = {name: v for name, v in h.metrics[k].items() if name != "loss"}
+      record = {
+          "step": self._first_step + i, "time_s": self._time_s, "loss": h.loss[k],
+          "metrics": metrics, "samples_per_sec": self._global_batch / h.step_s[k] if h.step_s[k] > 0 else 0.0,
+          "step_s": h.step_s[k], "global_batch": self._global_batch, "shares": list(h.shares[k]),
+          "compute_s": list(h.compute_s[k]), "wait_s": list(h.wait_s[k]),
+          "emulated": self._emulated}
+      lr = getattr(h, "lr", {})
+      if lr.get(i) is not None:
+        record["lr"] = lr[i]
+      evals = getattr(h, "evals", {})
+      if i in evals:
+        record["eval"] = evals[i]
+      records.append(validate_record(record))
     self._next = max(self._next, ready)
     for record in records:
       for sink in self._sinks:
@@ -191,6 +219,9 @@ def scalars_of(record: dict[str, Any]) -> dict[str, float]:
   out = {"loss": record["loss"], "samples_per_sec": record["samples_per_sec"],
          "step_s": record["step_s"]}
   out.update({f"metrics/{k}": v for k, v in record["metrics"].items()})
+  if "lr" in record:
+    out["lr"] = record["lr"]
+  out.update({f"eval/{k}": v for k, v in record.get("eval", {}).items()})
   for i, (share, compute, wait) in enumerate(zip(record["shares"], record["compute_s"], record["wait_s"])):
     out.update({f"host{i}/share": float(share), f"host{i}/compute_s": compute, f"host{i}/wait_s": wait})
   return out
@@ -253,3 +284,12 @@ class MetricsWriter:
 
   def __exit__(self, *exc: Any) -> None:
     self.close()
+
+
+def write_summary(out_dir: str, summary: dict[str, Any]) -> str:
+  """Writes OUT/summary.json (numpy values as lists); returns its path."""
+  os.makedirs(out_dir, exist_ok=True)
+  path = os.path.join(out_dir, SUMMARY_FILE)
+  with open(path, "w") as f:
+    json.dump(summary, f, indent=1, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o))
+  return path
