@@ -247,7 +247,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.command in ("report", "doctor"):
     from hetjax import doctor, report
     return {"report": report, "doctor": doctor}[args.command].run(args)
-  multi_host = int(os.environ.get("HETJAX_NUM_HOSTS", "1")) > 1
+  # Read when needed, not up front: joining a cluster found from SLURM or
+  # Open MPI writes HETJAX_NUM_HOSTS / HETJAX_HOST_ID (hetjax.runtime).
+  multi_host = lambda: int(os.environ.get("HETJAX_NUM_HOSTS", "1")) > 1
   from hetjax import signals  # Stdlib only: bad arguments still fail before JAX loads.
   try:
     # Caught from the start: a signal while joining or compiling stops this host
@@ -257,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       summary = train(args)
   except (ValueError, ConnectionError) as e:
     print(f"hetjax {args.command}: error: {e}", file=sys.stderr)
-    if multi_host:
+    if multi_host():
       _exit_now(2)
     return 2
   except signals.Stopped as e:
@@ -271,7 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if type(e).__name__ == "HostsDisagree":  # Not imported up front: it pulls in JAX.
       print(f"hetjax {args.command}: error: {e}", file=sys.stderr)
       _exit_now(1)
-    if not multi_host:
+    if not multi_host():
       raise
     traceback.print_exc()
     _exit_now(1)
