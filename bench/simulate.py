@@ -1,13 +1,21 @@
 """SIMULATED speedups of equal / static / dynamic splits on 1..1024 mixed-GPU hosts.
 
-Run: `.venv/bin/python bench/simulate.py`. Nothing here runs on a GPU: the
-cluster is `hetjax.sim` (approximate ResNet-50 GPU speed ratios, noise,
-stragglers, ring all-reduce) driving the real `hetjax.balancer`. The last line
-is one JSON object with the figures.
+Run: `.venv/bin/python bench/simulate.py` (about 3 minutes on 2 shared cores;
+`--quick` for a smaller grid). Nothing here runs on a GPU: the cluster is
+`hetjax.sim` (GPU speed ratios, per-class fixed costs, noise, persistent slow
+hosts, slow spells, hierarchical all-reduce) driving the real
+`hetjax.balancer`. Every figure is SIMULATED; the assumptions are printed
+first, as one table. Prints, per size: the speedup table; the breakdown
+ideal -> minus communication -> minus noise -> minus stragglers; curves over
+the slow-spell rate with the spread over seeds; which assumptions move the
+1024-host figure. The last line is one JSON object with the figures.
+For the replay of the emulated 3-host cluster see bench/validate_sim.py.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import time
 
@@ -17,20 +25,111 @@ from hetjax import balancer, sim
 
 HOSTS = (1, 2, 4, 8, 16, 64, 256, 1024)
 MODES = ("equal", "static", "dynamic")
-STEPS = 80
-SEEDS = (0, 1, 2, 3, 4)  # Mean over seeds: a 4-host row is otherwise one straggler's luck.
+RATES = (0.0, 1e-4, 1e-3, 3e-3, 1e-2)
+DEFAULT_RATE = 5e-4
 EDDIS_16 = {"synchronous": 8.2, "asynchronous": 19.0, "hybrid": 18.7}  # ANCHORS.md, over 1 node.
 
 
-def run_row(n: int) -> dict[str, float]:
-  spec = sim.ClusterSpec(sim.mix(n))
-  fastest = sim.single_host_samples_per_s(spec, "H100")
-  row = {m: float(np.mean([sim.simulate(spec, sim.make(m, spec), STEPS, seed=s).samples_per_s
-                           for s in SEEDS])) / fastest for m in MODES}
-  own = sum(sim.single_host_samples_per_s(spec, g) for g in spec.gpus)
-  row["ideal"] = own / fastest  # Sum of the hosts' own throughputs, no collective.
-  row["comm_ms"] = spec.comm_s() * 1e3
-  return row
+def rates_over_seeds(spec: sim.ClusterSpec, mode: str, steps: int, seeds, **kw) -> np.ndarray:
+  """Samples/s of `mode` on `spec` for each seed (identical conditions across modes)."""
+  out = []
+  for seed in seeds:
+    bal = (balancer.FixedBalancer(sim.optimal_shares(spec, seed), name="oracle")
+           if mode == "oracle" else sim.make(mode, spec))
+    out.append(sim.simulate(spec, bal, steps, seed=seed, **kw).samples_per_s)
+  return np.asarray(out)
+
+
+def fmt(values: np.ndarray, scale: float) -> str:
+  v = values / scale
+  return f"{v.mean():8.2f} [{v.min():.2f}-{v.max():.2f}]"
+
+
+def speedup_table(steps: int, seeds, hosts) -> dict:
+  print(f"\nSpeedup over ONE fastest (H100) host, SIMULATED, slow-spell rate {DEFAULT_RATE:g} "
+        f"per host-step; mean [min-max] over {len(seeds)} seeds x {steps} steps:")
+  print(f"{'hosts':>6} " + " ".join(f"{m:>21}" for m in MODES) + f" {'ideal':>8} {'comm ms':>8}")
+  rows = {}
+  for n in hosts:
+    spec = sim.ClusterSpec(sim.mix(n), straggler_rate=DEFAULT_RATE)
+    fastest = sim.single_host_samples_per_s(spec, "H100")
+    r = {m: rates_over_seeds(spec, m, steps, seeds) / fastest for m in MODES}
+    ideal = np.mean([sim.ideal_samples_per_s(spec, s) for s in seeds]) / fastest
+    rows[n] = {**{m: float(v.mean()) for m, v in r.items()},
+               **{f"{m}_min": float(v.min()) for m, v in r.items()},
+               **{f"{m}_max": float(v.max()) for m, v in r.items()},
+               "ideal": float(ideal), "comm_ms": spec.comm_s() * 1e3}
+    print(f"{n:>6} " + " ".join(fmt(r[m], 1.0).rjust(21) for m in MODES)
+          + f" {ideal:>8.2f} {spec.comm_s() * 1e3:>8.2f}   simulated")
+  print("  ideal = sum of the hosts' own noise-free throughputs: no collective, no waiting.")
+  return rows
+
+
+def breakdown(n: int, steps: int, seeds) -> dict:
+  """ideal -> minus communication -> minus noise -> minus stragglers (dynamic balancer)."""
+  base = sim.ClusterSpec(sim.mix(n), straggler_rate=DEFAULT_RATE)
+  fastest = sim.single_host_samples_per_s(base, "H100")
+  quiet = dataclasses.replace(base, noise=0.0, straggler_rate=0.0)
+  noisy = dataclasses.replace(base, straggler_rate=0.0)
+  stages = {
+      "ideal (sum of own throughputs)": np.mean([sim.ideal_samples_per_s(base, s) for s in seeds]),
+      "- communication (optimal split, no noise)": rates_over_seeds(quiet, "oracle", steps, seeds).mean(),
+      "- noise (dynamic balancer, 3 % noise)": rates_over_seeds(noisy, "dynamic", steps, seeds).mean(),
+      f"- stragglers (slow spells at {DEFAULT_RATE:g})": rates_over_seeds(base, "dynamic", steps, seeds).mean(),
+  }
+  print(f"\nBreakdown at {n} hosts, SIMULATED (speedup over one H100 host; each line adds one effect):")
+  prev, out = None, {}
+  for name, v in stages.items():
+    x = v / fastest
+    lost = "" if prev is None else f"  ({x / prev - 1:+.1%})"
+    print(f"  {name:<45} {x:8.2f}{lost}   simulated")
+    out[name] = round(float(x), 3)
+    prev = x
+  return out
+
+
+def straggler_curves(n: int, steps: int, seeds) -> dict:
+  spec0 = sim.ClusterSpec(sim.mix(n))
+  fastest = sim.single_host_samples_per_s(spec0, "H100")
+  print(f"\nSpeedup over one H100 host vs slow-spell rate, {n} hosts, SIMULATED "
+        f"(mean [min-max] over {len(seeds)} seeds):")
+  print(f"{'rate':>8} " + " ".join(f"{m:>21}" for m in MODES) + f" {'dyn/static':>11}")
+  curves = {}
+  for rate in RATES:
+    spec = dataclasses.replace(spec0, straggler_rate=rate)
+    r = {m: rates_over_seeds(spec, m, steps, seeds) for m in MODES}
+    ratio = r["dynamic"] / r["static"]
+    curves[str(rate)] = {m: [round(float(v), 3) for v in r[m] / fastest] for m in MODES}
+    print(f"{rate:>8g} " + " ".join(fmt(r[m], fastest).rjust(21) for m in MODES)
+          + f" {ratio.min():>5.3f}-{ratio.max():.3f}   simulated")
+  return curves
+
+
+def sensitivity(n: int, steps: int, seeds) -> dict:
+  """How far each assumption moves the dynamic figure at `n` hosts."""
+  base = sim.ClusterSpec(sim.mix(n), straggler_rate=DEFAULT_RATE)
+  ref = rates_over_seeds(base, "dynamic", steps, seeds).mean()
+  variants = {
+      "bandwidth x0.5": dict(bandwidth=base.bandwidth / 2),
+      "bandwidth x2": dict(bandwidth=base.bandwidth * 2),
+      "flat ring between hosts": dict(algorithm="ring"),
+      "host overhead 2.5 ms": dict(host_overhead_s=0.0025),
+      "host overhead 10 ms": dict(host_overhead_s=0.010),
+      "noise 1 %": dict(noise=0.01),
+      "noise 6 %": dict(noise=0.06),
+      "no persistent slow hosts": dict(persistent_fraction=0.0),
+      "slow-spell rate 1e-3": dict(straggler_rate=1e-3),
+      "slow-spell rate 1e-2": dict(straggler_rate=1e-2),
+      "slow spells 1.5x": dict(straggler_slowdown=1.5),
+      "spells hit racks of 8 hosts": dict(spell_group=8),
+  }
+  print(f"\nWhat moves the {n}-host dynamic figure, SIMULATED (change vs the defaults):")
+  out = {}
+  for name, kw in variants.items():
+    v = rates_over_seeds(dataclasses.replace(base, **kw), "dynamic", steps, seeds).mean()
+    out[name] = round(float(v / ref - 1), 3)
+    print(f"  {name:<28} {v / ref - 1:+7.1%}   simulated")
+  return out
 
 
 def solve_time_ms(n: int = 1024, repeats: int = 21) -> float:
@@ -44,49 +143,47 @@ def solve_time_ms(n: int = 1024, repeats: int = 21) -> float:
   return float(np.median(times) * 1e3)
 
 
-def main() -> None:
-  print(f"SIMULATED cluster (hetjax.sim): hosts cycle {'/'.join(sim.DEFAULT_MIX)}, 4 GPUs each, "
-        f"ResNet-50 speed H100:A100:V100 = 1.85:1.0:0.36 (cited in BUILD_NOTES), global batch 512/host, "
-        f"{STEPS} steps x {len(SEEDS)} seeds (mean), noise 3%, slow spells 2.5x, ring all-reduce of 102 MB at 25 GB/s.")
-  print("Speedup over ONE fastest (H100) host, simulated:")
-  print(f"{'hosts':>6} {'equal':>8} {'static':>8} {'dynamic':>8} {'ideal*':>8} {'dyn/eq':>7} "
-        f"{'comm ms':>8}")
-  rows = {}
-  print("  (* ideal: sum of the hosts' own throughputs, no collective, no noise)")
-  for n in HOSTS:
-    r = rows[n] = run_row(n)
-    print(f"{n:>6} {r['equal']:>8.2f} {r['static']:>8.2f} {r['dynamic']:>8.2f} {r['ideal']:>8.2f} "
-          f"{r['dynamic'] / r['equal']:>6.2f}x {r['comm_ms']:>8.1f}")
+def main(argv=None) -> dict:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--steps", type=int, default=80)
+  p.add_argument("--seeds", type=int, default=3)
+  p.add_argument("--quick", action="store_true", help="16 and 1024 hosts only, 40 steps")
+  args = p.parse_args(argv)
+  steps = 40 if args.quick else args.steps
+  seeds = tuple(range(args.seeds))
+  hosts = (16, 1024) if args.quick else HOSTS
+  t0 = time.time()
+  print("SIMULATED cluster (hetjax.sim driving hetjax.balancer). Assumptions:")
+  print(f"  {'what':<30} {'value':<70} source")
+  for what, value, source in sim.ASSUMPTIONS:
+    print(f"  {what:<30} {value:<70} {source}")
+  rows = speedup_table(steps, seeds, hosts)
+  parts = {n: breakdown(n, steps, seeds) for n in (16, 1024)}
+  curves = {n: straggler_curves(n, steps, seeds) for n in (16, 1024)}
+  sens = sensitivity(1024, steps, seeds)
 
   r16 = rows[16]
   spec16 = sim.ClusterSpec(sim.mix(16))
   mean_node = np.mean([sim.single_host_samples_per_s(spec16, g) for g in spec16.gpus])
-  over_mean = {m: r16[m] * sim.single_host_samples_per_s(spec16, "H100") / mean_node for m in MODES}
-  eddis_gain = EDDIS_16["asynchronous"] / EDDIS_16["synchronous"]
-  ours_gain = r16["dynamic"] / r16["equal"]
-  print("\n16 hosts, SIMULATED, next to EDDIS (IEEE BigData 2024, 16 heterogeneous nodes vs 1 node; "
-        "GPU mix not stated):")
-  print(f"  EDDIS: synchronous {EDDIS_16['synchronous']}x, asynchronous {EDDIS_16['asynchronous']}x, "
-        f"hybrid {EDDIS_16['hybrid']}x  -> removing the straggler is worth "
-        f"{eddis_gain:.2f}x over their sync")
-  print(f"  ours over one average node of the mix: equal {over_mean['equal']:.1f}x, static "
-        f"{over_mean['static']:.1f}x, dynamic {over_mean['dynamic']:.1f}x (16 = perfect)")
-  print(f"  ours, balanced / equal synchronous: {ours_gain:.2f}x "
-        f"(bound sum(s)/(N min s) = {r16['ideal'] / (16 * sim.GPU_SPEED['V100'] / sim.GPU_SPEED['H100']):.2f}x)")
-  reached = ("asynchronous/hybrid" if ours_gain >= 0.9 * eddis_gain else "synchronous")
-  print(f"  -> our balanced synchronous mode reaches EDDIS's {reached} class: its gain over a "
-        f"plain synchronous split is {ours_gain:.2f}x against EDDIS's {eddis_gain:.2f}x "
-        f"(async/sync), at {over_mean['dynamic'] / 16:.0%} of perfect 16-node scaling, with no "
-        "stale gradients, because each host's share is sized to its speed instead of letting "
-        "fast hosts run ahead; the rest is the all-reduce, noise and slow spells. Only ratios "
-        "compare: EDDIS's 19x > 16x means its 1-node baseline is slower than its average node.")
+  over_mean = r16["dynamic"] * sim.single_host_samples_per_s(spec16, "H100") / mean_node
+  gain = r16["dynamic"] / r16["equal"]
+  print(f"\n16 hosts, SIMULATED, next to EDDIS (IEEE BigData 2024; 16 heterogeneous nodes, GPU mix "
+        f"not stated): balanced / equal synchronous {gain:.2f}x against EDDIS's asynchronous / "
+        f"synchronous {EDDIS_16['asynchronous'] / EDDIS_16['synchronous']:.2f}x; over one average "
+        f"node of the mix {over_mean:.1f}x of a perfect 16x. Only ratios compare.")
   solve_ms = solve_time_ms()
-  print(f"\nbalancer.solve for 1024 hosts: {solve_ms:.2f} ms (median of 21)")
-  print(json.dumps({"simulated": True, "speedup_over_fastest_host": {
-      str(n): {k: round(v, 3) for k, v in rows[n].items()} for n in HOSTS},
-      "hosts16_over_mean_node": {k: round(v, 2) for k, v in over_mean.items()},
-      "hosts16_dynamic_over_equal": round(ours_gain, 3), "eddis_16": EDDIS_16,
-      "solve_1024_ms": round(solve_ms, 3)}))
+  print(f"balancer.solve for 1024 hosts: {solve_ms:.2f} ms (median of 21); run took "
+        f"{time.time() - t0:.0f} s")
+  result = {"simulated": True, "steps": steps, "seeds": len(seeds), "default_rate": DEFAULT_RATE,
+            "speedup_over_fastest_host": {str(n): {k: round(v, 3) for k, v in r.items()}
+                                          for n, r in rows.items()},
+            "breakdown": {str(n): v for n, v in parts.items()},
+            "straggler_curves": {str(n): v for n, v in curves.items()},
+            "sensitivity_1024_dynamic": sens, "hosts16_dynamic_over_equal": round(gain, 3),
+            "hosts16_dynamic_over_mean_node": round(float(over_mean), 2), "eddis_16": EDDIS_16,
+            "solve_1024_ms": round(solve_ms, 3)}
+  print(json.dumps(result))
+  return result
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Public names load lazily, so the launcher and other stdlib-only tools can
 import `hetjax.*` modules without paying for JAX.
 """
 
-import importlib
+import importlib as _importlib
 
 __version__ = "0.1.0"
 
@@ -21,16 +21,29 @@ _EXPORTS = {
     "TrainConfig": "hetjax.trainer",
     "train": "hetjax.trainer",
     "params_digest": "hetjax.trainer",
-    "Preempted": "hetjax.trainer",
+    "Preempted": "hetjax.signals",
+    "Interrupted": "hetjax.signals",
+    "Stopped": "hetjax.signals",
+    "HostsDisagree": "hetjax.agreement",
     "CheckpointConfig": "hetjax.checkpoint",
     "ArraySource": "hetjax.data",
     "DatasetInfo": "hetjax.data",
 }
+
+# Submodules the README uses as `hetjax.NAME.thing` after a plain `import hetjax`.
+_SUBMODULES = ("testing", "metrics", "report", "progress", "checkpoint", "data", "optimizers",
+               "signals")
 
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
   if name in _EXPORTS:
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+    return getattr(_importlib.import_module(_EXPORTS[name]), name)
+  if name in _SUBMODULES:
+    return _importlib.import_module(f"hetjax.{name}")
   raise AttributeError(f"module 'hetjax' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+  return sorted(set(globals()) | set(_EXPORTS) | set(_SUBMODULES))

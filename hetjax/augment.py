@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Sequence
 
 import numpy as np
@@ -37,43 +38,67 @@ def _draw(keys: np.ndarray, stream: np.uint64, high: int) -> np.ndarray:
   return (shuffle.mix64(keys ^ stream) % np.uint64(high)).astype(np.int64)
 
 
-def random_crop(padding: int = 1, key: str = "x") -> Augment:
-  """Pads `batch[key]` ([n, H, W, C]) with zeros and crops back to H x W."""
-  if padding < 1:
-    raise ValueError(f"random_crop needs padding >= 1, got {padding}.")
+@dataclasses.dataclass(frozen=True)
+class RandomCrop:
+  """Pads `batch[key]` ([n, H, W, C]) with zeros and crops back to H x W.
 
-  def crop(batch: Batch, keys: np.ndarray) -> Batch:
-    x = batch[key]
+  A picklable object, not a closure, so worker processes can run it.
+  """
+
+  padding: int = 1
+  key: str = "x"
+
+  def __post_init__(self):
+    if self.padding < 1:
+      raise ValueError(f"random_crop needs padding >= 1, got {self.padding}.")
+
+  def __call__(self, batch: Batch, keys: np.ndarray) -> Batch:
+    x, p = batch[self.key], self.padding
     n, h, w = x.shape[:3]
-    padded = np.pad(x, [(0, 0), (padding, padding), (padding, padding)] + [(0, 0)] * (x.ndim - 3))
-    dy, dx = _draw(keys, _CROP, 2 * padding + 1), _draw(keys, _CROP + np.uint64(1), 2 * padding + 1)
+    padded = np.pad(x, [(0, 0), (p, p), (p, p)] + [(0, 0)] * (x.ndim - 3))
+    dy, dx = _draw(keys, _CROP, 2 * p + 1), _draw(keys, _CROP + np.uint64(1), 2 * p + 1)
     rows = (dy[:, None] + np.arange(h))[:, :, None]
     cols = (dx[:, None] + np.arange(w))[:, None, :]
-    return {**batch, key: padded[np.arange(n)[:, None, None], rows, cols]}
+    return {**batch, self.key: padded[np.arange(n)[:, None, None], rows, cols]}
 
-  return crop
+
+@dataclasses.dataclass(frozen=True)
+class RandomFlip:
+  """Mirrors `batch[key]` ([n, H, W, ...]) left-right for half the examples."""
+
+  key: str = "x"
+
+  def __call__(self, batch: Batch, keys: np.ndarray) -> Batch:
+    x = batch[self.key]
+    mirror = (_draw(keys, _FLIP, 2) == 1).reshape((-1,) + (1,) * (x.ndim - 1))
+    return {**batch, self.key: np.where(mirror, x[:, :, ::-1], x)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Compose:
+  """Applies `augments` in order, each with the same per-example keys."""
+
+  augments: tuple[Augment, ...]
+
+  def __call__(self, batch: Batch, keys: np.ndarray) -> Batch:
+    for fn in self.augments:
+      batch = fn(batch, keys)
+    return batch
+
+
+def random_crop(padding: int = 1, key: str = "x") -> Augment:
+  """Pads `batch[key]` ([n, H, W, C]) with zeros and crops back to H x W."""
+  return RandomCrop(padding, key)
 
 
 def random_flip(key: str = "x") -> Augment:
   """Mirrors `batch[key]` ([n, H, W, ...]) left-right for half the examples."""
-
-  def flip(batch: Batch, keys: np.ndarray) -> Batch:
-    x = batch[key]
-    mirror = (_draw(keys, _FLIP, 2) == 1).reshape((-1,) + (1,) * (x.ndim - 1))
-    return {**batch, key: np.where(mirror, x[:, :, ::-1], x)}
-
-  return flip
+  return RandomFlip(key)
 
 
 def compose(augments: Sequence[Augment]) -> Augment:
   """Applies `augments` in order, each with the same per-example keys."""
-
-  def run(batch: Batch, keys: np.ndarray) -> Batch:
-    for fn in augments:
-      batch = fn(batch, keys)
-    return batch
-
-  return run
+  return Compose(tuple(augments))
 
 
 _NAMED = {"crop": random_crop, "flip": random_flip}

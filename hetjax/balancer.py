@@ -153,10 +153,18 @@ class CostModel:
   The model is `t_i(b) = a_i * (c_i + padded(b))`: `a_i` is seconds per sample
   (the level, which moves when a host changes speed) and `c_i` the fixed cost
   counted in samples (the shape, which a speed change scales with it).
-  - shape `c_i`: Theil-Sen over the window (weighted median of pairwise
-    slopes, then of intercepts), so a minority of outliers cannot move it. It
-    needs two distinct padded shares; when the window holds only one (a
-    settled split), the last identified shape is kept, and before any it is
+  - shape `c_i`: the weighted median of the shapes that pairs of observations
+    give alone (`c = y_j dx / dy - x_j`; the level cancels within a pair, so a
+    later speed change cannot leak in), so a minority of outliers cannot move
+    it. Only pairs at most `pair_steps` apart whose padded shares differ by at
+    least `min_spread` of the larger one (widened to 8 sigma of the measured
+    noise, at most 0.6) count: a slope read off a 1 % share difference under
+    3 % noise is noise, and one such misfit once made a host look almost free
+    per sample (25.9x its optimal share at 1024 simulated hosts). The shape is
+    bounded to `[0, max_fixed_ratio x max(B / N, largest share seen)]`
+    (a fixed cost larger than that is not plausible, and an overestimate is
+    what hurts: it makes the per-sample cost look small). Without enough
+    spread (a settled split) the last identified shape is kept; before any,
     the prior: fixed part = `prior_fixed_fraction` of the observed time.
   - level `a_i`: recency-weighted median of `t / (c_i + padded(b))` (half-life
     `half_life` steps): one slow step has at most ~1/4 of the weight and cannot
@@ -165,11 +173,24 @@ class CostModel:
   """
 
   def __init__(self, num_hosts: int, granularity: Sequence[int], *, window: int = 32,
-               half_life: float = 3.0, prior_fixed_fraction: float = 0.1):
+               half_life: float = 3.0, prior_fixed_fraction: float = 0.1,
+               min_spread: float = 0.25, max_fixed_ratio: float = 2.0,
+               typical_share: float | None = None, pair_steps: int = 6):
     if window < 2:
       raise ValueError(f"cost model window must be >= 2 observations, got {window}.")
     if not 0.0 <= prior_fixed_fraction < 1.0:
       raise ValueError(f"prior_fixed_fraction must be in [0, 1), got {prior_fixed_fraction}.")
+    if not 0.0 < min_spread < 1.0:
+      raise ValueError(f"min_spread must be in (0, 1) (a relative share difference), got "
+                       f"{min_spread}.")
+    if not max_fixed_ratio > 0.0:
+      raise ValueError(f"max_fixed_ratio must be > 0 (fixed cost bound, in shares), got "
+                       f"{max_fixed_ratio}.")
+    self.min_spread, self.max_fixed_ratio = float(min_spread), float(max_fixed_ratio)
+    self.pair_steps = int(pair_steps)
+    # B / N: the scale of a plausible fixed cost, whatever share a host runs now.
+    self.typical_share = float(typical_share) if typical_share else 0.0
+    self.noise = 0.0  # Typical relative noise of one measured time (1.4826 MAD).
     self.num_hosts = num_hosts
     self.granularity = np.asarray(granularity, dtype=np.int64)
     self.window, self.half_life = window, float(half_life)
@@ -212,39 +233,60 @@ class CostModel:
     w = 0.5 ** ((n - 1 - np.arange(n)) / self.half_life)
     valid = (x > 0) & np.isfinite(y) & (y > 0)
     wv = np.where(valid, w[:, None], 0.0)
-    self._update_shape(x, y, wv)
-    if np.isnan(self._shape).any():  # Never identified: the prior.
+    if np.isnan(self._shape).any():  # Never identified: the prior, until a spread shows it.
       xm, _ = _weighted_median(x, wv)
       f = self.prior_fixed_fraction
       self._shape = np.where(np.isnan(self._shape), f / (1 - f) * np.nan_to_num(xm, nan=1.0),
                              self._shape)
+    # The noise, with the shapes held so far, sets how wide a spread must be to count.
+    self.noise = self._fit_level(x, y, wv)[2]
+    self._update_shape(x, y, wv)
+    level, spread, self.noise = self._fit_level(x, y, wv)
+    sw = wv.sum(axis=0)
+    n_eff = np.where(sw > 0, sw ** 2 / np.maximum((wv ** 2).sum(axis=0), 1e-300), 1.0)
+    # Relative standard error of each level (x1.25 for a median).
+    self.level_error = float(np.median(1.25 * spread / np.sqrt(n_eff)))
+    return CostParams(fixed_s=level * self._shape, per_sample_s=level, granularity=self.granularity)
+
+  def _fit_level(self, x: np.ndarray, y: np.ndarray,
+                 wv: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
+    """Levels under the current shapes, each host's noise sigma, and the typical sigma."""
     level, ok = _weighted_median(y / (self._shape + np.maximum(x, 1.0)), wv)
     # A host never seen working (share 0 throughout) is assumed typical.
     fallback = float(np.median(level[ok])) if ok.any() else 1.0
     level = np.maximum(np.where(ok, level, fallback), _MIN_PER_SAMPLE_S)
     rel = np.abs(y / (level * (self._shape + np.maximum(x, 1.0))) - 1.0)
-    spread, ok = _weighted_median(rel, wv)
-    sw = wv.sum(axis=0)
-    n_eff = np.where(sw > 0, sw ** 2 / np.maximum((wv ** 2).sum(axis=0), 1e-300), 1.0)
-    # Relative standard error of each level (1.4826 MAD -> sigma; x1.25 for a median).
-    self.level_error = float(np.median(np.where(ok, 1.4826 * 1.25 * spread / np.sqrt(n_eff), 0.0)))
-    return CostParams(fixed_s=level * self._shape, per_sample_s=level, granularity=self.granularity)
+    mad, ok = _weighted_median(rel, wv)
+    sigma = np.where(ok, 1.4826 * np.nan_to_num(mad), 0.0)  # MAD -> sigma.
+    return level, sigma, float(np.median(sigma[ok])) if ok.any() else 0.0
 
   def _update_shape(self, x: np.ndarray, y: np.ndarray, wv: np.ndarray) -> None:
     n = len(x)
-    keep = self._pairs[1] < n
+    keep = (self._pairs[1] < n) & (self._pairs[1] - self._pairs[0] <= self.pair_steps)
     j, k = self._pairs[0][keep], self._pairs[1][keep]
     if not len(j):
       return
     dx = x[k] - x[j]
-    pw = np.where(dx != 0, wv[j] * wv[k], 0.0)
-    slope, ok = _weighted_median((y[k] - y[j]) / np.where(dx != 0, dx, 1.0), pw)
-    ok &= slope > 0
+    # Only share differences large against the noise identify a fixed cost.
+    spread = min(max(self.min_spread, 8.0 * self.noise), 0.6)
+    # Pairs are close in time (`keep` above): across a slow spell a share change
+    # and a speed change mix, and their slope says nothing about the fixed cost.
+    wide = np.abs(dx) >= spread * np.maximum(x[k], x[j])
+    pw = np.where(wide, wv[j] * wv[k], 0.0)
+    if not pw.any():
+      return
+    # Each pair alone gives the shape, `c = y_j dx / dy - x_j`, whatever the level
+    # (it cancels within a pair): a later speed change cannot leak into it.
+    dy = y[k] - y[j]
+    rising = wide & (dy * dx > 0)
+    pair_shape = y[j] * dx / np.where(rising, dy, 1.0) - x[j]
+    shape, ok = _weighted_median(pair_shape, np.where(rising, pw, 0.0))
     if not ok.any():
       return
-    intercept, _ = _weighted_median(y - np.nan_to_num(slope) * x, wv)
-    shape = np.clip(np.nan_to_num(intercept / np.where(ok, slope, 1.0)), 0.0, None)
-    self._shape = np.where(ok, shape, self._shape)
+    shape = np.nan_to_num(shape)
+    # A plausible fixed cost is at most `max_fixed_ratio` of a typical share's work.
+    bound = self.max_fixed_ratio * np.maximum(self.typical_share, x.max(axis=0))
+    self._shape = np.where(ok, np.clip(shape, 0.0, bound), self._shape)
 
 
 # ---------------------------------------------------------------------------
@@ -253,15 +295,17 @@ class CostModel:
 
 
 def solve(global_batch: int, fixed_s: Sequence[float], per_sample_s: Sequence[float],
-          granularity: Sequence[int], caps: Sequence[int] | None = None) -> tuple[int, ...]:
-  """Integer shares `b_i`, `sum = B`, `0 <= b_i <= cap_i`, minimising `max_i t_i(b_i)`.
+          granularity: Sequence[int], caps: Sequence[int] | None = None,
+          floors: Sequence[int] | None = None) -> tuple[int, ...]:
+  """Integer shares `b_i`, `sum = B`, `floor_i <= b_i <= cap_i`, minimising `max_i t_i(b_i)`.
 
   Exact for the step-function cost `t_i(b) = fixed_i + per_sample_i *
   ceil(b / g_i) * g_i` (`t_i(0) = 0`): bisection over the time T finds the
   smallest level at which the hosts' capacities (largest share each can run
   within T) hold B; the samples beyond the level just below it go to the
-  hosts that reach the level, lowest host index first. O(N) per bisection
-  step, about 60 steps.
+  hosts that reach the level, lowest host index first. A floor only raises
+  a host's capacity at every level, so the same bisection stays exact. O(N)
+  per bisection step, about 60 steps.
 
   Example:
     >>> solve(10, [0, 0], [1.0, 3.0], [1, 1])
@@ -285,17 +329,22 @@ def solve(global_batch: int, fixed_s: Sequence[float], per_sample_s: Sequence[fl
   if int(cap.sum()) < global_batch:
     raise ValueError(f"the caps sum to {int(cap.sum())} samples but the global batch is "
                      f"{global_batch}; raise the caps or lower the global batch.")
+  low = np.zeros(n, np.int64) if floors is None else np.asarray(floors, dtype=np.int64)
+  if len(low) != n or (low < 0).any() or (low > cap).any() or int(low.sum()) > global_batch:
+    raise ValueError(f"floors must be one value per host ({n} hosts) in [0, cap] summing to at "
+                     f"most the global batch {global_batch}; got {low.tolist()}.")
   if global_batch == 0:
     return (0,) * n
   unit = p * g  # Seconds of one micro-batch.
   kmax = -(-cap // g)
 
   inv_unit, kmax_f, g_f, cap_f = 1.0 / unit, kmax.astype(np.float64), g.astype(np.float64), cap.astype(np.float64)
+  low_f = low.astype(np.float64)
 
   def capacity(t: float) -> np.ndarray:
     # The small slack makes t == a level's exact cost count as reaching it.
     k = np.minimum(np.maximum(np.floor((t - f) * inv_unit + 1e-9), 0.0), kmax_f)
-    return np.minimum(k * g_f, cap_f)
+    return np.maximum(np.minimum(k * g_f, cap_f), low_f)
 
   lo, hi = 0.0, float(np.max(np.where(cap > 0, f + unit * kmax, 0.0)))
   for _ in range(200):
@@ -307,7 +356,7 @@ def solve(global_batch: int, fixed_s: Sequence[float], per_sample_s: Sequence[fl
       hi = mid
     else:
       lo = mid
-  base = (capacity(lo) if lo > 0 else np.zeros(n)).astype(np.int64)
+  base = (capacity(lo) if lo > 0 else low_f).astype(np.int64)
   extra = capacity(hi).astype(np.int64) - base
   rest = global_batch - int(base.sum())
   before = np.cumsum(extra) - extra
@@ -354,6 +403,14 @@ class ProfilingBalancer:
   make it oscillate, while a host that really slows down is answered in one
   move.
 
+  Trust region: every solve keeps each host's share at most `trust` x the
+  largest padded share it ran in the last `2 * every` measured steps (at
+  least one micro-batch): the model is only known near shares a host has
+  run, so a misfit costs at most one bounded step, never a pathological one.
+  The first solve also keeps each share at least `smallest / trust`: there
+  one slow warm-up step is a sixth of the evidence, and it must not send a
+  host to share 0; later, the level median needs several slow steps.
+
   Every input is the timing vector that every host holds, and every
   computation is deterministic, so all hosts hold the same split
   (DESIGN.md invariant 3). `decisions` logs each split with its predicted and
@@ -364,7 +421,8 @@ class ProfilingBalancer:
                mode: str = "dynamic", *, warmup_steps: int = 7, skip_steps: int = 1,
                every: int = 3, threshold: float = 0.05, max_move: float = 0.1,
                caps: Sequence[int] | None = None, window: int = 32, half_life: float = 3.0,
-               prior_fixed_fraction: float = 0.1, start_step: int = 0):
+               prior_fixed_fraction: float = 0.1, start_step: int = 0, trust: float = 2.0,
+               min_spread: float = 0.25, max_fixed_ratio: float = 2.0):
     if mode not in ("static", "dynamic"):
       raise ValueError(f"profiling mode must be 'static' or 'dynamic', got {mode!r}.")
     if global_batch < 1 or num_hosts < 1:
@@ -379,6 +437,10 @@ class ProfilingBalancer:
     if every < 1 or threshold < 0 or not 0 < max_move <= 1:
       raise ValueError(f"need every >= 1, threshold >= 0, 0 < max_move <= 1; got {every}, "
                        f"{threshold}, {max_move}.")
+    if not trust > 1.0:
+      raise ValueError(f"trust must be > 1 (how far beyond the shares a host ran a solve may "
+                       f"move it), got {trust}.")
+    self.trust = float(trust)
     self.name, self.mode = mode, mode
     self.global_batch, self.num_hosts = global_batch, num_hosts
     self.granularity = np.asarray(granularity, np.int64)
@@ -392,7 +454,9 @@ class ProfilingBalancer:
     self.start_step = int(start_step)
     self.threshold, self.max_move = threshold, max_move
     self.model = CostModel(num_hosts, granularity, window=window, half_life=half_life,
-                           prior_fixed_fraction=prior_fixed_fraction)
+                           prior_fixed_fraction=prior_fixed_fraction, min_spread=min_spread,
+                           max_fixed_ratio=max_fixed_ratio,
+                           typical_share=global_batch / num_hosts)
     start = np.asarray(equal_split(global_batch, num_hosts))
     if (start > self.caps).any():
       start = _round_to_sum(global_batch * self.caps / self.caps.sum(), global_batch, self.caps)
@@ -467,24 +531,48 @@ class ProfilingBalancer:
     self.decisions = [dict(d, shares=tuple(d["shares"])) for d in state["decisions"]]
     self._unmeasured = [int(i) for i in state["unmeasured"]]
 
+  def trust_region(self, first: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Per-host `(floors, caps)` a solve may use now: near the shares each host ran.
+
+    Floors only for the `first` solve after warm-up, where one step is a sixth
+    of the evidence; later the level median needs several slow steps anyway,
+    and a host whose fixed cost dominates must be able to reach share 0.
+    """
+    # Padded shares of the last two re-solve periods (pylint: disable=protected-access)
+    ran = self.model._x[-2 * self.every:]
+    caps = np.minimum(self.caps, np.maximum(np.ceil(self.trust * ran.max(axis=0)),
+                                            self.granularity)).astype(np.int64)
+    # Whole micro-batches: half of one micro-batch costs as much as all of it.
+    whole = np.floor(ran.min(axis=0) / self.trust / self.granularity) * self.granularity
+    floors = np.minimum(whole if first else 0, caps).astype(np.int64)
+    if int(caps.sum()) < self.global_batch or int(floors.sum()) > self.global_batch:
+      return np.zeros(self.num_hosts, np.int64), self.caps  # Cannot hold B: no region.
+    return floors, caps
+
+  def _solve(self, params: CostParams, first: bool = False) -> tuple[int, ...]:
+    floors, caps = self.trust_region(first)
+    return solve(self.global_batch, params.fixed_s, params.per_sample_s, self.granularity,
+                 caps, floors)
+
   def _first_solve(self, step: int) -> None:
     params = self.model.fit()
-    target = solve(self.global_batch, params.fixed_s, params.per_sample_s, self.granularity,
-                   self.caps)
+    target = self._solve(params, first=True)
     self._current = target
     self._log(step + 1, target, float(params.predict(target).max()),
               f"{self.mode}: first solve after warm-up")
 
   def _resolve(self, step: int) -> None:
     params = self.model.fit()
-    target = solve(self.global_batch, params.fixed_s, params.per_sample_s, self.granularity,
-                   self.caps)
+    target = self._solve(params)
     now = float(params.predict(self._current).max())
     best = float(params.predict(target).max())
     gain = (now - best) / now if now > 0 else 0.0
     # Dead band: the configured threshold, widened to 3 sigma of the noise in a
-    # gain (the difference of two hosts' fitted levels), so noise never moves it.
-    band = max(self.threshold, 3.0 * math.sqrt(2.0) * self.model.level_error)
+    # gain (the difference of two hosts' fitted levels), and on many hosts to
+    # the bias of the largest of N noisy levels (about sqrt(2 ln N) sigma), so
+    # noise never moves it.
+    spread = max(3.0, 1.0 + math.sqrt(2.0 * math.log(self.num_hosts)))
+    band = max(self.threshold, math.sqrt(2.0) * spread * self.model.level_error)
     if gain <= band:
       return
     cur, tgt = np.asarray(self._current), np.asarray(target)

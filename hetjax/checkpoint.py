@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
 PyTree = Any
 FORMAT = 1
@@ -38,7 +39,8 @@ class CheckpointConfig:
   """Where and how often to checkpoint.
 
   Attributes:
-    directory: the checkpoint folder (shared by all hosts).
+    directory: the checkpoint folder (shared by all hosts): a local path or
+      a URL orbax reaches through `etils.epath` (gs://bucket/run, ...).
     every: save every this many steps (and always at the end of `fit`).
     keep: keep the newest this many checkpoints.
     resume: continue from the newest complete checkpoint in `directory`.
@@ -59,9 +61,32 @@ class CheckpointConfig:
     check_writable(self.directory)
 
 
+def is_remote(directory: str) -> bool:
+  """A URL (gs://, s3://, ...) that orbax reaches through etils.epath, not a local path."""
+  return "://" in str(directory)
+
+
+def resolve(directory: str) -> str:
+  """The folder as messages name it: local paths absolute, URLs unchanged."""
+  return str(directory) if is_remote(directory) else os.path.abspath(directory)
+
+
 def check_writable(directory: str) -> None:
-  """Fails now, not after hours of training, if `directory` cannot take checkpoints."""
+  """Fails now, not after hours of training, if a local `directory` cannot take checkpoints.
+
+  A URL is left to orbax: probing a bucket from every host would cost a
+  request each and prove little (permissions may differ per object).
+  """
+  if is_remote(directory):
+    return
   path = os.path.abspath(directory)
+  blocker = path
+  while blocker and not os.path.exists(blocker):
+    blocker = os.path.dirname(blocker)
+  if os.path.exists(blocker) and not os.path.isdir(blocker):
+    where = "is a file" if blocker == path else f"lies under {blocker}, which is a file"
+    raise ValueError(f"checkpoint folder {path} {where}, not a folder; choose another "
+                     "--ckpt-dir.")
   try:
     os.makedirs(path, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=path, prefix=".hetjax-write-probe-"):
@@ -113,11 +138,12 @@ class Checkpointer:
   def __init__(self, config: CheckpointConfig, agree: Callable[[bool], bool]):
     config.validate()
     self.config = config
-    self.directory = os.path.abspath(config.directory)
+    self.directory = resolve(config.directory)
+    self._path = epath.Path(self.directory)
     self._agree = agree
     options = ocp.CheckpointManagerOptions(
         max_to_keep=config.keep, create=True, enable_async_checkpointing=config.async_save)
-    self._manager = ocp.CheckpointManager(self.directory, options=options)
+    self._manager = ocp.CheckpointManager(self._path, options=options)
     self.last_saved: int | None = None
 
   def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
@@ -140,7 +166,7 @@ class Checkpointer:
     """Steps whose folders orbax committed, newest first."""
     self._manager.reload()
     steps = sorted(self._manager.all_steps(), reverse=True)
-    return [s for s in steps if os.path.exists(os.path.join(self.directory, str(s), _COMMIT_MARKER))]
+    return [s for s in steps if (self._path / str(s) / _COMMIT_MARKER).exists()]
 
   def restore_latest(self, like: Any, job: dict[str, Any]) -> tuple[Any, dict[str, Any]] | None:
     """The newest checkpoint that loads on every host, restored onto `like`'s shardings.

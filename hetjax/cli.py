@@ -9,27 +9,59 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import sys
 import traceback
 from typing import Sequence
 
-OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
+from hetjax import optimizers  # Imports nothing heavy at module level.
+
+OPTIMIZERS = optimizers.OPTIMIZERS
+
+
+class _Parser(argparse.ArgumentParser):
+  """argparse, with the fix for a value that starts with '-' (e.g. --assignment -8,56,48)."""
+
+  def error(self, message: str):
+    found = re.match(r"argument (\S+?)(/\S+)?: expected one argument", message)
+    if found:
+      example = "-8,56,48" if found.group(1) == "--assignment" else "VALUE"
+      message += (f"; a value that starts with '-' must be joined to its flag with '=', "
+                  f"e.g. {found.group(1)}={example}")
+    super().error(message)
 
 
 def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="hetjax", description=__doc__.splitlines()[0])
-  sub = p.add_subparsers(dest="command", required=True)
+  p = _Parser(prog="hetjax", description=__doc__.splitlines()[0])
+  sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
   t = sub.add_parser("train", help="train a built-in model on a built-in dataset")
   t.add_argument("--model", default="cnn", help="mlp, cnn, resnet18 or transformer")
   t.add_argument("--dataset", default="digits",
                  help="digits, synthetic, synthetic_big, tokens, or tfds:NAME (prepared in --data-dir)")
   t.add_argument("--data-dir", default=None, help="TFDS data folder for --dataset tfds:NAME")
   t.add_argument("--augment", default="none", help="none, crop, flip or crop,flip (images)")
+  t.add_argument("--image-size", type=int, default=None, metavar="S",
+                 help="decode TFDS images (any size, JPEG/PNG) and crop/resize them to S x S on "
+                      "the input workers; --augment crop,flip gives the random resized crop")
+  t.add_argument("--data-workers", type=int, default=None, metavar="N",
+                 help="input worker processes on this host (default: its cores minus one with "
+                      "--image-size, else 0; 0 reads in threads)")
   t.add_argument("--global-batch", type=int, default=64, help="samples per step over all hosts")
   t.add_argument("--steps", type=int, default=100)
   t.add_argument("--optimizer", default="adam", help=", ".join(OPTIMIZERS))
-  t.add_argument("--lr", type=float, default=1e-3)
+  t.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+  t.add_argument("--schedule", default="constant", choices=optimizers.SCHEDULES,
+                 help="learning rate over optimizer updates, after the warm-up")
+  t.add_argument("--warmup-steps", type=int, default=0,
+                 help="updates of linear learning-rate warm-up from 0")
+  t.add_argument("--clip-norm", type=float, default=None,
+                 help="clip gradients to this global norm (default: no clipping)")
+  t.add_argument("--weight-decay", type=float, default=None,
+                 help="decoupled weight decay (adam becomes adamw; default: none, adamw 1e-4)")
+  t.add_argument("--eval-every", type=int, default=0,
+                 help="evaluate on the test split every N steps, spread over every host "
+                 "(0: only at the end)")
   t.add_argument("--seed", type=int, default=0)
   t.add_argument("--assignment", default="equal",
                  help="'equal' or one share per host summing to the global batch, each a whole "
@@ -79,8 +111,18 @@ def _check_args(args: argparse.Namespace) -> None:
   data.check_dataset_name(args.dataset, args.data_dir)
   from hetjax import augment
   augment.parse(args.augment)
-  if args.optimizer not in OPTIMIZERS:
-    raise ValueError(f"unknown optimizer {args.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}.")
+  data.check_image_size(args.dataset, args.image_size)
+  if args.image_size is not None:
+    from hetjax import images
+    images.recipe_from_augment(args.image_size, 3, args.augment)
+  if args.data_workers is not None and args.data_workers < 0:
+    raise ValueError(f"--data-workers must be >= 0 (0 reads in threads), got {args.data_workers}.")
+  optimizers.check(args.optimizer, args.lr, schedule=args.schedule, warmup_steps=args.warmup_steps,
+                   total_steps=args.steps, clip_norm=args.clip_norm,
+                   weight_decay=args.weight_decay)
+  if args.eval_every < 0:
+    raise ValueError(f"--eval-every must be >= 0 steps (0: evaluate only at the end), got "
+                     f"{args.eval_every}.")
   if args.global_batch < 1:
     raise ValueError(f"--global-batch must be >= 1, got {args.global_batch}.")
   if args.microbatch < 1:
@@ -90,8 +132,6 @@ def _check_args(args: argparse.Namespace) -> None:
                      f"got {args.steps}.")
   if args.ckpt_dir is not None:
     _checkpoint_config(args).validate()
-  if not args.lr > 0:
-    raise ValueError(f"--lr must be > 0, got {args.lr}.")
   assignment = balancer.parse_assignment(args.assignment)
   if args.balancer in ("static", "dynamic") and assignment != "equal":
     raise ValueError(f"--balancer {args.balancer} sizes the shares itself; drop --assignment "
@@ -102,7 +142,8 @@ def _check_args(args: argparse.Namespace) -> None:
     blocks.check_aligned(balancer.validate_shares(assignment, args.global_batch, hosts),
                          args.global_batch, args.microbatch)
   from hetjax.modes import options as mode_options
-  mode_options.from_args(args, int(os.environ.get("HETJAX_NUM_HOSTS", "1")))
+  hosts = os.environ.get("HETJAX_NUM_HOSTS")  # Unset before joining under some launchers.
+  mode_options.from_args(args, int(hosts) if hosts else None)
   if args.dropout is not None:
     if not 0 <= args.dropout < 1:
       raise ValueError(f"--dropout must be in [0, 1), got {args.dropout}.")
@@ -118,10 +159,15 @@ def _checkpoint_config(args: argparse.Namespace):
                                      resume=args.resume, async_save=args.async_save)
 
 
-def _optimizer(name: str, lr: float):
-  import optax
-  return {"sgd": lambda: optax.sgd(lr), "momentum": lambda: optax.sgd(lr, momentum=0.9),
-          "adam": lambda: optax.adam(lr), "adamw": lambda: optax.adamw(lr)}[name]()
+def _optimizer(args: argparse.Namespace):
+  return optimizers.make(args.optimizer, args.lr, schedule=args.schedule,
+                         warmup_steps=args.warmup_steps, total_steps=args.steps,
+                         clip_norm=args.clip_norm, weight_decay=args.weight_decay)
+
+
+def _optimizer_identity(args: argparse.Namespace) -> str:
+  return (f"{args.optimizer}|{args.lr}|{args.schedule}|{args.warmup_steps}|{args.clip_norm}|"
+          f"{args.weight_decay}")
 
 
 def train(args: argparse.Namespace) -> dict:
@@ -129,15 +175,19 @@ def train(args: argparse.Namespace) -> dict:
   _check_args(args)
   import numpy as np
   import hetjax_models
-  from hetjax import data, metrics, progress, runtime, trainer
+  from hetjax import data, loader, progress, runtime, trainer
 
   topo = runtime.initialize(timeout_s=args.init_timeout)
-  source = data.load(args.dataset, "train", data_dir=args.data_dir)
-  test_source = None
-  if source.info.kind == "image":
+  images = {"image_size": args.image_size} if args.image_size is not None else {}
+  source = data.load(args.dataset, "train", data_dir=args.data_dir, augment=args.augment, **images)
+  test_source, test_split = None, data.evaluation_split(args.dataset, args.data_dir)
+  if source.info.kind == "image" and test_split is not None:
     from hetjax import sources
-    test_source = data.load(args.dataset, "test", data_dir=args.data_dir)
+    test_source = data.load(args.dataset, test_split, data_dir=args.data_dir, **images)
     sources.check_records(test_source, sources.record_spec(source))  # Before, not after, training.
+  if args.eval_every and test_source is None:
+    raise ValueError(f"--eval-every evaluates on the test split of image datasets; dataset "
+                     f"{args.dataset!r} has none here, so drop --eval-every.")
   overrides = {} if args.model_width is None else {"width": args.model_width}
   if args.dropout is not None:
     overrides["dropout"] = args.dropout
@@ -145,42 +195,38 @@ def train(args: argparse.Namespace) -> dict:
                              vocab_size=source.info.vocab_size, **overrides)
   config = trainer.TrainConfig(global_batch=args.global_batch, microbatch=args.microbatch,
                                seed=args.seed, assignment=args.assignment, reduction=args.reduction,
-                               balancer=args.balancer, augment=args.augment)
-  identity = f"{args.model}|{args.optimizer}|{args.lr}|{args.model_width}|{args.dropout}"
+                               balancer=args.balancer,
+                               augment="none" if images else args.augment)  # Else the recipe's.
+  identity = f"{args.model}|{_optimizer_identity(args)}|{args.model_width}|{args.dropout}"
+  identity += f"|{args.image_size}|{args.augment}" if images else ""
   ckpt = None if args.ckpt_dir is None else _checkpoint_config(args)
   from hetjax.modes import options as mode_options
   rounds = mode_options.from_args(args, topo.num_hosts)
   if rounds is None:
-    tr = trainer.Trainer(task, _optimizer(args.optimizer, args.lr), source, config,
-                         identity=identity, checkpoint=ckpt)
+    tr = trainer.Trainer(task, _optimizer(args), source, config, identity=identity, checkpoint=ckpt,
+                         data_workers=args.data_workers if args.data_workers is not None else
+                         (loader.default_workers() if images else 0))
   else:  # --mode hybrid / elastic: --steps counts rounds, --optimizer is the inner one.
     from hetjax.modes.trainer import RoundsTrainer
-    tr = RoundsTrainer(task, _optimizer(args.optimizer, args.lr), source, config, rounds,
-                       identity=identity, checkpoint=ckpt)
-  sinks, writer = [], None
-  if topo.host_id == 0:
-    writer = metrics.MetricsWriter(args.out, resume_step=tr.resumed_from)
-    sinks.append(writer.write)
+    tr = RoundsTrainer(task, _optimizer(args), source, config, rounds, identity=identity,
+                       checkpoint=ckpt)
   bar = progress.Progress(args.steps, host_id=topo.host_id, every=max(args.log_every, 1))
-  if args.log_every > 0:
-    sinks.append(bar.update)
+  sinks = [bar.update] if args.log_every > 0 else []
   try:
-    summary = tr.fit(until=args.steps, sinks=sinks)
+    summary = tr.fit(until=args.steps, sinks=sinks, out=args.out, eval_source=test_source,
+                     eval_every=args.eval_every)
   finally:
     bar.close()
-    if writer is not None:
-      writer.close()
   tr.close()
   summary.update(model=args.model, dataset=args.dataset, optimizer=args.optimizer, lr=args.lr,
-                 seed=args.seed, command=shlex.join(sys.argv))
-  if test_source is not None:
-    test = tr.evaluate(test_source)
-    summary["test_accuracy"] = test.get("accuracy")
-    summary["test_loss"] = test["loss"]
+                 schedule=args.schedule, warmup_steps=args.warmup_steps, clip_norm=args.clip_norm,
+                 weight_decay=args.weight_decay, seed=args.seed, command=shlex.join(sys.argv),
+                 params_digest=trainer.params_digest(tr.params()))
+  if summary.get("eval"):
+    summary["test_accuracy"] = summary["eval"].get("accuracy")
+    summary["test_loss"] = summary["eval"]["loss"]
+  tr.write_summary(args.out, summary)
   if topo.host_id == 0:
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "summary.json"), "w") as f:
-      json.dump(summary, f, indent=1, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o))
     if args.save_params:
       import jax
       flat = {jax.tree_util.keystr(k): np.asarray(v)
@@ -213,20 +259,33 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.command in ("report", "doctor"):
     from hetjax import doctor, report
     return {"report": report, "doctor": doctor}[args.command].run(args)
-  multi_host = int(os.environ.get("HETJAX_NUM_HOSTS", "1")) > 1
-  from hetjax import procs
+  # Read when needed, not up front: joining a cluster found from SLURM or
+  # Open MPI writes HETJAX_NUM_HOSTS / HETJAX_HOST_ID (hetjax.runtime).
+  multi_host = lambda: int(os.environ.get("HETJAX_NUM_HOSTS", "1")) > 1
+  from hetjax import signals  # Stdlib only: bad arguments still fail before JAX loads.
   try:
-    summary = train(args)
+    # Caught from the start: a signal while joining or compiling stops this host
+    # at once (exit 75 / 130) instead of being swallowed by JAX's SIGTERM handler;
+    # inside the step loop it waits for the boundary every host agrees on.
+    with signals.REQUESTS.installed(defer=False):
+      summary = train(args)
   except (ValueError, ConnectionError) as e:
     print(f"hetjax {args.command}: error: {e}", file=sys.stderr)
-    if multi_host:
+    if multi_host():
       _exit_now(2)
     return 2
+  except signals.Stopped as e:
+    print(f"hetjax {args.command}: {e}", file=sys.stderr)
+    _exit_now(e.exit_code)
+  except KeyboardInterrupt:  # A second Ctrl-C inside the step loop.
+    print(f"hetjax {args.command}: interrupted (Ctrl-C) before a step boundary; nothing saved.",
+          file=sys.stderr)
+    _exit_now(signals.INTERRUPTED_EXIT)
   except BaseException as e:
-    if type(e).__name__ == "Preempted":  # Not imported up front: the trainer pulls in JAX.
-      print(f"hetjax {args.command}: {e}", file=sys.stderr)
-      _exit_now(procs.PREEMPTED_EXIT)
-    if not multi_host:
+    if type(e).__name__ == "HostsDisagree":  # Not imported up front: it pulls in JAX.
+      print(f"hetjax {args.command}: error: {e}", file=sys.stderr)
+      _exit_now(1)
+    if not multi_host():
       raise
     traceback.print_exc()
     _exit_now(1)

@@ -7,8 +7,9 @@ memory); step `s` takes stream positions `[s*B, (s+1)*B)`, so batches may
 cross epoch boundaries. Host `i` then takes the contiguous slice
 `[o_i, o_i + b_i)` of the step's `B` indices.
 
-Sources live in `hetjax/sources.py` (memory, synthetic) and
-`hetjax/tfds_data.py` (TFDS on disk); the names below are re-exported here.
+Sources live in `hetjax/sources.py` (memory, synthetic),
+`hetjax/tfds_data.py` (TFDS on disk) and `hetjax/images.py` (encoded images
+decoded and cropped to a fixed size); the names below are re-exported here.
 """
 
 from __future__ import annotations
@@ -140,17 +141,50 @@ def check_dataset_name(name: str, data_dir: str | None = None, split: str = "tra
     raise ValueError(f"dataset {name!r} has splits 'train' and 'test', not {split!r}.")
 
 
-def load(name: str, split: str = "train", data_dir: str | None = None) -> Source:
+def evaluation_split(name: str, data_dir: str | None = None) -> str | None:
+  """The split to evaluate on: 'test', else 'validation' (ImageNet has no test labels), else None."""
+  if not name.startswith(TFDS_PREFIX):
+    return "test"
+  from hetjax import tfds_data
+  info = tfds_data.check(name[len(TFDS_PREFIX):], "train", data_dir)
+  splits = [s["name"] for s in info.get("splits", [])]
+  return next((s for s in ("test", "validation") if s in splits), None)
+
+
+def check_image_size(name: str, image_size: int | None) -> None:
+  """`--image-size` is for TFDS image datasets only, and a sane size; raises ValueError."""
+  if image_size is None:
+    return
+  if not name.startswith(TFDS_PREFIX):
+    raise ValueError(f"--image-size applies to TFDS image datasets (tfds:NAME); the built-in "
+                     f"dataset {name!r} has fixed-size records: drop --image-size.")
+  from hetjax import images
+  images.ImageRecipe(image_size)  # Raises on a size out of range.
+
+
+def load(name: str, split: str = "train", data_dir: str | None = None, *,
+         image_size: int | None = None, augment: str | None = None) -> Source:
   """A dataset by name: a built-in one, or `tfds:NAME[:VERSION]` from `data_dir`.
 
+  Args:
+    name: a built-in name or `tfds:NAME[/CONFIG][:VERSION]`.
+    split: 'train', 'test', or for TFDS any split (slice) it has.
+    data_dir: the TFDS data folder.
+    image_size: TFDS images only: decode, crop and resize to this square
+      size on the loader's workers (`hetjax.images`), as ImageNet needs.
+    augment: with `image_size`: the training crop and flip ('crop,flip').
+
   Raises:
-    ValueError: an unknown name, a split it lacks, or a TFDS dataset that is
-      not prepared in `data_dir` (see `check_dataset_name`).
+    ValueError: an unknown name, a split it lacks, a TFDS dataset that is
+      not prepared in `data_dir` (see `check_dataset_name`), or `image_size`
+      for a built-in dataset.
   """
   check_dataset_name(name, data_dir, split)
   if name.startswith(TFDS_PREFIX):
     from hetjax import tfds_data
-    return tfds_data.tfds_source(name[len(TFDS_PREFIX):], split, data_dir)
+    return tfds_data.tfds_source(name[len(TFDS_PREFIX):], split, data_dir,
+                                 image_size=image_size, augment=augment)
+  check_image_size(name, image_size)
   if name in ("digits", "synthetic_big"):
     return DATASETS[name](split)
   return DATASETS[name](seed=_SPLITS[split])

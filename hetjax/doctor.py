@@ -4,6 +4,12 @@ Run it on every host, exactly like `hetjax train`:
 
     python launch/local.py --hosts 3 --devices-per-host 2 -- hetjax doctor
 
+Before joining, every host checks what would make joining fail in confusing
+ways (preflight): a hostname that resolves to a loopback address (gloo, which
+JAX uses for CPU collectives, would give its peers 127.0.1.1, and they get
+"connection refused"), a `--gloo-interface` / HETJAX_GLOO_INTERFACE that this
+machine lacks, and, on host 0, a coordinator port that is already taken.
+
 Every host joins the cluster, then all hosts, in the same order:
   1. share who they are (name, JAX version, collectives, emulated speed)
      through one small all-gather;
@@ -37,7 +43,7 @@ if TYPE_CHECKING:  # JAX loads only once the arguments are checked, so errors co
   from hetjax.step import Meshes
 
 TEXT_BYTES = 64  # Each text field travels as this many byte codes (exact in float32).
-_TEXTS = ("hostname", "jax_version", "collectives", "platform")
+_TEXTS = ("hostname", "jax_version", "collectives", "platform", "address", "gloo_interface")
 MODELS = ("mlp", "cnn")
 
 
@@ -82,7 +88,9 @@ def gather_identity(meshes: Meshes, settings: str) -> list[dict[str, Any]]:
   import jax
   _, speed, emulated = _pacing(meshes.host_id)
   texts = {"hostname": socket.gethostname(), "jax_version": jax.__version__,
-           "collectives": _collectives(), "platform": jax.devices()[0].platform}
+           "collectives": _collectives(), "platform": jax.devices()[0].platform,
+           "address": resolve_hostname(socket.gethostname()) or "",
+           "gloo_interface": os.environ.get("HETJAX_GLOO_INTERFACE", "")}
   head = np.array([meshes.host_id, meshes.local_devices, speed, float(emulated)], np.float32)
   vector = np.concatenate([head, _fingerprint(settings)] + [encode_text(texts[k]) for k in _TEXTS])
   rows = _gather(vector, meshes)
@@ -178,7 +186,91 @@ def measure_in_turns(model: str, batch: int, steps: int, meshes: Meshes) -> list
   return [{"samples_per_sec": float(r[0]), "real_samples_per_sec": float(r[1])} for r in rows]
 
 
-def diagnose(*, model: str = "mlp", batch: int = 256, steps: int = 10) -> dict[str, Any]:
+def resolve_hostname(name: str) -> str | None:
+  """The address `name` resolves to here (what gloo would hand its peers), or None."""
+  try:
+    return socket.gethostbyname(name)
+  except OSError:
+    return None
+
+
+def _is_loopback(address: str) -> bool:
+  return address.startswith("127.") or address in ("::1", "localhost")
+
+
+def hostname_verdict(host: int, hostname: str, address: str, interface: str,
+                     coordinator: str | None) -> tuple[bool, str]:
+  """Whether host `host`'s peers can reach its CPU collectives, as (ok, verdict)."""
+  if interface:
+    return True, f"host {host}: gloo uses network interface {interface}"
+  if not address:
+    return False, (f"host {host}: its hostname {hostname!r} does not resolve; gloo cannot give "
+                   "its peers an address. Map it in /etc/hosts or DNS, or set "
+                   "HETJAX_GLOO_INTERFACE (doctor: --gloo-interface) to the network interface "
+                   "the hosts share.")
+  local = coordinator is None or _is_loopback(coordinator.rsplit(":", 1)[0].strip("[]"))
+  if _is_loopback(address) and not local:
+    return False, (f"host {host}: its hostname {hostname!r} resolves to {address}, a loopback "
+                   "address: hosts on other machines get 'connection refused' from gloo. Set "
+                   "HETJAX_GLOO_INTERFACE (doctor: --gloo-interface) to the interface the hosts "
+                   f"share, or map {hostname!r} to its network address in /etc/hosts.")
+  return True, f"host {host}: hostname {hostname!r} resolves to {address}" + (
+      " (loopback: fine, every host is on this machine)" if _is_loopback(address) else "")
+
+
+def parse_expected_devices(text: str | None, num_hosts: int) -> list[int] | None:
+  """`--expect-devices 8` (every host) or `8,8,4` (one per host) as a list; None if unset."""
+  if text is None:
+    return None
+  try:
+    counts = [int(x) for x in text.split(",")]
+  except ValueError:
+    raise ValueError(f"--expect-devices {text!r} is not N or N,N,...: devices per host.") from None
+  if len(counts) == 1:
+    counts *= num_hosts
+  if len(counts) != num_hosts or min(counts) < 1:
+    raise ValueError(f"--expect-devices {text!r} gives {len(counts)} count(s) (each >= 1) for "
+                     f"{num_hosts} hosts; give one for all or one per host.")
+  return counts
+
+
+def device_verdicts(per_host: Sequence[int], expected: Sequence[int] | None,
+                    platforms: Sequence[str]) -> list[tuple[bool, str]]:
+  """Per host: does it see the devices it should, on the platform host 0 has?"""
+  verdicts = []
+  for h, (count, platform) in enumerate(zip(per_host, platforms)):
+    ok, text = True, f"host {h}: {count} {platform} device(s)"
+    if expected is not None and count != expected[h]:
+      ok, text = False, (f"host {h}: {count} {platform} device(s), expected {expected[h]}; check "
+                         "the GPU request, CUDA_VISIBLE_DEVICES, and that no launcher narrows "
+                         "the host to one GPU.")
+    elif platform != platforms[0]:
+      ok, text = False, (f"host {h}: platform {platform}, host 0 has {platforms[0]}; install the "
+                         "same JAX build (e.g. jax[cuda12]) on every host.")
+    elif expected is not None:
+      text += ", as expected"
+    verdicts.append((ok, text))
+  return verdicts
+
+
+def check_port_free(address: str) -> None:
+  """On host 0, before joining: raises ValueError when the coordinator's port is taken here."""
+  from hetjax import runtime
+  host, port = runtime.split_address(address)
+  family = socket.AF_INET6 if ":" in host else socket.AF_INET
+  with socket.socket(family, socket.SOCK_STREAM) as probe:
+    # As a server does: a closed connection's TIME_WAIT does not block it, a listener does.
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+      probe.bind(("::" if family == socket.AF_INET6 else "", port))
+    except OSError as e:
+      raise ValueError(f"the coordinator port {port} ({address}) is taken on this host ({e.strerror}): "
+                       "another job or a coordinator that is still shutting down. Pick another "
+                       "port (HETJAX_COORDINATOR / HETJAX_PORT / --port) or stop that process.") from None
+
+
+def diagnose(*, model: str = "mlp", batch: int = 256, steps: int = 10,
+             expect_devices: str | None = None) -> dict[str, Any]:
   """Runs every check on this host (call it on every host); same result everywhere."""
   import jax
   from hetjax import step as step_lib
@@ -198,6 +290,13 @@ def diagnose(*, model: str = "mlp", batch: int = 256, steps: int = 10) -> dict[s
   if len({tuple(h["settings"]) for h in hosts}) > 1:
     problems.append("hosts run doctor with different --model/--batch/--steps; give every host "
                     "the same arguments. Skipped the speed test.")
+  coordinator = _coordinator()
+  preflight = [hostname_verdict(h["host"], h["hostname"], h["address"], h["gloo_interface"],
+                                coordinator) for h in hosts]
+  preflight += device_verdicts(meshes.devices_per_host(),
+                               parse_expected_devices(expect_devices, meshes.num_hosts),
+                               [h["platform"] for h in hosts])
+  problems += [text for ok, text in preflight if not ok]
   reduction = check_reduction(meshes)
   if not reduction["ok"]:
     problems.append(f"the cross-host sum gave {reduction['got']:g}, expected "
@@ -211,7 +310,8 @@ def diagnose(*, model: str = "mlp", batch: int = 256, steps: int = 10) -> dict[s
     host.update(speeds[h])
   return {
       "ok": not problems, "problems": problems, "num_hosts": meshes.num_hosts,
-      "devices_per_host": list(meshes.devices_per_host()), "coordinator": _coordinator(),
+      "devices_per_host": list(meshes.devices_per_host()), "coordinator": coordinator,
+      "preflight": [{"ok": ok, "verdict": text} for ok, text in preflight],
       "platform": devices[0].platform, "collectives": _collectives(),
       "jax_version": jax.__version__, "reduction": reduction,
       "benchmark": {"model": model, "batch": batch, "steps": steps}, "hosts": hosts,
@@ -250,6 +350,7 @@ def format_report(report: dict[str, Any]) -> str:
   r = report["reduction"]
   lines.append(f"cross-host sum: {'ok' if r['ok'] else 'WRONG'} (got {r['got']:g}, expected "
                f"{r['expected']:g}; {r['latency_ms']:.2f} ms)")
+  lines += [f"ok: {p['verdict']}" for p in report.get("preflight", []) if p["ok"]]
   lines += [f"problem: {p}" for p in report["problems"]]
   lines.append("doctor: all checks passed" if report["ok"] else
                f"doctor: {len(report['problems'])} problem(s)")
@@ -264,6 +365,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--json", default=None, metavar="FILE", help="also write the report (host 0)")
   parser.add_argument("--init-timeout", type=float, default=None,
                       help="seconds to reach the coordinator (default HETJAX_INIT_TIMEOUT or 120)")
+  parser.add_argument("--gloo-interface", default=None, metavar="IFACE",
+                      help="network interface for the CPU collectives (default "
+                           "HETJAX_GLOO_INTERFACE, else the hostname's address)")
+  parser.add_argument("--expect-devices", default=None, metavar="N[,N,...]",
+                      help="devices each host should see: one count for all, or one per host")
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -279,8 +385,17 @@ def run(args: argparse.Namespace) -> int:
   try:
     _check(args)
     from hetjax import runtime
+    if args.gloo_interface:
+      os.environ[runtime.ENV_GLOO_INTERFACE] = args.gloo_interface  # Host 0's report shows it.
+    spec = runtime.resolve(os.environ, timeout_s=args.init_timeout)
+    multi_host = spec.num_hosts != 1  # Also a srun step or Open MPI, not only HETJAX_*.
+    if spec.num_hosts is not None:
+      parse_expected_devices(args.expect_devices, spec.num_hosts)  # Fails before joining.
+    if spec.host_id == 0 and spec.coordinator is not None and not runtime.is_initialized():
+      check_port_free(spec.coordinator)
     topo = runtime.initialize(timeout_s=args.init_timeout)
-    report = diagnose(model=args.model, batch=args.batch, steps=args.steps)
+    report = diagnose(model=args.model, batch=args.batch, steps=args.steps,
+                      expect_devices=args.expect_devices)
   except (ValueError, ConnectionError) as e:
     print(f"hetjax doctor: error: {e}", file=sys.stderr)
     return _leave(2, multi_host)

@@ -1,4 +1,4 @@
-"""One host's reader: its slice of each global batch, prefetched in threads.
+"""One host's reader: its slice of each global batch, prefetched in parallel.
 
 The balancer fixes step s+1's shares only after step s's cross-host
 reduction, so the loader cannot know the next slice for sure. The trainer
@@ -7,6 +7,17 @@ step s; `get(s + 1, actual_shares)` then takes whatever prefetched records
 overlap the actual slice, keyed by their position in the global batch, and
 reads the rest at once. A wrong guess costs time, never correctness: the
 result equals `read(step, shares)`, the synchronous read, element for element.
+
+Reads run in threads (`workers=0`: cheap records, numpy arrays) or in worker
+processes (`workers=N`: decoding JPEGs is CPU work the GIL would serialise).
+A slice is cut into one piece per worker; each piece is read, decoded and
+augmented where it runs, keyed by the records' global positions, so the
+result never depends on how many workers there are. Workers start by
+`spawn` (forking a process that runs JAX's threads can deadlock), so a
+script that trains with workers needs the usual `if __name__ == "__main__":`.
+grain's loaders were considered and not used for the reading itself: their
+workers each walk a fixed shard of a fixed order, while a host's slice here
+changes size with the balancer every step (BUILD_NOTES.md, "Big image datasets").
 
 Example:
   >>> with HostLoader(source, sampler, host_id=1, augment=augment.parse("crop")) as loader:
@@ -19,6 +30,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import itertools
+import multiprocessing
+import os
+import threading
+import time
 import weakref
 from typing import Sequence
 
@@ -39,8 +55,55 @@ class _Chunk:
   future: concurrent.futures.Future
 
 
+_WORKER: tuple = ()  # (source, sampler, augment) inside a worker process.
+_LOADER_IDS = itertools.count()
+_WATCHDOG_S = 0.5  # How often a worker checks that its host process is alive.
+
+
+def _start_worker(source: Source, sampler: data_lib.GlobalSampler,
+                  augment: augment_lib.Augment | None, parent: int) -> None:
+  global _WORKER
+  _WORKER = (source, sampler, augment)
+  threading.Thread(target=_exit_with, args=(parent,), name="hetjax-worker-watchdog",
+                   daemon=True).start()
+
+
+def _exit_with(parent: int) -> None:
+  """Ends this worker once its host process is gone, even after a SIGKILL."""
+  while os.getppid() == parent:
+    time.sleep(_WATCHDOG_S)
+  os._exit(0)
+
+
+def _read_in_worker(step: int, start: int, stop: int) -> Batch:
+  return read_records(*_WORKER, step, start, stop)
+
+
+def default_workers() -> int:
+  """Worker processes for decoding: the host's cores minus one (for the training loop)."""
+  return max(0, (os.cpu_count() or 1) - 1)
+
+
+def read_records(source: Source, sampler: data_lib.GlobalSampler,
+                 augment: augment_lib.Augment | None, step: int, start: int, stop: int) -> Batch:
+  """Records `[start, stop)` of `step`'s global batch as training sees them.
+
+  Each example's randomness is keyed by (seed, epoch, global index): a source
+  with `train_records(indices, keys)` (decoded images) draws its crops from
+  the keys, and `augment` then runs on the batch with the same keys.
+  """
+  positions = sampler.positions(step, slice(start, stop))
+  indices = sampler.at(positions)
+  train_view = getattr(source, "train_records", None)
+  if train_view is None and augment is None:
+    return source[indices]
+  keys = augment_lib.example_keys(sampler.seed, positions // sampler.num_records, indices)
+  batch = source[indices] if train_view is None else train_view(indices, keys)
+  return batch if augment is None else augment(batch, keys)
+
+
 class HostLoader:
-  """Reads host `host_id`'s records of each step, decoding ahead in threads.
+  """Reads host `host_id`'s records of each step, decoding ahead in parallel.
 
   Not itself thread-safe: call `get`, `prefetch` and `close` from one thread
   (the training loop). Errors raised while reading surface in `get` as the
@@ -48,26 +111,38 @@ class HostLoader:
   """
 
   def __init__(self, source: Source, sampler: data_lib.GlobalSampler, host_id: int, *,
-               threads: int = 2, augment: augment_lib.Augment | None = None,
-               min_chunk: int = 64):
+               threads: int = 2, workers: int = 0, augment: augment_lib.Augment | None = None,
+               min_chunk: int | None = None):
     """Args:
       source: random-access records.
       sampler: the global stream (decides which record sits where).
       host_id: this host's position in the shares.
-      threads: background readers; the slice is split among them.
+      threads: background reader threads when `workers` is 0.
+      workers: worker processes (0: read in threads); the slice is split
+        among them. Decoding images needs processes to use the host's cores.
       augment: per-example augmentation (see `hetjax.augment`), or None.
-      min_chunk: do not split a read into pieces smaller than this.
+      min_chunk: do not split a read into pieces smaller than this (default
+        64 records for threads, 1 for worker processes).
     """
-    if threads < 1 or min_chunk < 1:
-      raise ValueError(f"HostLoader needs threads >= 1 and min_chunk >= 1, got {threads}, {min_chunk}.")
+    if threads < 1 or workers < 0 or (min_chunk is not None and min_chunk < 1):
+      raise ValueError(f"HostLoader needs threads >= 1, workers >= 0 and min_chunk >= 1, got "
+                       f"threads={threads}, workers={workers}, min_chunk={min_chunk}.")
     if len(source) != sampler.num_records:
       raise ValueError(f"dataset {source.info.name!r} has {len(source)} records but the sampler "
                        f"was built for {sampler.num_records}; build both from the same source.")
     self.source, self.sampler, self.host_id = source, sampler, host_id
-    self.augment, self.threads, self.min_chunk = augment, threads, min_chunk
+    self.augment, self.workers = augment, workers
+    self.pieces = workers or threads
+    self.min_chunk = min_chunk or (1 if workers else 64)
     self.stats = {"prefetched": 0, "read_on_demand": 0}  # Records served each way.
     self._chunks: list[_Chunk] = []
-    self._pool = concurrent.futures.ThreadPoolExecutor(threads, f"hetjax-loader-{host_id}")
+    self.thread_prefix = f"hetjax-loader-{host_id}-{next(_LOADER_IDS)}"
+    if workers:
+      self._pool = concurrent.futures.ProcessPoolExecutor(
+          workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker,
+          initargs=(source, sampler, augment, os.getpid()))
+    else:
+      self._pool = concurrent.futures.ThreadPoolExecutor(threads, self.thread_prefix)
     self._closed = False
     # A forgotten loader still lets its threads go when collected.
     self._finalizer = weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
@@ -112,8 +187,14 @@ class HostLoader:
       return pieces[0]
     return {k: np.concatenate([p[k] for p in pieces]) for k in pieces[0]}
 
+  def running(self) -> int:
+    """This loader's live reader threads and worker processes (0 once closed)."""
+    threads = sum(t.name.startswith(self.thread_prefix) for t in threading.enumerate())
+    processes = getattr(self._pool, "_processes", None) or {}
+    return threads + sum(p.is_alive() for p in list(processes.values()))
+
   def close(self) -> None:
-    """Cancels pending reads and joins the threads; safe to call twice."""
+    """Cancels pending reads and joins the threads and processes; safe to call twice."""
     if not self._closed:
       self._closed = True
       self._drop(lambda c: True)
@@ -143,20 +224,15 @@ class HostLoader:
     return part
 
   def _read(self, step: int, start: int, stop: int) -> Batch:
-    """Records `[start, stop)` of `step`'s global batch: fetch, then augment."""
-    positions = self.sampler.positions(step, slice(start, stop))
-    indices = self.sampler.at(positions)
-    batch = self.source[indices]
-    if self.augment is not None:
-      epochs = positions // self.sampler.num_records
-      batch = self.augment(batch, augment_lib.example_keys(self.sampler.seed, epochs, indices))
-    return batch
+    """Records `[start, stop)` of `step`'s global batch, read here."""
+    return read_records(self.source, self.sampler, self.augment, step, start, stop)
 
   def _submit(self, step: int, start: int, stop: int) -> list[_Chunk]:
-    """Reads `[start, stop)` in up to `threads` pieces, in the background."""
-    pieces = max(1, min(self.threads, (stop - start) // self.min_chunk))
+    """Reads `[start, stop)` in up to one piece per worker, in the background."""
+    pieces = max(1, min(self.pieces, (stop - start) // self.min_chunk))
     cuts = np.linspace(start, stop, pieces + 1).round().astype(int)
-    chunks = [_Chunk(step, int(a), int(b), self._pool.submit(self._read, step, int(a), int(b)))
+    read = _read_in_worker if self.workers else self._read  # A worker holds its own source.
+    chunks = [_Chunk(step, int(a), int(b), self._pool.submit(read, step, int(a), int(b)))
               for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
     self._chunks.extend(chunks)
     return chunks

@@ -5,9 +5,8 @@ it one step late, because the wait of step `s` is only known after the
 collective of step `s + 1` (`RecordStream` does that bookkeeping), and the
 last one at close. Only process 0 writes.
 
-The TensorBoard event file is written here, not through tensorboardX or
-TensorFlow: a scalar event is ten lines of protobuf wire format, and owning
-them keeps hetjax off the protobuf version that tensorflow-datasets pins.
+TensorBoard scalars go through `tensorboardX`, the maintained event writer
+that needs no TensorFlow (it replaced a hand-written TFRecord/crc32c one).
 
 Example:
   >>> with MetricsWriter("runs/latest") as writer:
@@ -19,12 +18,10 @@ from __future__ import annotations
 import json
 import numbers
 import os
-import socket
-import struct
-import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
 TENSORBOARD_DIR = "tensorboard"
 
 # The record schema: key -> kind. Every record has exactly these keys.
@@ -40,6 +37,13 @@ RECORD_KEYS = {
     "compute_s": "host_floats",
     "wait_s": "host_floats",
     "emulated": "bool",       # host speeds were emulated (hetjax.emulate)
+}
+# Keys a record has only sometimes: the learning rate when the optimizer
+# exposes it (optax.inject_hyperparams), the evaluation figures on the steps
+# after which the trainer evaluated (measured after the step, off its clock).
+OPTIONAL_KEYS = {
+    "lr": "float",
+    "eval": "floats",
 }
 
 
@@ -92,7 +96,7 @@ def validate_record(record: dict[str, Any]) -> dict[str, Any]:
     raise ValueError(f"a metrics record must be a dict, got {type(record).__name__}.")
   where = f"metrics record for step {record.get('step', '?')}"
   missing = sorted(set(RECORD_KEYS) - set(record))
-  unknown = sorted(set(record) - set(RECORD_KEYS))
+  unknown = sorted(set(record) - set(RECORD_KEYS) - set(OPTIONAL_KEYS))
   if missing or unknown:
     raise ValueError(f"{where}: missing key(s) {missing}, unknown key(s) {unknown}; the schema "
                      "is hetjax.metrics.RECORD_KEYS (change it there and in its readers together).")
@@ -102,6 +106,12 @@ def validate_record(record: dict[str, Any]) -> dict[str, Any]:
     if not check(record[key]):
       raise ValueError(f"{where}: {key!r} must be {want}, got {record[key]!r}.")
     out[key] = convert(record[key])
+  for key, kind in OPTIONAL_KEYS.items():
+    if key in record:
+      check, convert, want = _KINDS[kind]
+      if not check(record[key]):
+        raise ValueError(f"{where}: {key!r} must be {want}, got {record[key]!r}.")
+      out[key] = convert(record[key])
   hosts = {k: len(out[k]) for k in ("shares", "compute_s", "wait_s")}
   if len(set(hosts.values())) != 1 or not out["shares"]:
     raise ValueError(f"{where}: shares, compute_s and wait_s need one entry per host (at least "
@@ -160,26 +170,40 @@ class RecordStream:
     self._global_batch, self._emulated, self._first_step = global_batch, emulated, first_step
     # Records complete before this stream began were someone else's to emit
     # (an earlier `fit` call); the clock keeps running from them.
+    # A bounded history (hetjax.history) drops old steps: index i is entry i - dropped.
     self._next = self._ready()
-    self._time_s = float(sum(history.step_s[:self._next]))
+    kept = self._next - self._dropped()
+    folded = getattr(getattr(history, "folded", None), "time_s", 0.0)
+    self._time_s = folded + float(sum(history.step_s[:kept]))
+
+  def _dropped(self) -> int:
+    return getattr(self._history, "dropped", 0)
 
   def _ready(self) -> int:
     h = self._history
-    return min(len(h.shares), len(h.compute_s), len(h.wait_s), len(h.step_s))
+    return self._dropped() + min(len(h.shares), len(h.compute_s), len(h.wait_s), len(h.step_s))
 
   def pop(self) -> list[dict[str, Any]]:
     """The records completed since the last call, also handed to every sink."""
-    h, ready = self._history, self._ready()
+    h, ready, dropped = self._history, self._ready(), self._dropped()
     records = []
-    for i in range(self._next, ready):
-      self._time_s += h.step_s[i]
-      metrics = {k: v for k, v in h.metrics[i].items() if k != "loss"}
-      records.append(validate_record({
-          "step": self._first_step + i, "time_s": self._time_s, "loss": h.loss[i],
-          "metrics": metrics, "samples_per_sec": self._global_batch / h.step_s[i] if h.step_s[i] > 0 else 0.0,
-          "step_s": h.step_s[i], "global_batch": self._global_batch, "shares": list(h.shares[i]),
-          "compute_s": list(h.compute_s[i]), "wait_s": list(h.wait_s[i]),
-          "emulated": self._emulated}))
+    for i in range(max(self._next, dropped), ready):
+      k = i - dropped
+      self._time_s += h.step_s[k]
+      metrics = {name: v for name, v in h.metrics[k].items() if name != "loss"}
+      record = {
+          "step": self._first_step + i, "time_s": self._time_s, "loss": h.loss[k],
+          "metrics": metrics, "samples_per_sec": self._global_batch / h.step_s[k] if h.step_s[k] > 0 else 0.0,
+          "step_s": h.step_s[k], "global_batch": self._global_batch, "shares": list(h.shares[k]),
+          "compute_s": list(h.compute_s[k]), "wait_s": list(h.wait_s[k]),
+          "emulated": self._emulated}
+      lr = getattr(h, "lr", {})
+      if lr.get(i) is not None:
+        record["lr"] = lr[i]
+      evals = getattr(h, "evals", {})
+      if i in evals:
+        record["eval"] = evals[i]
+      records.append(validate_record(record))
     self._next = max(self._next, ready)
     for record in records:
       for sink in self._sinks:
@@ -187,166 +211,7 @@ class RecordStream:
     return records
 
 
-# ---- TensorBoard event files ---------------------------------------------
-
-
-def _crc32c_table() -> list[int]:
-  table = []
-  for n in range(256):
-    c = n
-    for _ in range(8):
-      c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
-    table.append(c)
-  return table
-
-
-_CRC_TABLE = _crc32c_table()
-
-
-def crc32c(data: bytes) -> int:
-  """CRC-32C (Castagnoli), the checksum of TFRecord framing."""
-  crc = 0xFFFFFFFF
-  for byte in data:
-    crc = _CRC_TABLE[(crc ^ byte) & 0xFF] ^ (crc >> 8)
-  return crc ^ 0xFFFFFFFF
-
-
-def masked_crc32c(data: bytes) -> int:
-  """TFRecord's masked CRC, so that CRCs of CRCs do not degenerate."""
-  crc = crc32c(data)
-  return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
-
-
-def tfrecord(data: bytes) -> bytes:
-  """One TFRecord: length, masked CRC of the length, data, masked CRC of the data."""
-  length = struct.pack("<Q", len(data))
-  return (length + struct.pack("<I", masked_crc32c(length)) + data
-          + struct.pack("<I", masked_crc32c(data)))
-
-
-def _varint(n: int) -> bytes:
-  n &= (1 << 64) - 1
-  out = bytearray()
-  while True:
-    byte, n = n & 0x7F, n >> 7
-    out.append(byte | (0x80 if n else 0))
-    if not n:
-      return bytes(out)
-
-
-def _field(number: int, wire: int, payload: bytes) -> bytes:
-  return _varint(number << 3 | wire) + payload
-
-
-def _bytes_field(number: int, data: bytes) -> bytes:
-  return _field(number, 2, _varint(len(data)) + data)
-
-
-def event_bytes(wall_time: float, step: int, *, file_version: str | None = None,
-                scalars: dict[str, float] | None = None) -> bytes:
-  """A `tensorflow.Event` proto: wall_time=1, step=2, file_version=3, summary=5.
-
-  Scalars use `Summary.Value.simple_value` (tag=1, simple_value=2), which
-  TensorBoard reads as scalars.
-  """
-  out = _field(1, 1, struct.pack("<d", wall_time)) + _field(2, 0, _varint(step))
-  if file_version is not None:
-    out += _bytes_field(3, file_version.encode())
-  if scalars:
-    values = b"".join(
-        _bytes_field(1, _bytes_field(1, tag.encode()) + _field(2, 5, struct.pack("<f", value)))
-        for tag, value in scalars.items())
-    out += _bytes_field(5, values)
-  return out
-
-
-class EventFileWriter:
-  """Appends scalar events to one `events.out.tfevents.*` file, flushed per event."""
-
-  def __init__(self, log_dir: str):
-    os.makedirs(log_dir, exist_ok=True)
-    name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}.hetjax"
-    self.path = os.path.join(log_dir, name)
-    self._file = open(self.path, "ab")
-    self._write(event_bytes(time.time(), 0, file_version="brain.Event:2"))
-
-  def _write(self, event: bytes) -> None:
-    self._file.write(tfrecord(event))
-    self._file.flush()
-
-  def add_scalars(self, step: int, scalars: dict[str, float], wall_time: float | None = None) -> None:
-    self._write(event_bytes(time.time() if wall_time is None else wall_time, step, scalars=scalars))
-
-  def close(self) -> None:
-    self._file.close()
-
-
-def read_events(path: str) -> list[dict[str, Any]]:
-  """Parses an event file written by `EventFileWriter`, checking every CRC.
-
-  Returns one dict per event: `wall_time`, `step`, and `file_version` or
-  `scalars` ({tag: value}). For tests and for reading runs without TensorBoard.
-  """
-  with open(path, "rb") as f:
-    data = f.read()
-  events, pos = [], 0
-  while pos < len(data):
-    (length,) = struct.unpack_from("<Q", data, pos)
-    (length_crc,) = struct.unpack_from("<I", data, pos + 8)
-    body = data[pos + 12:pos + 12 + length]
-    (body_crc,) = struct.unpack_from("<I", data, pos + 12 + length)
-    if length_crc != masked_crc32c(data[pos:pos + 8]) or body_crc != masked_crc32c(body):
-      raise ValueError(f"{path}: bad CRC in the record at byte {pos}; the file is corrupt.")
-    events.append(_parse_event(body))
-    pos += 16 + length
-  return events
-
-
-def _fields(data: bytes) -> Iterable[tuple[int, int, Any]]:
-  pos = 0
-  while pos < len(data):
-    key, pos = _read_varint(data, pos)
-    number, wire = key >> 3, key & 7
-    if wire == 0:
-      value, pos = _read_varint(data, pos)
-    elif wire == 1:
-      value, pos = data[pos:pos + 8], pos + 8
-    elif wire == 5:
-      value, pos = data[pos:pos + 4], pos + 4
-    elif wire == 2:
-      n, pos = _read_varint(data, pos)
-      value, pos = data[pos:pos + n], pos + n
-    else:
-      raise ValueError(f"unsupported protobuf wire type {wire} in an event.")
-    yield number, wire, value
-
-
-def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
-  result, shift = 0, 0
-  while True:
-    byte = data[pos]
-    pos += 1
-    result |= (byte & 0x7F) << shift
-    shift += 7
-    if not byte & 0x80:
-      return result, pos
-
-
-def _parse_event(body: bytes) -> dict[str, Any]:
-  event: dict[str, Any] = {}
-  for number, _, value in _fields(body):
-    if number == 1:
-      event["wall_time"] = struct.unpack("<d", value)[0]
-    elif number == 2:
-      event["step"] = value
-    elif number == 3:
-      event["file_version"] = value.decode()
-    elif number == 5:
-      scalars = event.setdefault("scalars", {})
-      for _, _, item in _fields(value):
-        parts = {n: v for n, _, v in _fields(item)}
-        scalars[parts[1].decode()] = struct.unpack("<f", parts[2])[0]
-  return event
+# ---- TensorBoard ------------------------------------------------------------
 
 
 def scalars_of(record: dict[str, Any]) -> dict[str, float]:
@@ -354,6 +219,9 @@ def scalars_of(record: dict[str, Any]) -> dict[str, float]:
   out = {"loss": record["loss"], "samples_per_sec": record["samples_per_sec"],
          "step_s": record["step_s"]}
   out.update({f"metrics/{k}": v for k, v in record["metrics"].items()})
+  if "lr" in record:
+    out["lr"] = record["lr"]
+  out.update({f"eval/{k}": v for k, v in record.get("eval", {}).items()})
   for i, (share, compute, wait) in enumerate(zip(record["shares"], record["compute_s"], record["wait_s"])):
     out.update({f"host{i}/share": float(share), f"host{i}/compute_s": compute, f"host{i}/wait_s": wait})
   return out
@@ -388,7 +256,10 @@ class MetricsWriter:
     for record in kept:
       self._file.write(json.dumps(record, allow_nan=True) + "\n")
     self._file.flush()
-    self._events = EventFileWriter(os.path.join(out_dir, TENSORBOARD_DIR)) if tensorboard else None
+    self._events = None
+    if tensorboard:
+      from tensorboardX import SummaryWriter  # Only process 0 pays for the import.
+      self._events = SummaryWriter(os.path.join(out_dir, TENSORBOARD_DIR))
 
   def write(self, record: dict[str, Any]) -> None:
     """Validates and appends one step's record; raises ValueError on schema drift."""
@@ -398,7 +269,9 @@ class MetricsWriter:
     self._file.write(json.dumps(record, allow_nan=True) + "\n")
     self._file.flush()
     if self._events is not None:
-      self._events.add_scalars(record["step"], scalars_of(record))
+      for tag, value in scalars_of(record).items():
+        self._events.add_scalar(tag, value, record["step"])
+      self._events.flush()  # As the jsonl: a crashed run keeps every step it finished.
 
   def close(self) -> None:
     if not self._file.closed:
@@ -411,3 +284,12 @@ class MetricsWriter:
 
   def __exit__(self, *exc: Any) -> None:
     self.close()
+
+
+def write_summary(out_dir: str, summary: dict[str, Any]) -> str:
+  """Writes OUT/summary.json (numpy values as lists); returns its path."""
+  os.makedirs(out_dir, exist_ok=True)
+  path = os.path.join(out_dir, SUMMARY_FILE)
+  with open(path, "w") as f:
+    json.dump(summary, f, indent=1, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o))
+  return path

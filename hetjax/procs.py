@@ -12,6 +12,18 @@ then SIGKILL to the group, so descendants that ignore SIGTERM die too. A
 descendant that leaves the group on purpose (`setsid`) escapes; nothing
 stdlib-only and portable can follow it.
 
+Every host starts under `hetjax.hostguard`, which kills the host's group when
+the launcher dies, even by SIGKILL, so no host trains on as an orphan.
+
+A launcher that is told to stop passes the signal on: Ctrl-C (SIGINT) reaches
+every host as SIGINT (a user's stop: a hetjax host saves and exits 130),
+SIGTERM and SIGHUP as SIGTERM (a preemption: it saves and exits 75). A second
+signal kills the hosts at once.
+
+Who failed first is decided from each process's own exit time, recorded by a
+thread that waits on it, not from the order a poll happens to find them in:
+when one host dies, its peers die of the broken collective moments later.
+
 Stdlib only: this module must never import JAX.
 """
 
@@ -20,14 +32,18 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import math
 import os
+import re
+import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from typing import IO, Callable, Mapping, Sequence
+from typing import IO, Callable, Iterable, Iterator, Mapping, Sequence
 
 from hetjax import emulate
 
@@ -57,6 +73,13 @@ TAIL_LINES = 20
 _POLL_S = 0.05
 # Signals that make the launcher stop its hosts; it then exits 128 + signum.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# What the hosts receive when the launcher gets one of STOP_SIGNALS: a user's
+# Ctrl-C stays a Ctrl-C; a hang-up is a stop like SIGTERM.
+FORWARDED = {signal.SIGINT: signal.SIGINT, signal.SIGTERM: signal.SIGTERM,
+             signal.SIGHUP: signal.SIGTERM}
+# A host that exits with this code (or dies by SIGINT) was stopped by a user's
+# Ctrl-C: reported as a stop, never restarted.
+USER_STOP_EXIT = 128 + signal.SIGINT
 
 
 def split_command(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -154,6 +177,14 @@ class Outcome:
     return self.failed_host is None and self.signal is None and not self.timed_out
 
   @property
+  def stopped_by_user(self) -> bool:
+    """Whether a user's Ctrl-C ended the hosts (to the launcher or to a host)."""
+    if self.signal is not None:
+      return self.signal == signal.SIGINT
+    return (not self.timed_out and self.failed_host is not None
+            and self.returncodes[self.failed_host] in (USER_STOP_EXIT, -signal.SIGINT))
+
+  @property
   def preempted(self) -> bool:
     """Whether the hosts stopped because one was preempted (exit PREEMPTED_EXIT), not failed."""
     return (self.signal is None and not self.timed_out and self.failed_host is not None
@@ -176,26 +207,52 @@ class HostGroup:
 
   def __init__(self, commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str]], *,
                sink: IO[str] | None = None, tail_lines: int = TAIL_LINES,
-               cwd: str | None = None):
+               cwd: str | None = None, guard: bool = True):
+    """Args:
+      commands: the argv of each host.
+      envs: the environment of each host.
+      sink: where prefixed output lines go (None: only kept as tails).
+      tail_lines: how many last output lines to keep per host.
+      cwd: the hosts' working folder (default: ours).
+      guard: start each host under `hetjax.hostguard`, so it dies with this
+        process. Its parent-death signal fires when the *thread* that called
+        `start` ends: call `start` from a thread that outlives the hosts.
+    """
     if len(commands) != len(envs):
       raise ValueError(f"got {len(commands)} commands but {len(envs)} environments.")
     self._commands = [list(c) for c in commands]
     self._envs = [dict(e) for e in envs]
     self._sink = sink
     self._cwd = cwd
+    self._guard = guard
     self._lock = threading.Lock()
     self.procs: list[subprocess.Popen] = []
     self.tails = [collections.deque(maxlen=tail_lines) for _ in commands]
     self._readers: list[threading.Thread] = []
+    self._exits = _ExitClock(len(commands))
 
   def start(self) -> None:
-    """Starts every host; if one cannot start, stops those already running."""
+    """Starts every host; if one cannot start, stops those already running.
+
+    Raises:
+      FileNotFoundError: a host's program is not on its PATH (nothing started).
+    """
+    for cmd, env in zip(self._commands, self._envs):
+      program = cmd[0] if cmd else ""
+      if self._cwd and os.sep in program:  # A relative path names a file in the hosts' folder.
+        program = os.path.join(self._cwd, program)
+      if not program or shutil.which(program, path=env.get("PATH", os.defpath)) is None:
+        self._exits.close()
+        raise FileNotFoundError(f"no such program: {cmd[0] if cmd else '(empty command)'!r}")
     try:
       for i, (cmd, env) in enumerate(zip(self._commands, self._envs)):
+        if self._guard:  # -I: the guard needs nothing but the standard library.
+          cmd = [sys.executable, "-I", _GUARD, str(os.getpid()), "--", *cmd]
         proc = subprocess.Popen(cmd, env=env, cwd=self._cwd, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         self.procs.append(proc)
+        self._exits.watch(i, proc.pid)
         reader = threading.Thread(target=self._pump, args=(i, proc.stdout),
                                   name=f"hetjax-host-{i}-output", daemon=True)
         reader.start()
@@ -205,11 +262,14 @@ class HostGroup:
       raise
 
   def _pump(self, host: int, pipe: IO[bytes]) -> None:
-    """Copies one host's output, line by line, prefixed, and keeps its tail."""
+    """Copies one host's output, line by line, prefixed, and keeps its tail.
+
+    A carriage return ends a line too, so a progress line that redraws itself
+    with `\\r` shows up at every redraw instead of never.
+    """
     prefix = f"[host {host}] "
     with pipe:
-      for raw in iter(pipe.readline, b""):
-        line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+      for line in split_lines(iter(lambda: pipe.read1(65536), b"")):
         with self._lock:
           self.tails[host].append(line)
           if self._sink is not None:
@@ -218,6 +278,19 @@ class HostGroup:
               self._sink.flush()
             except (OSError, ValueError):  # Closed or broken sink: keep draining the host.
               self._sink = None
+
+  def exit_times(self, settle_s: float = 1.0) -> list[float | None]:
+    """Each host's own exit time (monotonic seconds, in the order the kernel saw the exits).
+
+    None while running. Waits up to `settle_s` for every host that has exited
+    to be recorded, so that a caller deciding who died first sees them all.
+    """
+    return self._exits.settle([i for i, rc in enumerate(self.poll()) if rc is not None], settle_s)
+
+  def forward(self, signum: int) -> None:
+    """Sends `signum` to every host's process group, as a terminal's Ctrl-C would."""
+    for p in self.procs:
+      _signal_group(p.pid, signum)
 
   def poll(self) -> list[int | None]:
     """Exit codes of the hosts (None while running), without reaping them.
@@ -243,6 +316,7 @@ class HostGroup:
       _signal_group(p.pid, signal.SIGKILL)
     for p in self.procs:
       p.wait()  # Reaps only now, after the last signal to its group.
+    self._exits.close()
 
   def join_output(self, timeout_s: float = 5.0) -> None:
     """Waits for the output of stopped hosts to drain (bounded: escapees hold pipes)."""
@@ -253,6 +327,88 @@ class HostGroup:
   def tail(self, host: int) -> list[str]:
     with self._lock:
       return list(self.tails[host])
+
+
+class _ExitClock:
+  """When each process exited, in the order the kernel saw the exits.
+
+  One thread waits on the processes' pidfds with epoll, which hands ready
+  descriptors back in the order they became ready: two hosts that die a
+  millisecond apart are told apart however late this thread gets to run (a
+  thread per process, stamping the time when it wakes, can swap them while it
+  waits for the GIL). Without pidfds (not Linux), one such thread per process.
+  """
+
+  def __init__(self, n: int):
+    self._times: list[float | None] = [None] * n
+    self._last = -math.inf
+    self._lock = threading.Lock()
+    self._fds: dict[int, int] = {}
+    self._epoll = None
+    if hasattr(os, "pidfd_open") and hasattr(select, "epoll"):
+      self._epoll = select.epoll()
+      self._wake_r, self._wake_w = os.pipe()
+      self._epoll.register(self._wake_r, select.EPOLLIN)
+      self._thread = threading.Thread(target=self._run, name="hetjax-host-exits", daemon=True)
+      self._thread.start()
+
+  def watch(self, host: int, pid: int) -> None:
+    """Starts watching the (unreaped) child `pid`, host `host`."""
+    if self._epoll is not None:
+      try:
+        fd = os.pidfd_open(pid)
+      except OSError:
+        fd = None
+      if fd is not None:
+        with self._lock:
+          self._fds[fd] = host
+        self._epoll.register(fd, select.EPOLLIN)
+        return
+    threading.Thread(target=self._wait_one, args=(host, pid), daemon=True,
+                     name=f"hetjax-host-{host}-exit").start()
+
+  def _record(self, host: int) -> None:
+    with self._lock:  # Strictly increasing, so that the order survives equal clock readings.
+      self._last = max(time.monotonic(), self._last + 1e-6)
+      self._times[host] = self._last
+
+  def _run(self) -> None:
+    while True:
+      for fd, _ in self._epoll.poll():
+        if fd == self._wake_r:
+          return
+        with self._lock:
+          host = self._fds.pop(fd)
+        self._epoll.unregister(fd)
+        os.close(fd)
+        self._record(host)
+
+  def _wait_one(self, host: int, pid: int) -> None:
+    try:
+      os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+    except ChildProcessError:  # Reaped by `stop` before this thread ran.
+      pass
+    self._record(host)
+
+  def settle(self, hosts: Sequence[int], timeout_s: float) -> list[float | None]:
+    """The times, once those of `hosts` are recorded (or `timeout_s` passed)."""
+    deadline = time.monotonic() + timeout_s
+    while any(self._times[h] is None for h in hosts) and time.monotonic() < deadline:
+      time.sleep(0.001)
+    with self._lock:
+      return list(self._times)
+
+  def close(self) -> None:
+    """Stops the watching thread and closes its descriptors (the processes are reaped)."""
+    if self._epoll is None or self._epoll.closed:
+      return
+    os.write(self._wake_w, b"x")
+    self._thread.join()
+    for fd in list(self._fds):
+      os.close(fd)
+    for fd in (self._wake_r, self._wake_w):
+      os.close(fd)
+    self._epoll.close()
 
 
 def run_group(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str]], *,
@@ -286,11 +442,10 @@ def run_group(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str
     group.start()
     while True:
       codes = group.poll()
-      failed = first_failure(codes)
       if received:
         outcome.signal = received[0]
-      elif failed is not None:
-        outcome.failed_host = failed
+      elif any(rc not in (None, 0) for rc in codes):
+        outcome.failed_host = first_failure(group.poll(), group.exit_times())
       elif all(rc == 0 for rc in codes):
         break
       elif deadline is not None and time.monotonic() > deadline:
@@ -298,9 +453,11 @@ def run_group(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str
       if not outcome.ok:
         break
       time.sleep(_POLL_S)
+    if outcome.signal is not None:
+      _pass_on(group, received, grace_s)
   finally:
     # Runs on success too: it kills whatever the hosts left behind.
-    group.stop(grace_s)
+    group.stop(grace_s if outcome.signal is None else 0.0)
     group.join_output()
     _restore_handlers(previous)
   outcome.returncodes = group.poll()
@@ -308,14 +465,88 @@ def run_group(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str
   return outcome
 
 
-def first_failure(codes: Sequence[int | None]) -> int | None:
+def _pass_on(group: HostGroup, received: list[int], grace_s: float) -> None:
+  """Forwards the launcher's stop signal to the hosts and waits for them to end.
+
+  A user's Ctrl-C waits as long as the hosts take to save (a hetjax host stops
+  at the next step boundary); SIGTERM / SIGHUP wait `grace_s`. Once one host
+  has ended, the others get `grace_s` more (a host stuck in a collective with
+  a peer that is gone never ends by itself). A second signal ends the wait.
+  """
+  first = received[0]
+  group.forward(FORWARDED.get(first, first))
+  note(f"received {_signal_name(first)}: passed {_signal_name(FORWARDED.get(first, first))} on "
+       f"to the hosts and waiting for them to stop" + (" (Ctrl-C again to kill them now)"
+                                                     if first == signal.SIGINT else ""))
+  seen = len(received)
+  limit = None if first == signal.SIGINT else time.monotonic() + grace_s
+  while len(received) == seen:
+    codes = group.poll()
+    if all(rc is not None for rc in codes):
+      return
+    now = time.monotonic()
+    if any(rc is not None for rc in codes):
+      limit = min(limit or math.inf, now + grace_s)
+    if limit is not None and now > limit:
+      return
+    time.sleep(_POLL_S)
+
+
+def first_failure(codes: Sequence[int | None],
+                  exit_times: Sequence[float | None] | None = None) -> int | None:
   """The host to blame among those that exited non-zero by themselves, if any.
 
-  A real failure outranks a preemption: restarting a crash as "preempted"
-  would hide it from --max-restarts.
+  When a host dies, its peers fail soon after in the collective they shared,
+  so the cause is ranked first:
+  1. a host killed by a signal from outside (SIGKILL, the OOM killer, a
+     crash), never a reaction to a peer; SIGABRT does not count, it is how
+     JAX ends a process whose peer vanished;
+  2. then the earliest to exit, by each process's own exit time;
+  3. at equal times, a real failure before a preemption: restarting a crash
+     as "preempted" would hide it from --max-restarts; then the lowest index.
+
+  Args:
+    codes: per host, its exit code (negative: the signal), None if running.
+    exit_times: per host, when it exited (any clock); None: all equal.
   """
   failed = [i for i, rc in enumerate(codes) if rc not in (None, 0)]
-  return next((i for i in failed if codes[i] != PREEMPTED_EXIT), failed[0] if failed else None)
+  if not failed:
+    return None
+
+  def rank(i: int) -> tuple:
+    rc = codes[i]
+    t = exit_times[i] if exit_times is not None and exit_times[i] is not None else math.inf
+    killed = rc < 0 and -rc != signal.SIGABRT
+    return (not killed, t if exit_times is not None else 0.0, rc == PREEMPTED_EXIT, i)
+
+  return min(failed, key=rank)
+
+
+def split_lines(chunks: Iterable[bytes]) -> Iterator[str]:
+  """Decoded lines from a byte stream whose lines end in `\\n`, `\\r\\n` or a lone `\\r`.
+
+  An unfinished last line is yielded at the end; the empty pieces between
+  consecutive carriage returns (a redraw) are dropped.
+  """
+  pending = b""
+  for chunk in chunks:
+    pending += chunk
+    # A trailing \r may be the first half of \r\n: keep it for the next chunk.
+    cut = len(pending) - 1 if pending.endswith(b"\r") else len(pending)
+    start = 0
+    for end in _LINE_END.finditer(pending, 0, cut):
+      piece = pending[start:end.start()]
+      if piece or b"\n" in end.group():
+        yield piece.decode("utf-8", errors="replace")
+      start = end.end()
+    pending = pending[start:]
+  pending = pending.rstrip(b"\r")
+  if pending:
+    yield pending.decode("utf-8", errors="replace")
+
+
+_LINE_END = re.compile(rb"\r*\n|\r+")
+_GUARD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hostguard.py")
 
 
 def launch_local(command: Sequence[str], *, hosts: int, devices_per_host: int = 1,
@@ -414,8 +645,8 @@ def supervise(attempt: Callable[[int], Outcome], *, max_restarts: int = 0,
       return 0
     note(describe(outcome))
     code = outcome.exit_code()
-    if outcome.signal is not None or outcome.timed_out:
-      return code
+    if outcome.signal is not None or outcome.timed_out or outcome.stopped_by_user:
+      return code  # A user's stop, our own stop or a deadline: never restarted.
     what = failure(outcome)
     if outcome.preempted:
       if preemptions >= max_preemptions:
@@ -450,6 +681,8 @@ def note(message: str) -> None:
 def failure(outcome: Outcome) -> str:
   """One phrase for what ended the hosts, e.g. `host 1 failed with signal SIGKILL`."""
   n = len(outcome.returncodes)
+  if outcome.signal == signal.SIGINT:
+    return "stopped by the user (Ctrl-C, SIGINT)"
   if outcome.signal is not None:
     return f"received {_signal_name(outcome.signal)}"
   if outcome.timed_out:
@@ -460,6 +693,9 @@ def failure(outcome: Outcome) -> str:
   rc = outcome.returncodes[i] or 0
   if rc == PREEMPTED_EXIT:
     return f"host {i} was preempted (exit code {rc})"
+  if outcome.stopped_by_user:
+    return f"host {i} was stopped by the user ({'exit code' if rc > 0 else 'signal'} " \
+           f"{rc if rc > 0 else _signal_name(-rc)})"
   how = f"exit code {rc}" if rc >= 0 else f"signal {_signal_name(-rc)}"
   return f"host {i} failed with {how}"
 
@@ -467,14 +703,17 @@ def failure(outcome: Outcome) -> str:
 def describe(outcome: Outcome) -> str:
   """A human summary of a failed `Outcome`: who failed, how, and the last lines."""
   n = len(outcome.returncodes)
-  if outcome.signal is not None or outcome.timed_out:
+  if outcome.signal is not None:
+    ends = ", ".join(f"host {i} {_end(rc)}" for i, rc in enumerate(outcome.returncodes))
+    return f"{failure(outcome)}; all {n} hosts stopped ({ends})."
+  if outcome.timed_out:
     return f"{failure(outcome)}; stopped all {n} hosts."
   if outcome.failed_host is None:
     return f"{failure(outcome)}."
   i = outcome.failed_host
   others = {1: "", 2: "; stopped the other host"}.get(n, f"; stopped the other {n - 1} hosts")
   text = f"{failure(outcome)}{others}."
-  if outcome.preempted:
+  if outcome.preempted or outcome.stopped_by_user:
     return text  # It saved and asked for a restart: its last lines are no error report.
   lines = outcome.tails[i] if outcome.tails else []
   if lines:
@@ -483,6 +722,12 @@ def describe(outcome: Outcome) -> str:
   else:
     text += f"\nhost {i} printed nothing."
   return text
+
+
+def _end(rc: int | None) -> str:
+  if rc is None:
+    return "still running"
+  return f"exit code {rc}" if rc >= 0 else f"signal {_signal_name(-rc)}"
 
 
 def _peek(proc: subprocess.Popen) -> int | None:

@@ -36,8 +36,12 @@ def format_line(record: dict[str, Any], total_steps: int, eta_s: float) -> str:
   step = record["step"] + 1  # Steps done, counting this one.
   width = len(str(total_steps))
   shares = "/".join(str(s) for s in record["shares"])
+  evaluated = record.get("eval") or {}
+  shown = "accuracy" if "accuracy" in evaluated else "loss"
   return (f"step {step:{width}d}/{total_steps}  loss {record['loss']:.4f}  "
-          f"{record['samples_per_sec']:,.0f} samples/s  shares {shares}  ETA {format_eta(eta_s)}"
+          + (f"eval {shown} {evaluated[shown]:.4f}  " if evaluated else "")
+          + (f"lr {record['lr']:.3g}  " if "lr" in record else "")
+          + f"{record['samples_per_sec']:,.0f} samples/s  shares {shares}  ETA {format_eta(eta_s)}"
           + ("  (emulated speeds)" if record["emulated"] else ""))
 
 
@@ -90,7 +94,8 @@ class Progress:
     self._recent = (self._recent + [record["step_s"]])[-_RECENT:]
     line = format_line(record, self.total_steps, self.eta_s(record))
     if not self._tty:
-      if (record["step"] + 1) % self.every == 0 or record["step"] + 1 == self.total_steps:
+      if ((record["step"] + 1) % self.every == 0 or record["step"] + 1 == self.total_steps
+          or record.get("eval")):  # An evaluation is always shown.
         self._stream.write(line + "\n")
         self._stream.flush()
       return

@@ -2,8 +2,10 @@
 
 Reads OUT/metrics.jsonl (and OUT/summary.json when the run finished) and
 writes OUT/report.png, with (a) a per-host timeline of compute vs wait,
-(b) the shares over the steps and (c) the throughput, and OUT/report.txt,
-also printed:
+(b) the shares over the steps, (c) the throughput and, when the run
+evaluated during training, (d) the evaluation accuracy (or loss) over steps
+and training seconds with the learning rate, and OUT/report.txt, also
+printed:
 
 - efficiency = measured samples/s / ideal samples/s, where measured is the
   global batch over the mean step time and ideal is the sum over hosts of
@@ -29,7 +31,7 @@ from typing import Any, Sequence
 from hetjax import metrics as metrics_lib
 
 WARMUP_STEPS = 2  # As hetjax.trainer.WARMUP_STEPS, which this must not import (it pulls in JAX).
-SUMMARY_FILE = "summary.json"
+SUMMARY_FILE = metrics_lib.SUMMARY_FILE
 PNG_FILE = "report.png"
 TEXT_FILE = "report.txt"
 TIMELINE_STEPS = 200  # The timeline shows at most this many steps (the last ones) to stay legible.
@@ -54,6 +56,9 @@ class Figures:
   balancer_decisions: int | None  # None without summary.json
   balancer_moves: int | None
   emulated: bool
+  evaluations: int = 0          # records carrying evaluation figures
+  last_eval: dict[str, float] | None = None
+  last_eval_step: int | None = None
 
 
 def load_run(out_dir: str) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
@@ -117,6 +122,7 @@ def analyze(summary: dict[str, Any] | None, records: list[dict[str, Any]]) -> Fi
   changes = sum(a["shares"] != b["shares"] for a, b in zip(records, records[1:]))
   decisions = None if summary is None else summary.get("balancer_decisions")
   emulated = any(r["emulated"] for r in records) or bool((summary or {}).get("emulated_speeds"))
+  evaluated = [r for r in records if r.get("eval")]
   return Figures(
       steps=len(records), warmup_steps=len(records) - len(run), hosts=hosts,
       global_batch=records[-1]["global_batch"], measured_samples_per_sec=measured,
@@ -124,7 +130,9 @@ def analyze(summary: dict[str, Any] | None, records: list[dict[str, Any]]) -> Fi
       host_samples_per_sec=own, idle_fraction=idle, last_shares=list(records[-1]["shares"]),
       split_changes=changes, balancer_mode=(summary or {}).get("balancer_mode"),
       balancer_decisions=None if decisions is None else len(decisions),
-      balancer_moves=None if decisions is None else balancer_moves(decisions), emulated=emulated)
+      balancer_moves=None if decisions is None else balancer_moves(decisions), emulated=emulated,
+      evaluations=len(evaluated), last_eval=evaluated[-1]["eval"] if evaluated else None,
+      last_eval_step=evaluated[-1]["step"] + 1 if evaluated else None)
 
 
 def _count(n: int, noun: str) -> str:
@@ -154,6 +162,10 @@ def format_text(fig: Figures, out_dir: str) -> str:
     lines.append(f"balancer: {fig.balancer_mode}, {_count(fig.balancer_moves, 'move')} after "
                  f"warm-up ({_count(fig.balancer_decisions, 'decision')}); the split changed "
                  f"{_count(fig.split_changes, 'time')}")
+  if fig.last_eval is not None:
+    shown = ", ".join(f"{k} {v:.4f}" for k, v in sorted(fig.last_eval.items()))
+    lines.append(f"evaluation: {shown} after step {fig.last_eval_step} "
+                 f"({_count(fig.evaluations, 'evaluation')} during training)")
   return "\n".join(lines) + "\n"
 
 
@@ -162,9 +174,12 @@ def plot(records: list[dict[str, Any]], fig: Figures, path: str, title: str = ""
   from matplotlib.figure import Figure  # No pyplot: no global backend, Agg by default.
 
   hosts = fig.hosts
-  figure = Figure(figsize=(11, 3 + 0.35 * hosts + 5), layout="constrained")
-  timeline, shares, throughput = figure.subplots(
-      3, 1, height_ratios=[1 + 0.25 * hosts, 1.2, 1.2])
+  evaluated = [r for r in records if r.get("eval")]
+  panels = 4 if evaluated else 3
+  figure = Figure(figsize=(11, 3 + 0.35 * hosts + 5 + (1.8 if evaluated else 0)),
+                  layout="constrained")
+  axes = figure.subplots(panels, 1, height_ratios=[1 + 0.25 * hosts, 1.2, 1.2, 1.2][:panels])
+  timeline, shares, throughput = axes[:3]
   shown = steady(records)[-TIMELINE_STEPS:]
   for i in range(hosts):
     starts = [r["time_s"] - r["step_s"] for r in shown]
@@ -206,8 +221,38 @@ def plot(records: list[dict[str, Any]], fig: Figures, path: str, title: str = ""
   throughput.set_ylabel("samples/s")
   throughput.set_title(f"(c) throughput; efficiency {fig.efficiency:.1%}")
   throughput.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
+  if evaluated:
+    _plot_evaluation(axes[3], records, evaluated)
   figure.suptitle(title + ("  (emulated speeds)" if fig.emulated else ""))
   figure.savefig(path, dpi=100)
+
+
+def _plot_evaluation(ax, records: list[dict[str, Any]], evaluated: list[dict[str, Any]]) -> None:
+  """Panel (d): evaluation accuracy (else loss) after each evaluated step; lr on the right."""
+  name = "accuracy" if "accuracy" in evaluated[0]["eval"] else "loss"
+  done = [r["step"] + 1 for r in evaluated]
+  ax.plot(done, [r["eval"][name] for r in evaluated], "o-", color="tab:purple",
+          label=f"eval {name}")
+  ax.set_xlabel("steps done")
+  ax.set_ylabel(f"eval {name}")
+  # Training seconds (evaluation time excluded) on the top axis, from the records' clock.
+  steps = [r["step"] + 1 for r in records]
+  times = [r["time_s"] for r in records]
+  if len(steps) > 1:
+    import numpy as np
+    top = ax.secondary_xaxis("top", functions=(lambda x: np.interp(x, steps, times),
+                                               lambda t: np.interp(t, times, steps)))
+    top.set_xlabel("training seconds")
+  title = f"(d) evaluation {name}: {evaluated[-1]['eval'][name]:.4f} after step {done[-1]}"
+  with_lr = [r for r in records if "lr" in r]
+  if with_lr:
+    lr_axis = ax.twinx()
+    lr_axis.plot([r["step"] + 1 for r in with_lr], [r["lr"] for r in with_lr], color="tab:gray",
+                 ls="--", lw=1, label="learning rate")
+    lr_axis.set_ylabel("learning rate")
+    lr_axis.legend(loc="lower right")
+  ax.set_title(title)
+  ax.legend(loc="upper left", bbox_to_anchor=(1.08, 1.0))
 
 
 def make_report(out_dir: str) -> tuple[Figures, str]:

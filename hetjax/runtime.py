@@ -1,13 +1,35 @@
 """Joining the cluster: `jax.distributed`, CPU collectives, topology.
 
-Where the cluster comes from, in order of precedence:
+Where the cluster comes from, in order of precedence (`resolve` decides it,
+without JAX, from the environment alone):
   1. explicit arguments to `initialize`;
-  2. the environment: HETJAX_COORDINATOR (host:port), HETJAX_NUM_HOSTS,
-     HETJAX_HOST_ID, optionally HETJAX_INIT_TIMEOUT (seconds) and
-     HETJAX_CPU_DEVICES (emulated CPU devices per host);
-  3. what `jax.distributed.initialize()` detects by itself (SLURM, Open MPI,
-     Kubernetes/JobSet, Cloud TPU), when such an environment is present;
-  4. otherwise a single host, with no distributed runtime at all.
+  2. the environment: HETJAX_COORDINATOR (host:port, `[v6 address]:port`),
+     HETJAX_NUM_HOSTS, HETJAX_HOST_ID, optionally HETJAX_INIT_TIMEOUT
+     (seconds), HETJAX_CPU_DEVICES (emulated CPU devices per host) and
+     HETJAX_GLOO_INTERFACE (the network interface of the CPU collectives);
+     HETJAX_NUM_HOSTS=1 alone means one host;
+  3. a SLURM job step started by srun with more than one task
+     (SLURM_STEP_NUM_TASKS > 1): host id SLURM_PROCID, coordinator the
+     step's first node at HETJAX_PORT (default 20000 + job id % 10000). A
+     SLURM job with no such step (inside `salloc`, a batch script without
+     srun, `srun -n 1`) is one host;
+  4. Open MPI (OMPI_COMM_WORLD_SIZE > 1): rank and size from Open MPI, the
+     coordinator from JAX's Open MPI support;
+  5. Kubernetes, only where JAX supports it: a pod of an Indexed Job
+     (JOB_COMPLETION_INDEX set) with the `kubernetes` package installed
+     (`jax[k8s]`) and permission to read its Job; JAX then finds the
+     coordinator, host count and id. An Indexed Job pod without the package
+     and without HETJAX_* is refused with a message, never trained alone;
+     any other pod is one host;
+  6. Cloud TPU (TPU_WORKER_HOSTNAMES): JAX's own detection;
+  7. otherwise a single host, with no distributed runtime at all.
+
+Whenever hetjax knows the coordinator, the host count and the host id (1-4),
+it passes them to `jax.distributed.initialize` with JAX's cluster detection
+switched off: JAX would otherwise narrow each process to the one GPU numbered
+SLURM_LOCALID (or Open MPI's local rank), and a hetjax host drives every GPU
+of its node. Only a step with several tasks on one node keeps one GPU per
+task (each task is then a host of its own).
 
 JAX aborts the whole process (a C++ fatal error, no Python exception) when a
 host cannot register with the coordinator, so a non-coordinator host first
@@ -18,7 +40,10 @@ probes the coordinator's TCP port for a bounded time and raises a
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.util
 import os
+import re
 import socket
 import sys
 import time
@@ -31,21 +56,35 @@ ENV_NUM_HOSTS = "HETJAX_NUM_HOSTS"
 ENV_HOST_ID = "HETJAX_HOST_ID"
 ENV_INIT_TIMEOUT = "HETJAX_INIT_TIMEOUT"
 ENV_CPU_DEVICES = "HETJAX_CPU_DEVICES"
+ENV_GLOO_INTERFACE = "HETJAX_GLOO_INTERFACE"
+ENV_PORT = "HETJAX_PORT"
 
 DEFAULT_TIMEOUT_S = 120.0
-
-# Variables whose presence means JAX can find the cluster on its own.
-_AUTO_DETECT_MARKERS = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "JOBSET_NAME", "TPU_WORKER_HOSTNAMES")
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 @dataclasses.dataclass(frozen=True)
 class ClusterSpec:
-  """How to reach the coordinator; `None` fields are left to JAX's detection."""
+  """How to join the cluster.
+
+  Attributes:
+    coordinator: `host:port` of host 0; None only when `detect` is set.
+    num_hosts: processes in the job (None: JAX detects it).
+    host_id: this process's index (None: JAX detects it).
+    timeout_s: bound on reaching the coordinator and on registration.
+    local_device_ids: GPUs this process may use; None: all of them.
+    detect: the JAX cluster detection to use ("ompi" fills only the
+      coordinator; "auto" everything); None: detection off.
+    source: where the settings came from, for the join message.
+  """
 
   coordinator: str | None
   num_hosts: int | None
   host_id: int | None
   timeout_s: float = DEFAULT_TIMEOUT_S
+  local_device_ids: tuple[int, ...] | None = None
+  detect: str | None = None
+  source: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,16 +98,149 @@ class Topology:
 
 
 def spec_from_env(env: Mapping[str, str] = os.environ) -> ClusterSpec | None:
-  """Reads the HETJAX_* variables; `None` when HETJAX_COORDINATOR is unset."""
+  """Reads the HETJAX_* variables; `None` when they name no cluster."""
   coordinator = env.get(ENV_COORDINATOR)
   if not coordinator:
+    if env.get(ENV_NUM_HOSTS, "").strip() == "1":
+      return ClusterSpec(None, 1, 0, _env_timeout(env), source=f"{ENV_NUM_HOSTS}=1")
     return None
   missing = [k for k in (ENV_NUM_HOSTS, ENV_HOST_ID) if not env.get(k)]
   if missing:
     raise ValueError(f"{ENV_COORDINATOR}={coordinator!r} is set but {', '.join(missing)} "
                      "is not; set all three or none.")
-  return ClusterSpec(coordinator, int(env[ENV_NUM_HOSTS]), int(env[ENV_HOST_ID]),
-                     float(env.get(ENV_INIT_TIMEOUT, DEFAULT_TIMEOUT_S)))
+  return ClusterSpec(coordinator, _env_int(env, ENV_NUM_HOSTS), _env_int(env, ENV_HOST_ID),
+                     _env_timeout(env), source="HETJAX_* variables")
+
+
+def _env_int(env: Mapping[str, str], key: str) -> int:
+  try:
+    return int(env[key])
+  except ValueError:
+    raise ValueError(f"{key}={env[key]!r} is not a whole number.") from None
+
+
+def _env_timeout(env: Mapping[str, str]) -> float:
+  raw = env.get(ENV_INIT_TIMEOUT)
+  try:
+    return float(raw) if raw else DEFAULT_TIMEOUT_S
+  except ValueError:
+    raise ValueError(f"{ENV_INIT_TIMEOUT}={raw!r} is not a number of seconds.") from None
+
+
+def first_slurm_node(nodelist: str) -> str:
+  """The first host of a SLURM node list: `gpu[07-09,12],cpu1` -> `gpu07`.
+
+  Handles several bracket groups (`rack[1-2]-n[01-04]` -> `rack1-n01`), as
+  `scontrol show hostnames` would expand them.
+  """
+  first, depth, out = True, 0, []
+  for ch in nodelist.strip():
+    if ch == "[":
+      depth, first = depth + 1, True
+    elif ch == "]":
+      depth -= 1
+    elif depth == 0 and ch == ",":
+      break
+    elif depth:
+      if ch in ",-":
+        first = False
+      elif first:
+        out.append(ch)
+    else:
+      out.append(ch)
+  if not out or depth:
+    raise ValueError(f"cannot read the first node of the SLURM node list {nodelist!r}.")
+  return "".join(out)
+
+
+def _slurm_spec(env: Mapping[str, str], timeout_s: float) -> ClusterSpec:
+  job = env["SLURM_JOB_ID"]
+  tasks = env.get("SLURM_STEP_NUM_TASKS")
+  if not tasks or int(tasks) <= 1:
+    why = "an srun step of one task" if tasks else "no srun step (salloc, or a batch script)"
+    return ClusterSpec(None, 1, 0, timeout_s, source=f"SLURM job {job} with {why}: one host")
+  nodes = int(env.get("SLURM_STEP_NUM_NODES") or tasks)
+  port = env.get(ENV_PORT) or env.get("JAX_COORDINATOR_PORT") or str(20000 + int(job) % 10000)
+  coordinator = f"{first_slurm_node(env['SLURM_STEP_NODELIST'])}:{port}"
+  one_per_node = int(tasks) == nodes
+  local = None if one_per_node else (int(env["SLURM_LOCALID"]),)
+  return ClusterSpec(coordinator, int(tasks), int(env["SLURM_PROCID"]), timeout_s,
+                     local_device_ids=local,
+                     source=f"SLURM job {job}, srun step of {tasks} tasks on {nodes} nodes"
+                            + ("" if one_per_node else ": one GPU per task (SLURM_LOCALID)"))
+
+
+def _ompi_spec(env: Mapping[str, str], timeout_s: float) -> ClusterSpec:
+  size = int(env["OMPI_COMM_WORLD_SIZE"])
+  if size <= 1:
+    return ClusterSpec(None, 1, 0, timeout_s, source="Open MPI with one process: one host")
+  local_size = int(env.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1"))
+  local = None if local_size == 1 else (int(env["OMPI_COMM_WORLD_LOCAL_RANK"]),)
+  return ClusterSpec(None, size, int(env["OMPI_COMM_WORLD_RANK"]), timeout_s,
+                     local_device_ids=local, detect="ompi",
+                     source=f"Open MPI, {size} processes"
+                            + ("" if local is None else ": one GPU per process (local rank)"))
+
+
+def _k8s_spec(env: Mapping[str, str], timeout_s: float) -> ClusterSpec:
+  index = env["JOB_COMPLETION_INDEX"]
+  if importlib.util.find_spec("kubernetes") is None:
+    raise ValueError(
+        f"this pod is pod {index} of an Indexed Job, but {ENV_COORDINATOR} is not set and JAX "
+        "cannot find the other pods without the `kubernetes` package. Set HETJAX_COORDINATOR, "
+        "HETJAX_NUM_HOSTS and HETJAX_HOST_ID as launch/k8s/hetjax-job.yaml does (or "
+        f"{ENV_NUM_HOSTS}=1 for a job of one pod), or install jax[k8s] and give the pod's "
+        "service account permission to read its Job.")
+  return ClusterSpec(None, None, None, timeout_s, detect="auto",
+                     source=f"Kubernetes Indexed Job (pod {index}), detected by JAX")
+
+
+def resolve(env: Mapping[str, str] = os.environ, coordinator: str | None = None,
+            num_hosts: int | None = None, host_id: int | None = None,
+            timeout_s: float | None = None) -> ClusterSpec:
+  """Decides how this process joins the cluster (see the module docstring); no JAX calls.
+
+  Raises:
+    ValueError: on settings that contradict or are incomplete, naming them.
+  """
+  timeout = timeout_s or _env_timeout(env)
+  if coordinator is not None or num_hosts is not None or host_id is not None:
+    if num_hosts == 1 and coordinator is None:
+      spec = ClusterSpec(None, 1, host_id or 0, timeout, source="arguments: one host")
+    else:
+      missing = [n for n, v in (("coordinator", coordinator), ("num_hosts", num_hosts),
+                                ("host_id", host_id)) if v is None]
+      if missing:
+        raise ValueError(f"initialize() got some cluster settings but not {', '.join(missing)}; "
+                         "give coordinator, num_hosts and host_id together (or none of them).")
+      spec = ClusterSpec(coordinator, num_hosts, host_id, timeout, source="arguments")
+  elif (from_env := spec_from_env(env)) is not None:
+    spec = dataclasses.replace(from_env, timeout_s=timeout_s or from_env.timeout_s)
+  elif "SLURM_JOB_ID" in env:
+    spec = _slurm_spec(env, timeout)
+  elif "OMPI_COMM_WORLD_SIZE" in env:
+    spec = _ompi_spec(env, timeout)
+  elif "KUBERNETES_SERVICE_HOST" in env and "JOB_COMPLETION_INDEX" in env:
+    spec = _k8s_spec(env, timeout)
+  elif "TPU_WORKER_HOSTNAMES" in env:
+    spec = ClusterSpec(None, None, None, timeout, detect="auto", source="Cloud TPU, detected by JAX")
+  else:
+    spec = ClusterSpec(None, 1, 0, timeout, source="one host")
+  _validate(spec)
+  return spec
+
+
+def split_address(address: str) -> tuple[str, int]:
+  """`host:port` or `[v6 address]:port` as (host, port); raises ValueError naming the fix."""
+  match = re.fullmatch(r"\[([0-9A-Fa-f:.%\w]+)\]:(\d+)|([^:\[\]]+):(\d+)", address.strip())
+  if match is None:
+    hint = (" (an IPv6 address goes in brackets: [fe80::1]:1234)" if address.count(":") > 1
+            and not address.startswith("[") else "")
+    raise ValueError(f"coordinator must be host:port, got {address!r}{hint}.")
+  host, port = (match.group(1), match.group(2)) if match.group(1) else (match.group(3), match.group(4))
+  if not 1 <= int(port) <= 65535:
+    raise ValueError(f"the coordinator port must be in [1, 65535], got {port} in {address!r}.")
+  return host, int(port)
 
 
 def _validate(spec: ClusterSpec) -> None:
@@ -76,20 +248,20 @@ def _validate(spec: ClusterSpec) -> None:
     raise ValueError(f"num_hosts must be >= 1, got {spec.num_hosts}.")
   if spec.host_id is not None and spec.num_hosts is not None and not 0 <= spec.host_id < spec.num_hosts:
     raise ValueError(f"host_id must be in [0, {spec.num_hosts}), got {spec.host_id}.")
-  if spec.coordinator is not None and ":" not in spec.coordinator:
-    raise ValueError(f"coordinator must be host:port, got {spec.coordinator!r}.")
+  if spec.coordinator is not None:
+    split_address(spec.coordinator)
   if spec.timeout_s <= 0:
     raise ValueError(f"timeout_s must be > 0, got {spec.timeout_s}.")
 
 
 def wait_for_coordinator(address: str, timeout_s: float) -> None:
   """Blocks until `address` accepts TCP connections; raises after `timeout_s`."""
-  host, port = address.rsplit(":", 1)
+  host, port = split_address(address)
   deadline = time.monotonic() + timeout_s
   last_error: OSError | None = None
   while time.monotonic() < deadline:
     try:
-      with socket.create_connection((host, int(port)), timeout=min(2.0, timeout_s)):
+      with socket.create_connection((host, port), timeout=min(2.0, timeout_s)):
         return
     except OSError as e:
       last_error = e
@@ -98,6 +270,33 @@ def wait_for_coordinator(address: str, timeout_s: float) -> None:
       f"Could not reach the hetjax coordinator at {address} within {timeout_s:g} s "
       f"(last error: {last_error}). Check that host 0 is running and that the address "
       f"and port are right, or raise the limit with {ENV_INIT_TIMEOUT} / --init-timeout.")
+
+
+def check_interface(name: str) -> None:
+  """Raises ValueError unless `name` is a network interface of this machine."""
+  names = sorted(n for _, n in socket.if_nameindex())
+  if name not in names:
+    raise ValueError(f"{ENV_GLOO_INTERFACE}={name!r} is no network interface of this machine "
+                     f"({socket.gethostname()}); it has {', '.join(names)}.")
+
+
+def _use_gloo_interface(interface: str) -> None:
+  """Makes the CPU backend's gloo collectives use `interface` instead of the hostname's address.
+
+  JAX builds gloo from `gethostname()`, which a `127.0.1.1` hosts entry or a
+  machine with several networks resolves wrongly for its peers (pytorch/gloo
+  #223). JAX has no setting for it, so the CPU backend factory is registered
+  again, before the first backend exists, with gloo bound to the interface.
+  """
+  from jax._src import distributed, xla_bridge  # No public hook in JAX 0.10.
+  from jax._src.lib import _jax
+  if xla_bridge.backends_are_initialized():
+    raise RuntimeError(f"{ENV_GLOO_INTERFACE} must be set before JAX starts a backend.")
+  collectives = _jax.make_gloo_tcp_collectives(distributed_client=distributed.global_state.client,
+                                               interface=interface)
+  xla_bridge.register_backend_factory(
+      "cpu", functools.partial(xla_bridge.make_cpu_client, collectives=collectives),
+      priority=0, fail_quietly=False)
 
 
 def configure_cpu(devices_per_host: int | None) -> None:
@@ -120,16 +319,18 @@ def is_initialized() -> bool:
 
 def initialize(coordinator: str | None = None, num_hosts: int | None = None,
                host_id: int | None = None, *, timeout_s: float | None = None,
-               cpu_devices: int | None = None) -> Topology:
+               cpu_devices: int | None = None, gloo_interface: str | None = None) -> Topology:
   """Joins the cluster (or stays a single host) and returns the topology.
 
   Args:
-    coordinator: `host:port` of host 0's coordinator service.
+    coordinator: `host:port` (or `[v6 address]:port`) of host 0's coordinator.
     num_hosts: number of processes in the job.
     host_id: this process's index in `[0, num_hosts)`.
     timeout_s: bound on reaching the coordinator and on registration.
     cpu_devices: emulated CPU devices for this host (CPU emulation only);
       defaults to HETJAX_CPU_DEVICES.
+    gloo_interface: network interface for the CPU collectives (e.g. `eth0`);
+      defaults to HETJAX_GLOO_INTERFACE, else the address of the hostname.
 
   Returns:
     The `Topology` of this process.
@@ -137,31 +338,47 @@ def initialize(coordinator: str | None = None, num_hosts: int | None = None,
   env_devices = os.environ.get(ENV_CPU_DEVICES)
   configure_cpu(cpu_devices if cpu_devices is not None else
                 (int(env_devices) if env_devices else None))
-  env_spec = spec_from_env()
-  explicit = coordinator is not None or num_hosts is not None or host_id is not None
-  if explicit:
-    spec = ClusterSpec(coordinator, num_hosts, host_id,
-                       timeout_s or (env_spec.timeout_s if env_spec else DEFAULT_TIMEOUT_S))
-  elif env_spec is not None:
-    spec = dataclasses.replace(env_spec, timeout_s=timeout_s or env_spec.timeout_s)
-  elif any(m in os.environ for m in _AUTO_DETECT_MARKERS):
-    spec = ClusterSpec(None, None, None, timeout_s or DEFAULT_TIMEOUT_S)
-  else:
-    spec = ClusterSpec(None, 1, 0, timeout_s or DEFAULT_TIMEOUT_S)
-  _validate(spec)
+  spec = resolve(os.environ, coordinator, num_hosts, host_id, timeout_s)
+  interface = gloo_interface or os.environ.get(ENV_GLOO_INTERFACE) or None
+  if interface:
+    check_interface(interface)
+  if spec.num_hosts == 1 or is_initialized():
+    if spec.source.startswith(("SLURM", "Open MPI", "Kubernetes")):
+      _say(f"{spec.source}")
+    return topology()
 
-  if spec.num_hosts != 1 and not is_initialized():
-    if spec.coordinator is not None and spec.host_id not in (None, 0):
+  if spec.detect is None or spec.detect == "ompi":
+    if spec.detect == "ompi":
+      from jax._src import clusters  # Open MPI's address: JAX reads its URI files.
+      spec = dataclasses.replace(spec, coordinator=clusters.OmpiCluster.get_coordinator_address(
+          int(spec.timeout_s), os.environ.get("JAX_COORDINATOR_PORT")))
+    if spec.host_id != 0:
       wait_for_coordinator(spec.coordinator, spec.timeout_s)
-    print(f"[hetjax] host {spec.host_id} joining coordinator {spec.coordinator or '(auto-detected)'}"
-          f" of {spec.num_hosts} hosts, timeout {spec.timeout_s:g} s", file=sys.stderr, flush=True)
+    _say(f"host {spec.host_id} of {spec.num_hosts} joining coordinator {spec.coordinator} "
+         f"({spec.source}), timeout {spec.timeout_s:g} s")
     # A loopback coordinator should not listen on every interface of the machine.
-    local = spec.coordinator is not None and spec.coordinator.rsplit(":", 1)[0] in ("127.0.0.1", "localhost")
+    local = split_address(spec.coordinator)[0] in _LOOPBACK
     jax.distributed.initialize(
         coordinator_address=spec.coordinator, num_processes=spec.num_hosts,
-        process_id=spec.host_id, initialization_timeout=max(1, int(spec.timeout_s)),
+        process_id=spec.host_id, local_device_ids=spec.local_device_ids,
+        cluster_detection_method="deactivate", initialization_timeout=max(1, int(spec.timeout_s)),
         coordinator_bind_address=spec.coordinator if local else None)
+  else:
+    _say(f"joining the cluster that JAX detects ({spec.source}), timeout {spec.timeout_s:g} s")
+    jax.distributed.initialize(initialization_timeout=max(1, int(spec.timeout_s)))
+  if interface:
+    _use_gloo_interface(interface)
+  if spec.detect is not None:
+    _say(f"joined as host {jax.process_index()} of {jax.process_count()}")
+  # Found from SLURM, Open MPI or JAX: written down as a launcher would have, so
+  # code that reads the HETJAX_* variables sees the same cluster.
+  os.environ.setdefault(ENV_NUM_HOSTS, str(jax.process_count()))
+  os.environ.setdefault(ENV_HOST_ID, str(jax.process_index()))
   return topology()
+
+
+def _say(message: str) -> None:
+  print(f"[hetjax] {message}", file=sys.stderr, flush=True)
 
 
 def topology() -> Topology:

@@ -4,12 +4,16 @@ Pure numpy, no JAX: it answers "what would balancing buy on N hosts of these
 GPUs?" for N up to 1024 in seconds, with the very `ProfilingBalancer` the
 trainer uses. Each step is a small discrete-event sequence: every host
 finishes its local compute at its own time, the step's barrier falls at the
-last finish, then a ring all-reduce runs. Everything here is SIMULATED.
+last finish, then a hierarchical all-reduce runs (inside each host over
+NVLink, then between hosts over the network, then inside each host again),
+as hetjax does: the collective follows the local program, no overlap.
+Everything here is SIMULATED; `ASSUMPTIONS` lists what the figures rest on.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Sequence
 
 import numpy as np
@@ -23,7 +27,29 @@ from hetjax import balancer as balancer_lib
 # (NVIDIA NGC ResNet-50 v1.5 MXNet performance tables) = 0.36.
 GPU_SPEED = {"H100": 1.85, "A100": 1.0, "V100": 0.36}
 A100_SAMPLES_PER_S = 2500.0
+# Memory bandwidth (bytes/s; NVIDIA data sheets: V100 SXM2 900 GB/s, A100 40GB
+# 1555 GB/s, H100 SXM 3.35 TB/s): sets the optimizer update's share of the
+# per-step fixed cost.
+HBM_BYTES_PER_S = {"H100": 3.35e12, "A100": 1.555e12, "V100": 0.9e12}
+# NVLink bandwidth per GPU and direction (bytes/s; NVLink 2 / 3 / 4: 150 /
+# 300 / 450 GB/s of the data sheets' 300 / 600 / 900 GB/s bidirectional).
+NVLINK_BYTES_PER_S = {"H100": 450e9, "A100": 300e9, "V100": 150e9}
 DEFAULT_MIX = ("H100", "A100", "V100", "V100")  # A cluster grown over the years.
+RESNET50_PARAMS = 25.6e6
+
+ASSUMPTIONS = (
+    ("GPU speed H100 : A100 : V100", "1.85 : 1.0 : 0.36 (ResNet-50 training)", "MLPerf v3.0; NVIDIA NGC tables"),
+    ("A100 throughput", "2,500 samples/s per GPU", "assumed (scale only; ratios do not move)"),
+    ("hosts", "4 GPUs each, cycling H100/A100/V100/V100", "assumed mix"),
+    ("global batch", "512 samples per host (weak scaling), micro-batch 16 per GPU", "assumed"),
+    ("fixed cost per step", "5 ms host overhead + optimizer update (512 MB / HBM bandwidth)", "overhead assumed; HBM from data sheets"),
+    ("noise", "log-normal, sigma 3 % per host and step", "assumed"),
+    ("persistent slow hosts", "2 % of hosts, 1.3x slower for the whole run", "assumed"),
+    ("slow spells", "rate per host-step (curve 0..1e-2), 2.5x, geometric length, mean 20 steps, independent per host", "assumed"),
+    ("gradient", "102 MB (25.6 M fp32 values)", "ResNet-50"),
+    ("all-reduce", "hierarchical: NVLink reduce-scatter, inter-host ring or double binary tree (the faster), NVLink all-gather; no overlap with compute", "NCCL's algorithms; hetjax reduces after the local step"),
+    ("network", "25 GB/s (200 Gb/s) per host, 10 us per hop; NVLink 150/300/450 GB/s, 2 us", "assumed NIC; NVLink from data sheets"),
+)
 
 
 def mix(num_hosts: int, pattern: Sequence[str] = DEFAULT_MIX) -> tuple[str, ...]:
@@ -39,6 +65,38 @@ def ring_allreduce_s(num_hosts: int, nbytes: float, bandwidth: float, latency_s:
   return 2 * (n - 1) * latency_s + 2 * (n - 1) / n * nbytes / bandwidth
 
 
+def tree_allreduce_s(num_hosts: int, nbytes: float, bandwidth: float, latency_s: float) -> float:
+  """Pipelined double binary tree (NCCL): `2 log2(N) latency + 2 bytes / bandwidth`."""
+  n = num_hosts
+  if n <= 1:
+    return 0.0
+  return 2 * math.ceil(math.log2(n)) * latency_s + 2 * nbytes / bandwidth
+
+
+def hierarchical_allreduce_s(gpus: Sequence[str], devices_per_host: int, nbytes: float,
+                             bandwidth: float, latency_s: float, *, nvlink_latency_s: float = 2e-6,
+                             algorithm: str = "auto") -> float:
+  """Reduce-scatter inside each host over NVLink, all-reduce between hosts, all-gather inside.
+
+  Inside a host the phase ends when the slowest host's NVLink finishes;
+  between hosts each GPU's 1/d shard crosses the host's one NIC, so the NIC
+  carries the whole gradient (`algorithm`: 'ring', 'tree' or 'auto', the
+  faster, as NCCL picks).
+  """
+  d = devices_per_host
+  intra = 0.0
+  if d > 1:
+    nvlink = min(NVLINK_BYTES_PER_S[g] for g in gpus)
+    intra = (d - 1) / d * nbytes / nvlink + (d - 1) * nvlink_latency_s
+  n = len(gpus)
+  ring = ring_allreduce_s(n, nbytes, bandwidth, latency_s)
+  tree = tree_allreduce_s(n, nbytes, bandwidth, latency_s)
+  if algorithm not in ("auto", "ring", "tree"):
+    raise ValueError(f"algorithm must be 'auto', 'ring' or 'tree', got {algorithm!r}.")
+  inter = {"ring": ring, "tree": tree, "auto": min(ring, tree)}[algorithm]
+  return 2 * intra + inter
+
+
 @dataclasses.dataclass(frozen=True)
 class ClusterSpec:
   """A simulated cluster: hosts, their GPUs, noise, stragglers and the network.
@@ -48,28 +106,47 @@ class ClusterSpec:
     devices_per_host: GPUs per host.
     microbatch: samples per device per micro-batch (granularity = this x devices).
     per_host_batch: global batch = this x hosts (weak scaling).
-    fixed_s: per-step local overhead of a host that runs any micro-batch.
+    host_overhead_s: per-step host-side cost of a host that runs any micro-batch.
+    optimizer_bytes: bytes the optimizer update moves per GPU (param, grad,
+      momentum read; param, momentum written: 5 x 4 B x 25.6 M).
     noise: sigma of the log-normal step-time noise.
-    straggler_rate: chance per host and step that a slow spell starts.
-    straggler_steps: length of a slow spell.
+    persistent_fraction: share of hosts slower for the whole run.
+    persistent_slowdown: their compute-time factor.
+    straggler_rate: chance per host and step that a transient slow spell starts.
+    straggler_steps: mean length of a slow spell (geometric).
     straggler_slowdown: compute-time factor during a slow spell.
+    spell_group: hosts that share each slow spell (consecutive hosts, e.g. a
+      rack behind one switch or one power feed); 1 = independent hosts.
     grad_bytes: bytes all-reduced per step (ResNet-50: 25.6 M fp32 values).
-    bandwidth: bytes/s of each ring link (25 GB/s = 200 Gb/s).
-    latency_s: per-hop latency.
+    bandwidth: bytes/s of each host's network link (25 GB/s = 200 Gb/s).
+    latency_s: per-hop latency between hosts.
+    algorithm: inter-host all-reduce: 'auto' (faster of ring and tree), 'ring', 'tree'.
   """
 
   gpus: tuple[str, ...]
   devices_per_host: int = 4
   microbatch: int = 16
   per_host_batch: int = 512
-  fixed_s: float = 0.01
+  host_overhead_s: float = 0.005
+  optimizer_bytes: float = 5 * 4 * RESNET50_PARAMS
   noise: float = 0.03
+  persistent_fraction: float = 0.02
+  persistent_slowdown: float = 1.3
   straggler_rate: float = 0.0005
-  straggler_steps: int = 20
+  straggler_steps: float = 20.0
   straggler_slowdown: float = 2.5
-  grad_bytes: float = 25.6e6 * 4
+  spell_group: int = 1
+  grad_bytes: float = RESNET50_PARAMS * 4
   bandwidth: float = 25e9
   latency_s: float = 10e-6
+  algorithm: str = "auto"
+
+  def __post_init__(self):
+    unknown = sorted(set(self.gpus) - set(GPU_SPEED))
+    if unknown:
+      raise ValueError(f"unknown GPU class(es) {unknown}; choose from {sorted(GPU_SPEED)}.")
+    if not self.gpus:
+      raise ValueError("a cluster needs at least one host.")
 
   @property
   def num_hosts(self) -> int:
@@ -83,33 +160,82 @@ class ClusterSpec:
   def granularity(self) -> np.ndarray:
     return np.full(self.num_hosts, self.microbatch * self.devices_per_host, np.int64)
 
-  def costs(self) -> balancer_lib.CostParams:
-    """The true (noise-free) cost of every host, in the balancer's own model."""
+  def fixed_s(self) -> np.ndarray:
+    """Per-host fixed cost of a step: host overhead + the optimizer's memory traffic."""
+    return np.array([self.host_overhead_s + self.optimizer_bytes / HBM_BYTES_PER_S[g]
+                     for g in self.gpus])
+
+  def persistent(self, seed: int = 0) -> np.ndarray:
+    """Per-host compute-time factor for the whole run (1 for most hosts)."""
+    rng = np.random.default_rng([seed, 1])
+    slow = rng.random(self.num_hosts) < self.persistent_fraction
+    return np.where(slow, self.persistent_slowdown, 1.0)
+
+  def costs(self, seed: int | None = None) -> balancer_lib.CostParams:
+    """The true (noise-free) cost of every host; with `seed`, its persistent slow hosts too."""
     speed = np.array([GPU_SPEED[g] for g in self.gpus]) * A100_SAMPLES_PER_S * self.devices_per_host
-    return balancer_lib.CostParams(np.full(self.num_hosts, self.fixed_s), 1.0 / speed,
-                                   self.granularity)
+    factor = np.ones(self.num_hosts) if seed is None else self.persistent(seed)
+    return balancer_lib.CostParams(self.fixed_s() * factor, factor / speed, self.granularity)
 
   def comm_s(self) -> float:
-    return ring_allreduce_s(self.num_hosts, self.grad_bytes, self.bandwidth, self.latency_s)
+    return hierarchical_allreduce_s(self.gpus, self.devices_per_host, self.grad_bytes,
+                                    self.bandwidth, self.latency_s, algorithm=self.algorithm)
+
+
+def noise_factors(spec: ClusterSpec, steps: int, seed: int = 0) -> np.ndarray:
+  """`[steps, hosts]` log-normal step-time noise."""
+  return np.exp(spec.noise * np.random.default_rng([seed, 2]).standard_normal((steps, spec.num_hosts)))
+
+
+def spell_factors(spec: ClusterSpec, steps: int, seed: int = 0) -> np.ndarray:
+  """`[steps, hosts]` transient slow spells: starts at `straggler_rate`, geometric lengths.
+
+  With `spell_group` k > 1 spells start per group of k consecutive hosts, at
+  `straggler_rate` per group and step, and slow the whole group at once: each
+  host is slowed as often as alone, but together with its rack.
+  """
+  rng = np.random.default_rng([seed, 3])
+  k = max(int(spec.spell_group), 1)
+  groups = -(-spec.num_hosts // k)
+  starts = rng.random((steps, groups)) < spec.straggler_rate
+  lengths = rng.geometric(1.0 / max(spec.straggler_steps, 1.0), size=(steps, groups))
+  slow = np.zeros((steps, groups), bool)
+  for s, h in zip(*np.nonzero(starts)):  # Few starts: loop over them, not over steps.
+    slow[s:s + lengths[s, h], h] = True
+  slow = np.repeat(slow, k, axis=1)[:, :spec.num_hosts]
+  return np.where(slow, spec.straggler_slowdown, 1.0)
+
+
+def fresh_spells(spec: ClusterSpec, steps: int, seed: int, within: int) -> np.ndarray:
+  """`[steps, hosts]`: True where a host is in a slow spell that began at most `within` steps ago."""
+  slow = spell_factors(spec, steps, seed) > 1.0
+  began = slow & ~np.vstack([np.zeros((1, spec.num_hosts), bool), slow[:-1]])
+  fresh = np.zeros_like(slow)
+  for lag in range(within + 1):
+    shifted = np.vstack([np.zeros((lag, spec.num_hosts), bool), began[:steps - lag]])
+    fresh |= shifted
+  return fresh & slow
 
 
 def slowdowns(spec: ClusterSpec, steps: int, seed: int = 0) -> np.ndarray:
-  """`[steps, hosts]` compute-time factors: log-normal noise times slow spells."""
-  rng = np.random.default_rng(seed)
-  factors = np.exp(spec.noise * rng.standard_normal((steps, spec.num_hosts)))
-  starts = rng.random((steps, spec.num_hosts)) < spec.straggler_rate
-  left = np.zeros(spec.num_hosts, np.int64)
-  for s in range(steps):
-    left = np.where(starts[s] & (left == 0), spec.straggler_steps, left)
-    factors[s] *= np.where(left > 0, spec.straggler_slowdown, 1.0)
-    left = np.maximum(left - 1, 0)
-  return factors
+  """`[steps, hosts]` compute-time factors: noise times transient slow spells.
+
+  Persistent slow hosts are part of the true cost (`spec.costs(seed)`), not of
+  these factors, so a noise-free optimum can be computed for them.
+  """
+  return noise_factors(spec, steps, seed) * spell_factors(spec, steps, seed)
 
 
 def make(mode: str, spec: ClusterSpec, **options: Any) -> balancer_lib.Balancer:
   """The balancer for `mode` ('equal', 'static', 'dynamic') on `spec`'s cluster."""
   return balancer_lib.make_balancer("equal", spec.global_batch, spec.num_hosts, mode=mode,
                                     granularity=spec.granularity.tolist(), **options)
+
+
+def optimal_shares(spec: ClusterSpec, seed: int | None = None) -> tuple[int, ...]:
+  """The noise-free optimum: the exact solver on the true costs (persistent hosts included)."""
+  true = spec.costs(seed)
+  return balancer_lib.solve(spec.global_batch, true.fixed_s, true.per_sample_s, spec.granularity)
 
 
 @dataclasses.dataclass
@@ -120,35 +246,42 @@ class SimResult:
   num_hosts: int
   samples_per_s: float
   step_s: np.ndarray
+  compute_s: np.ndarray  # [steps, hosts]
   shares: list[tuple[int, ...]]
   decisions: list[dict[str, Any]]
 
 
 def simulate(spec: ClusterSpec, bal: balancer_lib.Balancer, steps: int = 60, *,
              measure_from: int = 10, seed: int = 0,
-             factors: np.ndarray | None = None) -> SimResult:
+             factors: np.ndarray | None = None, comm: bool = True,
+             costs: balancer_lib.CostParams | None = None,
+             comm_s: float | None = None) -> SimResult:
   """Runs `steps` synchronous steps; throughput counts steps from `measure_from`.
 
-  The same `seed` gives the same noise and stragglers to every mode, so modes
-  are compared on identical conditions.
+  The same `seed` gives the same noise, persistent slow hosts and slow spells
+  to every mode, so modes are compared on identical conditions. `comm=False`
+  leaves the all-reduce out (for the breakdown of a figure); `costs` and
+  `comm_s` replace the GPU-class model with measured values (the replay of
+  an emulated cluster in bench/validate_sim.py).
   """
   if not 0 <= measure_from < steps:
     raise ValueError(f"measure_from ({measure_from}) must be in [0, steps={steps}).")
-  true = spec.costs()
+  true = spec.costs(seed) if costs is None else costs
   factors = slowdowns(spec, steps, seed) if factors is None else factors
-  comm = spec.comm_s()
-  clock, step_s, seen = 0.0, np.zeros(steps), []
+  comm_s = (spec.comm_s() if comm_s is None else comm_s) if comm else 0.0
+  step_s, seen = np.zeros(steps), []
+  compute_all = np.zeros((steps, spec.num_hosts))
   for step in range(steps):
     shares = bal.shares(step)
     compute = true.predict(shares) * factors[step]
-    finish = clock + compute  # One event per host: its local program ends.
-    barrier = float(finish.max())  # The collective starts when the last host arrives.
-    end = barrier + comm
-    step_s[step], clock = end - clock, end
+    # Every host's local program ends at its own time; the collective starts at
+    # the last arrival, and the step ends when it does.
+    step_s[step] = float(compute.max()) + comm_s
+    compute_all[step] = compute
     seen.append(tuple(shares))
     bal.observe(step, shares, compute.tolist())  # The timing vector rides the collective.
   rate = spec.global_batch * (steps - measure_from) / float(step_s[measure_from:].sum())
-  return SimResult(bal.name, spec.num_hosts, rate, step_s, seen,
+  return SimResult(bal.name, spec.num_hosts, rate, step_s, compute_all, seen,
                    list(getattr(bal, "decisions", [])))
 
 
@@ -156,3 +289,10 @@ def single_host_samples_per_s(spec: ClusterSpec, gpu: str) -> float:
   """Noise-free throughput of one host of class `gpu` alone (no collective)."""
   one = dataclasses.replace(spec, gpus=(gpu,))
   return one.per_host_batch / float(one.costs().predict([one.per_host_batch])[0])
+
+
+def ideal_samples_per_s(spec: ClusterSpec, seed: int | None = None) -> float:
+  """Sum of the hosts' own noise-free throughputs at `per_host_batch`: no collective, no waiting."""
+  true = spec.costs(seed)
+  b = np.full(spec.num_hosts, spec.per_host_batch)
+  return float(np.sum(b / true.predict(b)))

@@ -6,6 +6,9 @@ prepared in `data_dir` in the array_record format through `tfds.data_source`
 run time. `build_from_arrays` prepares such a dataset offline from numpy
 arrays, with the same layout `tfds build --file_format=array_record` writes,
 so a dataset made here and a catalog dataset go through one path.
+Image datasets whose images vary in size (ImageNet) are read with their
+images still encoded (`EncodedImages`) and decoded by `hetjax.images` on the
+loader's workers (`tfds_source(..., image_size=S)`).
 
 `check` reads only `dataset_info.json`, so the command line can refuse a
 missing folder, dataset or split in milliseconds, before JAX starts.
@@ -22,7 +25,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from hetjax.sources import Batch, DatasetInfo
+from hetjax.sources import Batch, DatasetInfo, Source
 
 READABLE_FORMATS = ("array_record", "parquet")  # What tfds.data_source can open.
 _VERSION = re.compile(r"^\d+\.\d+\.\d+$")
@@ -88,18 +91,30 @@ def check(spec: str, split: str = "train", data_dir: str | None = None) -> dict[
   return info
 
 
+def _image_and_label(features: Any) -> tuple[str, str] | None:
+  """The image feature (`image` or `x`) and class label (`label` or `y`), if both exist."""
+  import tensorflow_datasets as tfds
+
+  image = next((k for k in _IMAGE_KEYS if k in features.keys()), None)
+  label = next((k for k in _LABEL_KEYS if k in features.keys()
+                and isinstance(features[k], tfds.features.ClassLabel)), None)
+  if image and label and len(features[image].shape) in (2, 3):
+    return image, label
+  return None
+
+
 class TfdsSource:
-  """A prepared TFDS split as a hetjax source (`len`, `info`, `source[indices]`).
+  """A prepared TFDS split of fixed-shape records as a hetjax source.
 
   A dataset with an `image` (or `x`) and a class-label `label` (or `y`)
-  becomes an image-classification source: `x` float32 (uint8 pixels scaled
-  to [0, 1], a channel axis added to 2-D images), `y` int32. Any other
-  dataset keeps its feature names and dtypes (kind "custom").
+  becomes an image-classification source: `x` keeps its dtype (uint8 pixels
+  go to the device as they are and are scaled there; a channel axis is added
+  to 2-D images), `y` int32. Any other dataset keeps its feature names and
+  dtypes (kind "custom"). Images of varying size go through
+  `hetjax.images.ImageSource` instead (`tfds_source(..., image_size=S)`).
   """
 
   def __init__(self, data_source: Any, spec: str):
-    import tensorflow_datasets as tfds
-
     self._ds = data_source
     features = data_source.dataset_info.features
     self._raw = {}
@@ -107,16 +122,15 @@ class TfdsSource:
       feature = features[key]
       shape = tuple(feature.shape)
       if any(d is None for d in shape):
+        hint = ("pass --image-size S (Python: image_size=S) to decode, crop and resize them to "
+                "S x S" if isinstance(feature, _tfds().features.Image) else
+                "resize them offline into a new dataset (hetjax.tfds_data.build_from_arrays)")
         raise ValueError(f"TFDS dataset {spec!r}: feature {key!r} has shape {shape}, so its records "
-                         "differ in shape and cannot form fixed-shape batches; resize them offline "
-                         "into a new dataset (hetjax.tfds_data.build_from_arrays).")
+                         f"differ in shape and cannot form fixed-shape batches; {hint}.")
       self._raw[key] = (shape, np.dtype(feature.np_dtype))
-    image = next((k for k in _IMAGE_KEYS if k in self._raw), None)
-    label = next((k for k in _LABEL_KEYS
-                  if k in self._raw and isinstance(features[k], tfds.features.ClassLabel)), None)
-    self._keys = (image, label) if image and label and len(self._raw[image][0]) in (2, 3) else None
+    self._keys = _image_and_label(features)
     if self._keys:
-      self.info = DatasetInfo(f"tfds:{spec}", "image", num_classes=features[label].num_classes)
+      self.info = DatasetInfo(f"tfds:{spec}", "image", num_classes=features[self._keys[1]].num_classes)
     else:
       self.info = DatasetInfo(f"tfds:{spec}", "custom")
 
@@ -130,44 +144,114 @@ class TfdsSource:
                else np.zeros((0, *shape), dtype)) for k, (shape, dtype) in self._raw.items()}
     if not self._keys:
       return raw
-    image, label = raw[self._keys[0]], raw[self._keys[1]]
-    x = image.astype(np.float32) / np.float32(255) if image.dtype == np.uint8 else image.astype(np.float32)
+    x, label = raw[self._keys[0]], raw[self._keys[1]]
     return {"x": x if x.ndim == 4 else x[..., None], "y": label.astype(np.int32)}
 
 
-def tfds_source(spec: str, split: str = "train", data_dir: str | None = None) -> TfdsSource:
+class EncodedImages:
+  """A TFDS image-classification split with its images left encoded (JPEG/PNG bytes).
+
+  `source[indices] -> {"image": object array of bytes, "label": int32}`;
+  decoding, cropping and resizing happen in `hetjax.images.ImageSource`, on
+  the loader's workers. Pickles small (the files are reopened by path), so
+  worker processes can open it.
+  """
+
+  def __init__(self, data_source: Any, spec: str, keys: tuple[str, str]):
+    self._ds, self._keys = data_source, keys
+    features = data_source.dataset_info.features
+    self.channels = int(features[keys[0]].shape[-1]) if len(features[keys[0]].shape) == 3 else 1
+    self.info = DatasetInfo(f"tfds:{spec}", "image", num_classes=features[keys[1]].num_classes)
+
+  def __len__(self) -> int:
+    return len(self._ds)
+
+  def __getitem__(self, indices: np.ndarray) -> Batch:
+    keys = [int(i) for i in np.asarray(indices).reshape(-1)]
+    records = self._ds.__getitems__(keys) if keys else []
+    blobs = np.empty(len(records), dtype=object)
+    blobs[:] = [r[self._keys[0]] for r in records]
+    return {"image": blobs, "label": np.array([r[self._keys[1]] for r in records], np.int32)}
+
+
+def _tfds():
+  import tensorflow_datasets as tfds
+  return tfds
+
+
+def tfds_source(spec: str, split: str = "train", data_dir: str | None = None, *,
+                image_size: int | None = None, augment: str | None = None) -> Source:
   """A catalog (or `build_from_arrays`) dataset prepared in `data_dir`.
 
   Args:
-    spec: 'name[/config][:version]', e.g. 'mnist' or 'mnist:3.0.1'.
+    spec: 'name[/config][:version]', e.g. 'mnist' or 'imagenet2012:5.1.0'.
     split: a split name; TFDS slices such as 'train[:90%]' work too.
     data_dir: the folder it was prepared in (default: TFDS's default).
+    image_size: decode, crop and resize the images to this square size
+      (`hetjax.images`); needed for images of varying size (ImageNet).
+    augment: with `image_size`, the training randomness: 'none', 'crop'
+      (random resized crop), 'flip' or 'crop,flip'.
   """
   check(spec, split, data_dir)
-  import tensorflow_datasets as tfds  # ~1 s; only once the cheap checks passed.
+  tfds = _tfds()  # ~1 s; only once the cheap checks passed.
+  folder = data_dir or default_data_dir()
+  if image_size is None:
+    return TfdsSource(tfds.data_source(spec, split=split, data_dir=folder, download=False), spec)
+  from hetjax import images
 
-  ds = tfds.data_source(spec, split=split, data_dir=data_dir or default_data_dir(), download=False)
-  return TfdsSource(ds, spec)
+  builder = tfds.builder(spec, data_dir=folder)
+  keys = _image_and_label(builder.info.features)
+  if keys is None:
+    raise ValueError(f"--image-size needs an image-classification dataset (an 'image' and a "
+                     f"'label' feature); TFDS dataset {spec!r} has {sorted(builder.info.features.keys())}.")
+  ds = tfds.data_source(spec, split=split, data_dir=folder, download=False,
+                        decoders={keys[0]: tfds.decode.SkipDecoding()})
+  encoded = EncodedImages(ds, spec, keys)
+  recipe = images.recipe_from_augment(image_size, encoded.channels, augment)
+  return images.ImageSource(encoded, recipe)
+
+
+IMAGE_FORMATS = ("png", "jpeg")
 
 
 def _encoder(feature: Any):
   """numpy -> what the feature's encoder takes without TensorFlow."""
   import tensorflow_datasets as tfds
-  from PIL import Image  # TFDS encodes images with TF; PNG bytes pass through untouched.
+  from PIL import Image  # TFDS encodes images with TF; encoded bytes pass through untouched.
 
   if not isinstance(feature, tfds.features.Image):
     return lambda v: v
+  fmt = "JPEG" if feature.encoding_format == "jpeg" else "PNG"
 
-  def png(v: np.ndarray) -> bytes:
+  def encode(v: np.ndarray) -> bytes:
     buffer = io.BytesIO()
-    Image.fromarray(v[..., 0] if v.ndim == 3 and v.shape[-1] == 1 else v).save(buffer, format="PNG")
+    v = np.asarray(v, np.uint8)
+    Image.fromarray(v[..., 0] if v.ndim == 3 and v.shape[-1] == 1 else v).save(
+        buffer, format=fmt, **({"quality": 90} if fmt == "JPEG" else {}))
     return buffer.getvalue()
 
-  return png
+  return encode
+
+
+def _image_features(splits: Mapping[str, Mapping[str, Any]], image_format: str) -> dict[str, Any]:
+  """`image` as variable-size encoded images, `label` as a class label."""
+  tfds = _tfds()
+  if image_format not in IMAGE_FORMATS:
+    raise ValueError(f"image_format must be one of {', '.join(IMAGE_FORMATS)}, got {image_format!r}.")
+  for split, arrays in splits.items():
+    if set(arrays) != {"image", "label"}:
+      raise ValueError(f"build_from_arrays(image_format={image_format!r}): split {split!r} has "
+                       f"{sorted(arrays)}; give exactly 'image' (uint8 [h, w, c] each) and 'label'.")
+  first = np.asarray(next(iter(splits.values()))["image"][0])
+  channels = first.shape[-1] if first.ndim == 3 else 1
+  classes = 1 + max(int(np.max(a["label"])) for a in splits.values() if len(a["label"]))
+  return {"image": tfds.features.Image(shape=(None, None, channels), encoding_format=image_format),
+          "label": tfds.features.ClassLabel(num_classes=classes)}
 
 
 def build_from_arrays(name: str, splits: Mapping[str, Mapping[str, np.ndarray]], data_dir: str, *,
                       version: str = "1.0.0", features: Mapping[str, Any] | None = None,
+                      image_format: str | None = None,
                       description: str = "Built offline by hetjax from numpy arrays.") -> pathlib.Path:
   """Prepares numpy arrays as a TFDS dataset (array_record), offline.
 
@@ -181,7 +265,12 @@ def build_from_arrays(name: str, splits: Mapping[str, Mapping[str, np.ndarray]],
     version: 'major.minor.patch'.
     features: `{key: tfds.features.FeatureConnector}`; default: a
       `tfds.features.Tensor` of each array's record shape and dtype.
-      `tfds.features.Image` arrays are PNG-encoded with PIL.
+      `tfds.features.Image` arrays are encoded with PIL (PNG, or JPEG when
+      the feature says so).
+    image_format: 'jpeg' or 'png': the splits hold `image` (a list of uint8
+      `[h, w, c]` arrays whose sizes may differ) and `label` (ints), stored
+      as a variable-size image feature and a class label, like ImageNet in
+      the catalog (read them with `--image-size`).
 
   Returns:
     The folder holding the prepared dataset.
@@ -192,6 +281,8 @@ def build_from_arrays(name: str, splits: Mapping[str, Mapping[str, np.ndarray]],
   if not splits:
     raise ValueError(f"build_from_arrays({name!r}): give at least one split, e.g. {{'train': arrays}}.")
   first = next(iter(splits.values()))
+  if image_format is not None and features is None:
+    features = _image_features(splits, image_format)
   features = dict(features) if features else {
       k: tfds.features.Tensor(shape=v.shape[1:], dtype=v.dtype) for k, v in first.items()}
   for split, arrays in splits.items():

@@ -8,32 +8,32 @@ cross-host reduction, which also carries every host's timings -> balancer.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import os
-import signal
-import threading
 import time
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
+from hetjax import agreement
 from hetjax import augment as augment_lib
 from hetjax import balancer as balancer_lib
 from hetjax import blocks as blocks_lib
 from hetjax import checkpoint as ckpt_lib
 from hetjax import data as data_lib
+from hetjax import evaluate as evaluate_lib
 from hetjax import loader as loader_lib
 from hetjax import metrics as metrics_lib
-from hetjax import procs
 from hetjax import runtime
+from hetjax import signals
 from hetjax import sources as sources_lib
 from hetjax import step as step_lib
 from hetjax import task as task_lib
+from hetjax.history import History
+from hetjax.signals import Interrupted, Preempted, Stopped  # noqa: F401 (public names)
 from hetjax.task import Task
 
 PyTree = Any
@@ -61,6 +61,8 @@ class TrainConfig:
       the measured step times).
     augment: per-example augmentation, e.g. 'crop,flip' (see hetjax.augment);
       its randomness follows the example's global index, not the host.
+    check_every: compare every host's parameter fingerprint every this many
+      steps and at every checkpoint (0: only at checkpoints).
   """
 
   global_batch: int
@@ -70,6 +72,7 @@ class TrainConfig:
   reduction: str = "device"
   balancer: str | None = None
   augment: str = "none"
+  check_every: int = 100
 
   def validate(self) -> None:
     if self.global_batch < 1:
@@ -81,34 +84,9 @@ class TrainConfig:
     augment_lib.parse(self.augment)  # Raises on an unknown augmentation.
     if not isinstance(self.assignment, str):
       blocks_lib.check_aligned(self.assignment, self.global_batch, self.microbatch)
-
-
-@dataclasses.dataclass
-class History:
-  """Per-step records; `compute_s` and `wait_s` are `[steps][hosts]`."""
-
-  shares: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
-  compute_s: list[list[float]] = dataclasses.field(default_factory=list)
-  wait_s: list[list[float]] = dataclasses.field(default_factory=list)
-  step_s: list[float] = dataclasses.field(default_factory=list)
-  loss: list[float] = dataclasses.field(default_factory=list)
-  metrics: list[dict[str, float]] = dataclasses.field(default_factory=list)
-
-
-class Preempted(RuntimeError):
-  """Every host saved a checkpoint at the same step boundary and must now exit.
-
-  The command line exits with `exit_code` (`hetjax.procs.PREEMPTED_EXIT`),
-  which the launchers read as "restart me": the restarted job resumes from
-  the checkpoint.
-  """
-
-  exit_code = procs.PREEMPTED_EXIT
-
-  def __init__(self, step: int, directory: str):
-    super().__init__(f"preempted: checkpoint of step {step} saved in {directory}; exiting "
-                     f"with code {self.exit_code} so the job is restarted and resumes there.")
-    self.step = step
+    if self.check_every < 0:
+      raise ValueError(f"check_every must be >= 0 steps (0: only at checkpoints), got "
+                       f"{self.check_every}.")
 
 
 def params_digest(params: PyTree) -> str:
@@ -119,10 +97,7 @@ def params_digest(params: PyTree) -> str:
   return h.hexdigest()
 
 
-def _fingerprint(text: str) -> np.ndarray:
-  """A hash as 16-bit chunks, exact in the float32 rows of a collective."""
-  digest = hashlib.sha256(text.encode()).digest()[:8]
-  return np.frombuffer(digest, dtype=np.uint16).astype(np.float32)
+_fingerprint = agreement.text_fingerprint
 
 
 class Trainer:
@@ -139,7 +114,7 @@ class Trainer:
                source: data_lib.ArraySource, config: TrainConfig, *,
                balancer: balancer_lib.Balancer | None = None,
                pace: Callable[[float, int], float] | None = None, identity: str = "",
-               checkpoint: ckpt_lib.CheckpointConfig | None = None):
+               checkpoint: ckpt_lib.CheckpointConfig | None = None, data_workers: int = 0):
     """Validates everything, agrees with the other hosts, then initialises.
 
     Args:
@@ -157,6 +132,8 @@ class Trainer:
       checkpoint: where and how often to save; with `resume`, the trainer
         continues from the newest complete checkpoint there, also when it was
         written by another number of hosts.
+      data_workers: input worker processes on this host (0: threads); may
+        differ between hosts (see `hetjax.loader`).
     """
     if int(os.environ.get(runtime.ENV_NUM_HOSTS, "1")) > 1 and not runtime.is_initialized():
       raise RuntimeError(f"{runtime.ENV_NUM_HOSTS} asks for several hosts but the cluster is not joined: "
@@ -177,7 +154,7 @@ class Trainer:
       from hetjax import emulate  # Emulation stays off the real path.
       pace = emulate.pacing_from_env(self.host_id)
     self.pace = pace
-    self.loader = loader_lib.HostLoader(source, self.sampler, self.host_id,
+    self.loader = loader_lib.HostLoader(source, self.sampler, self.host_id, workers=data_workers,
                                         augment=augment_lib.parse(config.augment))
     self._example = source[np.arange(1)]
     task_lib.check_batch_keys(list(self._example))
@@ -192,12 +169,16 @@ class Trainer:
     self._last_wait = 0.0
     self._start_step = 0
     self._base_key = jax.random.key(config.seed)
-    self._stop_requested = False  # Set by SIGTERM; travels to every host in the reduction.
-    self._stop_agreed = False
+    self._stop_code = 0.0  # The largest stop signal any host sent (hetjax.signals).
+    self._evaluator: evaluate_lib.Evaluator | None = None
     self.resumed_from: int | None = None
     self.job = ckpt_lib.describe_job(self.state, {
         "global_batch": config.global_batch, "seed": config.seed,
         "dataset": repr(source.info), "num_records": len(source), "identity": identity})
+    # The model and optimizer too: a stale checkout with the same command line differs here.
+    self._agree_on(ckpt_lib.describe_job(self.state, {}), what="model or optimizer",
+                   fix="parameter shapes or optimizer state structure differ; every host must "
+                   "run the same code (check each host's checkout and installed packages).")
     self.checkpointer = None
     if checkpoint is not None:
       self.checkpointer = ckpt_lib.Checkpointer(checkpoint, self._all_hosts_agree)
@@ -260,17 +241,28 @@ class Trainer:
 
   def _check_hosts_agree(self, identity: str) -> None:
     mine = f"{self.config!r}|{self.source.info!r}|{len(self.source)}|{identity}"
-    everyone = step_lib.gather_host_values(_fingerprint(mine), self.meshes)
-    differ = [h for h in range(self.num_hosts) if not np.array_equal(everyone[h], everyone[0])]
-    if differ:
-      raise ValueError(f"host(s) {differ} run a different configuration from host 0 "
-                       "(config hash mismatch): every host must run the same command and "
-                       "arguments.")
+    self._agree_on(mine, what="configuration",
+                   fix="(config hash mismatch): every host must run the same command and arguments.")
+
+  def _agree_on(self, description: Any, *, what: str, fix: str) -> None:
+    everyone = step_lib.gather_host_values(
+        agreement.text_fingerprint(repr(description)), self.meshes)
+    agreement.check_all_equal(everyone, what=what, fix=fix)
+
+  def check_params_agree(self) -> None:
+    """Compares every host's parameter fingerprint (every host must call it).
+
+    Raises:
+      agreement.HostsDisagree: naming the hosts whose replicas differ.
+    """
+    local = jax.tree.map(lambda x: step_lib.to_local(x, self.meshes), self.state.params)
+    rows = step_lib.gather_host_values(agreement.params_fingerprint(local), self.meshes)
+    agreement.check_fingerprints(self.step, rows)
 
   @property
   def step(self) -> int:
     """The index of the next step to run."""
-    return self._start_step + len(self.history.shares)
+    return self._start_step + self.history.steps
 
   def train_step(self) -> dict[str, float]:
     """Runs one synchronous step on every host; returns the global metrics."""
@@ -290,9 +282,11 @@ class Trainer:
       unit = self.config.microbatch * self.meshes.local_devices
       compute = self.pace(compute, step, -(-shares[self.host_id] // unit) * unit)
     t1 = time.perf_counter()
-    host_values = np.array([compute, self._last_wait, float(self._stop_requested)])
+    # Timings, this host's stop signal and the shares it used, for every host to check.
+    host_values = np.array([compute, self._last_wait, signals.REQUESTS.code, *shares])
     self.state, stats, rows = self.reduction(self.state, sums, host_values)
-    self._stop_agreed = bool(rows[:, 2].max() > 0)
+    agreement.check_shares(step, rows[:, 3:])
+    self._stop_code = float(rows[:, 2].max())
     t2 = time.perf_counter()
     self._last_wait = t2 - t1
     if stats["count"] <= 0:
@@ -301,7 +295,7 @@ class Trainer:
     h = self.history
     h.shares.append(shares)
     h.compute_s.append([float(r) for r in rows[:, 0]])
-    if len(h.wait_s) < len(h.shares) - 1:  # Not yet gathered by summary().
+    if h.dropped + len(h.wait_s) < h.steps - 1:  # Not yet gathered by summary().
       h.wait_s.append([float(r) for r in rows[:, 1]])
     h.step_s.append(t2 - t0)
     metrics = {k: float(v) for k, v in stats.items() if k != "count"}
@@ -313,12 +307,14 @@ class Trainer:
   def fit(self, steps: int | None = None, *, until: int | None = None, log_every: int = 0,
           log: Callable[[str], None] = print,
           on_step: Callable[["Trainer", dict[str, float]], None] | None = None,
-          sinks: Sequence[Callable[[dict[str, Any]], Any]] = ()) -> dict[str, Any]:
+          sinks: Sequence[Callable[[dict[str, Any]], Any]] = (), eval_every: int = 0,
+          eval_source: data_lib.ArraySource | None = None, out: str | None = None) -> dict[str, Any]:
     """Runs `steps` more steps, or until step `until`; returns the summary (same on every host).
 
-    With a checkpoint folder it saves every `every` steps and at the end, and
-    a SIGTERM to any host (a preemption notice) makes every host save at the
-    next step boundary and raise `Preempted`.
+    With a checkpoint folder it saves every `every` steps and at the end.
+    SIGTERM or Ctrl-C (SIGINT) to any host makes every host stop at the next
+    step boundary, save when there is a checkpoint folder, and raise
+    `Preempted` (SIGTERM) or `Interrupted` (SIGINT).
 
     Args:
       steps: how many steps to run from here.
@@ -329,37 +325,100 @@ class Trainer:
       sinks: fed one complete per-step record each (`hetjax.metrics` schema),
         e.g. `MetricsWriter.write` or `Progress.update`; a step's record
         comes one step late, when its wait seconds are known.
+      eval_every: evaluate on `eval_source` every this many steps (0: only
+        at the end, when `eval_source` is given); the figures go into the
+        records (`eval`) and the summary, the time spent off the step clock.
+      eval_source: the split to evaluate on (every host reads a slice).
+      out: a run folder: process 0 writes summary.json, metrics.jsonl and
+        TensorBoard events there, as `hetjax train --out` does, so
+        `hetjax report OUT` reads API runs too.
     """
     if (steps is None) == (until is None):
       raise ValueError("give fit() exactly one of steps (how many more) or until (the last step).")
     if steps is not None and steps < 0:
       raise ValueError(f"steps must be >= 0, got {steps}.")
+    if eval_every < 0:
+      raise ValueError(f"eval_every must be >= 0 steps (0: evaluate only at the end), got {eval_every}.")
+    if eval_every and eval_source is None:
+      raise ValueError(f"eval_every={eval_every} needs eval_source, the split to evaluate on.")
     target = self.step + steps if until is None else until
+    writer = None
+    if out is not None and self.host_id == 0:
+      writer = metrics_lib.MetricsWriter(out, resume_step=self.step or None)
+      sinks = [*sinks, writer.write]
     # Records are built only for someone to read them: the step loop stays lean.
     stream = None if not sinks else metrics_lib.RecordStream(
         self.history, global_batch=self.config.global_batch, emulated=self.emulated,
         first_step=self._start_step, sinks=sinks)
-    with self._sigterm_requests_stop():
-      while self.step < target:
-        metrics = self.train_step()
-        if stream is not None:
-          stream.pop()
-        if on_step is not None:
-          on_step(self, metrics)
-        if log_every and self.step % log_every == 0 and self.host_id == 0:
-          shown = " ".join(f"{k}={v:.4f}" for k, v in metrics.items())
-          log(f"step {self.step:5d} {shown} shares={','.join(map(str, self.history.shares[-1]))}")
-        if self._stop_agreed:
-          self.save_checkpoint(wait=True)
-          raise Preempted(self.step, self.checkpointer.directory)
-        if self.checkpointer is not None and self.step % self.checkpointer.config.every == 0:
-          self.save_checkpoint()
+    try:
+      with signals.REQUESTS.installed():
+        while self.step < target:
+          metrics = self.train_step()
+          if stream is not None:
+            self.history.lr[self.history.steps - 1] = self.learning_rate()
+          if eval_every and self.step % eval_every == 0:
+            self._evaluate_into_history(eval_source)
+          if stream is not None:
+            stream.pop()
+          self.history.trim(WARMUP_STEPS)  # Memory O(1) in steps: records are in the sinks.
+          if on_step is not None:
+            on_step(self, metrics)
+          if log_every and self.step % log_every == 0 and self.host_id == 0:
+            shown = " ".join(f"{k}={v:.4f}" for k, v in metrics.items())
+            log(f"step {self.step:5d} {shown} shares={','.join(map(str, self.history.shares[-1]))}")
+          if self._stop_code:
+            self._stop(stream, out)
+          if self.config.check_every and self.step % self.config.check_every == 0:
+            self.check_params_agree()
+          if self.checkpointer is not None and self.step % self.checkpointer.config.every == 0:
+            self.save_checkpoint()
+      # Also when nothing was left to run (a finished job started again).
+      if eval_source is not None and (self.history.steps - 1) not in self.history.evals:
+        self._evaluate_into_history(eval_source)
+      if self.checkpointer is not None:
+        self.save_checkpoint(wait=True)
+      summary = self.summary()
+      if stream is not None:
+        stream.pop()  # The last step's record, now that summary() gathered its waits.
+      if out is not None:
+        self.write_summary(out, summary)
+      return summary
+    finally:
+      if writer is not None:
+        writer.close()
+
+  def _stop(self, stream: metrics_lib.RecordStream | None, out: str | None) -> None:
+    """Every host got the stop flag in the same step: save, write what is known, raise."""
+    code, self._stop_code = self._stop_code, 0.0
+    signals.REQUESTS.clear()
+    directory = None
     if self.checkpointer is not None:
       self.save_checkpoint(wait=True)
+      directory = self.checkpointer.directory
     summary = self.summary()
     if stream is not None:
-      stream.pop()  # The last step's record, now that summary() gathered its waits.
-    return summary
+      stream.pop()
+    if out is not None:
+      self.write_summary(out, summary)
+    raise signals.stopped(code, self.step, directory)
+
+  def _evaluate_into_history(self, source: data_lib.ArraySource) -> None:
+    figures = self.evaluate(source)
+    self.history.evals[self.history.steps - 1] = figures
+
+  def learning_rate(self) -> float | None:
+    """The learning rate of the last update, when the optimizer exposes it.
+
+    Found in an `optax.inject_hyperparams` state (the command line builds its
+    optimizers that way); None for an optimizer that hides it.
+    """
+    lr = _find_learning_rate(self.state.opt_state)
+    return None if lr is None else float(np.asarray(lr.addressable_data(0)))
+
+  def write_summary(self, out: str, summary: dict[str, Any]) -> None:
+    """Writes OUT/summary.json on process 0 (what `hetjax report` reads)."""
+    if self.host_id == 0:
+      metrics_lib.write_summary(out, summary)
 
   def close(self) -> None:
     """Stops the input threads and finishes any checkpoint being written."""
@@ -369,50 +428,48 @@ class Trainer:
       self.checkpointer.close()
 
   def save_checkpoint(self, wait: bool = False) -> None:
-    """Saves the state after `self.step` steps (every host must call it)."""
+    """Saves the state after `self.step` steps (every host must call it).
+
+    The hosts' parameter fingerprints are compared first: a checkpoint never
+    records replicas that diverged.
+    """
     if self.checkpointer is None:
       raise ValueError("this trainer has no checkpoint folder; pass checkpoint=CheckpointConfig(...).")
+    if self.checkpointer.last_saved != self.step:
+      self.check_params_agree()
     self.checkpointer.save(self.step, self.state, self._checkpoint_meta())
     if wait:
       self.checkpointer.wait()
 
-  @contextlib.contextmanager
-  def _sigterm_requests_stop(self) -> Iterator[None]:
-    """While training with checkpoints, SIGTERM asks every host to save and stop."""
-    if self.checkpointer is None or threading.current_thread() is not threading.main_thread():
-      yield
-      return
-
-    def request_stop(signum, frame):
-      del signum, frame
-      self._stop_requested = True
-
-    previous = signal.signal(signal.SIGTERM, request_stop)
-    try:
-      yield
-    finally:
-      signal.signal(signal.SIGTERM, previous)
-
   def _final_waits(self) -> None:
     """The last step's waits travel in one extra small collective."""
-    if len(self.history.wait_s) < len(self.history.shares):
+    if len(self.history.wait_s) < len(self.history.shares):  # The window keeps them aligned.
       rows = step_lib.gather_host_values(np.array([self._last_wait]), self.meshes)
       self.history.wait_s.append([float(r) for r in rows[:, 0]])
 
-  def summary(self) -> dict[str, Any]:
-    """The figures of the run so far; identical on every host."""
+  def summary(self, digest: bool = False) -> dict[str, Any]:
+    """The figures of the run so far; identical on every host.
+
+    Aggregates cover the whole run; the per-host lists (`batch`, `compute_s`,
+    `wait_s`) only the recent steps the history keeps (`hetjax.history.WINDOW`):
+    every step is in metrics.jsonl.
+
+    Args:
+      digest: also hash every parameter (`params_digest`): a copy of the
+        whole model to host memory, so only on request.
+    """
     self._final_waits()
     h = self.history
-    steady = h.step_s[WARMUP_STEPS:] or h.step_s[1:] or h.step_s
-    samples_per_sec = self.config.global_batch * len(steady) / sum(steady) if steady else 0.0
+    steady, steady_s, busy_compute, busy_wait = h.steady_totals(WARMUP_STEPS, self.num_hosts)
+    samples_per_sec = self.config.global_batch * steady / steady_s if steady_s > 0 else 0.0
     per_host = []
     for i in range(self.num_hosts):
-      compute, wait = [c[i] for c in h.compute_s], [w[i] for w in h.wait_s]
-      busy = sum(compute[WARMUP_STEPS:]) + sum(wait[WARMUP_STEPS:])
-      per_host.append({"batch": [s[i] for s in h.shares], "compute_s": compute, "wait_s": wait,
-                       "idle_fraction": sum(wait[WARMUP_STEPS:]) / busy if busy else 0.0})
+      busy = busy_compute[i] + busy_wait[i]
+      per_host.append({"batch": [s[i] for s in h.shares], "compute_s": [c[i] for c in h.compute_s],
+                       "wait_s": [w[i] for w in h.wait_s],
+                       "idle_fraction": busy_wait[i] / busy if busy else 0.0})
     return {
-        "steps": len(h.shares),
+        "steps": h.steps,
         "last_step": self.step,
         "resumed_from": self.resumed_from,
         "global_batch": self.config.global_batch,
@@ -424,7 +481,8 @@ class Trainer:
         "samples_per_sec": samples_per_sec,
         "final_loss": h.loss[-1] if h.loss else None,
         "final_metrics": h.metrics[-1] if h.metrics else {},
-        "params_digest": params_digest(self.params()),
+        "params_digest": params_digest(self.params()) if digest else None,
+        "eval": self._last_eval(),
         "emulated_speeds": self.emulated,
         "per_host": per_host,
     }
@@ -434,27 +492,31 @@ class Trainer:
     return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), self.state.params)
 
   def evaluate(self, source: data_lib.ArraySource, batch_size: int = 256) -> dict[str, float]:
-    """Mean loss and metrics over all of `source`, on this host's first device."""
-    loss_fn = self.task.evaluation_loss()
-    params = self.params()
-    model_state = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), self.state.model_state)
+    """Mean loss and metrics over all of `source`; every host must call it.
 
-    @jax.jit
-    def sums(batch):
-      losses, metrics, _ = loss_fn(params, model_state, batch, jax.random.key(0))
-      values, weights = task_lib.split_losses(losses)
-      real = batch[task_lib.MASK] > 0
-      total = lambda v: jnp.sum(jnp.where(real, v, 0.0))
-      weight = total(weights) if weights is not None else jnp.sum(real.astype(jnp.float32))
-      return {"weight": weight, "loss": total(values),
-              **{k: total(v) for k, v in metrics.items()}}
+    Compiled once (parameters are arguments); the split is streamed
+    `batch_size` records per device at a time and spread over every host
+    (slices sized by the current shares, i.e. by speed) and its devices.
+    """
+    if self._evaluator is None or self._evaluator.batch != batch_size * self.meshes.local_devices:
+      self._evaluator = evaluate_lib.Evaluator(self.task, self.meshes, batch_size)
+    weights = self.history.shares[-1] if self.history.shares else [1] * self.num_hosts
+    return self._evaluator.evaluate(self.state.params, self.state.model_state, source, weights)
 
-    total = {}
-    for batch in step_lib.micro_batches(source[np.arange(len(source))], batch_size):
-      for k, v in jax.device_get(sums(batch)).items():
-        total[k] = total.get(k, 0.0) + float(v)
-    weight = total.pop("weight")
-    return {k: v / weight for k, v in total.items()}
+  def _last_eval(self) -> dict[str, Any] | None:
+    if not self.history.evals:
+      return None
+    index = max(self.history.evals)
+    return {"step": self._start_step + index, **self.history.evals[index]}
+
+
+def _find_learning_rate(opt_state: PyTree) -> jax.Array | None:
+  """The `learning_rate` of the first `optax.inject_hyperparams` state in `opt_state`."""
+  kinds = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+  for node in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, kinds)):
+    if isinstance(node, kinds) and "learning_rate" in node.hyperparams:
+      return node.hyperparams["learning_rate"]
+  return None
 
 
 def train(task: Task, optimizer: optax.GradientTransformation, source: data_lib.ArraySource,

@@ -3,33 +3,44 @@
     python launch/hosts.py --hostfile hosts.txt --workdir /shared/hetjax \\
         -- .venv/bin/hetjax train --model resnet18 --global-batch 512
 
-The host file names one host per line as `name` or `user@name`; `#` starts a
-comment. The first host runs process 0 and the coordinator, at `name:PORT`
-(`--port`, default 29517; `--coordinator HOST[:PORT]` when the other hosts
-know host 0 by another name than the one ssh uses):
+The host file names one host per line as `name` or `user@name`, optionally
+followed by that host's own settings, `KEY=VALUE` words (quoted like a shell
+word when a value has spaces): environment variables for that host only, and
+`workdir=DIR` for a checkout in another place. `#` starts a comment. Mixed
+machines need this: another network interface, another CUDA setting.
 
     # hosts.txt
-    alice@h100-a     # process 0, the coordinator
-    a100-b
-    v100-c
+    alice@h100-a  NCCL_SOCKET_IFNAME=ib0  HETJAX_GLOO_INTERFACE=ib0   # process 0
+    a100-b        NCCL_SOCKET_IFNAME=eth0 HETJAX_GLOO_INTERFACE=eth0
+    v100-c        NCCL_SOCKET_IFNAME=eth0 HETJAX_GLOO_INTERFACE=eth0 workdir=/opt/hetjax
+
+The first host runs process 0 and the coordinator, at `name:PORT` (`--port`,
+default 29517; `--coordinator HOST[:PORT]` when the other hosts know host 0
+by another name than the one ssh uses). Restart k of the job uses PORT + k,
+as the last coordinator's port may still be held.
 
 Every host gets, inside its remote command, HETJAX_COORDINATOR,
 HETJAX_NUM_HOSTS, HETJAX_HOST_ID (and HETJAX_INIT_TIMEOUT, HETJAX_RESTART_COUNT,
-PYTHONUNBUFFERED, any `--env KEY=VALUE`), runs from `--workdir`, and its
-output comes back prefixed with `[host i] `. `--dry-run` prints the exact ssh
-command of each host, in host order, and starts nothing.
+PYTHONUNBUFFERED, any `--env KEY=VALUE`, then its own settings), runs from its
+workdir, and its output comes back prefixed with `[host i] `. `--dry-run`
+prints the exact ssh command of each host, in host order, and starts nothing.
 
-When a host fails, or the launcher is interrupted, every local ssh process
-is stopped. The default `--ssh` asks for a terminal (`-tt`) so that closing
-the connection hangs up the remote process too; a remote process that
-ignores SIGHUP survives, which no launcher can fix over plain ssh.
-`--max-restarts` / `--max-preemptions` restart all hosts as `launch/local.py`
-does (see `hetjax.procs.supervise`).
+Stopping: when a host fails, or the launcher is interrupted or killed, the
+local ssh processes end. ssh asks for a terminal (`-tt`), so a closed
+connection hangs up the remote side; there a small bash wrapper turns the
+hang-up (and SIGTERM) into SIGTERM for the host, which saves its checkpoint
+and exits, instead of dying of SIGHUP. The host writes through a relay that
+outlives the connection, so a host that is saving never fails on a write to
+a dead terminal, and it never sees a terminal, so progress lines stay plain
+lines. `ServerAliveInterval` ends an ssh whose peer stopped answering. The
+remote hosts need bash. `--max-restarts` / `--max-preemptions` restart all
+hosts as `launch/local.py` does (see `hetjax.procs.supervise`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import shlex
@@ -43,44 +54,90 @@ except ImportError:  # Run from a checkout without installing hetjax.
   from hetjax import procs
 
 DEFAULT_PORT = 29517
-# -tt: a remote terminal, so the remote process is hung up with the connection.
+# -tt: a remote terminal, so the remote side is hung up with the connection.
 # BatchMode: a host without a usable key fails at once instead of waiting
-# at a password prompt that nobody can answer.
-DEFAULT_SSH = "ssh -tt -o BatchMode=yes"
+# at a password prompt that nobody can answer. ServerAlive*: an ssh whose
+# peer went silent ends within a minute instead of hanging the job.
+DEFAULT_SSH = "ssh -tt -o BatchMode=yes -o ServerAliveInterval=15 -o ServerAliveCountMax=4"
 _ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Set by the launcher from the host file; an --env that names one would break the cluster.
 _RESERVED = (procs.ENV_COORDINATOR, procs.ENV_NUM_HOSTS, procs.ENV_HOST_ID,
              procs.ENV_RESTART_COUNT)
+# Runs on the remote host under bash: the host in the background (job control
+# on while it starts, so it keeps SIGINT; SIGHUP ignored), its output through
+# a relay that survives the connection, and hang-up or SIGTERM to the wrapper
+# passed on as SIGTERM, Ctrl-C as SIGINT; then the host's own exit code.
+_WRAPPER = ('set -m; {cd}trap "" HUP; {command} </dev/null '
+            '> >(trap "" HUP INT TERM; cat || exec cat >/dev/null) 2>&1 & pid=$!; set +m; '
+            'trap "kill -TERM $pid 2>/dev/null" HUP TERM; trap "kill -INT $pid 2>/dev/null" INT; '
+            'wait $pid; rc=$?; '
+            'while [ $rc -gt 128 ] && kill -0 $pid 2>/dev/null; do wait $pid; rc=$?; done; exit $rc')
 
 
-def parse_hostfile(text: str, source: str = "the host file") -> list[str]:
-  """The `[user@]host` entries of a host file, in order; raises ValueError naming the line."""
+@dataclasses.dataclass(frozen=True)
+class Host:
+  """One line of the host file: where to ssh, and that host's own settings."""
+
+  address: str
+  env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+  workdir: str | None = None
+
+  @property
+  def name(self) -> str:
+    return self.address.rpartition("@")[2]
+
+
+def parse_hostfile(text: str, source: str = "the host file") -> list[Host]:
+  """The hosts of a host file, in order; raises ValueError naming the line."""
   hosts = []
   for number, raw in enumerate(text.splitlines(), start=1):
-    words = raw.split("#", 1)[0].split()
+    try:
+      words = shlex.split(raw, comments=True)
+    except ValueError as e:
+      raise ValueError(f"line {number} of {source} ({raw.strip()!r}): {e}.") from None
     if not words:
       continue
-    if len(words) > 1:
-      raise ValueError(f"line {number} of {source} has {len(words)} words ({raw.strip()!r}); "
-                       "write one host per line as [user@]host.")
-    host = words[0]
-    user, at, name = host.rpartition("@")
-    if not name or (at and not user) or host.startswith("-"):
-      raise ValueError(f"line {number} of {source}: {host!r} is not [user@]host "
+    address, settings = words[0], words[1:]
+    user, at, name = address.rpartition("@")
+    if not name or (at and not user) or address.startswith("-") or "=" in address:
+      raise ValueError(f"line {number} of {source}: {address!r} is not [user@]host "
                        "(a name that does not start with '-').")
-    hosts.append(host)
+    env, workdir = {}, None
+    for word in settings:
+      key, sep, value = word.partition("=")
+      if key == "workdir" and sep:
+        workdir = value
+        continue
+      if not sep or not _ENV_KEY_RE.match(key):
+        raise ValueError(f"line {number} of {source}: {word!r} is not KEY=VALUE (or workdir=DIR); "
+                         "write [user@]host [KEY=VALUE ...].")
+      if key in _RESERVED:
+        raise ValueError(f"line {number} of {source}: {key} is set by the launcher; drop it.")
+      env[key] = value
+    hosts.append(Host(address, env, workdir))
   if not hosts:
     raise ValueError(f"{source} lists no hosts; write one [user@]host per line.")
   return hosts
 
 
-def coordinator_address(hosts: Sequence[str], port: int, coordinator: str | None = None) -> str:
-  """`host:port` of process 0: `coordinator` if given, else the first host's name."""
+def coordinator_address(hosts: Sequence[Host], port: int, coordinator: str | None = None,
+                        restart_count: int = 0) -> str:
+  """`host:port` of process 0 for restart `restart_count`: the port moves on by one per restart."""
   if not 1 <= port <= 65535:
     raise ValueError(f"--port must be in [1, 65535], got {port}.")
+  host = hosts[0].name
   if coordinator:
-    return coordinator if ":" in coordinator else f"{coordinator}:{port}"
-  return f"{hosts[0].rpartition('@')[2]}:{port}"
+    host, sep, given = coordinator.rpartition(":") if not coordinator.endswith("]") else (
+        coordinator, "", "")
+    if not sep or not given.isdigit():
+      host = coordinator
+    else:
+      port = int(given)
+  port += restart_count
+  if port > 65535:
+    raise ValueError(f"restart {restart_count} would use coordinator port {port} > 65535; "
+                     "choose a lower --port.")
+  return f"{host}:{port}"
 
 
 def parse_env(items: Sequence[str]) -> dict[str, str]:
@@ -98,15 +155,14 @@ def parse_env(items: Sequence[str]) -> dict[str, str]:
 
 
 def remote_command(command: Sequence[str], env: Mapping[str, str], workdir: str | None) -> str:
-  """The shell line one host runs: cd, then exec the command with `env`, all quoted."""
-  words = [f"cd {shlex.quote(workdir)} &&"] if workdir else []
-  words.append("exec env")
-  words += [shlex.quote(f"{k}={v}") for k, v in env.items()]
+  """The line the remote login shell runs: bash with the wrapper around `env ... command`."""
+  words = ["env"] + [shlex.quote(f"{k}={v}") for k, v in env.items()]
   words += [shlex.quote(word) for word in command]
-  return " ".join(words)
+  cd = f"cd {shlex.quote(workdir)} || exit 1; " if workdir else ""
+  return "exec bash -c " + shlex.quote(_WRAPPER.format(cd=cd, command=" ".join(words)))
 
 
-def host_commands(hosts: Sequence[str], command: Sequence[str], *, coordinator: str,
+def host_commands(hosts: Sequence[Host], command: Sequence[str], *, coordinator: str,
                   ssh: str = DEFAULT_SSH, workdir: str | None = None,
                   env: Mapping[str, str] | None = None, init_timeout_s: float | None = None,
                   restart_count: int = 0) -> list[list[str]]:
@@ -122,7 +178,9 @@ def host_commands(hosts: Sequence[str], command: Sequence[str], *, coordinator: 
     if init_timeout_s is not None:
       host_env[procs.ENV_INIT_TIMEOUT] = f"{init_timeout_s:g}"
     host_env.update(env or {})
-    commands.append([*ssh_argv, host, remote_command(command, host_env, workdir)])
+    host_env.update(host.env)
+    commands.append([*ssh_argv, host.address,
+                     remote_command(command, host_env, host.workdir or workdir)])
   return commands
 
 
@@ -132,7 +190,8 @@ def _parser() -> argparse.ArgumentParser:
       usage="%(prog)s --hostfile FILE [--workdir DIR] [--port P] [--ssh CMD] [--env K=V] "
             "[--dry-run] [--max-restarts K] -- COMMAND ...",
       description="Run COMMAND as one hetjax host per line of FILE, over ssh.")
-  parser.add_argument("--hostfile", required=True, help="one [user@]host per line; # comments")
+  parser.add_argument("--hostfile", required=True,
+                      help="one [user@]host [KEY=VALUE ...] [workdir=DIR] per line; # comments")
   parser.add_argument("--workdir", default=None, help="folder to cd into on every host")
   parser.add_argument("--port", type=int, default=DEFAULT_PORT,
                       help=f"coordinator port on the first host (default {DEFAULT_PORT})")
@@ -171,10 +230,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.grace < 0:
       raise ValueError(f"--grace must be >= 0 seconds, got {args.grace!r}.")
     procs.check_restarts(args.max_restarts, args.max_preemptions)
-    coordinator = coordinator_address(hosts, args.port, args.coordinator)
+    coordinator_address(hosts, args.port, args.coordinator)  # Checks the port.
     extra_env = parse_env(args.env)
 
     def commands(restart_count: int) -> list[list[str]]:
+      coordinator = coordinator_address(hosts, args.port, args.coordinator, restart_count)
       return host_commands(hosts, command, coordinator=coordinator, ssh=args.ssh,
                            workdir=args.workdir, env=extra_env,
                            init_timeout_s=args.init_timeout, restart_count=restart_count)
@@ -186,17 +246,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     for argv_i in first:
       print(shlex.join(argv_i))
     return 0
-  return run(hosts, commands, coordinator=coordinator, grace_s=args.grace,
+  return run(hosts, commands, port=args.port, coordinator=args.coordinator, grace_s=args.grace,
              max_restarts=args.max_restarts, max_preemptions=args.max_preemptions)
 
 
-def run(hosts: Sequence[str], commands: Callable[[int], list[list[str]]], *, coordinator: str,
-        grace_s: float, max_restarts: int = 0, max_preemptions: int | None = None) -> int:
+def run(hosts: Sequence[Host], commands: Callable[[int], list[list[str]]], *, port: int,
+        coordinator: str | None, grace_s: float, max_restarts: int = 0,
+        max_preemptions: int | None = None) -> int:
   """Starts the ssh processes, supervised by `procs.supervise`; returns the exit code."""
-  names = ", ".join(f"host {i} {h}" for i, h in enumerate(hosts))
+  names = ", ".join(f"host {i} {h.address}" for i, h in enumerate(hosts))
 
   def attempt(restart_count: int) -> procs.Outcome:
-    procs.note(f"{len(hosts)} host(s) over ssh, coordinator {coordinator}: {names}")
+    address = coordinator_address(hosts, port, coordinator, restart_count)
+    procs.note(f"{len(hosts)} host(s) over ssh, coordinator {address}: {names}")
     return procs.run_group(commands(restart_count), [os.environ] * len(hosts), sink=sys.stdout,
                            grace_s=grace_s, handle_signals=True)
 

@@ -6,8 +6,11 @@
 Each host gets HETJAX_COORDINATOR (a free port on 127.0.0.1),
 HETJAX_NUM_HOSTS, HETJAX_HOST_ID, HETJAX_CPU_DEVICES and, with --speeds, the
 emulated HETJAX_SPEED; its output lines are prefixed with `[host i] `. When a
-host fails, or the launcher gets Ctrl-C / SIGTERM, every host is stopped with
-everything it started.
+host fails, every host is stopped with everything it started. Ctrl-C reaches
+every host as SIGINT (a user's stop: hetjax hosts save and exit 130, and the
+launcher waits for them; Ctrl-C again kills them), SIGTERM as SIGTERM (they
+save and exit 75; killed after --grace). The hosts, and what they started,
+also die when the launcher itself is killed, even by SIGKILL.
 
 Supervised restarts: with `--max-restarts K`, a failed job (a host exits
 non-zero or is killed) is started again, all hosts, with the same command and
@@ -53,7 +56,8 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--init-timeout", type=float, default=None,
                       help="seconds a host may take to join the cluster")
   parser.add_argument("--grace", type=float, default=procs.DEFAULT_GRACE_S,
-                      help="seconds between SIGTERM and SIGKILL when stopping hosts")
+                      help="seconds between SIGTERM and SIGKILL when stopping hosts (after a "
+                           "Ctrl-C: once the first host has ended)")
   procs.add_restart_arguments(parser)
   return parser
 

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from hetjax import task as task_lib
 
-from . import losses
+from . import losses, preprocess
 from .cnn import CNN
 from .mlp import MLP
 from .resnet import MaskedBatchNorm, ResNet
@@ -112,7 +112,8 @@ def build(
         f"Unknown option(s) {unknown} for model {name!r}; valid options: "
         f"{', '.join(valid)}.")
   module = spec.module(**{spec.size_arg: size}, **overrides)
-  return task_lib.from_linen(module, spec.loss)
+  task = task_lib.from_linen(module, spec.loss)
+  return preprocess.on_device_scaling(task) if kind == "image" else task
 
 
 __all__ = [

@@ -45,7 +45,10 @@ def preempt_resume_and_reference(directory: str, sigterm_host: int, sigterm_afte
     preempted = e.step
   resumed = _trainer(directory)
   resumed_from = resumed.resumed_from
-  digest = resumed.fit(until=until)["params_digest"]
-  reference = _trainer(None).fit(until=until)["params_digest"]
+  resumed.fit(until=until)
+  digest = hetjax.params_digest(resumed.params())
+  ref = _trainer(None)
+  ref.fit(until=until)
+  reference = hetjax.params_digest(ref.params())
   return {"preempted": preempted, "steps_done_first": first.step, "resumed_from": resumed_from,
           "digest": digest, "reference": reference}

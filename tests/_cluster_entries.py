@@ -99,3 +99,19 @@ def one_host_reference(global_batch: int, microbatch: int, steps: int):
                        trainer.TrainConfig(global_batch=global_batch, microbatch=microbatch))
   tr.fit(steps)
   return tr.params()
+
+
+def visible_devices():
+  """What JAX lets this host use after `hetjax.initialize()`."""
+  topo = hetjax.initialize()
+  return {"host": topo.host_id, "hosts": topo.num_hosts, "local_devices": topo.local_devices,
+          "cuda_visible_devices": jax.config.values["jax_cuda_visible_devices"]}
+
+
+def cross_host_sum():
+  """A cross-host sum through the CPU collectives (gloo): host ids + 1, summed."""
+  from hetjax import step as step_lib
+  hetjax.initialize()
+  meshes = step_lib.Meshes.create()
+  rows = step_lib.gather_host_values(np.array([jax.process_index() + 1.0]), meshes)
+  return float(rows.sum())

@@ -10,10 +10,11 @@ import os
 from hetjax import doctor
 
 
-def doctor_on_every_host(json_path: str, steps: int = 6):
+def doctor_on_every_host(json_path: str, steps: int = 6, expect_devices: str | None = None):
   printed = io.StringIO()
+  extra = [] if expect_devices is None else ["--expect-devices", expect_devices]
   with contextlib.redirect_stdout(printed):
-    code = doctor.main(["--steps", str(steps), "--batch", "128", "--json", json_path])
+    code = doctor.main(["--steps", str(steps), "--batch", "128", "--json", json_path, *extra])
   report = None
   if os.path.exists(json_path):
     with open(json_path) as f:

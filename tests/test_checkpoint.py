@@ -6,14 +6,17 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
+import jax
+import numpy as np
 import optax
 import pytest
 
 import hetjax
 import hetjax_models
-from hetjax import checkpoint, data, procs, trainer
+from hetjax import checkpoint, cli, data, procs, trainer
 
 DIGITS = data.load("digits")
 
@@ -28,10 +31,15 @@ def _trainer(directory, *, resume=True, every=3, width=None, optimizer=None, kee
       checkpoint=checkpoint.CheckpointConfig(str(directory), every=every, keep=keep, resume=resume))
 
 
+def _digest(tr, until):
+  tr.fit(until=until)
+  return trainer.params_digest(tr.params())
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
   """The digest of a 10-step run that was never stopped."""
-  return _trainer(tmp_path_factory.mktemp("ref"), resume=False).fit(until=10)["params_digest"]
+  return _digest(_trainer(tmp_path_factory.mktemp("ref"), resume=False), until=10)
 
 
 @pytest.mark.parametrize("stop_at", [4, 7])
@@ -40,15 +48,37 @@ def test_stopping_and_resuming_gives_the_uninterrupted_parameters_bit_for_bit(
   _trainer(tmp_path).fit(until=stop_at)
   resumed = _trainer(tmp_path)
   assert resumed.resumed_from == stop_at and resumed.step == stop_at
-  assert resumed.fit(until=10)["params_digest"] == uninterrupted
+  assert _digest(resumed, until=10) == uninterrupted
 
 
-def test_a_background_save_is_not_disturbed_by_the_steps_that_follow(tmp_path, uninterrupted):
-  # Saved asynchronously at step 6 while steps 7 and 8 ran (and donated their
-  # input buffers); resuming from 6 must still continue exactly.
-  _trainer(tmp_path).fit(until=8)
+def test_a_background_save_is_not_disturbed_by_the_steps_that_follow(tmp_path, uninterrupted,
+                                                                     monkeypatch):
+  # The save of step 6 is held in flight (its background commit waits for a
+  # handshake) while steps 7 and 8 run and donate their input buffers; only
+  # then is it let finish. Resuming from 6 must still continue exactly.
+  from orbax.checkpoint._src.checkpointers import async_checkpointer
+  release, real = threading.Event(), async_checkpointer._background_wait_for_commit_futures
+
+  held_saves = []
+
+  def held(directory, *args, **kwargs):
+    if str(directory.name).split(".")[0] == "6":
+      held_saves.append(6)
+      assert release.wait(timeout=300), "step 8 never ran"
+    return real(directory, *args, **kwargs)
+
+  monkeypatch.setattr(async_checkpointer, "_background_wait_for_commit_futures", held)
+  in_flight = []
+
+  def after(tr, metrics):
+    if tr.step == 8:
+      in_flight.append(not (tmp_path / "6" / "commit_success.txt").exists())
+      release.set()
+
+  _trainer(tmp_path).fit(until=8, on_step=after)
+  assert held_saves == [6] and in_flight == [True], "the save of step 6 was not in flight"
   shutil.rmtree(tmp_path / "8")
-  assert _trainer(tmp_path).fit(until=10)["params_digest"] == uninterrupted
+  assert _digest(_trainer(tmp_path), until=10) == uninterrupted
 
 
 def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(tmp_path, uninterrupted, capsys):
@@ -61,7 +91,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(tmp_path, uninter
   resumed = _trainer(tmp_path)
   assert f"skipping checkpoint {tmp_path}/7" in capsys.readouterr().out
   assert resumed.resumed_from == 6
-  assert resumed.fit(until=10)["params_digest"] == uninterrupted
+  assert _digest(resumed, until=10) == uninterrupted
 
 
 def test_a_checkpoint_without_its_commit_marker_is_never_loaded(tmp_path, capsys):
@@ -82,17 +112,21 @@ def test_a_checkpoint_of_another_model_or_optimizer_is_refused_saying_what_diffe
 
 
 @pytest.mark.parametrize("bad", ["file", "under-file"])
-def test_an_unwritable_checkpoint_folder_fails_before_anything_compiles(tmp_path, bad):
+def test_an_unwritable_checkpoint_folder_fails_before_anything_compiles(tmp_path, bad, capsys):
   blocker = tmp_path / "not-a-folder"
   blocker.write_text("x")
   target = blocker if bad == "file" else blocker / "ckpt"
-  with pytest.raises(ValueError, match="is not writable"):
+  with pytest.raises(ValueError, match="is a file|lies under"):
     checkpoint.CheckpointConfig(str(target)).validate()
-  result = subprocess.run(
-      [sys.executable, "-m", "hetjax.cli", "train", "--model", "mlp", "--ckpt-dir", str(target)],
-      capture_output=True, text=True, timeout=120)
-  assert result.returncode == 2 and "is not writable" in result.stderr
-  assert "Compiling" not in result.stderr
+  compiles = []
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda event, duration, **kw: compiles.append(event)
+      if event == "/jax/core/compile/backend_compile_duration" else None)
+  assert cli.main(["train", "--model", "mlp", "--ckpt-dir", str(target)]) == 2
+  assert "not a folder" in capsys.readouterr().err
+  assert compiles == [], "the error must come before anything is compiled"
+  jax.jit(lambda x: x + 1)(np.float32(1))  # The listener does hear a compilation.
+  assert compiles
 
 
 def test_bad_checkpoint_settings_are_refused(tmp_path):
@@ -144,6 +178,20 @@ def test_a_finished_run_started_again_resumes_does_nothing_and_keeps_its_checkpo
     tmp_path, uninterrupted):
   _trainer(tmp_path).fit(until=10)
   again = _trainer(tmp_path)
-  summary = again.fit(until=10)
+  summary = again.fit(until=10, eval_source=data.load("digits", "test"))
   assert again.resumed_from == 10 and summary["steps"] == 0 and summary["last_step"] == 10
-  assert summary["params_digest"] == uninterrupted
+  assert summary["eval"]["step"] == 9 and 0 <= summary["eval"]["accuracy"] <= 1  # Still evaluated.
+  assert trainer.params_digest(again.params()) == uninterrupted
+
+
+def test_a_url_reaches_orbax_unchanged_and_skips_the_local_checks(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  checkpoint.CheckpointConfig("gs://some-bucket/run").validate()  # No local probe...
+  assert os.listdir(tmp_path) == []  # ...and no local folder named "gs:".
+  seen = []
+  monkeypatch.setattr(checkpoint.ocp, "CheckpointManager",
+                      lambda directory, options: seen.append(directory))
+  ckpt = checkpoint.Checkpointer(checkpoint.CheckpointConfig("gs://some-bucket/run"), bool)
+  assert ckpt.directory == "gs://some-bucket/run"
+  assert [str(d) for d in seen] == ["gs://some-bucket/run"] and os.listdir(tmp_path) == []
+  assert checkpoint.resolve("rel/ckpt") == str(tmp_path / "rel" / "ckpt")

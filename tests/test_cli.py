@@ -33,6 +33,13 @@ def compiles():
     (["--augment", "rotate"], "rotate"),
     (["--ckpt-dir", "/tmp/hetjax-cli-test", "--ckpt-every", "0"], "--ckpt-every"),
     (["--dataset", "tfds:no_such_dataset", "--data-dir", "/nonexistent-hetjax"], "no_such_dataset"),
+    (["--warmup-steps", "-1"], "--warmup-steps must be >= 0, got -1"),
+    (["--schedule", "cosine", "--warmup-steps", "2"], "--warmup-steps 2 leaves no step of the cosine decay (--steps 2)"),
+    (["--clip-norm", "0"], "--clip-norm must be > 0 (a global gradient norm), got 0.0"),
+    (["--weight-decay=-0.1"], "--weight-decay must be >= 0, got -0.1"),
+    (["--lr", "0"], "--lr must be > 0, got 0.0"),
+    (["--eval-every=-5"], "--eval-every must be >= 0 steps"),
+    (["--eval-every", "5", "--model", "transformer", "--dataset", "tokens"], "--eval-every evaluates on the test split"),
 ])
 def test_bad_input_fails_fast_with_a_message(capsys, compiles, extra, message):
   assert cli.main(BASE + extra) == 2
@@ -89,3 +96,38 @@ def test_a_two_host_run_shows_progress_on_host_0_only_and_its_report_matches(tmp
   summary = json.loads((out / "summary.json").read_text())
   text = (out / "report.txt").read_text()
   assert f"{summary['samples_per_sec']:,.1f} samples/s measured" in text
+
+
+def test_a_negative_looking_assignment_gets_the_equals_sign_fix(capsys):
+  with pytest.raises(SystemExit) as exit_:
+    cli.main(BASE + ["--assignment", "-8,56,48"])
+  assert exit_.value.code == 2
+  assert "e.g. --assignment=-8,56,48" in capsys.readouterr().err
+
+
+def test_a_checkpoint_folder_that_is_a_file_is_called_a_file(tmp_path, capsys, compiles):
+  blocker = tmp_path / "ckpt"
+  blocker.write_text("x")
+  assert cli.main(BASE + ["--ckpt-dir", str(blocker)]) == 2
+  err = capsys.readouterr().err
+  assert f"checkpoint folder {blocker} is a file, not a folder" in err and "permissions" not in err
+  assert compiles == []
+
+
+def test_the_optimizer_flags_build_a_schedule_counted_in_updates_with_clipping_and_decay():
+  import jax.numpy as jnp
+  import optax
+  from hetjax import optimizers
+  opt = optimizers.make("sgd", 0.1, schedule="linear", warmup_steps=2, total_steps=6,
+                        clip_norm=1.0, weight_decay=0.5)
+  params = {"w": jnp.array([3.0, 4.0])}
+  state = opt.init(params)
+  grads = {"w": jnp.array([30.0, 40.0])}  # Global norm 50: clipped to 1 -> (0.6, 0.8).
+  rates = []
+  for _ in range(6):
+    updates, state = opt.update(grads, state, params)
+    rates.append(float(state[1].hyperparams["learning_rate"]))
+  assert rates == pytest.approx([0.0, 0.05, 0.1, 0.075, 0.05, 0.025])
+  # The last update: -lr * (clipped grad + decay * params) = -0.025 * ((0.6, 0.8) + 0.5 * (3, 4)).
+  assert updates["w"].tolist() == pytest.approx([-0.025 * 2.1, -0.025 * 2.8])
+  assert isinstance(optimizers.make("adam", 1e-3, weight_decay=0.01), optax.GradientTransformation)

@@ -79,3 +79,55 @@ def test_the_demo_command_writes_the_summary_contract(tmp_path):
   assert summary["emulated_speeds"] is True and summary["balancer_mode"] == "dynamic"
   assert summary["balancer_decisions"][0]["reason"] == "warm-up: equal split"
   assert len(np.load(tmp_path / "p.npz").files) > 0
+
+
+# What SLURM puts in every task's environment under srun; JAX's own detection
+# would narrow each process to the GPU numbered SLURM_LOCALID.
+_SLURM_TASK = {"SLURM_JOB_ID": "77", "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "2",
+               "SLURM_PROCID": "0", "SLURM_LOCALID": "1", "SLURM_STEP_NUM_TASKS": "2"}
+
+
+def test_explicit_settings_keep_every_local_device_even_inside_slurm():
+  results = run_hosts("_cluster_entries:visible_devices", hosts=2, devices_per_host=2,
+                      env=_SLURM_TASK)
+  assert results == [{"host": h, "hosts": 2, "local_devices": 2, "cuda_visible_devices": "all"}
+                     for h in range(2)]
+
+
+def test_a_slurm_job_without_an_srun_step_trains_as_one_host(tmp_path):
+  """`hetjax train` inside salloc, or in a batch script without srun."""
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "HETJAX_"))}
+  env.update(SLURM_JOB_ID="1", SLURM_LOCALID="0")
+  run = subprocess.run([sys.executable, "-m", "hetjax.cli", "train", "--model", "mlp", "--steps",
+                        "2", "--out", str(tmp_path / "run")], env=env, capture_output=True,
+                       text=True, timeout=300, cwd=tmp_path)
+  assert run.returncode == 0, run.stderr[-3000:]
+  assert "[hetjax] SLURM job 1 with no srun step (salloc, or a batch script): one host" in run.stderr
+  summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+  assert (summary["hosts"], summary["steps"]) == (1, 2)
+
+
+def test_the_gloo_interface_can_be_named():
+  assert run_hosts("_cluster_entries:cross_host_sum", hosts=2,
+                   env={"HETJAX_GLOO_INTERFACE": "lo"}) == [3.0, 3.0]
+
+
+def test_an_unknown_gloo_interface_is_refused_before_joining():
+  with pytest.raises(RuntimeError, match=r"HETJAX_GLOO_INTERFACE='nosuch0' is no network interface "
+                                         r"of this machine .*; it has .*lo"):
+    run_hosts("_cluster_entries:cross_host_sum", hosts=2, env={"HETJAX_GLOO_INTERFACE": "nosuch0"},
+              timeout_s=120)
+
+
+def test_an_ipv6_coordinator_works():
+  from hetjax import procs
+  import socket
+  with socket.socket(socket.AF_INET6) as sock:
+    sock.bind(("::1", 0))  # This machine has an IPv6 loopback; a test machine without one fails here.
+    port = sock.getsockname()[1]
+  code = ("import hetjax; t = hetjax.initialize(); print('TOPO', t.host_id, t.num_hosts, flush=True)")
+  envs = procs.cluster_envs(2, 1, coordinator=f"[::1]:{port}")
+  outcome = procs.run_group([[sys.executable, "-c", code]] * 2, envs, timeout_s=240, grace_s=0.5)
+  assert outcome.ok, outcome.tails
+  assert [[l for l in tail if l.startswith("TOPO")] for tail in outcome.tails] == [
+      ["TOPO 0 2"], ["TOPO 1 2"]]

@@ -162,15 +162,20 @@ class _Broken:
 
 
 def test_a_worker_error_surfaces_in_get_and_no_thread_outlives_close():
-  before = threading.active_count()
   sampler = data.GlobalSampler(40, 40, seed=0)
-  host = loader.HostLoader(_Broken(), sampler, 0)
+  host = loader.HostLoader(_Broken(), sampler, 0, threads=2, min_chunk=1)
+  other = loader.HostLoader(_Broken(), sampler, 0)  # Its threads are not the first one's.
+  other.prefetch(1, (40,))
   host.prefetch(0, (40,))
+  assert host.running() >= 1  # Its own reader threads (the pool starts them as work comes).
   with pytest.raises(OSError, match="record 13 is unreadable"):
     host.get(0, (40,))
   host.close()
   host.close()
-  assert threading.active_count() == before
+  assert host.running() == 0
+  assert other.running() > 0
+  other.close()
+  assert not [t for t in threading.enumerate() if t.name.startswith(host.thread_prefix)]
   with pytest.raises(RuntimeError, match="closed"):
     host.get(1, (40,))
 
@@ -225,7 +230,8 @@ def test_a_dataset_built_offline_reads_back_through_the_catalog_path(tmp_path):
   source = data.load("tfds:mnist", "train", data_dir=str(tmp_path))
   assert len(source) == 12 and source.info == sources.DatasetInfo("tfds:mnist", "image", num_classes=10)
   batch = source[np.array([5, 0, 11])]
-  np.testing.assert_array_equal(batch["x"], x[[5, 0, 11]].astype(np.float32) / 255)
+  assert batch["x"].dtype == np.uint8  # Pixels travel as bytes; the model scales them on the device.
+  np.testing.assert_array_equal(batch["x"], x[[5, 0, 11]])
   np.testing.assert_array_equal(batch["y"], [5, 0, 1])
   sampler = data.GlobalSampler(len(source), 8, seed=0)
   with loader.HostLoader(source, sampler, 1) as host:
@@ -286,7 +292,7 @@ def test_records_of_varying_shape_are_refused_before_training(tmp_path):
   features = {"image": tfds.features.Image(shape=(None, None, 1))}
   tfds_data.build_from_arrays("ragged", {"train": {"image": np.array(images, dtype=object)}},
                               str(tmp_path), features=features)
-  with pytest.raises(ValueError, match="feature 'image' has shape \\(None, None, 1\\).*resize them offline"):
+  with pytest.raises(ValueError, match="feature 'image' has shape \\(None, None, 1\\).*pass --image-size S"):
     data.load("tfds:ragged", data_dir=str(tmp_path))
 
 

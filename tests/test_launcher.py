@@ -7,6 +7,7 @@ their argv, so a scan of /proc can prove that nothing they started survives.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -83,11 +84,15 @@ def _wait_for_lines(proc: subprocess.Popen, needle: str, count: int) -> list[str
 
 
 # A grandchild that ignores SIGTERM, so only the SIGKILL escalation stops it.
+# Its host passes on its "grandchild up" line: a ready handshake, so the host
+# never exits before the grandchild runs with SIGTERM ignored.
 _SPAWN_STUBBORN_GRANDCHILD = """
   import subprocess, sys
-  subprocess.Popen([sys.executable, "-c",
-                    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-                    "print('grandchild up', flush=True); time.sleep(120)", sys.argv[1]])
+  grandchild = subprocess.Popen(
+      [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                             "print('grandchild up', flush=True); time.sleep(120)", sys.argv[1]],
+      stdout=subprocess.PIPE, text=True)
+  print(grandchild.stdout.readline().strip(), flush=True)
 """
 
 
@@ -171,11 +176,175 @@ def test_signal_to_launcher_stops_all_hosts(marker, signum, exit_code):
   _assert_none_left(marker)
 
 
-def test_grandchildren_die_even_when_every_host_succeeds(marker):
+# A host that reports which signal reached it and exits as a hetjax host
+# would: 130 for Ctrl-C (a user's stop), 75 for SIGTERM (saved, restart me).
+_REPORTS_ITS_SIGNAL = """
+  import os, signal, sys, time
+  def stop(signum, frame):
+    print(f"got {signal.Signals(signum).name}", flush=True)
+    sys.exit(130 if signum == signal.SIGINT else 75)
+  signal.signal(signal.SIGINT, stop)
+  signal.signal(signal.SIGTERM, stop)
+  print("ready", flush=True)
+  time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("hosts", [1, 2])
+def test_ctrl_c_reaches_every_host_as_sigint_and_is_reported_as_a_user_stop(marker, hosts):
+  launcher = _start(["--hosts", str(hosts), "--max-restarts", "3"],
+                    _host(_REPORTS_ITS_SIGNAL, marker))
+  try:
+    _wait_for_lines(launcher, "ready", hosts)
+    launcher.send_signal(signal.SIGINT)
+    out, err = launcher.communicate(timeout=DEADLINE_S)
+  finally:
+    launcher.kill()
+  assert launcher.returncode == 130
+  assert [f"[host {i}] got SIGINT" in out for i in range(hosts)] == [True] * hosts
+  assert "SIGTERM" not in out
+  ends = ", ".join(f"host {i} exit code 130" for i in range(hosts))
+  assert f"[launcher] stopped by the user (Ctrl-C, SIGINT); all {hosts} hosts stopped ({ends})." in err
+  assert "restart 1/" not in err and "preempt" not in err
+  _assert_none_left(marker)
+
+
+def test_sigterm_to_the_launcher_reaches_the_hosts_as_sigterm(marker):
+  launcher = _start(["--hosts", "2", "--max-restarts", "3"], _host(_REPORTS_ITS_SIGNAL, marker))
+  try:
+    _wait_for_lines(launcher, "ready", 2)
+    launcher.send_signal(signal.SIGTERM)
+    out, err = launcher.communicate(timeout=DEADLINE_S)
+  finally:
+    launcher.kill()
+  assert launcher.returncode == 128 + signal.SIGTERM
+  assert "[host 0] got SIGTERM" in out and "[host 1] got SIGTERM" in out
+  assert "received SIGTERM; all 2 hosts stopped (host 0 exit code 75, host 1 exit code 75)." in err
+  assert "restart 1/" not in err
+  _assert_none_left(marker)
+
+
+def test_a_second_ctrl_c_kills_hosts_that_do_not_stop(marker):
+  code = """
+    import signal, time
+    signal.signal(signal.SIGINT, lambda *a: print("ignoring SIGINT", flush=True))
+    print("ready", flush=True)
+    time.sleep(120)
+    time.sleep(120)
+  """
+  launcher = _start(["--hosts", "2"], _host(code, marker))
+  try:
+    _wait_for_lines(launcher, "ready", 2)
+    launcher.send_signal(signal.SIGINT)
+    _wait_for_lines(launcher, "ignoring SIGINT", 2)  # Both got it and run on.
+    launcher.send_signal(signal.SIGINT)
+    _, err = launcher.communicate(timeout=DEADLINE_S)
+  finally:
+    launcher.kill()
+  assert launcher.returncode == 130
+  assert "Ctrl-C again to kill them now" in err
+  # Killed at once: SIGTERM then SIGKILL, no grace; either may land first.
+  assert re.search(r"all 2 hosts stopped \(host 0 signal SIG(TERM|KILL), host 1 signal SIG(TERM|KILL)\)",
+                   err), err
+  _assert_none_left(marker)
+
+
+def test_a_host_that_was_stopped_by_the_user_is_not_restarted(marker):
+  code = "import os, sys; sys.exit(130 if os.environ['HETJAX_HOST_ID'] == '0' else 0)"
+  result = _launch(["--hosts", "2", "--max-restarts", "3"], _host(code, marker))
+  assert result.returncode == 130
+  assert "host 0 was stopped by the user (exit code 130)" in result.stderr
+  assert "restart 1/3" not in result.stderr
+
+
+@pytest.mark.parametrize("hosts", [1, 2])
+def test_hosts_and_what_they_started_die_with_a_sigkilled_launcher(marker, hosts):
   code = _SPAWN_STUBBORN_GRANDCHILD + """
   import time
-  time.sleep(0.5)  # Lets the grandchild start before its parent exits 0.
+  print("ready", flush=True)
+  time.sleep(120)
   """
+  launcher = _start(["--hosts", str(hosts)], _host(code, marker))
+  try:
+    _wait_for_lines(launcher, "ready", hosts)
+    assert len(_marked(marker)) >= 1 + 2 * hosts  # The launcher, hosts and grandchildren.
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait(timeout=DEADLINE_S)
+  finally:
+    launcher.kill()
+    launcher.communicate()
+  _assert_none_left(marker)
+
+
+# Host 1 ends first; host 0 waits until host 1 is gone (a zombie: the launcher
+# has not reaped it), then ends as a peer of a dead host would. Host 0 has the
+# lower index, so a launcher that blames the lowest index it finds dead in one
+# poll gets it wrong whenever both end in the same poll.
+_DIES_AFTER_HOST_1 = """
+  import os, signal, sys, time
+  pid_file, how_1, how_0 = sys.argv[2], sys.argv[3], sys.argv[4]
+  def end(how):
+    if how == "kill":
+      os.kill(os.getpid(), signal.SIGKILL)
+    if how == "abort":
+      os.abort()
+    sys.exit(int(how))
+  if os.environ["HETJAX_HOST_ID"] == "1":
+    with open(pid_file + ".tmp", "w") as f:
+      f.write(str(os.getpid()))
+    os.rename(pid_file + ".tmp", pid_file)
+    end(how_1)
+  while not os.path.exists(pid_file):
+    time.sleep(0.001)
+  pid = open(pid_file).read()
+  def gone():
+    try:
+      with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] in "ZX"
+    except FileNotFoundError:
+      return True
+  while not gone():
+    time.sleep(0.001)
+  end(how_0)
+"""
+
+
+@pytest.mark.parametrize("how_1, how_0, expected", [
+    ("kill", "1", "host 1 failed with signal SIGKILL"),
+    ("75", "abort", "host 1 was preempted (exit code 75)"),
+    ("3", "1", "host 1 failed with exit code 3"),
+])
+def test_the_host_that_ended_first_is_blamed_not_its_peer(tmp_path, marker, how_1, how_0, expected):
+  for attempt in range(3):  # Three runs: each must blame host 1.
+    pid_file = tmp_path / f"pid-{attempt}"
+    result = _launch(["--hosts", "2"], [*_host(_DIES_AFTER_HOST_1, marker), str(pid_file), how_1,
+                                        how_0])
+    assert f"[launcher] {expected}; stopped the other host." in result.stderr, result.stderr
+
+
+def test_first_failure_ranks_an_outside_kill_then_the_earliest_exit():
+  from hetjax import procs
+  # Host 1 SIGKILLed; host 0 died of it a moment later, or was even recorded first.
+  assert procs.first_failure([1, -signal.SIGKILL], [2.0, 2.001]) == 1
+  assert procs.first_failure([1, -signal.SIGKILL], [2.001, 2.0]) == 1
+  # A preempted host exits 75; its peer aborts (SIGABRT, JAX's reaction) later.
+  assert procs.first_failure([-signal.SIGABRT, 75], [3.0, 2.0]) == 1
+  assert procs.first_failure([75, 4], [1.0, 1.5]) == 0
+  assert procs.first_failure([75, 4], [1.5, 1.0]) == 1
+  assert procs.first_failure([4, 75], [1.0, 1.0]) == 0
+  assert procs.first_failure([75, 4], [1.0, 1.0]) == 1  # A tie: the failure outranks.
+  assert procs.first_failure([None, 5], [None, 9.0]) == 1
+
+
+def test_output_lines_end_at_carriage_returns_too():
+  from hetjax import procs
+  chunks = [b"a\nb\r\nc\rd", b"\r", b"\ne\r\rf\n\ng", b"\r\n\rstep 1\rstep 2\r", b"\xff"]
+  assert list(procs.split_lines(chunks)) == ["a", "b", "c", "d", "e", "f", "", "g", "step 1",
+                                             "step 2", "\ufffd"]
+
+
+def test_grandchildren_die_even_when_every_host_succeeds(marker):
+  code = _SPAWN_STUBBORN_GRANDCHILD
   result = _launch(["--hosts", "2", "--grace", "0.5"], _host(code, marker))
   assert result.returncode == 0, result.stderr
   assert result.stdout.count("grandchild up") == 2
@@ -185,7 +354,6 @@ def test_grandchildren_die_even_when_every_host_succeeds(marker):
 def test_grandchildren_die_when_a_host_fails(marker):
   code = _SPAWN_STUBBORN_GRANDCHILD + """
   import os, sys, time
-  time.sleep(0.5)
   if os.environ["HETJAX_HOST_ID"] == "0":
     sys.exit(5)
   time.sleep(120)

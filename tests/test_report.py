@@ -83,3 +83,33 @@ def test_a_folder_without_metrics_says_what_to_run(tmp_path, capsys, setup, mess
   setup(folder)
   assert report.main([str(folder)]) == 2
   assert message in capsys.readouterr().err
+
+
+def test_an_api_run_with_fit_out_writes_what_the_cli_writes_and_its_report_has_the_eval_panel(tmp_path):
+  import hetjax
+  import hetjax_models
+  from hetjax import data, optimizers, trainer
+
+  hetjax.initialize()
+  task = hetjax_models.build("mlp", kind="image", num_classes=10, hidden=(16,))
+  opt = optimizers.make("adam", 1e-2, schedule="cosine", warmup_steps=2, total_steps=6, clip_norm=1.0)
+  tr = trainer.Trainer(task, opt, data.load("digits"), trainer.TrainConfig(global_batch=32, microbatch=8))
+  out = tmp_path / "api"
+  summary = tr.fit(6, out=str(out), eval_every=2, eval_source=data.load("digits", "test"))
+  assert json.loads((out / "summary.json").read_text())["steps"] == 6
+  records = metrics.read_records(str(out))
+  assert [r["step"] for r in records] == list(range(6))
+  # lr of each update: warm-up 0 -> 1e-2 over 2 updates, then cosine to 0 at update 6.
+  lr = [r["lr"] for r in records]
+  np.testing.assert_allclose(lr, [0.0, 5e-3, 1e-2, 1e-2 * 0.5 * (1 + np.cos(np.pi / 4)),
+                                  5e-3, 1e-2 * 0.5 * (1 + np.cos(3 * np.pi / 4))], rtol=1e-5, atol=1e-9)
+  assert [r["step"] for r in records if "eval" in r] == [1, 3, 5]
+  assert summary["eval"]["step"] == 5 and summary["eval"] == {"step": 5, **records[-1]["eval"]}
+  events = metrics.read_events(str(next((out / "tensorboard").iterdir())))
+  tags = set().union(*(e.get("scalars", {}).keys() for e in events))
+  assert {"lr", "eval/accuracy", "eval/loss"} <= tags
+  fig, text = report.make_report(str(out))
+  assert fig.evaluations == 3 and fig.last_eval_step == 6
+  assert f"evaluation: accuracy {records[-1]['eval']['accuracy']:.4f}, loss " in text
+  assert "after step 6 (3 evaluations during training)" in text
+  assert (out / "report.png").stat().st_size > 10_000

@@ -133,6 +133,9 @@ def from_args(args: argparse.Namespace, num_hosts: int | None = None) -> RoundsC
     raise ValueError(f"--balancer does not apply to --mode {args.mode}: its hosts run local "
                      "steps of one size and the round's step counts come from their speeds "
                      "(or --local-steps).")
+  if getattr(args, "data_workers", None) is not None:
+    raise ValueError(f"--data-workers does not apply to --mode {args.mode}: a round reads its "
+                     "records in the training thread.")
   if getattr(args, "assignment", "equal") != "equal":
     raise ValueError(f"--assignment does not apply to --mode {args.mode}; use --local-steps.")
   values = {k: getattr(args, k) for k in given}

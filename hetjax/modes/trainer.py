@@ -13,14 +13,11 @@ every host (each local step of a host takes `global_batch / hosts` unless
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import os
-import signal
-import threading
 import time
-from typing import Any, Callable, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +27,10 @@ import optax
 from hetjax import augment as augment_lib
 from hetjax import checkpoint as ckpt_lib
 from hetjax import data as data_lib
+from hetjax import evaluate as evaluate_lib
+from hetjax import metrics as metrics_lib
 from hetjax import runtime
+from hetjax import signals
 from hetjax import step as step_lib
 from hetjax import task as task_lib
 from hetjax.modes import elastic as elastic_lib
@@ -76,6 +76,7 @@ class RoundsHistory:
   round_s: list[float] = dataclasses.field(default_factory=list)
   loss: list[float] = dataclasses.field(default_factory=list)
   metrics: list[dict[str, float]] = dataclasses.field(default_factory=list)
+  evals: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)  # round -> figures
 
 
 def _fingerprint(text: str) -> np.ndarray:
@@ -163,8 +164,8 @@ class RoundsTrainer:
     self._start_round = 0
     self._base_key = jax.random.key(config.seed)
     self._last_wait = 0.0
-    self._stop_requested = False
-    self._stop_agreed = False
+    self._stop_code = 0.0  # The largest stop signal any host sent (hetjax.signals).
+    self._evaluator = None
     self.resumed_from: int | None = None
     self.job = ckpt_lib.describe_job(self.centre, {
         "mode": rounds.mode, "global_batch": config.global_batch, "seed": config.seed,
@@ -217,14 +218,14 @@ class RoundsTrainer:
       compute = self.pace(compute, r, taus[me] * padded)
     t1 = time.perf_counter()
     host_values = np.array([compute / taus[me], compute, self._last_wait,
-                            float(self._stop_requested), float(drift)])
+                            signals.REQUESTS.code, float(drift)])
     reduced, rows = self.reduction({"update": contribution, "stats": totals}, host_values)
     self.centre, params = self.mode.finish(self.centre, reduced["update"], params, total_n)
     self.host_params, self.host_opt_state, self.host_model_state = params, opt_state, model_state
     stats = jax.device_get(reduced["stats"])
     t2 = time.perf_counter()
     self._last_wait = t2 - t1
-    self._stop_agreed = bool(rows[:, _STOP].max() > 0)
+    self._stop_code = float(rows[:, _STOP].max())
     self.taus.observe(r, rows[:, _STEP_S].tolist())
     self.position += plan.size
     weight = float(stats["weight"]) or 1.0
@@ -257,11 +258,14 @@ class RoundsTrainer:
       metrics[f"tau/{host}"] = float(h.taus[i][host])
       metrics[f"drift/{host}"] = float(h.drift[i][host])
     metrics["reduction_s"] = float(min(h.wait_s[i]))
-    return {"step": self._start_round + i, "time_s": time_s, "loss": h.loss[i],
-            "metrics": metrics, "samples_per_sec": sum(h.samples[i]) / h.round_s[i],
-            "step_s": h.round_s[i], "global_batch": sum(h.samples[i]),
-            "shares": list(h.samples[i]), "compute_s": h.compute_s[i], "wait_s": h.wait_s[i],
-            "emulated": self.emulated}
+    record = {"step": self._start_round + i, "time_s": time_s, "loss": h.loss[i],
+              "metrics": metrics, "samples_per_sec": sum(h.samples[i]) / h.round_s[i],
+              "step_s": h.round_s[i], "global_batch": sum(h.samples[i]),
+              "shares": list(h.samples[i]), "compute_s": h.compute_s[i], "wait_s": h.wait_s[i],
+              "emulated": self.emulated}
+    if i in h.evals:
+      record["eval"] = h.evals[i]
+    return record
 
   def _final_waits(self) -> None:
     if len(self.history.wait_s) < len(self.history.taus):
@@ -273,17 +277,30 @@ class RoundsTrainer:
   def fit(self, rounds: int | None = None, *, until: int | None = None, log_every: int = 0,
           log: Callable[[str], None] = print,
           on_round: Callable[["RoundsTrainer", dict[str, float]], None] | None = None,
-          sinks: Sequence[Callable[[dict[str, Any]], Any]] = ()) -> dict[str, Any]:
+          on_step: Callable[["RoundsTrainer", dict[str, float]], None] | None = None,
+          sinks: Sequence[Callable[[dict[str, Any]], Any]] = (), eval_every: int = 0,
+          eval_source: data_lib.ArraySource | None = None, out: str | None = None) -> dict[str, Any]:
     """Runs `rounds` more rounds, or until round `until`; returns the summary (same on every host).
 
-    `on_round` runs after every round, outside the round's clock (e.g. an
-    evaluation of the centre): its seconds are not counted in `time_s`.
+    The arguments are `hetjax.Trainer.fit`'s, in rounds (`on_step` is an
+    alias of `on_round`): callbacks and evaluations run after a round,
+    outside its clock, and a stop signal to any host makes every host stop
+    at the next round boundary (saving first when there is a checkpoint folder).
     """
     if (rounds is None) == (until is None):
       raise ValueError("give fit() exactly one of rounds (how many more) or until (the last round).")
     if rounds is not None and rounds < 0:
       raise ValueError(f"rounds must be >= 0, got {rounds}.")
+    if eval_every < 0:
+      raise ValueError(f"eval_every must be >= 0 rounds (0: evaluate only at the end), got {eval_every}.")
+    if eval_every and eval_source is None:
+      raise ValueError(f"eval_every={eval_every} needs eval_source, the split to evaluate on.")
+    callback = on_round or on_step
     target = self.round + rounds if until is None else until
+    writer = None
+    if out is not None and self.host_id == 0:
+      writer = metrics_lib.MetricsWriter(out, resume_step=self.round or None)
+      sinks = [*sinks, writer.write]
     emitted, clock = len(self.history.wait_s), 0.0
 
     def emit() -> None:
@@ -295,45 +312,52 @@ class RoundsTrainer:
           sink(record)
         emitted += 1
 
-    with self._sigterm_requests_stop():
-      while self.round < target:
-        metrics = self.train_round()
-        emit()
-        if on_round is not None:
-          on_round(self, metrics)
-        if log_every and self.round % log_every == 0 and self.host_id == 0:
-          shown = " ".join(f"{k}={v:.4f}" for k, v in metrics.items())
-          log(f"round {self.round:5d} {shown} taus={','.join(map(str, self.history.taus[-1]))}")
-        if self._stop_agreed:
-          self.save_checkpoint(wait=True)
-          from hetjax.trainer import Preempted
-          raise Preempted(self.round, self.checkpointer.directory)
-        if self.checkpointer is not None and self.round % self.checkpointer.config.every == 0:
-          self.save_checkpoint()
-    if self.checkpointer is not None:
-      self.save_checkpoint(wait=True)
-    summary = self.summary()
-    emit()
-    return summary
-
-  @contextlib.contextmanager
-  def _sigterm_requests_stop(self) -> Iterator[None]:
-    if self.checkpointer is None or threading.current_thread() is not threading.main_thread():
-      yield
-      return
-
-    def request_stop(signum, frame):
-      del signum, frame
-      self._stop_requested = True
-
-    previous = signal.signal(signal.SIGTERM, request_stop)
     try:
-      yield
+      with signals.REQUESTS.installed():
+        while self.round < target:
+          metrics = self.train_round()
+          if eval_every and self.round % eval_every == 0:
+            self.history.evals[len(self.history.taus) - 1] = self.evaluate(eval_source)
+          emit()
+          if callback is not None:
+            callback(self, metrics)
+          if log_every and self.round % log_every == 0 and self.host_id == 0:
+            shown = " ".join(f"{k}={v:.4f}" for k, v in metrics.items())
+            log(f"round {self.round:5d} {shown} taus={','.join(map(str, self.history.taus[-1]))}")
+          if self._stop_code:
+            code, self._stop_code = self._stop_code, 0.0
+            signals.REQUESTS.clear()
+            directory = None
+            if self.checkpointer is not None:
+              self.save_checkpoint(wait=True)
+              directory = self.checkpointer.directory
+            summary = self.summary()
+            emit()
+            if out is not None:
+              self.write_summary(out, summary)
+            raise signals.stopped(code, self.round, directory)
+          if self.checkpointer is not None and self.round % self.checkpointer.config.every == 0:
+            self.save_checkpoint()
+      if eval_source is not None and (len(self.history.taus) - 1) not in self.history.evals:
+        self.history.evals[len(self.history.taus) - 1] = self.evaluate(eval_source)
+      if self.checkpointer is not None:
+        self.save_checkpoint(wait=True)
+      summary = self.summary()
+      emit()
+      if out is not None:
+        self.write_summary(out, summary)
+      return summary
     finally:
-      signal.signal(signal.SIGTERM, previous)
+      if writer is not None:
+        writer.close()
 
-  def summary(self) -> dict[str, Any]:
-    """The figures of the run so far; identical on every host."""
+  def write_summary(self, out: str, summary: dict[str, Any]) -> None:
+    """Writes OUT/summary.json on process 0 (what `hetjax report` reads)."""
+    if self.host_id == 0:
+      metrics_lib.write_summary(out, summary)
+
+  def summary(self, digest: bool = False) -> dict[str, Any]:
+    """The figures of the run so far; identical on every host (`digest`: hash the centre too)."""
     from hetjax.trainer import params_digest
     self._final_waits()
     h = self.history
@@ -355,11 +379,13 @@ class RoundsTrainer:
         "hosts": self.num_hosts,
         "devices_per_host": self.meshes.local_devices,
         "reduction": self.config.reduction,
-        "balancer_mode": "rounds",
+        "balancer_mode": f"{self.rounds.mode} rounds (taus from speeds)" if self.rounds.local_steps is None else f"{self.rounds.mode} rounds (fixed --local-steps)",
+        "balancer_decisions": [],
         "samples_per_sec": samples / seconds if seconds else 0.0,
         "final_loss": h.loss[-1] if h.loss else None,
         "final_metrics": h.metrics[-1] if h.metrics else {},
-        "params_digest": params_digest(self.params()),
+        "params_digest": params_digest(self.params()) if digest else None,
+        "eval": self._last_eval(),
         "emulated_speeds": self.emulated,
         "data_position": self.position,
         "per_host": per_host,
@@ -370,9 +396,20 @@ class RoundsTrainer:
     return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), self.centre.params)
 
   def evaluate(self, source: data_lib.ArraySource, batch_size: int = 256) -> dict[str, float]:
-    """Mean loss and metrics of the centre over all of `source`."""
-    from hetjax.trainer import Trainer
-    return Trainer.evaluate(self, source, batch_size)  # Reads task, params(), state.model_state.
+    """Mean loss and metrics of the centre over all of `source`; every host must call it.
+
+    Spread over the hosts by the samples they processed last round (their speed).
+    """
+    if self._evaluator is None or self._evaluator.batch != batch_size * self.meshes.local_devices:
+      self._evaluator = evaluate_lib.Evaluator(self.task, self.meshes, batch_size)
+    weights = self.history.samples[-1] if self.history.samples else [1] * self.num_hosts
+    return self._evaluator.evaluate(self.centre.params, self.centre.model_state, source, weights)
+
+  def _last_eval(self) -> dict[str, Any] | None:
+    if not self.history.evals:
+      return None
+    index = max(self.history.evals)
+    return {"step": self._start_round + index, **self.history.evals[index]}
 
   def close(self) -> None:
     if self.checkpointer is not None:

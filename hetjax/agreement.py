@@ -1,0 +1,113 @@
+"""Hosts' agreement, checked rather than hoped for (DESIGN invariant 3).
+
+Every host computes its share of the batch itself and updates its own
+replica of the parameters. If one of them drifts (another CPU rounding a
+near-tie, a stale checkout whose model differs), hosts would read
+overlapping slices or train different models, silently. So:
+
+- the shares each host used travel in the timing rows of every step and
+  must be equal on every host (`check_shares`);
+- every `check_every` steps and at every checkpoint, a fingerprint of each
+  host's parameters (`params_fingerprint`, computed on its devices) is
+  compared (`check_fingerprints`);
+- at start-up, a hash of the configuration, the parameter shapes and the
+  optimizer state's structure (`text_fingerprint`).
+
+Values travel as float32 in the rows, so hashes travel as 16-bit chunks,
+which float32 holds exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PyTree = Any
+FINGERPRINT_WIDTH = 4  # float32 values per parameter fingerprint (2 x uint32).
+
+
+class HostsDisagree(RuntimeError):
+  """Hosts that must hold the same values do not; every host raises it at the same step."""
+
+
+def text_fingerprint(text: str) -> np.ndarray:
+  """A hash of `text` as four 16-bit chunks, exact in the float32 rows of a collective."""
+  digest = hashlib.sha256(text.encode()).digest()[:8]
+  return np.frombuffer(digest, dtype=np.uint16).astype(np.float32)
+
+
+def _odd_weights(n: int, multiplier: int) -> jax.Array:
+  return jnp.arange(n, dtype=jnp.uint32) * jnp.uint32(multiplier) + jnp.uint32(1)
+
+
+@jax.jit
+def _fingerprint_words(params: PyTree) -> jax.Array:
+  """Two weighted sums of the parameters' bit patterns, wrapping in uint32.
+
+  Integer sums are exact and independent of the summation order, so two
+  hosts agree exactly when their parameters agree bit for bit; the weights
+  make a permutation or a swap of two values visible.
+  """
+  total = jnp.zeros((2,), jnp.uint32)
+  for i, leaf in enumerate(jax.tree.leaves(params)):
+    bits = jax.lax.bitcast_convert_type(jnp.ravel(leaf).astype(jnp.float32), jnp.uint32)
+    words = jnp.stack([jnp.sum(bits * _odd_weights(bits.size, 2654435761)),
+                       jnp.sum(bits * _odd_weights(bits.size, 40503))])
+    total = total + words * jnp.uint32(2 * i + 1)
+  return total
+
+
+def params_fingerprint(local_params: PyTree) -> np.ndarray:
+  """This host's parameter fingerprint, `FINGERPRINT_WIDTH` float32 values.
+
+  `local_params` are arrays on this host's devices only: the sums run on the
+  host's first device without any cross-host program.
+  """
+  words = np.asarray(jax.device_get(_fingerprint_words(local_params)), np.uint32)
+  return words.view(np.uint16).astype(np.float32)
+
+
+def _differing(rows: np.ndarray) -> tuple[list[int], int]:
+  """Hosts whose row differs from the most common row, and a host holding it."""
+  keys = [r.tobytes() for r in np.asarray(rows, np.float32)]
+  majority = max(set(keys), key=lambda k: (keys.count(k), -keys.index(k)))
+  reference = keys.index(majority)
+  return [h for h, k in enumerate(keys) if k != majority], reference
+
+
+def check_shares(step: int, rows: np.ndarray) -> None:
+  """Raises `HostsDisagree` unless every host used the same shares at `step`.
+
+  Args:
+    step: the step whose shares these are.
+    rows: `[hosts, hosts]`, row `h` the shares host `h` used.
+  """
+  differ, ref = _differing(rows)
+  if differ:
+    used = "; ".join(f"host {h} used {tuple(int(v) for v in rows[h])}" for h in differ)
+    raise HostsDisagree(
+        f"step {step}: host(s) {differ} computed another split of the global batch than host "
+        f"{ref}, which used {tuple(int(v) for v in rows[ref])}; {used}. Hosts read overlapping or missing "
+        "samples, so the job stops. Every host must run the same code and the same balancer.")
+
+
+def check_fingerprints(step: int, rows: np.ndarray, what: str = "parameters") -> None:
+  """Raises `HostsDisagree` unless every host's fingerprint row is the same."""
+  differ, ref = _differing(rows)
+  if differ:
+    raise HostsDisagree(
+        f"after step {step}: host(s) {differ} hold other {what} than host {ref}: their "
+        "replicas diverged (different code or model on those hosts, or a numerical "
+        "difference); the job stops before it trains on.")
+
+
+def check_all_equal(rows: np.ndarray, *, what: str, fix: str) -> None:
+  """Start-up check: every host's hash row equals host 0's."""
+  rows = np.asarray(rows)
+  differ = [h for h in range(len(rows)) if not np.array_equal(rows[h], rows[0])]
+  if differ:
+    raise ValueError(f"host(s) {differ} run a different {what} from host 0: {fix}")

@@ -1,0 +1,107 @@
+"""The trainer's per-step records, bounded: a window of recent steps plus running totals.
+
+A million-step run must not keep a million per-host rows in memory: the
+complete per-step records go to metrics.jsonl as they complete (one step
+late, see `hetjax.metrics.RecordStream`); here only the last steps stay, for
+the progress line, tests and the summary, and what the summary needs of the
+older steps is folded into running totals (`Folded`) as they are dropped.
+
+Indices: entry `k` of the lists is the run's history index `dropped + k`
+(history index 0 is the first step this trainer ran).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+WINDOW = 1000  # Steps kept; the lists are trimmed back to this when they reach twice it.
+
+
+@dataclasses.dataclass
+class Folded:
+  """Totals of the steps dropped from the window (after warm-up where it says so)."""
+
+  steps: int = 0
+  time_s: float = 0.0            # all step seconds (the records' clock)
+  steady_steps: int = 0
+  steady_step_s: float = 0.0
+  steady_compute_s: list[float] = dataclasses.field(default_factory=list)  # per host
+  steady_wait_s: list[float] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class History:
+  """Per-step records of the recent steps; `compute_s` and `wait_s` are `[steps][hosts]`.
+
+  `wait_s` lags one step behind the others: the wait of a step is known only
+  after the next step's collective (or the final small one in `summary`).
+  """
+
+  shares: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
+  compute_s: list[list[float]] = dataclasses.field(default_factory=list)
+  wait_s: list[list[float]] = dataclasses.field(default_factory=list)
+  step_s: list[float] = dataclasses.field(default_factory=list)
+  loss: list[float] = dataclasses.field(default_factory=list)
+  metrics: list[dict[str, float]] = dataclasses.field(default_factory=list)
+  # By history index: the learning rate (while records are built) and evaluations.
+  lr: dict[int, float] = dataclasses.field(default_factory=dict)
+  evals: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
+  dropped: int = 0               # history indices before the window
+  folded: Folded = dataclasses.field(default_factory=Folded)
+
+  @property
+  def steps(self) -> int:
+    """Steps recorded in the whole run (dropped ones included)."""
+    return self.dropped + len(self.shares)
+
+  def trim(self, warmup: int, window: int | None = None) -> None:
+    """Folds all but the last `window` steps into the totals, once the lists reach 2x.
+
+    Only steps whose wait is known are dropped (the record stream has made
+    their records by then).
+    """
+    window = WINDOW if window is None else window
+    cut = min(len(self.shares) - window, len(self.wait_s))
+    if len(self.shares) < 2 * window or cut <= 0:
+      return
+    f = self.folded
+    hosts = len(self.shares[0])
+    if not f.steady_compute_s:
+      f.steady_compute_s, f.steady_wait_s = [0.0] * hosts, [0.0] * hosts
+    for k in range(cut):
+      f.time_s += self.step_s[k]
+      if self.dropped + k >= warmup:
+        f.steady_steps += 1
+        f.steady_step_s += self.step_s[k]
+        for h in range(hosts):
+          f.steady_compute_s[h] += self.compute_s[k][h]
+          f.steady_wait_s[h] += self.wait_s[k][h]
+    f.steps += cut
+    for name in ("shares", "compute_s", "wait_s", "step_s", "loss", "metrics"):
+      del getattr(self, name)[:cut]
+    self.dropped += cut
+    self.lr = {i: v for i, v in self.lr.items() if i >= self.dropped}
+    latest = max(self.evals, default=None)  # The summary reports it, however old.
+    self.evals = {i: e for i, e in self.evals.items() if i >= self.dropped or i == latest}
+
+  def steady_totals(self, warmup: int, hosts: int) -> tuple[int, float, list[float], list[float]]:
+    """(steps, step seconds, compute per host, wait per host) after warm-up, whole run.
+
+    A run shorter than the warm-up counts all but its first step, or all.
+    """
+    skip = max(0, warmup - self.dropped)
+    if self.dropped == 0 and len(self.step_s) <= warmup:
+      skip = 1 if len(self.step_s) > 1 else 0
+    f = self.folded
+    step_s = self.step_s[skip:]
+    compute = [sum(c[h] for c in self.compute_s[skip:]) for h in range(hosts)]
+    wait = [sum(w[h] for w in self.wait_s[skip:]) for h in range(hosts)]
+    if f.steady_compute_s:
+      compute = [a + b for a, b in zip(compute, f.steady_compute_s)]
+      wait = [a + b for a, b in zip(wait, f.steady_wait_s)]
+    return f.steady_steps + len(step_s), f.steady_step_s + sum(step_s), compute, wait
+
+  def window(self, seq: Sequence, index: int):
+    """Entry `index` (a history index) of one of the lists."""
+    return seq[index - self.dropped]

@@ -1,0 +1,191 @@
+"""Image recipes as the field uses them, keyed by the example, uint8 out.
+
+Variable-size encoded images (JPEG, PNG) become fixed-size uint8 batches
+here, the way the Flax ImageNet example and big_vision prepare them:
+
+- training: decode, an Inception-style random resized crop (area 8-100 %,
+  aspect 3/4-4/3) to `size x size`, a random left-right flip;
+- evaluation: decode, resize the shorter side to `size / 0.875`, centre crop.
+
+Every draw is a hash of the example's key (`hetjax.augment.example_keys`:
+seed, epoch, global record index), so a record is cropped and flipped the
+same way on any host and under any split (DESIGN.md invariant 1). Pixels
+stay uint8 (a quarter of float32's bytes on the way to the device); the
+models scale them on the device (`hetjax_models.preprocess`).
+
+JPEGs are decoded at a reduced scale when the crop allows it (PIL's
+`draft`, the DCT scaling libjpeg offers), so a 500-pixel photo cropped to
+64 pixels costs a fraction of a full decode.
+
+Example:
+  >>> images = ImageSource(encoded, ImageRecipe(size=224, crop=True, flip=True))
+  >>> images[np.arange(4)]["x"].shape   # evaluation view: centre crops
+  (4, 224, 224, 3)
+  >>> images.train_records(indices, keys)  # the training view of those records
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import math
+from typing import Callable
+
+import numpy as np
+
+from hetjax import shuffle
+from hetjax.sources import Batch, DatasetInfo, Source
+
+EVAL_CROP_FRACTION = 0.875  # Resize to size / 0.875, keep the central size x size.
+CROP_AREA = (0.08, 1.0)  # Inception / torchvision RandomResizedCrop defaults.
+CROP_RATIO = (3 / 4, 4 / 3)
+_ATTEMPTS = 10
+_CROP_STREAM, _FLIP_STREAM = np.uint64(0x1C409), np.uint64(0x1F119)
+_MODES = {1: "L", 3: "RGB"}
+Box = tuple[float, float, float, float]  # (left, top, right, bottom) in pixels.
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageRecipe:
+  """How training sees an image; evaluation always resizes and centre-crops.
+
+  Attributes:
+    size: the side of the square output, in pixels.
+    channels: 1 (grey) or 3 (RGB); decoded images are converted to it.
+    crop: random resized crop in training (else the evaluation crop).
+    flip: random left-right flip in training.
+  """
+
+  size: int
+  channels: int = 3
+  crop: bool = False
+  flip: bool = False
+
+  def __post_init__(self):
+    if not 1 <= self.size <= 4096:
+      raise ValueError(f"image size must be in [1, 4096] pixels, got {self.size}; pass e.g. "
+                       "--image-size 224.")
+    if self.channels not in _MODES:
+      raise ValueError(f"images must have 1 or 3 channels, got {self.channels}.")
+
+
+def recipe_from_augment(size: int, channels: int, spec: str | None) -> ImageRecipe:
+  """`--augment` ('none', 'crop', 'flip', 'crop,flip') for decoded images."""
+  names = set() if spec is None or spec.strip() in ("", "none") else {
+      t.strip() for t in spec.split(",")}
+  unknown = sorted(names - {"crop", "flip"})
+  if unknown:
+    raise ValueError(f"augmentation {spec!r} for decoded images: only crop (random resized "
+                     f"crop) and flip apply, not {', '.join(unknown)}; e.g. --augment crop,flip.")
+  return ImageRecipe(size, channels, crop="crop" in names, flip="flip" in names)
+
+
+def _uniform(keys: np.ndarray, stream: np.uint64, count: int) -> np.ndarray:
+  """`[len(keys), count]` floats in [0, 1), a hash of (key, stream, draw)."""
+  counters = np.asarray(keys, np.uint64)[:, None] ^ (stream + np.arange(count, dtype=np.uint64))
+  return (shuffle.mix64(shuffle.mix64(counters)) >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
+def random_crop_box(width: int, height: int, draws: np.ndarray) -> Box:
+  """An Inception crop `(left, top, right, bottom)` from `_ATTEMPTS x 4` uniform draws.
+
+  As torchvision's RandomResizedCrop: up to ten tries at an area and aspect
+  ratio that fit; then the largest central crop of a clamped ratio.
+  """
+  area = width * height
+  lo, hi = math.log(CROP_RATIO[0]), math.log(CROP_RATIO[1])
+  for u_area, u_ratio, u_x, u_y in draws.reshape(_ATTEMPTS, 4):
+    target = area * (CROP_AREA[0] + u_area * (CROP_AREA[1] - CROP_AREA[0]))
+    ratio = math.exp(lo + u_ratio * (hi - lo))
+    w, h = round(math.sqrt(target * ratio)), round(math.sqrt(target / ratio))
+    if 0 < w <= width and 0 < h <= height:
+      x, y = math.floor(u_x * (width - w + 1)), math.floor(u_y * (height - h + 1))
+      return x, y, x + w, y + h
+  ratio = width / height
+  if ratio < CROP_RATIO[0]:
+    w, h = width, round(width / CROP_RATIO[0])
+  elif ratio > CROP_RATIO[1]:
+    w, h = round(height * CROP_RATIO[1]), height
+  else:
+    w, h = width, height
+  x, y = (width - w) // 2, (height - h) // 2
+  return x, y, x + w, y + h
+
+
+def centre_crop_box(width: int, height: int) -> Box:
+  """The central square the evaluation keeps, `EVAL_CROP_FRACTION` of the shorter side."""
+  side = EVAL_CROP_FRACTION * min(width, height)
+  x, y = (width - side) / 2, (height - side) / 2
+  return x, y, x + side, y + side
+
+
+def decode_crop(data: bytes, size: int, channels: int, box_fn: Callable[[int, int], Box],
+                flip: bool) -> np.ndarray:
+  """Decodes `data`, resizes `box_fn(width, height)` to `size x size`; uint8 [size, size, channels]."""
+  from PIL import Image
+
+  image = Image.open(io.BytesIO(data))
+  width, height = image.size
+  box = box_fn(width, height)
+  # Decode a JPEG at the smallest DCT scale that still leaves the box >= size pixels.
+  want = (math.ceil(width * size / max(box[2] - box[0], 1e-9)),
+          math.ceil(height * size / max(box[3] - box[1], 1e-9)))
+  if image.format == "JPEG" and want[0] < width and want[1] < height:
+    image.draft(_MODES[channels], want)
+    sx, sy = image.size[0] / width, image.size[1] / height
+    box = (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
+  image = image.convert(_MODES[channels])
+  out = image.resize((size, size), Image.BILINEAR, box=box)
+  if flip:
+    out = out.transpose(Image.FLIP_LEFT_RIGHT)
+  pixels = np.asarray(out, dtype=np.uint8)
+  return pixels[..., None] if pixels.ndim == 2 else pixels
+
+
+class ImageSource:
+  """Encoded images as fixed-size uint8 records: evaluation and training views.
+
+  `source[indices]` gives the evaluation view (deterministic);
+  `train_records(indices, keys)` the training view, one key per example.
+  Both return `{"x": uint8 [n, size, size, channels], "y": int32 [n]}`.
+  """
+
+  def __init__(self, encoded: Source, recipe: ImageRecipe, *, image_key: str = "image",
+               label_key: str = "label", info: DatasetInfo | None = None):
+    """Args:
+      encoded: records `{image_key: object array of encoded bytes, label_key: ints}`.
+      recipe: the output size, channels and training randomness.
+      info: what the model learns about the data (default: `encoded.info`).
+    """
+    self.encoded, self.recipe = encoded, recipe
+    self.image_key, self.label_key = image_key, label_key
+    self.info = info or encoded.info
+
+  def __len__(self) -> int:
+    return len(self.encoded)
+
+  def __getitem__(self, indices: np.ndarray) -> Batch:
+    return self._decode(indices, None)
+
+  def train_records(self, indices: np.ndarray, keys: np.ndarray) -> Batch:
+    """The records at `indices` as training sees them; `keys` from `augment.example_keys`."""
+    return self._decode(indices, np.asarray(keys, np.uint64).reshape(-1))
+
+  def _decode(self, indices: np.ndarray, keys: np.ndarray | None) -> Batch:
+    r = self.recipe
+    indices = np.asarray(indices, np.int64).reshape(-1)
+    records = self.encoded[indices]
+    blobs, n = records[self.image_key], len(records[self.label_key])
+    crops = _uniform(keys, _CROP_STREAM, 4 * _ATTEMPTS) if keys is not None and r.crop else None
+    flips = (_uniform(keys, _FLIP_STREAM, 1)[:, 0] < 0.5) if keys is not None and r.flip else None
+    x = np.empty((n, r.size, r.size, r.channels), np.uint8)
+    for i in range(n):
+      box_fn = centre_crop_box if crops is None else (
+          lambda w, h, d=crops[i]: random_crop_box(w, h, d))
+      try:
+        x[i] = decode_crop(bytes(blobs[i]), r.size, r.channels, box_fn,
+                           flip=bool(flips[i]) if flips is not None else False)
+      except (OSError, ValueError) as e:  # PIL's UnidentifiedImageError is an OSError.
+        raise ValueError(f"dataset {self.info.name!r}: record {indices[i]} is not a readable "
+                         f"image ({e}); rebuild the dataset or drop that record.") from e
+    return {"x": x, "y": np.asarray(records[self.label_key], np.int32)}

@@ -1,0 +1,86 @@
+"""The command line's optimizers: optax transforms, schedules counted in updates.
+
+`make(...)` builds `clip -> optimizer(schedule) [+ weight decay]` with
+`optax.inject_hyperparams`, so the learning rate of every update is in the
+optimizer state, where the trainer reads it for metrics.jsonl and TensorBoard.
+
+Example:
+  >>> opt = make("adam", 1e-3, schedule="cosine", warmup_steps=20, total_steps=500,
+  ...            clip_norm=1.0)
+"""
+
+from __future__ import annotations
+
+OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
+SCHEDULES = ("constant", "cosine", "linear")
+ADAMW_DEFAULT_DECAY = 1e-4  # optax.adamw's own default, kept for `--optimizer adamw`.
+
+
+def check(name: str, lr: float, *, schedule: str = "constant", warmup_steps: int = 0,
+          total_steps: int = 1, clip_norm: float | None = None,
+          weight_decay: float | None = None) -> None:
+  """Raises ValueError naming the flag, the value and the limit; imports nothing heavy."""
+  if name not in OPTIMIZERS:
+    raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}.")
+  if schedule not in SCHEDULES:
+    raise ValueError(f"unknown --schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}.")
+  if not lr > 0:
+    raise ValueError(f"--lr must be > 0, got {lr}.")
+  if warmup_steps < 0:
+    raise ValueError(f"--warmup-steps must be >= 0, got {warmup_steps}.")
+  if warmup_steps >= total_steps and schedule != "constant":
+    raise ValueError(f"--warmup-steps {warmup_steps} leaves no step of the {schedule} decay "
+                     f"(--steps {total_steps}); use fewer warm-up steps.")
+  if clip_norm is not None and not clip_norm > 0:
+    raise ValueError(f"--clip-norm must be > 0 (a global gradient norm), got {clip_norm}.")
+  if weight_decay is not None and not weight_decay >= 0:
+    raise ValueError(f"--weight-decay must be >= 0, got {weight_decay}.")
+
+
+def learning_rate_schedule(lr: float, schedule: str, warmup_steps: int, total_steps: int):
+  """lr over optimizer updates: a linear warm-up from 0, then constant, cosine or linear to 0."""
+  import optax
+  if schedule == "cosine":
+    return optax.warmup_cosine_decay_schedule(0.0, lr, warmup_steps, total_steps, end_value=0.0)
+  after = {"constant": optax.constant_schedule(lr),
+           "linear": optax.linear_schedule(lr, 0.0, max(1, total_steps - warmup_steps))}[schedule]
+  if warmup_steps == 0:
+    return after
+  return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup_steps), after], [warmup_steps])
+
+
+def make(name: str, lr: float, *, schedule: str = "constant", warmup_steps: int = 0,
+         total_steps: int = 1, clip_norm: float | None = None,
+         weight_decay: float | None = None):
+  """The optax transformation for these command-line settings.
+
+  Args:
+    name: sgd, momentum, adam or adamw.
+    lr: the peak learning rate.
+    schedule: constant, cosine or linear (decay to 0 at `total_steps`).
+    warmup_steps: updates of linear warm-up from 0 to `lr`.
+    total_steps: the run's length in updates (for the decay).
+    clip_norm: clip the gradient to this global norm first (None: never).
+    weight_decay: decoupled weight decay (adam becomes adamw; sgd adds the
+      decayed weights); None keeps each optimizer's default (0; adamw 1e-4).
+  """
+  import optax
+  check(name, lr, schedule=schedule, warmup_steps=warmup_steps, total_steps=total_steps,
+        clip_norm=clip_norm, weight_decay=weight_decay)
+  rate = learning_rate_schedule(lr, schedule, warmup_steps, total_steps)
+  decay = weight_decay
+  if name == "adamw" and decay is None:
+    decay = ADAMW_DEFAULT_DECAY
+  if name in ("adam", "adamw") and decay:
+    inner = optax.inject_hyperparams(optax.adamw)(learning_rate=rate, weight_decay=decay)
+  elif name in ("adam", "adamw"):
+    inner = optax.inject_hyperparams(optax.adam)(learning_rate=rate)
+  else:
+    momentum = 0.9 if name == "momentum" else None
+
+    def sgd(learning_rate):
+      steps = [optax.add_decayed_weights(decay)] if decay else []
+      return optax.chain(*steps, optax.sgd(learning_rate, momentum=momentum))
+
+    inner = optax.inject_hyperparams(sgd)(learning_rate=rate)
+  return inner if clip_norm is None else optax.chain(optax.clip_by_global_norm(clip_norm), inner)

@@ -1,0 +1,154 @@
+"""Stop signals: SIGTERM (a preemption notice) and SIGINT (a user's Ctrl-C).
+
+A signal never stops a host on its own: the handler only raises a flag, the
+flag travels to every host in the next step's reduction (DESIGN invariant
+3), and every host stops at the same step boundary, saving first when there
+is a checkpoint folder. SIGTERM means "restart me" (exit 75, the launchers'
+preemption code); SIGINT means the user wants to stop (exit 130).
+
+A second Ctrl-C on the same host is not caught: it interrupts at once, as a
+user pressing it twice expects. Outside the step loop (joining the cluster,
+compiling, writing the summary) no step boundary is coming, so a signal
+stops the host at once (`installed(defer=False)`, the command line's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import threading
+from typing import Iterator
+
+from hetjax import procs
+
+# The codes travel as float32 in the timing rows; the largest over the hosts
+# wins, so a user's stop is not mistaken for a preemption.
+NONE, TERM, INT = 0, 1, 2
+_CODES = {signal.SIGTERM: TERM, signal.SIGINT: INT}
+INTERRUPTED_EXIT = 130  # 128 + SIGINT, what shells report for Ctrl-C.
+
+
+class Stopped(RuntimeError):
+  """Every host stopped at the same step boundary because a host got a stop signal.
+
+  Attributes:
+    step: the steps done when the hosts stopped.
+    directory: the checkpoint folder the state was saved in, or None.
+    exit_code: what the command line exits with.
+  """
+
+  exit_code = 1
+  signal_name = "a stop signal"
+
+  def __init__(self, step: int | None, directory: str | None):
+    self.step, self.directory = step, directory
+    super().__init__(self._early() if step is None else self._message())
+
+  def _early(self) -> str:
+    return (f"stopped by {self.signal_name} outside the training steps; nothing was saved; "
+            f"exiting with code {self.exit_code}.")
+
+  def _message(self) -> str:
+    return f"stopped by {self.signal_name} after step {self.step}."
+
+
+class Preempted(Stopped):
+  """SIGTERM reached a host: every host saved (when it can) and must now exit.
+
+  The command line exits with `exit_code` (`hetjax.procs.PREEMPTED_EXIT`),
+  which the launchers read as "restart me": the restarted job resumes from
+  the checkpoint.
+  """
+
+  exit_code = procs.PREEMPTED_EXIT
+  signal_name = "SIGTERM"
+
+  def _message(self) -> str:
+    if self.directory is None:
+      return (f"preempted (SIGTERM) after step {self.step}; nothing was saved (no --ckpt-dir), "
+              f"exiting with code {self.exit_code}.")
+    return (f"preempted: checkpoint of step {self.step} saved in {self.directory}; exiting "
+            f"with code {self.exit_code} so the job is restarted and resumes there.")
+
+
+class Interrupted(Stopped):
+  """Ctrl-C (SIGINT) reached a host: a user's stop, not a preemption."""
+
+  exit_code = INTERRUPTED_EXIT
+  signal_name = "Ctrl-C"
+
+  def _message(self) -> str:
+    if self.directory is None:
+      return (f"stopped by Ctrl-C after step {self.step}; nothing was saved (no --ckpt-dir), "
+              "so a new run starts from the beginning.")
+    return (f"stopped after step {self.step}, checkpoint saved in {self.directory}; "
+            "run the same command to resume.")
+
+
+def stopped(code: float, step: int | None, directory: str | None) -> Stopped:
+  """The exception for the largest stop code any host sent."""
+  return (Interrupted if code >= INT else Preempted)(step, directory)
+
+
+class StopRequests:
+  """Catches SIGTERM and SIGINT while installed; `code` is what this host sends.
+
+  One per process (`REQUESTS`): the command line installs it before the
+  cluster is joined, so a signal during start-up is not lost to JAX's own
+  SIGTERM handler; `Trainer.fit` installs it too (nested installs are free).
+  """
+
+  def __init__(self):
+    self.code = NONE
+    self._depth = 0
+    self._deferring = 0  # Installs inside a step loop: the flag waits for the boundary.
+    self._previous: dict[int, object] = {}
+
+  def _handle(self, signum: int, frame) -> None:
+    del frame
+    self.code = max(self.code, _CODES[signum])
+    if not self._deferring:
+      code, self.code = self.code, NONE
+      raise stopped(code, None, None)
+    if signum == signal.SIGINT:
+      # A second Ctrl-C interrupts at once.
+      signal.signal(signal.SIGINT, signal.default_int_handler)
+      print("hetjax: Ctrl-C: every host stops at the next step boundary (Ctrl-C again to "
+            "abort at once)", file=sys.stderr, flush=True)
+
+  @contextlib.contextmanager
+  def installed(self, defer: bool = True) -> Iterator["StopRequests"]:
+    """Catches the stop signals inside the block (main thread only; elsewhere a no-op).
+
+    Args:
+      defer: raise the flag for the next step boundary (a step loop); False
+        raises `Preempted` / `Interrupted` at once, unless a deferring
+        install is active inside this one.
+    """
+    if threading.current_thread() is not threading.main_thread():
+      yield self
+      return
+    if self._depth == 0:
+      for signum in _CODES:
+        previous = signal.signal(signum, self._handle)
+        # A handler installed outside Python reads as None and cannot be put back.
+        self._previous[signum] = signal.SIG_DFL if previous is None else previous
+    self._depth += 1
+    self._deferring += defer
+    try:
+      yield self
+    finally:
+      self._deferring -= defer
+      self._depth -= 1
+      if self._depth == 0:
+        for signum, previous in self._previous.items():
+          signal.signal(signum, previous)
+        self._previous.clear()
+
+  def clear(self) -> None:
+    """Forgets a handled request (after the hosts stopped for it)."""
+    self.code = NONE
+
+
+REQUESTS = StopRequests()

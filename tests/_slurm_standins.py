@@ -1,0 +1,85 @@
+"""Stand-ins for SLURM's `srun` and `scontrol` that behave as the real ones do.
+
+What the real srun does and these reproduce (no cluster here):
+  - runs `--ntasks` tasks, each with the step's variables (SLURM_PROCID,
+    SLURM_LOCALID, SLURM_STEP_NUM_TASKS, SLURM_STEP_NODELIST, ...);
+  - a signal to srun reaches every process of every task (slurmstepd signals
+    the step's whole container, not one pid);
+  - with --kill-on-bad-exit=1, the first task to exit non-zero gets the
+    others SIGKILLed;
+  - its exit code is the highest of the tasks' codes, a task killed by a
+    signal counting as 128 + signal;
+  - when srun itself dies, its tasks die (the step ends).
+Each task's output goes to $FAKE_OUT/task-<group>-<rank>.txt, and a file
+$FAKE_OUT/ended-<group>-<rank> appears when a task has ended (for tests that
+order events); the options srun got and scontrol's calls go to $FAKE_LOG.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import sys
+
+SRUN = r'''#!{python}
+import ctypes, os, signal, subprocess, sys, time
+log = open(os.environ["FAKE_LOG"], "a")
+args, opts = sys.argv[1:], {}
+while args and args[0].startswith("-"):
+  option = args.pop(0)
+  log.write(f"srun-option {option}\n")
+  key, _, value = option.partition("=")
+  opts[key] = value
+log.close()
+n = int(opts.get("--ntasks", os.environ.get("SLURM_NTASKS", "1")))
+group = opts.get("--het-group")
+nodelist = os.environ["SLURM_JOB_NODELIST" + (f"_HET_GROUP_{group}" if group else "")]
+libc = ctypes.CDLL(None)
+tasks = []
+for rank in range(n):
+  env = dict(os.environ, SLURM_PROCID=str(rank), SLURM_LOCALID="0", SLURM_NODEID=str(rank),
+             SLURM_STEP_ID="0", SLURM_STEP_NUM_TASKS=str(n), SLURM_STEP_NUM_NODES=str(n),
+             SLURM_STEP_NODELIST=nodelist, SLURM_NTASKS=str(n))
+  tag = f"{group or 0}-{rank}"
+  out = open(os.path.join(os.environ["FAKE_OUT"], f"task-{tag}.txt"), "w")
+  tasks.append((tag, subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                      start_new_session=True,
+                                      preexec_fn=lambda: libc.prctl(1, signal.SIGKILL))))
+
+def signal_tasks(signum, frame=None):
+  for _, task in tasks:
+    if task.poll() is None:
+      try:
+        os.killpg(task.pid, signum)
+      except ProcessLookupError:
+        pass
+
+for signum in (signal.SIGTERM, signal.SIGINT):
+  signal.signal(signum, signal_tasks)
+codes = {}
+while len(codes) < len(tasks):
+  for tag, task in tasks:
+    if tag in codes or task.poll() is None:
+      continue
+    codes[tag] = task.returncode if task.returncode >= 0 else 128 - task.returncode
+    open(os.path.join(os.environ["FAKE_OUT"], f"ended-{tag}"), "w").close()
+    if codes[tag] != 0 and opts.get("--kill-on-bad-exit") == "1":
+      signal_tasks(signal.SIGKILL)
+  time.sleep(0.01)
+sys.exit(max(codes.values()))
+'''
+
+SCONTROL = r'''#!/bin/bash
+# `show hostnames LIST` prints $FAKE_NODES, one per line; every call is logged.
+echo "scontrol $*" >> "$FAKE_LOG"
+if [[ "$1 $2" == "show hostnames" ]]; then tr ' ' '\n' <<< "$FAKE_NODES"; fi
+'''
+
+
+def install(bin_dir) -> None:
+  """Writes executable `srun` and `scontrol` stand-ins into `bin_dir`."""
+  for name, text in (("srun", SRUN.replace("{python}", sys.executable)), ("scontrol", SCONTROL)):
+    path = os.path.join(bin_dir, name)
+    with open(path, "w") as f:
+      f.write(text)
+    os.chmod(path, os.stat(path).st_mode | stat.S_IXUSR)

@@ -1,0 +1,62 @@
+"""Bounded history: memory O(1) in steps, every record still emitted, totals exact."""
+
+import numpy as np
+import optax
+import pytest
+
+import hetjax
+import hetjax_models
+from hetjax import data, history, metrics, trainer
+
+
+def test_a_long_run_keeps_a_window_and_exact_totals():
+  rng = np.random.default_rng(0)
+  h, seen = history.History(), []
+  stream = metrics.RecordStream(h, global_batch=8, emulated=False, sinks=[seen.append])
+  steps = 5000
+  step_s = rng.uniform(0.1, 0.2, steps)
+  compute = rng.uniform(0.0, 0.1, (steps, 2))
+  wait = rng.uniform(0.0, 0.1, (steps, 2))
+  for i in range(steps):
+    h.shares.append((4, 4))
+    h.compute_s.append(list(compute[i]))
+    if i:
+      h.wait_s.append(list(wait[i - 1]))
+    h.step_s.append(float(step_s[i]))
+    h.loss.append(1.0)
+    h.metrics.append({"loss": 1.0})
+    h.lr[i] = 0.5
+    if i == 10:
+      h.evals[i] = {"accuracy": 0.25}  # Long before the window: the latest still kept.
+    stream.pop()
+    h.trim(warmup=2, window=100)
+    assert len(h.shares) < 200 and len(h.lr) < 200
+  h.wait_s.append(list(wait[-1]))
+  stream.pop()
+  assert [r["step"] for r in seen] == list(range(steps)) and all(r["lr"] == 0.5 for r in seen)
+  assert [r["step"] for r in seen if "eval" in r] == [10] and h.evals == {10: {"accuracy": 0.25}}
+  assert seen[-1]["time_s"] == pytest.approx(step_s.sum())
+  n, total_s, busy_compute, busy_wait = h.steady_totals(warmup=2, hosts=2)
+  assert (h.steps, n) == (steps, steps - 2)
+  assert total_s == pytest.approx(step_s[2:].sum())
+  np.testing.assert_allclose(busy_compute, compute[2:].sum(0))
+  np.testing.assert_allclose(busy_wait, wait[2:].sum(0))
+
+
+def test_a_trainer_with_a_small_window_writes_every_record_and_summarises_the_whole_run(
+    tmp_path, monkeypatch):
+  monkeypatch.setattr(history, "WINDOW", 4)
+  hetjax.initialize()
+  task = hetjax_models.build("mlp", kind="image", num_classes=10, hidden=(8,))
+  tr = trainer.Trainer(task, optax.sgd(0.1), data.load("digits"),
+                       trainer.TrainConfig(global_batch=16, microbatch=8))
+  summary = tr.fit(20, out=str(tmp_path))
+  records = metrics.read_records(str(tmp_path))
+  assert [r["step"] for r in records] == list(range(20)) and len(tr.history.shares) <= 8
+  assert tr.step == 20 and summary["steps"] == 20
+  steady = records[2:]
+  assert summary["samples_per_sec"] == pytest.approx(16 * 18 / sum(r["step_s"] for r in steady))
+  wait = sum(r["wait_s"][0] for r in steady)
+  busy = wait + sum(r["compute_s"][0] for r in steady)
+  assert summary["per_host"][0]["idle_fraction"] == pytest.approx(wait / busy)
+  assert records[-1]["time_s"] == pytest.approx(sum(r["step_s"] for r in records))

@@ -1,0 +1,179 @@
+"""Stop signals: SIGTERM or Ctrl-C to any host stops every host at one step boundary.
+
+The two-host run also holds the hosts' agreement checks that stop a job and
+the evaluation spread over two hosts: starting a cluster is the expensive
+part on a 2-core machine, a scenario costs a fraction of it.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import hetjax
+from hetjax import procs, signals
+from hetjax.testing import run_hosts
+
+
+@pytest.fixture(scope="module")
+def two_hosts(tmp_path_factory):
+  ckpt = tmp_path_factory.mktemp("ckpt")
+  results = run_hosts("_stop_entries:stops_and_disagreements", hosts=2, args=(str(ckpt),),
+                      timeout_s=600)
+  return results, str(ckpt)
+
+
+def test_ctrl_c_to_one_host_stops_both_at_the_same_boundary_without_checkpoints(two_hosts):
+  results, _ = two_hosts
+  # Host 1 got SIGINT after step 3; the flag reached host 0 in step 4's reduction.
+  for r in results:
+    seen = r["sigint_host1_no_ckpt"]
+    assert (seen["kind"], seen["step"], seen["directory"]) == ("Interrupted", 4, None)
+    assert seen["exit_code"] == signals.INTERRUPTED_EXIT and "nothing was saved" in seen["message"]
+
+
+def test_sigterm_without_checkpoints_stops_every_host_as_a_preemption(two_hosts):
+  results, _ = two_hosts
+  for r in results:
+    seen = r["sigterm_host0_no_ckpt"]  # The same trainer, continued after the Ctrl-C stop.
+    assert (seen["kind"], seen["step"], seen["exit_code"]) == ("Preempted", 7, procs.PREEMPTED_EXIT)
+
+
+def test_ctrl_c_with_checkpoints_saves_the_boundary_and_says_how_to_resume(two_hosts):
+  results, ckpt = two_hosts
+  for r in results:
+    seen = r["sigint_host0_ckpt"]
+    assert (seen["kind"], seen["step"], seen["directory"]) == ("Interrupted", 5, ckpt)
+    assert "run the same command to resume" in seen["message"]
+    assert r["saved_steps"] == [5]
+
+
+def test_a_host_whose_balancer_decides_another_split_stops_the_job_naming_it(two_hosts):
+  results, _ = two_hosts
+  for r in results:
+    assert r["permuted"].startswith("HostsDisagree: step 7: host(s) [1] computed another split")
+    assert "host 1 used (24, 40)" in r["permuted"]
+
+
+def test_a_host_whose_parameters_diverge_stops_the_job_at_the_next_check(two_hosts):
+  results, _ = two_hosts
+  for r in results:
+    # Host 1's replica perturbed after step 8, a step the check (every 2) falls on.
+    assert r["perturbed_from"] == 8
+    assert r["perturbed"].startswith("HostsDisagree: after step 8: host(s) [1] hold other "
+                                     "parameters than host 0")
+
+
+def test_a_host_with_another_model_is_refused_at_start_up(two_hosts):
+  results, _ = two_hosts
+  for r in results:
+    assert r["other_model"].startswith("ValueError: host(s) [1] run a different model or optimizer")
+
+
+def test_evaluation_spread_over_two_hosts_equals_one_host_whatever_the_weights(two_hosts):
+  results, _ = two_hosts
+  evaluations = [r["evaluation"] for r in results]
+  assert evaluations[0]["host_ranges"] == [(0, 300), (300, 360)]
+  import _stop_entries
+  reference = _stop_entries.reference_eval(evaluations[0]["params"])
+  for r in evaluations:
+    for name in ("even", "uneven", "skewed"):
+      assert r[name] == evaluations[0][name]  # Every host got the same figures.
+      np.testing.assert_allclose(r[name]["loss"], reference["loss"], rtol=1e-5)
+      np.testing.assert_allclose(r[name]["accuracy"], reference["accuracy"], rtol=1e-6)
+
+
+# ---- One host, in this process ---------------------------------------------
+
+
+def test_outside_the_step_loop_a_signal_stops_at_once_inside_it_waits_for_the_boundary():
+  with signals.REQUESTS.installed(defer=False):
+    with pytest.raises(signals.Preempted, match="outside the training steps; nothing was saved; "
+                       "exiting with code 75"):
+      os.kill(os.getpid(), signal.SIGTERM)
+    with signals.REQUESTS.installed():  # What Trainer.fit does.
+      os.kill(os.getpid(), signal.SIGTERM)
+      assert signals.REQUESTS.code == signals.TERM  # Raised, not acted on: the boundary will.
+    signals.REQUESTS.clear()
+    with pytest.raises(signals.Interrupted, match="stopped by Ctrl-C outside the training steps"):
+      os.kill(os.getpid(), signal.SIGINT)
+  assert signals.REQUESTS.code == signals.NONE
+
+
+def _one_host(directory=None):
+  import _stop_entries
+  hetjax.initialize()
+  return _stop_entries._trainer(directory)
+
+
+def test_ctrl_c_on_one_host_with_checkpoints_saves_the_boundary_and_says_how_to_resume(tmp_path):
+  import _stop_entries
+  tr = _one_host(str(tmp_path))
+  with pytest.raises(signals.Interrupted, match="stopped after step 3, checkpoint saved in "
+                     f"{tmp_path}; run the same command to resume") as stop:
+    tr.fit(until=50, on_step=_stop_entries._signal_on(0, 2, signal.SIGINT))
+  assert stop.value.exit_code == 130 and _saved(tmp_path) == [3]
+  assert signal.getsignal(signal.SIGINT) is not None and signals.REQUESTS.code == signals.NONE
+  tr.close()
+
+
+def test_sigterm_on_one_host_without_checkpoints_stops_as_a_preemption_and_a_second_ctrl_c_aborts():
+  import _stop_entries
+  tr = _one_host()
+  with pytest.raises(signals.Preempted, match="after step 2; nothing was saved") as stop:
+    tr.fit(until=50, on_step=_stop_entries._signal_on(0, 1, signal.SIGTERM))
+  assert stop.value.exit_code == procs.PREEMPTED_EXIT
+
+  def twice(trainer, metrics):
+    if trainer.step == 4:
+      os.kill(os.getpid(), signal.SIGINT)  # Asks for a stop at the boundary...
+      os.kill(os.getpid(), signal.SIGINT)  # ...and the second one interrupts at once.
+  with pytest.raises(KeyboardInterrupt):
+    tr.fit(until=50, on_step=twice)
+  assert tr.step == 4
+  signals.REQUESTS.clear()
+
+
+# ---- The command line, on two hosts -----------------------------------------
+
+
+def _cli(out, *extra):
+  return [sys.executable, "-m", "hetjax.cli", "train", "--model", "mlp", "--global-batch", "32",
+          "--microbatch", "4", "--steps", "100000", "--out", str(out), "--log-every", "0", *extra]
+
+
+def _saved(ckpt):
+  return sorted(int(p) for p in os.listdir(ckpt) if p.isdigit())
+
+
+def _wait_for_a_record(out, procs_):
+  metrics = out / "metrics.jsonl"
+  deadline = time.monotonic() + 300
+  while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+    for p in procs_:
+      assert p.poll() is None, p.communicate()[1][-3000:]
+    assert time.monotonic() < deadline
+    time.sleep(0.05)
+
+
+def test_ctrl_c_to_one_of_two_cli_hosts_stops_both_with_130(tmp_path):
+  envs = procs.cluster_envs(2, 1, base=dict(os.environ))
+  out = tmp_path / "run"
+  hosts = [subprocess.Popen(_cli(out, "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "100000"), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for env in envs]
+  try:
+    _wait_for_a_record(out, hosts)
+    hosts[1].send_signal(signal.SIGINT)
+    errs = [h.communicate(timeout=120)[1] for h in hosts]
+  finally:
+    for h in hosts:
+      if h.poll() is None:
+        h.kill()
+  assert [h.returncode for h in hosts] == [130, 130], errs
+  steps = {int(e.split("stopped after step ")[1].split(",")[0]) for e in errs}
+  assert len(steps) == 1 and _saved(tmp_path / "ckpt") == [steps.pop()]
