@@ -379,7 +379,8 @@ class RoundsTrainer:
         "hosts": self.num_hosts,
         "devices_per_host": self.meshes.local_devices,
         "reduction": self.config.reduction,
-        "balancer_mode": f"{self.rounds.mode} rounds (taus from speeds)" if self.rounds.local_steps is None else f"{self.rounds.mode} rounds (fixed --local-steps)",
+        "balancer_mode": f"{self.rounds.mode} rounds, taus " + (
+            "from speeds" if self.rounds.local_steps is None else "fixed (--local-steps)"),
         "balancer_decisions": [],
         "samples_per_sec": samples / seconds if seconds else 0.0,
         "final_loss": h.loss[-1] if h.loss else None,
