@@ -38,10 +38,10 @@ import numpy as np
 SPEEDS = (1.0, 0.5, 0.25)
 # mode name -> (trainer kind, settings, inner optimizer momentum, default lr)
 MODES = {
-    "sync-equal": ("sync", {}, 0.9, 0.05),
-    "sync-dynamic": ("sync", {"balancer": "dynamic"}, 0.9, 0.05),
-    "hybrid-H4": ("hybrid", {"round_steps": 4}, None, 0.1),
-    "hybrid-H8": ("hybrid", {"round_steps": 8}, None, 0.1),
+    "sync-equal": ("sync", {}, 0.9, 0.1),
+    "sync-dynamic": ("sync", {"balancer": "dynamic"}, 0.9, 0.1),
+    "hybrid-H4": ("hybrid", {"round_steps": 4}, None, 0.2),
+    "hybrid-H8": ("hybrid", {"round_steps": 8}, None, 0.2),
     "elastic-H4": ("elastic", {"round_steps": 4, "elastic_beta": 0.5}, 0.9, 0.05),
 }
 
