@@ -34,7 +34,8 @@ def degenerate(steps: int, global_batch: int, lr: float) -> dict:
     hybrid = RoundsTrainer(_tiny(), optax.sgd(lr), source, config, rounds)
     summary = hybrid.fit(until=steps)
     out[reduction] = {"initial": initial, "sync": sync.params(), "hybrid": hybrid.params(),
-                      "positions": (summary["data_position"], steps * global_batch)}
+                      "positions": (summary["data_position"], steps * global_batch),
+                      "compute_s": [h["compute_s"] for h in summary["per_host"]]}
     sync.close()
     hybrid.close()
   return out

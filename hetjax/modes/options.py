@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Sequence
 
 MODES = ("sync", "hybrid", "elastic")
 OUTER_OPTIMIZERS = ("sgd", "nesterov")
@@ -145,11 +144,3 @@ def from_args(args: argparse.Namespace, num_hosts: int | None = None) -> RoundsC
   config.validate(num_hosts, getattr(args, "global_batch", None))
   return config
 
-
-def check_hosts(config: RoundsConfig, num_hosts: int, global_batch: int) -> None:
-  """The checks that need the host count (the trainer calls it before compiling)."""
-  config.validate(num_hosts, global_batch)
-
-
-def fixed_taus(config: RoundsConfig, num_hosts: int) -> Sequence[int] | None:
-  return None if config.local_steps is None else tuple(int(t) for t in config.local_steps)

@@ -19,7 +19,6 @@ step's), so with one local step per host a round is a sync step.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, Sequence
 
 import jax
@@ -301,8 +300,3 @@ class RoundReduction:
     totals = jax.tree.map(lambda x: jax.make_array_from_process_local_data(replicated, x), totals)
     return totals, rows
 
-
-@functools.lru_cache(maxsize=None)
-def tree_norm_program() -> Callable:
-  return jax.jit(lambda a, b: jnp.sqrt(sum(jnp.sum(jnp.square(x - y)) for x, y in
-                                            zip(jax.tree.leaves(a), jax.tree.leaves(b)))))
