@@ -62,3 +62,30 @@ def accuracy(mode: str, rounds: int, local_steps: tuple, lr: float, momentum: fl
 def accuracies(specs: list) -> list:
   """`accuracy(*args, **kwargs)` for each `(args, kwargs)` on one cluster (one start-up)."""
   return [accuracy(*args, **kwargs) for args, kwargs in specs]
+
+
+def resume(directory: str, mode: str, rounds: int, local_steps: tuple | None, stop_at: int) -> dict:
+  """A run stopped at `stop_at` and resumed from its checkpoint; returns both digests."""
+  from hetjax import checkpoint, runtime
+  if not runtime.is_initialized():
+    hetjax.initialize()
+  source = data.load("digits")
+  config = trainer.TrainConfig(global_batch=24, microbatch=BLOCK, seed=2)
+  settings = RoundsConfig(mode=mode, local_steps=local_steps, outer_lr=0.5)
+  make = lambda ckpt: RoundsTrainer(_tiny(), optax.sgd(0.05, momentum=0.9), source, config,
+                                    settings, checkpoint=ckpt)
+  out = {}
+  if stop_at:
+    reference = make(None)
+    reference.fit(until=rounds)
+    out["reference"] = trainer.params_digest(reference.params())
+    first = make(checkpoint.CheckpointConfig(directory, every=2))
+    first.fit(until=stop_at)
+    first.close()
+  second = make(checkpoint.CheckpointConfig(directory, every=2))
+  out["resumed_from"] = second.resumed_from
+  second.fit(until=rounds)
+  second.close()
+  out["resumed"] = trainer.params_digest(second.params())
+  out["position"] = second.position
+  return out

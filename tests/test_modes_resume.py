@@ -10,6 +10,25 @@ import time
 
 import pytest
 
+import _modes_entries  # noqa: F401  (importable by the hosts)
+from hetjax.testing import run_hosts
+
+
+def test_hybrid_resumes_exactly_and_on_another_layout_restarts_hosts_from_the_centre(tmp_path, capfd):
+  """Outer Nesterov state, inner momentum, cursor: a resumed hybrid run ends where an unbroken one does."""
+  ckpt = str(tmp_path / "ckpt")
+  out = run_hosts("_modes_entries:resume", hosts=2, args=(ckpt, "hybrid", 8, (2, 1), 4),
+                  timeout_s=600)
+  for host in out:
+    assert host["resumed_from"] == 4
+    assert host["resumed"] == out[0]["reference"]
+    assert host["position"] == 8 * 3 * 12  # 8 rounds of (2 + 1) local steps of 24 / 2 samples.
+  capfd.readouterr()
+  one = run_hosts("_modes_entries:resume", hosts=1, args=(ckpt, "hybrid", 10, None, 0),
+                  timeout_s=600)[0]
+  assert one["resumed_from"] == 8
+  assert "another layout: every host's inner state restarts from the centre" in capfd.readouterr().err
+
 
 def _launch(ckpt, out, extra=()):
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
