@@ -21,6 +21,8 @@ _EXPORTS = {
     "TrainConfig": "hetjax.trainer",
     "train": "hetjax.trainer",
     "params_digest": "hetjax.trainer",
+    "RoundsTrainer": "hetjax.modes.trainer",
+    "RoundsConfig": "hetjax.modes.options",
     "Preempted": "hetjax.signals",
     "Interrupted": "hetjax.signals",
     "Stopped": "hetjax.signals",
