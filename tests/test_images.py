@@ -201,7 +201,7 @@ def test_three_uneven_hosts_train_a_jpeg_dataset_from_tfds_to_95_percent(jpeg_di
       [sys.executable, os.path.join(ROOT, "launch", "local.py"), "--hosts", "3", "--",
        sys.executable, "-m", "hetjax.cli", "train", "--model", "cnn", "--dataset", "tfds:jpeg_digits",
        "--data-dir", jpeg_digits, "--image-size", str(SIZE), "--data-workers", "1", "--steps", "80",
-       "--global-batch", "64", "--assignment", "40,16,8", "--log-every", "0", "--out", str(out)],
+       "--global-batch", "64", "--microbatch", "8", "--assignment", "40,16,8", "--log-every", "0", "--out", str(out)],
       capture_output=True, text=True, timeout=600)
   assert run.returncode == 0, run.stderr[-3000:]
   summary = json.loads((out / "summary.json").read_text())

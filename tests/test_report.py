@@ -105,8 +105,10 @@ def test_an_api_run_with_fit_out_writes_what_the_cli_writes_and_its_report_has_t
                                   5e-3, 1e-2 * 0.5 * (1 + np.cos(3 * np.pi / 4))], rtol=1e-5, atol=1e-9)
   assert [r["step"] for r in records if "eval" in r] == [1, 3, 5]
   assert summary["eval"]["step"] == 5 and summary["eval"] == {"step": 5, **records[-1]["eval"]}
-  events = metrics.read_events(str(next((out / "tensorboard").iterdir())))
-  tags = set().union(*(e.get("scalars", {}).keys() for e in events))
+  from tensorboard.backend.event_processing import event_accumulator  # TensorBoard's own reader.
+  events = event_accumulator.EventAccumulator(str(out / "tensorboard"))
+  events.Reload()
+  tags = set(events.Tags()["scalars"])
   assert {"lr", "eval/accuracy", "eval/loss"} <= tags
   fig, text = report.make_report(str(out))
   assert fig.evaluations == 3 and fig.last_eval_step == 6
