@@ -15,6 +15,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from .inputs import as_input
+
 _STATS = ("mean", "var")
 
 
@@ -59,7 +61,7 @@ class BasicBlock(nn.Module):
   features: int
   strides: int = 1
   momentum: float = 0.9
-  dtype: Any = jnp.float32
+  dtype: Any = None
 
   @nn.compact
   def __call__(self, x: jax.Array, train: bool,
@@ -87,7 +89,7 @@ class BottleneckBlock(nn.Module):
   features: int
   strides: int = 1
   momentum: float = 0.9
-  dtype: Any = jnp.float32
+  dtype: Any = None
 
   @nn.compact
   def __call__(self, x: jax.Array, train: bool,
@@ -116,7 +118,8 @@ class ResNet(nn.Module):
       7x7 stride-2 stem with max-pool (ImageNet style) when False; None picks
       the small stem for inputs up to 64 pixels on a side.
     momentum: decay of the BatchNorm running averages.
-    dtype: computation dtype (parameters and statistics stay float32).
+    dtype: computation dtype (parameters and statistics stay float32); None
+      follows the parameters, which hetjax casts to the `--precision` type.
   """
 
   num_classes: int
@@ -124,7 +127,7 @@ class ResNet(nn.Module):
   stage_sizes: Sequence[int] = (2, 2, 2, 2)
   small_input: bool | None = None
   momentum: float = 0.9
-  dtype: Any = jnp.float32
+  dtype: Any = None
   block: ClassVar[type[nn.Module]] = BasicBlock
 
   @nn.compact
@@ -144,7 +147,7 @@ class ResNet(nn.Module):
     small = self.small_input
     if small is None:
       small = max(x.shape[1], x.shape[2]) <= 64
-    x = x.astype(self.dtype)
+    x = as_input(x, self.dtype)
     if small:
       x = nn.Conv(self.width, (3, 3), padding=1, use_bias=False,
                   dtype=self.dtype, name="stem_conv")(x)
