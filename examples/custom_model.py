@@ -2,7 +2,7 @@
 
   python examples/custom_model.py --out params_1host.npz
   python launch/local.py --hosts 3 --speeds 1,0.5,0.25 -- \
-      python examples/custom_model.py --assignment 5,23,36 --out params_3hosts.npz
+      python examples/custom_model.py --assignment 8,24,32 --out params_3hosts.npz
 """
 import argparse
 

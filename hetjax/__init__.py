@@ -15,6 +15,8 @@ _EXPORTS = {
     "from_functions": "hetjax.task",
     "from_linen": "hetjax.task",
     "from_nnx": "hetjax.task",
+    "Weighted": "hetjax.task",
+    "MASK": "hetjax.task",
     "Trainer": "hetjax.trainer",
     "TrainConfig": "hetjax.trainer",
     "train": "hetjax.trainer",

@@ -32,7 +32,8 @@ def _parser() -> argparse.ArgumentParser:
   t.add_argument("--lr", type=float, default=1e-3)
   t.add_argument("--seed", type=int, default=0)
   t.add_argument("--assignment", default="equal",
-                 help="'equal' or one share per host summing to the global batch, e.g. 5,23,36")
+                 help="'equal' or one share per host summing to the global batch, each a whole "
+                      "number of --microbatch blocks, e.g. 4,24,36")
   t.add_argument("--balancer", default=None, choices=("equal", "static", "dynamic"),
                  help="size shares from measured step times (default: follow --assignment)")
   t.add_argument("--microbatch", type=int, default=16, help="samples per device per micro-batch")
@@ -47,6 +48,9 @@ def _parser() -> argparse.ArgumentParser:
   t.add_argument("--init-timeout", type=float, default=None,
                  help="seconds to reach the coordinator (default HETJAX_INIT_TIMEOUT or 120)")
   t.add_argument("--model-width", type=int, default=None, help="override the model's width")
+  t.add_argument("--dropout", type=float, default=None,
+                 help="dropout rate of mlp, cnn and transformer (default 0); keyed per block, "
+                      "so the same example gets the same mask on any split")
   c = t.add_argument_group("checkpoints (orbax; the folder must be shared by all hosts)")
   c.add_argument("--ckpt-dir", default=None,
                  help="save checkpoints here and resume from the newest one found there")
@@ -92,7 +96,16 @@ def _check_args(args: argparse.Namespace) -> None:
                      f"{args.assignment} (or use --balancer equal).")
   if assignment != "equal":
     hosts = int(os.environ.get("HETJAX_NUM_HOSTS", "1"))
-    balancer.validate_shares(assignment, args.global_batch, hosts)
+    from hetjax import blocks
+    blocks.check_aligned(balancer.validate_shares(assignment, args.global_batch, hosts),
+                         args.global_batch, args.microbatch)
+  if args.dropout is not None:
+    if not 0 <= args.dropout < 1:
+      raise ValueError(f"--dropout must be in [0, 1), got {args.dropout}.")
+    if "dropout" not in hetjax_models.default_config(args.model):
+      has = [m for m in hetjax_models.MODEL_NAMES if "dropout" in hetjax_models.default_config(m)]
+      raise ValueError(f"model {args.model!r} has no dropout; --dropout applies to "
+                       f"{', '.join(has)}.")
 
 
 def _checkpoint_config(args: argparse.Namespace):
@@ -122,12 +135,14 @@ def train(args: argparse.Namespace) -> dict:
     test_source = data.load(args.dataset, "test", data_dir=args.data_dir)
     sources.check_records(test_source, sources.record_spec(source))  # Before, not after, training.
   overrides = {} if args.model_width is None else {"width": args.model_width}
+  if args.dropout is not None:
+    overrides["dropout"] = args.dropout
   task = hetjax_models.build(args.model, kind=source.info.kind, num_classes=source.info.num_classes,
                              vocab_size=source.info.vocab_size, **overrides)
   config = trainer.TrainConfig(global_batch=args.global_batch, microbatch=args.microbatch,
                                seed=args.seed, assignment=args.assignment, reduction=args.reduction,
                                balancer=args.balancer, augment=args.augment)
-  identity = f"{args.model}|{args.optimizer}|{args.lr}|{args.model_width}"
+  identity = f"{args.model}|{args.optimizer}|{args.lr}|{args.model_width}|{args.dropout}"
   ckpt = None if args.ckpt_dir is None else _checkpoint_config(args)
   tr = trainer.Trainer(task, _optimizer(args.optimizer, args.lr), source, config,
                        identity=identity, checkpoint=ckpt)

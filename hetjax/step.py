@@ -1,9 +1,11 @@
 """The two compiled programs of one training step.
 
 LOCAL (`LocalProgram`): `jit(shard_map)` over this host's own devices. The
-host's share is fed as fixed-shape micro-batches (the last one padded and
-masked); each device keeps running sums of per-example gradients, losses,
-metrics and the count of real examples. No cross-host collective runs here,
+host's share, a whole number of blocks of `m` positions (`hetjax.blocks`),
+is fed as fixed-shape micro-batches of one block per device (the last ones
+padded and masked); each device keeps running sums of per-example gradients,
+losses, metrics, weights and the count of real examples. A block's PRNG key
+is `fold_in(fold_in(key(seed), step), block)`, whichever device runs it. No cross-host collective runs here,
 so hosts may run different numbers of micro-batches, and a new share changes
 only how often the same compiled program runs (invariant 4).
 
@@ -31,7 +33,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from hetjax.task import Task
+from hetjax.task import MASK, Task, split_losses
 
 PyTree = Any
 DEV = "dev"   # axis of the local mesh: this host's devices
@@ -51,7 +53,8 @@ class Sums(NamedTuple):
   """Per-device running sums; every leaf has a leading per-device axis."""
 
   grads: PyTree
-  count: jax.Array
+  weight: jax.Array     # the normaliser: real examples, or their `Weighted` weights
+  count: jax.Array      # real examples
   loss: jax.Array
   metrics: dict[str, jax.Array]
   model_state: PyTree   # sum of count-weighted new model states (BatchNorm)
@@ -132,15 +135,20 @@ def rows_by_host(rows: np.ndarray, meshes: Meshes) -> np.ndarray:
 
 
 def micro_batches(batch: dict[str, np.ndarray], size: int) -> Iterator[dict[str, np.ndarray]]:
-  """Cuts a batch into `size`-row chunks with a `mask`, the last one padded."""
+  """Cuts a batch into `size`-row chunks with a `MASK`, the last one padded.
+
+  Padding rows repeat the chunk's first (real) row: a loss that is NaN on an
+  all-zero row (a count of zero tokens, say) stays finite, and the mask
+  removes the copies from every sum with `where`.
+  """
   n = len(next(iter(batch.values())))
   for start in range(0, n, size):
     part = {k: v[start:start + size] for k, v in batch.items()}
     real = min(size, n - start)
     if real < size:
-      part = {k: np.concatenate([v, np.zeros((size - real,) + v.shape[1:], v.dtype)])
+      part = {k: np.concatenate([v, np.repeat(v[:1], size - real, axis=0)])
               for k, v in part.items()}
-    part["mask"] = (np.arange(size) < real).astype(np.float32)
+    part[MASK] = (np.arange(size) < real).astype(np.float32)
     yield part
 
 
@@ -154,27 +162,37 @@ class LocalProgram:
     self.micro = microbatch_per_device * meshes.local_devices
     mesh = meshes.local
 
-    def per_device(params, model_state, sums, batch, key, step, micro):
+    def per_device(params, model_state, sums, batch, key, step, first_block):
       # Without the cast, grad of a replicated input would already be summed
       # over the local devices; per-device sums let one reduction do it all.
       params = jax.lax.pcast(params, DEV, to="varying")
-      rng = jax.random.fold_in(jax.random.fold_in(key, step), micro)
-      rng = jax.random.fold_in(rng, jax.lax.axis_index(DEV))
-      mask = batch["mask"]
+      block = first_block + jax.lax.axis_index(DEV)
+      rng = jax.random.fold_in(jax.random.fold_in(key, step), block)
+      real = batch[MASK] > 0
+      masked_sum = lambda v: jnp.sum(jnp.where(real, v, 0.0))
+      # An all-padding block (a host whose blocks do not fill its last device
+      # round) shows the model an all-ones mask: masked BatchNorm over zero
+      # rows would be NaN, and NaN survives `where` in the backward pass. Its
+      # rows are copies of a real row, and every sum below uses `real`.
+      model_batch = {**batch, MASK: jnp.where(jnp.any(real), batch[MASK], 1.0)}
 
       def total_loss(p):
-        losses, metrics, new_state = task.loss(p, model_state, batch, rng)
-        return jnp.sum(losses * mask), (metrics, new_state)
+        losses, metrics, new_state = task.loss(p, model_state, model_batch, rng)
+        values, weights = split_losses(losses)
+        weight = masked_sum(weights) if weights is not None else jnp.sum(real.astype(jnp.float32))
+        return masked_sum(values), (metrics, new_state, weight)
 
-      (loss, (metrics, new_state)), grads = jax.value_and_grad(total_loss, has_aux=True)(params)
-      n = jnp.sum(mask)
+      (loss, (metrics, new_state, weight)), grads = jax.value_and_grad(
+          total_loss, has_aux=True)(params)
+      n = jnp.sum(real.astype(jnp.float32))
       weighted_state = jax.tree.map(lambda s: jnp.where(n > 0, s * n, 0.0), new_state)
       add = lambda acc, x: acc + x[None].astype(acc.dtype)
       return Sums(
           grads=jax.tree.map(add, sums.grads, grads),
+          weight=add(sums.weight, weight),
           count=add(sums.count, n),
           loss=add(sums.loss, loss),
-          metrics={k: add(sums.metrics[k], jnp.sum(v * mask)) for k, v in metrics.items()},
+          metrics={k: add(sums.metrics[k], masked_sum(v)) for k, v in metrics.items()},
           model_state=jax.tree.map(add, sums.model_state, weighted_state))
 
     self._accumulate = jax.jit(
@@ -196,7 +214,8 @@ class LocalProgram:
     sharding = self.meshes.local_by_device
 
     def make(params, metrics, new_state):
-      return Sums(grads=jax.tree.map(zeros, params), count=jnp.zeros((d,)), loss=jnp.zeros((d,)),
+      return Sums(grads=jax.tree.map(zeros, params), weight=jnp.zeros((d,)), count=jnp.zeros((d,)),
+                  loss=jnp.zeros((d,)),
                   metrics={k: jnp.zeros((d,)) for k in metrics},
                   model_state=jax.tree.map(zeros, new_state))
 
@@ -204,12 +223,14 @@ class LocalProgram:
     self._zeros = jax.jit(lambda: make(*abstract), out_shardings=sharding)
 
   def __call__(self, params: PyTree, model_state: PyTree, batch: dict[str, np.ndarray],
-               example: dict[str, np.ndarray], key: jax.Array, step: int) -> Sums:
+               example: dict[str, np.ndarray], key: jax.Array, step: int,
+               first_block: int = 0) -> Sums:
     """Runs the host's share `batch` (possibly empty) through the local program.
 
     `example` is one record of the dataset; it fixes the micro-batch shapes
     even when this host's share is 0. `key` is the run's base PRNG key; the
-    step and micro-batch indices are folded in on the devices.
+    step and each device's global block index (from `first_block`, the
+    host's first block) are folded in on the devices.
     """
     params = jax.tree.map(lambda x: to_local(x, self.meshes), params)
     model_state = jax.tree.map(lambda x: to_local(x, self.meshes), model_state)
@@ -220,9 +241,11 @@ class LocalProgram:
       self._build_zeros(params, model_state, next(micro_batches(example, self.micro)), local_key)
     sums = self._zeros()
     step = np.int32(step)
+    d = self.meshes.local_devices
     for i, micro in enumerate(micro_batches(batch, self.micro)):
       micro = jax.device_put(micro, self._batch_sharding)
-      sums = self._accumulate(params, model_state, sums, micro, local_key, step, np.int32(i))
+      sums = self._accumulate(params, model_state, sums, micro, local_key, step,
+                              np.int32(first_block + i * d))
     return sums
 
 
@@ -248,17 +271,20 @@ def _total(sums: Sums) -> Sums:
 
 def _update(optimizer: optax.GradientTransformation, state: TrainState,
             totals: Sums) -> tuple[TrainState, dict[str, jax.Array]]:
-  """`sum(grad sums) / sum(counts)`, the optax update, and the weighted model state."""
+  """`sum(grad sums) / sum(weights)`, the optax update, and the weighted model state."""
   count = totals.count
-  safe = jnp.maximum(count, 1.0)  # count == 0 is reported by the trainer as an error.
-  grads = jax.tree.map(lambda g, p: (g / safe).astype(p.dtype), totals.grads, state.params)
+  # count == 0 is reported by the trainer as an error; a zero total weight
+  # leaves the gradient zero rather than NaN.
+  norm = jnp.where(totals.weight != 0, totals.weight, 1.0)
+  grads = jax.tree.map(lambda g, p: (g / norm).astype(p.dtype), totals.grads, state.params)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
+  safe = jnp.maximum(count, 1.0)
   model_state = jax.tree.map(
       lambda old, s: jnp.where(count > 0, s / safe, old).astype(old.dtype),
       state.model_state, totals.model_state)
-  stats = {"count": count, "loss": totals.loss / safe}
-  stats.update({k: v / safe for k, v in totals.metrics.items()})
+  stats = {"count": count, "loss": totals.loss / norm}
+  stats.update({k: v / norm for k, v in totals.metrics.items()})
   return TrainState(state.step + 1, params, opt_state, model_state), stats
 
 
@@ -311,6 +337,16 @@ class HostReduction:
     self._gather = jax.jit(lambda x: x, out_shardings=NamedSharding(self._cpu_mesh, P()))
     self._update = jax.jit(lambda state, totals: _update(optimizer, state, totals),
                            out_shardings=meshes.replicated, donate_argnums=(0,))
+    # gloo sets up a communicator for a new set of devices on its first
+    # collective and gives up if a peer is not there within 30 s (fixed in
+    # XLA), so a host that compiles much later (a slower or busier machine)
+    # would fail the first step. Set it up here: compile the probe, line the
+    # hosts up on the all-device communicator (which waits as long as it
+    # takes), then run it at once.
+    probe = jax.make_array_from_process_local_data(self._by_host, np.zeros((1, 1), np.float32))
+    gather = self._gather.lower(probe).compile()
+    gather_host_values(np.zeros(1), meshes)
+    gather(probe).block_until_ready()
 
   def __call__(self, state: TrainState, sums: Sums,
                host_values: np.ndarray) -> tuple[TrainState, dict[str, jax.Array], np.ndarray]:

@@ -1,28 +1,54 @@
 """What hetjax needs from a model: an init and a per-example loss.
 
 The step never sees a Flax module; it sees a `Task`. Per-example losses (not a
-mean) are the whole trick: the step multiplies them by the padding mask and
-sums, so hosts with different batch sizes can be reconciled exactly by
-`sum(grad sums) / sum(counts)`.
+mean) are the whole trick: the step masks them and sums, so hosts with
+different batch sizes are reconciled exactly by `sum(grad sums) / sum(counts)`.
 
-A batch is a dict of arrays with a common leading dimension. The step adds a
-float32 `"mask"` entry (1 for a real example, 0 for padding); a model may use
-it (BatchNorm statistics must ignore padding) or leave it alone.
+A batch is a dict of arrays with a common leading dimension: one *block* of
+the global batch (DESIGN invariant 2). The step adds a float32 entry under
+the reserved key `MASK` (1 for a real example, 0 for padding); a model may use
+it (BatchNorm statistics must ignore padding) or leave it alone. Padding rows
+repeat a real row, so a loss is finite on them.
+
+`rng` is the block's key, `fold_in(fold_in(key(seed), step), block)`: a
+dropout mask belongs to the examples of the block, never to the host or the
+device that happens to run it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Callable
+import re
+import warnings
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 
 PyTree = Any
 Batch = dict[str, jax.Array]
-# (losses [b], metrics {name: [b]}, new model state)
-LossOutput = tuple[jax.Array, dict[str, jax.Array], PyTree]
+MASK = "hetjax.mask"  # Reserved batch key of the padding mask; no dataset may use it.
+RESERVED_METRICS = ("loss", "count")
+
+
+class Weighted(NamedTuple):
+  """Per-example losses with per-example weights (return it instead of `losses`).
+
+  The update then uses `sum(values) / sum(weights)` over the whole global
+  batch, so e.g. a language model whose examples hold different numbers of
+  tokens averages over tokens exactly across uneven hosts: `values` = the
+  example's summed token losses, `weights` = its token count. Metrics are
+  normalised by the same `sum(weights)`.
+  """
+
+  values: jax.Array
+  weights: jax.Array
+
+
+# (losses [b] or Weighted([b], [b]), metrics {name: [b]}, new model state)
+LossOutput = tuple[Any, dict[str, jax.Array], PyTree]
+LossFn = Callable[[PyTree, PyTree, Batch, jax.Array], LossOutput]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,33 +58,86 @@ class Task:
   Attributes:
     init: `init(rng, example_batch) -> (params, model_state)`. `model_state`
       holds non-trained variables such as BatchNorm running statistics (an
-      empty dict when there are none).
+      empty dict when there are none); it is averaged over the blocks of a
+      step, weighted by their real examples.
     loss: `loss(params, model_state, batch, rng) -> (losses, metrics,
-      new_model_state)` with `losses` of shape `[b]` and every metric of shape
-      `[b]` (per example; hetjax sums them over the real examples).
+      new_model_state)` with `losses` of shape `[b]` (or a `Weighted`) and
+      every metric of shape `[b]` (per example; hetjax sums them over the
+      real examples).
     eval_loss: the same contract in inference mode (BatchNorm running
-      averages); `None` when it equals `loss`.
+      averages, no dropout); `None` when it equals `loss`.
   """
 
   init: Callable[[jax.Array, Batch], tuple[PyTree, PyTree]]
-  loss: Callable[[PyTree, PyTree, Batch, jax.Array], LossOutput]
-  eval_loss: Callable[[PyTree, PyTree, Batch, jax.Array], LossOutput] | None = None
+  loss: LossFn
+  eval_loss: LossFn | None = None
 
-  def evaluation_loss(self) -> Callable[[PyTree, PyTree, Batch, jax.Array], LossOutput]:
+  def evaluation_loss(self) -> LossFn:
     """The loss to evaluate with: `eval_loss` when given, else `loss`."""
     return self.eval_loss or self.loss
 
 
+def split_losses(losses: Any) -> tuple[jax.Array, jax.Array | None]:
+  """`(values, weights)` of a loss output; `weights` is None for plain losses."""
+  if isinstance(losses, Weighted):
+    return losses.values, losses.weights
+  return losses, None
+
+
+def check_contract(loss: LossFn, params: PyTree, model_state: PyTree, batch: Batch,
+                   rng: jax.Array, *, what: str = "the task's loss") -> None:
+  """Checks a loss against the contract with `jax.eval_shape` (nothing runs).
+
+  Raises:
+    ValueError: a loss or metric that is not per example (`[b]`), a metric
+      named like one of hetjax's own figures, or a new model state whose
+      structure differs from the old one.
+  """
+  b = len(batch[MASK])
+  losses, metrics, new_state = jax.eval_shape(loss, params, model_state, batch, rng)
+  values, weights = split_losses(losses)
+  fix = ("return per-example values of shape [b] (one per example, e.g. `-log p(y|x)` per "
+         "row), not a mean over the batch: hetjax sums them over the real examples of every "
+         "host and divides by the global count itself")
+  for name, value in (("losses", values), ("weights", weights)):
+    if value is not None and tuple(value.shape) != (b,):
+      raise ValueError(f"{what} returned {name} of shape {tuple(value.shape)} for a block of "
+                       f"{b} examples; {fix}.")
+  if not isinstance(metrics, dict):
+    raise ValueError(f"{what} returned metrics of type {type(metrics).__name__}; return a dict "
+                     "of per-example arrays (may be empty).")
+  for name, value in metrics.items():
+    if name in RESERVED_METRICS:
+      raise ValueError(f"{what} returns a metric named {name!r}, which hetjax reports itself "
+                       f"(the mean loss and the example count); rename it, e.g. "
+                       f"'{name}_{'model' if name == 'loss' else 'user'}'.")
+    if tuple(value.shape) != (b,):
+      raise ValueError(f"{what} returned metric {name!r} of shape {tuple(value.shape)} for a "
+                       f"block of {b} examples; {fix}.")
+  if jax.tree.structure(new_state) != jax.tree.structure(model_state):
+    raise ValueError(f"{what} returned a model state whose structure differs from the one "
+                     f"init made: {jax.tree.structure(new_state)} vs "
+                     f"{jax.tree.structure(model_state)}; return the same collections.")
+
+
+def check_batch_keys(keys: Sequence[str]) -> None:
+  """A dataset feature may not use hetjax's reserved mask key."""
+  if MASK in keys:
+    raise ValueError(f"the dataset has a feature named {MASK!r}, the key hetjax reserves for "
+                     "its padding mask; rename the feature.")
+
+
 def from_functions(
     init: Callable[[jax.Array, Batch], PyTree],
-    per_example_loss: Callable[[PyTree, Batch, jax.Array], tuple[jax.Array, dict[str, jax.Array]]],
+    per_example_loss: Callable[[PyTree, Batch, jax.Array], tuple[Any, dict[str, jax.Array]]],
 ) -> Task:
   """Builds a stateless `Task` from plain functions.
 
   Args:
     init: `init(rng, example_batch) -> params`.
     per_example_loss: `per_example_loss(params, batch, rng) -> (losses[b],
-      metrics)`, metrics a dict of `[b]` arrays (may be empty).
+      metrics)`, metrics a dict of `[b]` arrays (may be empty); `losses` may
+      be a `Weighted`.
 
   Example:
     >>> task = from_functions(lambda rng, b: {"w": jnp.zeros(3)},
@@ -75,60 +154,108 @@ def from_functions(
   return Task(_init, _loss)
 
 
-def _accepts(fn: Callable, name: str) -> bool:
+def _parameters(fn: Callable) -> set[str]:
   try:
-    return name in inspect.signature(fn).parameters
+    return set(inspect.signature(fn).parameters)
   except (TypeError, ValueError):
-    return False
+    return set()
+
+
+_MODE_ARGS = {"train": True, "training": True, "deterministic": False}  # name -> value in training
+_MISSING_RNG = re.compile(r'needs PRNG for "([^"]+)"')
+
+
+def _warn_once(cache: dict, key: str, message: str) -> None:
+  if key not in cache:
+    cache[key] = True
+    warnings.warn(message, stacklevel=3)
 
 
 def from_linen(
     module: Any,
-    per_example_loss: Callable[[jax.Array, Batch], tuple[jax.Array, dict[str, jax.Array]]],
+    per_example_loss: Callable[[jax.Array, Batch], tuple[Any, dict[str, jax.Array]]],
     *,
     input_key: str = "x",
+    state_collections: Sequence[str] = ("batch_stats",),
+    rng_streams: Sequence[str] | None = None,
 ) -> Task:
-  """Wraps a Flax linen module.
+  """Wraps a Flax linen module as people write them.
 
-  The module is called as `module(batch[input_key], train=..., mask=...)`;
-  `train` and `mask` are passed only if its `__call__` names them. Variables
-  in the `batch_stats` collection become the model state.
+  The module is called as `module(batch[input_key], <mode>=..., mask=...)`:
+  the mode argument is whichever of `train`, `training` (True in training)
+  or `deterministic` (False in training) its `__call__` names, and `mask`
+  (the padding mask) is passed in training when it names one. Every rng
+  stream the module asks for (`dropout`, or any `make_rng` name) gets a key
+  derived from the block's key. Variables in `state_collections` are model
+  state, averaged over blocks; other collections (`intermediates`, anything
+  sown) are dropped.
 
   Args:
     module: a `flax.linen.Module`.
     per_example_loss: `per_example_loss(outputs, batch) -> (losses[b],
       metrics)`.
     input_key: which batch entry feeds the module.
+    state_collections: the collections that are model state.
+    rng_streams: the rng streams the module uses in training; None finds
+      them from the module's own errors when the loss is first traced.
+
+  Example:
+    >>> task = from_linen(MyModel(), lambda logits, b: (
+    ...     optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]), {}))
   """
-  takes_train = _accepts(module.__call__, "train")
-  takes_mask = _accepts(module.__call__, "mask")
+  names = _parameters(module.__call__)
+  modes = [n for n in _MODE_ARGS if n in names]
+  takes_mask = "mask" in names
+  streams = None if rng_streams is None else tuple(rng_streams)
+  warned: dict = {}
 
   def kwargs(batch, train):
-    kw = {}
-    if takes_train:
-      kw["train"] = train
+    kw = {n: (_MODE_ARGS[n] if train else not _MODE_ARGS[n]) for n in modes}
     if takes_mask and train:
-      kw["mask"] = batch.get("mask")
+      kw["mask"] = batch[MASK] if MASK in batch else None
     return kw
 
   def init(rng, batch):
     params_rng, dropout_rng = jax.random.split(rng)
-    variables = module.init(
-        {"params": params_rng, "dropout": dropout_rng},
-        batch[input_key], **kwargs(batch, False))
-    variables = dict(variables)
+    variables = dict(module.init({"params": params_rng, "dropout": dropout_rng},
+                                 batch[input_key], **kwargs(batch, False)))
     params = variables.pop("params")
-    return params, variables
+    state = {c: variables[c] for c in state_collections if c in variables}
+    if "batch_stats" in state and not takes_mask:
+      _warn_once(warned, "mask", f"{type(module).__name__} has BatchNorm statistics but its "
+                 "__call__ takes no `mask` argument: padding rows (copies of real rows) enter "
+                 "the batch statistics of a block that is not full. Add `mask` and pass it to "
+                 "nn.BatchNorm(..., mask=...) for exact statistics.")
+    return params, state
+
+  def apply(params, state, batch, rng, train, rngs):
+    mutable = list(state) if (train and state) else False
+    keys = {name: jax.random.fold_in(rng, i) for i, name in enumerate(rngs)}
+    return module.apply({"params": params, **state}, batch[input_key], rngs=keys,
+                        mutable=mutable, **kwargs(batch, train))
+
+  def find_streams(params, state, batch, rng):
+    """Asks the module itself which rng streams it draws from in training."""
+    found: list[str] = []
+    while True:
+      try:
+        jax.eval_shape(lambda p, s, b, r: apply(p, s, b, r, True, found), params, state, batch, rng)
+        return tuple(found)
+      except Exception as e:  # flax.errors.InvalidRngError, possibly wrapped by tracing.
+        match = _MISSING_RNG.search(str(e))
+        if match is None or match.group(1) in found:
+          raise
+        found.append(match.group(1))
 
   def make_loss(train):
     def loss(params, state, batch, rng):
-      mutable = list(state) if (train and state) else False
-      outputs = module.apply(
-          {"params": params, **state}, batch[input_key],
-          rngs={"dropout": rng}, mutable=mutable, **kwargs(batch, train))
-      if mutable:
+      nonlocal streams
+      if train and streams is None:
+        streams = find_streams(params, state, batch, rng)
+      outputs = apply(params, state, batch, rng, train, streams if train else ())
+      if train and state:
         outputs, new_state = outputs
-        new_state = {**state, **new_state}
+        new_state = {**state, **{c: new_state[c] for c in state if c in new_state}}
       else:
         new_state = state
       losses, metrics = per_example_loss(outputs, batch)
@@ -140,7 +267,7 @@ def from_linen(
 
 def from_nnx(
     model: Any,
-    per_example_loss: Callable[[jax.Array, Batch], tuple[jax.Array, dict[str, jax.Array]]],
+    per_example_loss: Callable[[jax.Array, Batch], tuple[Any, dict[str, jax.Array]]],
     *,
     input_key: str = "x",
 ) -> Task:
@@ -148,28 +275,45 @@ def from_nnx(
 
   NNX modules initialise eagerly from their own `nnx.Rngs`, so `init` ignores
   its rng and returns the module's current parameters. `nnx.Param` variables
-  are trained; every other variable (BatchNorm statistics) is model state.
-  The module is called as `model(batch[input_key])` in train mode.
+  are trained; RNG variables are reseeded from the block's key at every call
+  (so dropout masks belong to the block) and are not model state; every other
+  variable (BatchNorm statistics) is model state. Training calls
+  `model.train()`, evaluation `model.eval()`; the padding mask is passed as
+  `mask=` when the module's `__call__` takes one.
   """
   from flax import nnx  # Only NNX users pay for the import.
 
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  graphdef, params, rng_state, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
+  streams = sorted({v.tag for _, v in nnx.to_flat_state(rng_state) if isinstance(v, nnx.RngKey)})
   params, rest = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
+  takes_mask = "mask" in _parameters(model.__call__)
+  if rest and not takes_mask:
+    warnings.warn(f"{type(model).__name__} has non-trained variables (BatchNorm statistics?) but "
+                  "its __call__ takes no `mask` argument: padding rows enter the batch statistics "
+                  "of a block that is not full. Add `mask` for exact statistics.", stacklevel=2)
 
   def init(rng, batch):
     del rng, batch
     return jax.tree.map(jnp.asarray, params), jax.tree.map(jnp.asarray, rest)
 
-  def loss(p, state, batch, rng):
-    del rng
-    _, abstract_params, abstract_rest = nnx.split(model, nnx.Param, ...)
-    nnx.replace_by_pure_dict(abstract_params, p)
-    nnx.replace_by_pure_dict(abstract_rest, state)
-    m = nnx.merge(graphdef, abstract_params, abstract_rest)
-    m.train()
-    outputs = m(batch[input_key])
-    new_state = nnx.to_pure_dict(nnx.state(m, nnx.Not(nnx.Param)))
-    losses, metrics = per_example_loss(outputs, batch)
-    return losses, dict(metrics), new_state
+  def make_loss(train):
+    def loss(p, state, batch, rng):
+      # Fresh variables of this trace (tree.map rebuilds them): NNX refuses to
+      # mutate, from inside a trace, variables that were made outside it.
+      _, abstract_params, abstract_rng, abstract_rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
+      abstract_params, abstract_rng, abstract_rest = (
+          jax.tree.map(jnp.asarray, x) for x in (abstract_params, abstract_rng, abstract_rest))
+      nnx.replace_by_pure_dict(abstract_params, p)
+      nnx.replace_by_pure_dict(abstract_rest, state)
+      m = nnx.merge(graphdef, abstract_params, abstract_rng, abstract_rest)
+      if streams:
+        nnx.reseed(m, **{s: jax.random.fold_in(rng, i) for i, s in enumerate(streams)})
+      m.train() if train else m.eval()
+      kw = {"mask": batch[MASK]} if (takes_mask and train and MASK in batch) else {}
+      outputs = m(batch[input_key], **kw)
+      new_state = nnx.to_pure_dict(nnx.state(m, nnx.Not(nnx.Any(nnx.Param, nnx.RngState))))
+      losses, metrics = per_example_loss(outputs, batch)
+      return losses, dict(metrics), (new_state if train else state)
+    return loss
 
-  return Task(init, loss)
+  return Task(init, make_loss(True), make_loss(False))

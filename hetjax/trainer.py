@@ -24,6 +24,7 @@ import optax
 
 from hetjax import augment as augment_lib
 from hetjax import balancer as balancer_lib
+from hetjax import blocks as blocks_lib
 from hetjax import checkpoint as ckpt_lib
 from hetjax import data as data_lib
 from hetjax import loader as loader_lib
@@ -32,6 +33,7 @@ from hetjax import procs
 from hetjax import runtime
 from hetjax import sources as sources_lib
 from hetjax import step as step_lib
+from hetjax import task as task_lib
 from hetjax.task import Task
 
 PyTree = Any
@@ -47,9 +49,12 @@ class TrainConfig:
 
   Attributes:
     global_batch: samples per step over all hosts; fixed for the whole run.
-    microbatch: samples per device per micro-batch (fixes compiled shapes).
+    microbatch: samples per device per micro-batch, `m`: the global batch is
+      cut into blocks of `m` positions, each run whole by one device, so a
+      host's share is a whole number of blocks (`hetjax.blocks`).
     seed: seeds the parameters and the data order.
-    assignment: 'equal' or explicit per-host shares, e.g. (5, 23, 36).
+    assignment: 'equal' (in blocks) or explicit per-host shares in samples
+      whose boundaries fall on blocks, e.g. (4, 24, 36) with microbatch 4.
     reduction: cross-host reduction backend, 'device' or 'host'.
     balancer: None (follow `assignment`), 'equal', 'static' (profile a short
       warm-up, then fix the split) or 'dynamic' (keep re-sizing shares from
@@ -74,6 +79,8 @@ class TrainConfig:
     if self.reduction not in step_lib.REDUCTIONS:
       raise ValueError(f"unknown reduction backend {self.reduction!r}; choose 'device' or 'host'.")
     augment_lib.parse(self.augment)  # Raises on an unknown augmentation.
+    if not isinstance(self.assignment, str):
+      blocks_lib.check_aligned(self.assignment, self.global_batch, self.microbatch)
 
 
 @dataclasses.dataclass
@@ -173,10 +180,12 @@ class Trainer:
     self.loader = loader_lib.HostLoader(source, self.sampler, self.host_id,
                                         augment=augment_lib.parse(config.augment))
     self._example = source[np.arange(1)]
+    task_lib.check_batch_keys(list(self._example))
     # Records that disagree with one another fail here, not mid-run.
     sources_lib.check_records(source, sources_lib.record_spec(source))
     init_batch = next(step_lib.micro_batches(self._example, config.microbatch))
     self.state = step_lib.init_state(task, optimizer, self.meshes, init_batch, config.seed)
+    self._check_contract(init_batch)
     self.local = step_lib.LocalProgram(task, self.meshes, config.microbatch)
     self.reduction = step_lib.make_reduction(config.reduction, optimizer, self.meshes)
     self.history = History()
@@ -196,13 +205,22 @@ class Trainer:
         self._resume()
 
   def _default_balancer(self, start_step: int) -> balancer_lib.Balancer:
+    """The configured policy, deciding in blocks (one device round = granularity)."""
     config = self.config
     options = {}
     if config.balancer in ("static", "dynamic"):
       options["start_step"] = start_step
-    return balancer_lib.make_balancer(
-        config.assignment, config.global_batch, self.num_hosts, mode=config.balancer,
-        granularity=[config.microbatch * d for d in self.meshes.devices_per_host()], **options)
+    return blocks_lib.make_block_balancer(
+        config.assignment, config.global_batch, config.microbatch,
+        self.meshes.devices_per_host(), mode=config.balancer, **options)
+
+  def _check_contract(self, block: dict[str, np.ndarray]) -> None:
+    """Per-example losses and metrics, checked abstractly before anything runs."""
+    rng = jax.random.key(0)
+    args = (self.state.params, self.state.model_state, block, rng)
+    task_lib.check_contract(self.task.loss, *args)
+    if self.task.eval_loss is not None:
+      task_lib.check_contract(self.task.eval_loss, *args, what="the task's evaluation loss")
 
   def _all_hosts_agree(self, flag: bool) -> bool:
     flags = step_lib.gather_host_values(np.array([float(flag)]), self.meshes)
@@ -258,12 +276,14 @@ class Trainer:
     """Runs one synchronous step on every host; returns the global metrics."""
     step = self.step
     t0 = time.perf_counter()
-    shares = balancer_lib.validate_shares(
-        self.balancer.shares(step), self.config.global_batch, self.num_hosts)
+    block = self.config.microbatch
+    shares = blocks_lib.check_aligned(balancer_lib.validate_shares(
+        self.balancer.shares(step), self.config.global_batch, self.num_hosts),
+        self.config.global_batch, block)
     batch = self.loader.get(step, shares)
     self.loader.prefetch(step + 1, shares)  # A guess: shares rarely change.
     sums = self.local(self.state.params, self.state.model_state, batch, self._example,
-                      self._base_key, step)
+                      self._base_key, step, blocks_lib.first_block(shares, self.host_id, block))
     jax.block_until_ready(sums)
     compute = time.perf_counter() - t0
     if self.pace is not None:
@@ -422,14 +442,19 @@ class Trainer:
     @jax.jit
     def sums(batch):
       losses, metrics, _ = loss_fn(params, model_state, batch, jax.random.key(0))
-      mask = batch["mask"]
-      return {"loss": jnp.sum(losses * mask), **{k: jnp.sum(v * mask) for k, v in metrics.items()}}
+      values, weights = task_lib.split_losses(losses)
+      real = batch[task_lib.MASK] > 0
+      total = lambda v: jnp.sum(jnp.where(real, v, 0.0))
+      weight = total(weights) if weights is not None else jnp.sum(real.astype(jnp.float32))
+      return {"weight": weight, "loss": total(values),
+              **{k: total(v) for k, v in metrics.items()}}
 
-    total, n = {}, len(source)
-    for batch in step_lib.micro_batches(source[np.arange(n)], batch_size):
+    total = {}
+    for batch in step_lib.micro_batches(source[np.arange(len(source))], batch_size):
       for k, v in jax.device_get(sums(batch)).items():
         total[k] = total.get(k, 0.0) + float(v)
-    return {k: v / n for k, v in total.items()}
+    weight = total.pop("weight")
+    return {k: v / weight for k, v in total.items()}
 
 
 def train(task: Task, optimizer: optax.GradientTransformation, source: data_lib.ArraySource,

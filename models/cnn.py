@@ -21,6 +21,7 @@ class CNN(nn.Module):
     num_classes: size of the output layer.
     features: channels of each conv layer.
     hidden: width of the dense layer before the head.
+    dropout: rate of dropout before the head in training.
     dtype: computation dtype (parameters stay float32); None follows the
       parameters, which hetjax casts to the `--precision` compute type.
   """
@@ -28,10 +29,11 @@ class CNN(nn.Module):
   num_classes: int
   features: Sequence[int] = (16, 32)
   hidden: int = 128
+  dropout: float = 0.0
   dtype: Any = None
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
     x = as_input(x, self.dtype)
     for features in self.features:
       x = nn.relu(nn.Conv(features, (3, 3), dtype=self.dtype)(x))
@@ -40,4 +42,5 @@ class CNN(nn.Module):
     x = nn.max_pool(x, window, strides=window)
     x = x.reshape((x.shape[0], -1))
     x = nn.relu(nn.Dense(self.hidden, dtype=self.dtype)(x))
+    x = nn.Dropout(self.dropout, deterministic=not train)(x)
     return nn.Dense(self.num_classes, dtype=self.dtype)(x)

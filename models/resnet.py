@@ -1,6 +1,7 @@
 """ResNet-18 and ResNet-50 whose BatchNorm statistics ignore padded examples.
 
-hetjax pads batches to fixed shapes and marks the padding in `batch["mask"]`,
+hetjax pads batches to fixed shapes and marks the padding in the batch's
+`hetjax.task.MASK` entry (passed here as `mask`),
 so BatchNorm must compute its statistics from the real examples only;
 otherwise padding would shift both the activations of real examples and the
 running averages.

@@ -1,8 +1,9 @@
 """A small decoder-only transformer language model.
 
 Pre-LayerNorm blocks with causal self-attention and a learned positional
-embedding; no dropout, so runs that split a batch differently across hosts
-compute the same function.
+embedding; optional dropout (`dropout`) on the attention weights and the
+residual branches, keyed per block by hetjax so any split computes the same
+function.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ class DecoderBlock(nn.Module):
 
   num_heads: int
   mlp_ratio: int = 4
+  dropout: float = 0.0
   dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x: jax.Array, causal_mask: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, causal_mask: jax.Array, train: bool = False) -> jax.Array:
     d_model = x.shape[-1]
     y = nn.LayerNorm(dtype=self.dtype)(x)
     # No projection biases: a key bias shifts every logit of a query equally,
@@ -30,12 +32,13 @@ class DecoderBlock(nn.Module):
     # would then turn rounding noise into full-size steps, and runs that sum
     # in another order (another split over hosts) would drift apart.
     y = nn.MultiHeadDotProductAttention(
-        num_heads=self.num_heads, dtype=self.dtype, deterministic=True,
-        use_bias=False)(y, mask=causal_mask)
-    x = x + y
+        num_heads=self.num_heads, dtype=self.dtype, dropout_rate=self.dropout,
+        deterministic=not train, use_bias=False)(y, mask=causal_mask)
+    x = x + nn.Dropout(self.dropout, deterministic=not train)(y)
     y = nn.LayerNorm(dtype=self.dtype)(x)
     y = nn.gelu(nn.Dense(self.mlp_ratio * d_model, dtype=self.dtype)(y))
-    return x + nn.Dense(d_model, dtype=self.dtype)(y)
+    y = nn.Dense(d_model, dtype=self.dtype)(y)
+    return x + nn.Dropout(self.dropout, deterministic=not train)(y)
 
 
 class TransformerLM(nn.Module):
@@ -51,6 +54,7 @@ class TransformerLM(nn.Module):
     num_heads: attention heads; must divide d_model.
     max_len: longest sequence the positional embedding covers.
     mlp_ratio: hidden width of each MLP, as a multiple of d_model.
+    dropout: rate of dropout (attention weights, residual branches) in training.
     dtype: computation dtype (parameters stay float32).
   """
 
@@ -60,10 +64,11 @@ class TransformerLM(nn.Module):
   num_heads: int = 4
   max_len: int = 256
   mlp_ratio: int = 4
+  dropout: float = 0.0
   dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, tokens: jax.Array) -> jax.Array:
+  def __call__(self, tokens: jax.Array, train: bool = False) -> jax.Array:
     length = tokens.shape[1]
     if length > self.max_len:
       raise ValueError(
@@ -80,7 +85,7 @@ class TransformerLM(nn.Module):
     x = x + pos[:length].astype(self.dtype)
     causal_mask = nn.make_causal_mask(tokens)
     for i in range(self.num_layers):
-      x = DecoderBlock(self.num_heads, self.mlp_ratio, self.dtype,
-                       name=f"block{i + 1}")(x, causal_mask)
+      x = DecoderBlock(self.num_heads, self.mlp_ratio, self.dropout, self.dtype,
+                       name=f"block{i + 1}")(x, causal_mask, train)
     x = nn.LayerNorm(dtype=self.dtype, name="final_norm")(x)
     return nn.Dense(self.vocab_size, dtype=self.dtype, name="head")(x)

@@ -77,13 +77,13 @@ def test_a_two_host_run_shows_progress_on_host_0_only_and_its_report_matches(tmp
   run = subprocess.run(
       [sys.executable, os.path.join(root, "launch", "local.py"), "--hosts", "2", "--", sys.executable,
        "-m", "hetjax.cli", *BASE[:-1], str(out), "--steps", "12", "--log-every", "3",
-       "--assignment", "40,24"], capture_output=True, text=True, timeout=600)
+       "--assignment", "48,16"], capture_output=True, text=True, timeout=600)
   assert run.returncode == 0, run.stderr[-3000:]
   progress = [line for line in run.stdout.splitlines() if "step " in line and "/12" in line]
   assert len(progress) == 4 and all(line.startswith("[host 0] ") for line in progress), run.stdout
   records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in records] == list(range(12))
-  assert all(r["shares"] == [40, 24] and len(r["wait_s"]) == 2 for r in records)
+  assert all(r["shares"] == [48, 16] and len(r["wait_s"]) == 2 for r in records)
   assert cli.main(["report", str(out)]) == 0
   assert (out / "report.png").stat().st_size > 10_000
   summary = json.loads((out / "summary.json").read_text())

@@ -22,7 +22,7 @@ def _close(a, b):
 
 def test_a_host_with_share_zero_joins_and_changes_nothing():
   ref, _ = run_hosts("_cluster_entries:train_params", hosts=1, args=("mlp", "equal", "device"))[0]
-  results = run_hosts("_cluster_entries:train_params", hosts=3, args=("mlp", (0, 30, 34), "device"))
+  results = run_hosts("_cluster_entries:train_params", hosts=3, args=("mlp", (0, 32, 32), "device"))
   for params, summary in results:
     _close(params, ref)
     assert summary["per_host"][0]["batch"] == [0] * 10
@@ -32,7 +32,7 @@ def test_moving_shares_never_recompiles():
   results = run_hosts("_cluster_entries:compiles_while_shares_move", hosts=3)
   for r in results:
     assert r["after_warmup"] == 0
-    assert r["shares"][2:] == [(1, 1, 62), (64, 0, 0), (5, 23, 36), (30, 0, 34), (1, 1, 62), (64, 0, 0)]
+    assert r["shares"][2:] == [(4, 0, 60), (64, 0, 0), (4, 24, 36), (32, 0, 32), (4, 0, 60), (64, 0, 0)]
   _close(results[0]["params"], results[2]["params"])
 
 
@@ -49,10 +49,10 @@ def test_readme_example_gives_the_same_parameters_on_one_and_three_uneven_hosts(
   subprocess.run([sys.executable, str(example), "--out", str(one)], check=True, env=env, timeout=300)
   run = subprocess.run(
       [sys.executable, str(ROOT / "launch" / "local.py"), "--hosts", "3", "--speeds", "1,0.5,0.25",
-       "--", sys.executable, str(example), "--assignment", "5,23,36", "--out", str(three)],
+       "--", sys.executable, str(example), "--assignment", "8,24,32", "--out", str(three)],
       env=env, timeout=300, capture_output=True, text=True)
   assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-  assert "shares [5, 23, 36]" in run.stdout
+  assert "shares [8, 24, 32]" in run.stdout
   a, b = np.load(one), np.load(three)
   assert list(a) == list(b)
   for k in a:

@@ -10,14 +10,15 @@ from flax import linen as nn
 import hetjax
 import hetjax_models
 from hetjax import balancer, data, step, trainer
+from hetjax.task import MASK
 
 
 def test_micro_batches_pad_the_last_one_and_mask_it():
   batch = {"x": np.arange(11.0)}
   parts = list(step.micro_batches(batch, 4))
   assert [p["x"].shape for p in parts] == [(4,), (4,), (4,)]
-  np.testing.assert_array_equal(parts[-1]["mask"], [1, 1, 1, 0])
-  np.testing.assert_array_equal(np.concatenate([p["x"][p["mask"] > 0] for p in parts]), batch["x"])
+  np.testing.assert_array_equal(parts[-1][MASK], [1, 1, 1, 0])
+  np.testing.assert_array_equal(np.concatenate([p["x"][p[MASK] > 0] for p in parts]), batch["x"])
   assert list(step.micro_batches({"x": np.zeros((0, 3))}, 4)) == []
 
 
@@ -95,7 +96,7 @@ def test_batchnorm_running_statistics_are_the_sample_weighted_mean():
   expected, counts = None, []
   for part in step.micro_batches(host_batch, 5):
     _, _, new = jax.jit(tr.task.loss)(params, old, part, jax.random.key(0))
-    n = float(part["mask"].sum())
+    n = float(part[MASK].sum())
     counts.append(n)
     weighted = jax.tree.map(lambda s: np.asarray(s) * n, new)
     expected = weighted if expected is None else jax.tree.map(np.add, expected, weighted)

@@ -1,45 +1,138 @@
-"""DESIGN.md invariant 2: uneven hosts reach the parameters of one device."""
+"""DESIGN invariant 2: any host layout reaches the parameters of one device, for every model.
+
+Three hetjax runs (1 host x 1 device; 3 hosts x 2 devices with a fixed uneven
+split; 3 hosts x 2 devices with the split the static balancer chose under
+emulated speeds) are compared with an independent oracle: a plain
+`jax.grad` + optax loop written here, over the sampler's global batches, cut
+into blocks of `m` positions with the block keys the contract names.
+"""
+
+import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
+import _exact_entries as ex
+from hetjax import data
+from hetjax.task import MASK, split_losses
 from hetjax.testing import run_hosts
 
-UNEVEN = (5, 23, 36)
+RTOL, ATOL = 1e-4, 1e-5
+SPEEDS = (1.0, 0.5, 0.25)
 
 
-def assert_same_params(a, b):
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-    np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+def oracle(model: str):
+  """Final (params, model state) of the plain loop: the semantics, written out."""
+  source, task, optimizer = ex.build(model)
+  sampler = data.GlobalSampler(len(source), ex.GLOBAL_BATCH, ex.SEED)
+  m = ex.BLOCK
+
+  def block_of(batch, k):
+    rows = {key: v[k * m:(k + 1) * m] for key, v in batch.items()}
+    real = len(next(iter(rows.values())))
+    rows = {key: np.concatenate([v, np.repeat(v[:1], m - real, 0)]) for key, v in rows.items()}
+    rows[MASK] = (np.arange(m) < real).astype(np.float32)
+    return rows
+
+  example = block_of(source[np.arange(1)], 0)
+  params, state = jax.jit(task.init)(jax.random.key(ex.SEED), example)
+  opt_state = optimizer.init(params)
+
+  @jax.jit
+  def block_grad(params, state, block, step, k):
+    rng = jax.random.fold_in(jax.random.fold_in(jax.random.key(ex.SEED), step), k)
+    def masked(p):
+      losses, _, new_state = task.loss(p, state, block, rng)
+      values, _ = split_losses(losses)
+      return jnp.sum(jnp.where(block[MASK] > 0, values, 0.0)), new_state
+    return jax.grad(masked, has_aux=True)(params)
+
+  for step in range(ex.STEPS):
+    batch = source[sampler.indices(step)]
+    grads = jax.tree.map(jnp.zeros_like, params)
+    new_state = jax.tree.map(jnp.zeros_like, state)
+    for k in range(-(-ex.GLOBAL_BATCH // m)):
+      block = block_of(batch, k)
+      g, s = block_grad(params, state, block, step, k)
+      n = block[MASK].sum()
+      grads = jax.tree.map(jnp.add, grads, g)
+      new_state = jax.tree.map(lambda acc, x: acc + n * x, new_state, s)
+    grads = jax.tree.map(lambda g: g / ex.GLOBAL_BATCH, grads)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    state = jax.tree.map(lambda s: s / ex.GLOBAL_BATCH, new_state)
+  return jax.device_get(params), jax.device_get(state)
+
+
+@functools.cache
+def _oracle(model):
+  return oracle(model)
 
 
 @pytest.fixture(scope="module")
 def one_device():
-  """1 host x 1 device: the reference for every model and backend."""
-  return run_hosts("_cluster_entries:exactness_matrix", hosts=1, devices_per_host=1,
-                   args=("equal",))[0]
+  return run_hosts("_exact_entries:matrix", hosts=1, devices_per_host=1, args=("equal",),
+                   timeout_s=600)[0]
 
 
 @pytest.fixture(scope="module")
-def three_uneven_hosts():
-  """3 hosts x 2 devices with shares 5, 23, 36 of a global batch of 64."""
-  return run_hosts("_cluster_entries:exactness_matrix", hosts=3, devices_per_host=2,
-                   args=(UNEVEN,), timeout_s=600)
+def uneven():
+  return run_hosts("_exact_entries:matrix", hosts=3, devices_per_host=2, args=("uneven",),
+                   timeout_s=900)
 
 
-@pytest.mark.parametrize("model", ["mlp", "transformer"])
+@pytest.fixture(scope="module")
+def static():
+  return run_hosts("_exact_entries:matrix", hosts=3, devices_per_host=2, args=("static",),
+                   speeds=SPEEDS, env={"HETJAX_DEVICE_SAMPLE_MS": "4"}, timeout_s=900)
+
+
+def assert_close(got, want, what):
+  leaves_got, leaves_want = jax.tree.leaves(got), jax.tree.leaves(want)
+  assert jax.tree.structure(got) == jax.tree.structure(want), what
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), leaves_want, strict=True):
+    np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL,
+                               err_msg=f"{what}: {jax.tree_util.keystr(path)}")
+  del leaves_got
+
+
+@pytest.mark.parametrize("model", ex.MODELS)
 @pytest.mark.parametrize("reduction", ["device", "host"])
-def test_uneven_hosts_match_one_device(one_device, three_uneven_hosts, model, reduction):
-  for host, result in enumerate(three_uneven_hosts):
-    assert_same_params(result[(model, reduction)], one_device[(model, reduction)])
+def test_every_layout_matches_the_oracle(model, reduction, one_device, uneven, static):
+  params, state = _oracle(model)
+  assert_close(one_device[(model, reduction)][0], params, f"1x1 {model} params")
+  assert_close(one_device[(model, reduction)][1], state, f"1x1 {model} state")
+  for layout, results in (("uneven", uneven), ("static", static)):
+    for host, result in enumerate(results):
+      assert_close(result[(model, reduction)][0], params, f"3x2 {layout} host {host} {model}")
+      assert_close(result[(model, reduction)][1], state, f"3x2 {layout} host {host} {model} state")
 
 
-def test_training_moved_the_parameters(one_device, three_uneven_hosts):
-  """Guards the test above against comparing two untrained models."""
-  import hetjax_models  # noqa: F401
-  params = three_uneven_hosts[0][("mlp", "device")]
-  assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
-  first = run_hosts("_cluster_entries:train_params", hosts=1, args=("mlp", "equal", "device", 1))[0]
-  diffs = [np.abs(a - b).max() for a, b in zip(jax.tree.leaves(first[0]), jax.tree.leaves(params))]
-  assert max(diffs) > 1e-3
+def test_the_layouts_really_differ(uneven, static):
+  """Guards the test above: the splits are uneven, and static moved off the equal split."""
+  shares = uneven[0][("resnet18", "device")][2]
+  assert set(shares) == {ex.UNEVEN}
+  static_shares = static[0][("resnet18", "device")][2]
+  assert static_shares[-1] != static_shares[0]          # The solved split differs from equal,
+  assert static_shares[-1][0] > static_shares[-1][2]    # and follows the emulated speeds.
+  for shares in static_shares:
+    assert all(e % ex.BLOCK == 0 or e == ex.GLOBAL_BATCH for e in np.cumsum(shares))
+
+
+def test_the_models_really_use_their_randomness_and_statistics():
+  """Guards against comparing models where dropout or BatchNorm does nothing."""
+  for model in ("linen", "nnx", "transformer"):
+    _, task, _ = ex.build(model)
+    source = ex.build(model)[0]
+    batch = {k: v[:ex.BLOCK] for k, v in source[np.arange(ex.BLOCK)].items()}
+    batch[MASK] = np.ones(ex.BLOCK, np.float32)
+    params, state = jax.jit(task.init)(jax.random.key(0), batch)
+    loss = jax.jit(task.loss)
+    a = loss(params, state, batch, jax.random.key(1))[0]
+    b = loss(params, state, batch, jax.random.key(2))[0]
+    assert not np.allclose(a, b), f"{model}: the block key does not change the loss"
+    if model != "transformer":
+      assert set(state) == ({"batch_stats"} if model == "linen" else {"bn"})

@@ -17,6 +17,7 @@ import pytest
 
 import hetjax_models
 from hetjax_models import losses
+from hetjax.task import MASK
 
 NUM_CLASSES = 5
 VOCAB = 11
@@ -74,7 +75,7 @@ def _batch(name, seed=0):
   else:
     batch = {"x": rng.normal(size=(B, 8, 8, 1)).astype(np.float32),
              "y": rng.integers(0, NUM_CLASSES, B).astype(np.int32)}
-  batch["mask"] = np.ones(B, np.float32)
+  batch[MASK] = np.ones(B, np.float32)
   return batch
 
 
@@ -146,7 +147,7 @@ def _padded(pad_seed, num_real=4):
   """The first `num_real` examples are real; the rest are masked-out junk."""
   batch = _batch("resnet18", seed=0)
   batch["x"][num_real:] = 100.0 * _batch("resnet18", pad_seed)["x"][num_real:]
-  batch["mask"][num_real:] = 0.0
+  batch[MASK][num_real:] = 0.0
   return batch
 
 
@@ -181,7 +182,7 @@ def test_resnet_all_padding_keeps_stats_and_stays_finite():
   @_jit
   def grads(p):
     masked_sum = lambda p: jnp.sum(
-        task.loss(p, state, batch, _key(1))[0] * batch["mask"])
+        task.loss(p, state, batch, _key(1))[0] * batch[MASK])
     return jax.grad(masked_sum)(p)
 
   assert all(np.all(g == 0) for g in jax.tree.leaves(grads(params)))

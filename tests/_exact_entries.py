@@ -1,0 +1,127 @@
+"""The exactness matrix (DESIGN invariant 2), runnable on any emulated cluster.
+
+Four models that a split could change if blocks were not the unit: ResNet-18
+(BatchNorm; sgd), the transformer with dropout (adam), an NNX model and a
+linen model (using `deterministic`) each with BatchNorm and Dropout. Each is
+trained `STEPS` steps with both reduction backends; hosts return their final
+parameters, model state and the shares every step used.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import hetjax
+import hetjax_models
+from hetjax import blocks, data, trainer
+
+STEPS = 6
+GLOBAL_BATCH = 62   # Not a multiple of the block: the last block is partial.
+BLOCK = 4           # --microbatch: positions per block.
+UNEVEN = (4, 24, 34)  # Host 0 fills half a device round; host 2 ends with the partial block.
+SEED = 3
+
+
+def _classification(logits, batch):
+  labels = batch["y"].astype(jnp.int32)
+  return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels), {
+      "accuracy": (jnp.argmax(logits, -1) == labels).astype(jnp.float32)}
+
+
+class LinenBatchNormDropout(nn.Module):
+  """What the Flax examples write: `deterministic`, BatchNorm with a mask, Dropout.
+
+  A convolution feeds BatchNorm, so each channel's statistics cover a block's
+  4 x 64 pixels: BatchNorm over a few values alone makes training so
+  sensitive that no two float reduction orders agree after a few steps.
+  """
+
+  @nn.compact
+  def __call__(self, x, deterministic: bool = True, mask=None):
+    # No bias before BatchNorm (it cancels, so its gradient is rounding
+    # noise, which Adam would turn into full-size steps), as ResNets do.
+    x = nn.Conv(8, (3, 3), use_bias=False)(x)
+    x = nn.BatchNorm(use_running_average=deterministic, momentum=0.8)(
+        x, mask=None if mask is None else mask[:, None, None, None] > 0)
+    x = nn.Dropout(0.3, deterministic=deterministic)(nn.relu(x))
+    self.sow("intermediates", "hidden", x)  # Must not be mistaken for model state.
+    return nn.Dense(10)(x.reshape(x.shape[0], -1))
+
+
+def nnx_model():
+  from flax import nnx
+
+  class NnxBatchNormDropout(nnx.Module):
+    def __init__(self, rngs):
+      self.conv = nnx.Conv(1, 8, (3, 3), use_bias=False, rngs=rngs)
+      self.bn = nnx.BatchNorm(8, momentum=0.8, rngs=rngs)
+      self.drop = nnx.Dropout(0.3, rngs=rngs)
+      self.head = nnx.Linear(8 * 64, 10, rngs=rngs)
+
+    def __call__(self, x, mask=None):
+      x = self.bn(self.conv(x), mask=None if mask is None else mask[:, None, None, None] > 0)
+      x = self.drop(jax.nn.relu(x))
+      return self.head(x.reshape(x.shape[0], -1))
+
+  return NnxBatchNormDropout(nnx.Rngs(params=0, dropout=1))
+
+
+def build(model: str):
+  """(source, task, optimizer) of one matrix entry; the oracle uses the same."""
+  if model == "resnet18":
+    # 32x32 (the digits upscaled): on 8x8 inputs the last stage is 1x1, and
+    # BatchNorm over a block's 4 values per channel makes training chaotic
+    # (a 1e-6 change of the init moved the parameters by 200 % in 6 steps),
+    # so no two float reduction orders could agree.
+    digits = data.load("digits")
+    upscale = lambda x: np.repeat(np.repeat(x, 4, axis=1), 4, axis=2)
+    source = data.ArraySource({"x": upscale(digits.arrays["x"]), "y": digits.arrays["y"]},
+                              digits.info)
+    task = hetjax_models.build("resnet18", kind="image", num_classes=10, width=4)
+    return source, task, optax.sgd(0.02)
+  if model == "transformer":
+    source = data.load("tokens")
+    task = hetjax_models.build("transformer", kind="tokens", vocab_size=source.info.vocab_size,
+                               num_layers=1, d_model=32, dropout=0.1)
+    return source, task, optax.adam(3e-3)
+  if model == "linen":
+    return data.load("digits"), hetjax.from_linen(LinenBatchNormDropout(), _classification), \
+        optax.sgd(0.1)
+  if model == "nnx":
+    return data.load("digits"), hetjax.from_nnx(nnx_model(), _classification), optax.adam(3e-3)
+  raise ValueError(model)
+
+
+MODELS = ("resnet18", "transformer", "linen", "nnx")
+
+
+def _static_balancer(tr_devices):
+  # The static policy with a short warm-up, so that the solved split runs
+  # within the test's few steps.
+  return blocks.make_block_balancer("equal", GLOBAL_BATCH, BLOCK, tr_devices, mode="static",
+                                    warmup_steps=4)
+
+
+def matrix(layout: str, models=MODELS, reductions=("device", "host")):
+  """Every (model, reduction) on this cluster; `layout` is 'equal', 'uneven' or 'static'."""
+  hetjax.initialize()
+  out = {}
+  for model in models:
+    for reduction in reductions:
+      source, task, optimizer = build(model)
+      config = trainer.TrainConfig(
+          global_batch=GLOBAL_BATCH, microbatch=BLOCK, seed=SEED, reduction=reduction,
+          assignment=UNEVEN if layout == "uneven" else "equal")
+      custom = None
+      if layout == "static":
+        custom = _static_balancer([jax.local_device_count()] * jax.process_count())
+      tr = trainer.Trainer(task, optimizer, source, config, balancer=custom)
+      tr.fit(STEPS)
+      state = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tr.state.model_state)
+      out[(model, reduction)] = (tr.params(), state, list(tr.history.shares))
+      tr.close()
+  return out
