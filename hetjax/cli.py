@@ -21,7 +21,9 @@ def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="hetjax", description=__doc__.splitlines()[0])
   sub = p.add_subparsers(dest="command", required=True)
   t = sub.add_parser("train", help="train a built-in model on a built-in dataset")
-  t.add_argument("--model", default="cnn", help="mlp, cnn, resnet18 or transformer")
+  t.add_argument("--model", default="cnn", help="mlp, cnn, resnet18, resnet50 or transformer")
+  t.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
+                 help="compute type; parameters and gradient sums stay float32 (fp16: loss scaling)")
   t.add_argument("--dataset", default="digits",
                  help="digits, synthetic, synthetic_big, tokens, or tfds:NAME (prepared in --data-dir)")
   t.add_argument("--data-dir", default=None, help="TFDS data folder for --dataset tfds:NAME")
@@ -141,7 +143,8 @@ def train(args: argparse.Namespace) -> dict:
                              vocab_size=source.info.vocab_size, **overrides)
   config = trainer.TrainConfig(global_batch=args.global_batch, microbatch=args.microbatch,
                                seed=args.seed, assignment=args.assignment, reduction=args.reduction,
-                               balancer=args.balancer, augment=args.augment)
+                               balancer=args.balancer, augment=args.augment,
+                               precision=args.precision)
   identity = f"{args.model}|{args.optimizer}|{args.lr}|{args.model_width}|{args.dropout}"
   ckpt = None if args.ckpt_dir is None else _checkpoint_config(args)
   tr = trainer.Trainer(task, _optimizer(args.optimizer, args.lr), source, config,

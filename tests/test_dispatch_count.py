@@ -104,7 +104,6 @@ def _per_step_counts(num_leaves: int, reduction: str) -> dict[str, float]:
   return {k: v / STEPS for k, v in counts.items()}
 
 
-@pytest.mark.xfail(strict=True, reason="the step still re-wraps every leaf (issue 13, item 2)")
 @pytest.mark.parametrize("reduction", ["device", "host"])
 def test_per_step_dispatches_do_not_grow_with_the_leaf_count(reduction):
   few = _per_step_counts(2, reduction)
