@@ -197,6 +197,7 @@ class Trainer:
     self._last_wait = 0.0
     self._last_compute: float | None = None  # This host's, for the next step's reduction.
     self._clock = readiness.ReadyClock()
+    self._timing = None  # (t0, t2, future of the sums' readiness) of the last step.
     self._start_step = 0
     self._base_key = jax.random.key(config.seed)
     self._stop_requested = False  # Set by SIGTERM; travels to every host in the reduction.
@@ -288,6 +289,7 @@ class Trainer:
     late, the same on every host). Under emulation the pacing still waits.
     """
     step = self.step
+    self._settle_timing()
     t0 = time.perf_counter()
     block = self.config.microbatch
     shares = blocks_lib.check_aligned(balancer_lib.validate_shares(
@@ -313,8 +315,7 @@ class Trainer:
     self._stop_agreed = bool(rows[:, 2].max() > 0)
     t2 = time.perf_counter()
     if self.pace is None:
-      ready_at = ready.result()  # Long past: the reduction needed these sums.
-      self._last_compute, self._last_wait = ready_at - t0, t2 - ready_at
+      self._timing = (t0, t2, ready)  # Read at the next step, long after it is known.
     else:
       self._last_compute, self._last_wait = paced, t2 - t1
     if stats["count"] <= 0:
@@ -421,8 +422,16 @@ class Trainer:
     finally:
       signal.signal(signal.SIGTERM, previous)
 
+  def _settle_timing(self) -> None:
+    """This host's compute and wait seconds of the last step, from the helper thread."""
+    if self._timing is not None:
+      t0, t2, ready = self._timing
+      ready_at = ready.result()
+      self._last_compute, self._last_wait, self._timing = ready_at - t0, t2 - ready_at, None
+
   def _final_waits(self) -> None:
     """The last step's compute and wait seconds travel in one extra small collective."""
+    self._settle_timing()
     h = self.history
     if len(h.wait_s) < len(h.shares):
       rows = step_lib.gather_host_values(
