@@ -22,7 +22,7 @@ def digits_accuracy(steps: int):
   task = hetjax_models.build("cnn", kind="image", num_classes=10)
   out = {}
   for precision in ("bf16", "fp16"):
-    config = trainer.TrainConfig(global_batch=64, microbatch=8, assignment=(10, 22, 32),
+    config = trainer.TrainConfig(global_batch=64, microbatch=8, assignment=(8, 24, 32),
                                  precision=precision)
     tr = trainer.Trainer(task, optax.adam(1e-3), source, config)
     summary = tr.fit(steps)
