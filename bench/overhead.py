@@ -1,9 +1,9 @@
 """hetjax's per-step overhead against a hand-written `jax.jit` training loop.
 
-Run from the repository root:
+Run from the repository root (all four models in one run, a few minutes):
 
-  python bench/overhead.py [--model cnn] [--global-batch 256] [--steps 200] \
-      [--repeats 5] [--microbatch M]
+  python bench/overhead.py [--models mlp,cnn,resnet18,resnet50] \
+      [--precision fp32|bf16|fp16] [--repeats 5] [--steps N] [--microbatch M]
 
 Both sides train the same model (`hetjax_models.build`) on sklearn digits with
 `optax.adam(1e-3)`, on 1 host x 1 CPU device (no emulation, no HETJAX_*
@@ -11,21 +11,27 @@ variables), fed the same global batches (`GlobalSampler(...).indices(step)`,
 a numpy gather, then a host-to-device transfer every step):
 
   plain:  one `jax.jit` step (donated state): mean loss via `task.loss`,
-          `jax.grad`, the adam update; the loop blocks on the loss each step.
-  hetjax: `Trainer(...).train_step()`, which reads its metrics each step.
+          `jax.grad`, the adam update; it reads each step's loss one step
+          late, as a logging loop does without stalling the device.
+  hetjax: `Trainer(...).train_step()`.
 
-After a warm-up that excludes compilation, the script repeats R times {N
-steps plain; N steps hetjax} and reports the median of the per-repeat
-throughput ratios hetjax / plain (interleaving cancels machine noise) and each
-side's median samples/s. The default micro-batch is the global batch, so
-hetjax runs one micro-batch per step, like the plain loop; a smaller
-`--microbatch` shows the cost of accumulating over several. The last line
-printed is one JSON object with the figures.
+Each model runs at a width and global batch that keep its step short on this
+CPU (`SETTINGS`): per-step overhead matters most where the step is short, as
+on a GPU. After a warm-up that excludes compilation, the script repeats R
+times {N steps plain; N steps hetjax}, each timed run ending when its last
+step's results are ready, and reports per model the median of the
+per-repeat throughput ratios hetjax / plain (interleaving cancels machine
+noise), the milliseconds hetjax adds to a step, and the leaf count (parameter
+arrays, and with the model state such as BatchNorm statistics). The default
+micro-batch is the global batch, so hetjax runs one micro-batch per step,
+like the plain loop. The last line printed is one JSON object with `ratio`
+and `added_ms` per model.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -43,26 +49,50 @@ import hetjax_models
 
 Batch = dict[str, np.ndarray]
 TARGET = 0.95
+TARGET_ADDED_MS = 1.0
 WARMUP_STEPS = 5  # Per side, untimed: compilation and first transfers.
 LEARNING_RATE = 1e-3
 SEED = 0
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+  """How one model is measured: its global batch, overrides, timed steps."""
+
+  global_batch: int
+  steps: int
+  overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+SETTINGS = {
+    "mlp": Setting(256, 200),
+    "cnn": Setting(256, 40),
+    "resnet18": Setting(32, 10, {"width": 16}),
+    "resnet50": Setting(32, 10, {"width": 8}),
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-  """The command line; `--microbatch` defaults to the global batch."""
+  """The command line; `--microbatch` defaults to each model's global batch."""
   parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-  parser.add_argument("--model", default="cnn", choices=("mlp", "cnn", "resnet18"))
-  parser.add_argument("--global-batch", type=int, default=256)
-  parser.add_argument("--steps", type=int, default=200, help="timed steps per side per repeat")
+  parser.add_argument("--models", default=",".join(SETTINGS),
+                      help=f"comma-separated, from {', '.join(SETTINGS)}")
+  parser.add_argument("--precision", default="fp32", choices=PRECISIONS)
+  parser.add_argument("--steps", type=int, default=None,
+                      help="timed steps per side per repeat (default: per model)")
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--microbatch", type=int, default=None,
                       help="hetjax micro-batch (default: the global batch)")
   args = parser.parse_args(argv)
-  if args.microbatch is None:
-    args.microbatch = args.global_batch
-  for name in ("global_batch", "steps", "repeats", "microbatch"):
-    if getattr(args, name) < 1:
-      parser.error(f"--{name.replace('_', '-')} must be >= 1.")
+  args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+  unknown = [m for m in args.models if m not in SETTINGS]
+  if unknown or not args.models:
+    parser.error(f"--models {unknown or '(none)'}: choose from {', '.join(SETTINGS)}.")
+  for name in ("steps", "repeats", "microbatch"):
+    value = getattr(args, name)
+    if value is not None and value < 1:
+      parser.error(f"--{name} must be >= 1, got {value}.")
   return args
 
 
@@ -70,99 +100,149 @@ class PlainLoop:
   """The loop a JAX user would write by hand: gather, transfer, jitted step."""
 
   def __init__(self, task: Task, optimizer: optax.GradientTransformation,
-               source: data_lib.ArraySource, global_batch: int):
+               source: data_lib.ArraySource, global_batch: int, precision: str):
     self.source = source
     self.sampler = data_lib.GlobalSampler(len(source), global_batch, SEED)
     self.mask = np.ones(global_batch, np.float32)  # Every example is real.
     self.key = jax.random.key(SEED)
     self.step = 0
+    self.losses: list[float] = []
+    self._pending = None
     params, self.model_state = jax.jit(task.init)(self.key, self.batch(0))
     self.params, self.opt_state = params, jax.jit(optimizer.init)(params)
-    self._step = jax.jit(_plain_step(task, optimizer), donate_argnums=(0, 1, 2))
+    self._step = jax.jit(_plain_step(task, optimizer, precision), donate_argnums=(0, 1, 2))
 
   def batch(self, step: int) -> Batch:
     """The same global batch hetjax trains on at `step`, with an all-ones mask."""
     return {**self.source[self.sampler.indices(step)], "mask": self.mask}
 
-  def train_step(self) -> float:
-    """One step; blocks on the loss, as hetjax blocks on its metrics."""
+  def train_step(self) -> None:
+    """One step; reads the previous step's loss once this one is dispatched."""
     batch = jax.device_put(self.batch(self.step))
     rng = jax.random.fold_in(self.key, self.step)
     self.params, self.opt_state, self.model_state, loss = self._step(
         self.params, self.opt_state, self.model_state, batch, rng)
     self.step += 1
-    return float(loss)
+    if self._pending is not None:
+      self.losses.append(float(self._pending))
+    self._pending = loss
+
+  def wait(self) -> None:
+    jax.block_until_ready((self.params, self._pending))
 
 
-def _plain_step(task: Task, optimizer: optax.GradientTransformation) -> Callable:
-  """Mean loss over the batch, its gradient and the optax update."""
+def _plain_step(task: Task, optimizer: optax.GradientTransformation, precision: str) -> Callable:
+  """Mean loss over the batch, its gradient and the optax update.
+
+  Low precision the way a hand-written loop does it: float32 parameters
+  cast to the compute type inside the loss; fp16 with a fixed loss scale
+  and the update skipped on overflow.
+  """
+  compute = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}[precision]
+  scale = 2.0 ** 15 if precision == "fp16" else 1.0
+  low = lambda t: jax.tree.map(
+      lambda x: x.astype(compute) if jnp.issubdtype(x.dtype, jnp.floating) else x, t)
 
   def step(params, opt_state, model_state, batch, rng):
+    inputs = {k: v if k == "mask" else low(v) for k, v in batch.items()}
+
     def mean_loss(p):
-      losses, _, new_state = task.loss(p, model_state, batch, rng)
-      return jnp.mean(losses), new_state
+      losses, _, new_state = task.loss(low(p), model_state, inputs, rng)
+      return jnp.mean(losses.astype(jnp.float32)) * scale, new_state
 
     (loss, new_state), grads = jax.value_and_grad(mean_loss, has_aux=True)(params)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, new_state, loss
+    grads = jax.tree.map(lambda g: g.astype(jnp.float32) / scale, grads)
+    updates, new_opt = optimizer.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    if precision == "fp16":
+      finite = jnp.all(jnp.array([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+      keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+      new_params, new_opt = keep(new_params, params), keep(new_opt, opt_state)
+    return new_params, new_opt, new_state, loss / scale
 
   return step
 
 
-def seconds(train_step: Callable[[], Any], steps: int) -> float:
-  """Wall-clock seconds for `steps` calls of `train_step`."""
+class HetjaxLoop:
+  """`Trainer.train_step`, waited on at the end of a timed run like the plain loop."""
+
+  def __init__(self, trainer: hetjax.Trainer):
+    self.trainer = trainer
+    self.train_step = trainer.train_step
+
+  def wait(self) -> None:
+    jax.block_until_ready(self.trainer.state)
+
+
+def seconds(loop: PlainLoop | HetjaxLoop, steps: int) -> float:
+  """Wall-clock seconds for `steps` steps and their results."""
   t0 = time.perf_counter()
   for _ in range(steps):
-    train_step()
+    loop.train_step()
+  loop.wait()
   return time.perf_counter() - t0
 
 
-def measure(plain: PlainLoop, trainer: hetjax.Trainer, global_batch: int, steps: int,
-            repeats: int) -> list[tuple[float, float]]:
-  """Per repeat, (plain, hetjax) samples/s from back-to-back timed runs."""
-  seconds(plain.train_step, WARMUP_STEPS)
-  seconds(trainer.train_step, WARMUP_STEPS)
-  rates = []
-  for r in range(repeats):
-    plain_s = seconds(plain.train_step, steps)
-    hetjax_s = seconds(trainer.train_step, steps)
-    rates.append((global_batch * steps / plain_s, global_batch * steps / hetjax_s))
-    print(f"{r:>6d} {rates[-1][0]:>14,.0f} {rates[-1][1]:>14,.0f} "
-          f"{rates[-1][1] / rates[-1][0]:>8.3f}", flush=True)
-  return rates
+def leaf_counts(trainer: hetjax.Trainer) -> tuple[int, int]:
+  """(parameter arrays, parameter + model-state arrays) of the trained model."""
+  params = len(jax.tree.leaves(trainer.state.params))
+  return params, params + len(jax.tree.leaves(trainer.state.model_state))
+
+
+def measure_model(name: str, args: argparse.Namespace, source: data_lib.ArraySource) -> dict:
+  """Builds both loops for `name`, times them interleaved, returns its figures."""
+  setting = SETTINGS[name]
+  batch, steps = setting.global_batch, args.steps or setting.steps
+  microbatch = args.microbatch or batch
+  task = hetjax_models.build(name, kind=source.info.kind,
+                             num_classes=source.info.num_classes, **setting.overrides)
+  optimizer = optax.adam(LEARNING_RATE)
+  plain = PlainLoop(task, optimizer, source, batch, args.precision)
+  config = {"precision": args.precision} if args.precision != "fp32" else {}
+  trainer = hetjax.Trainer(task, optimizer, source, hetjax.TrainConfig(
+      global_batch=batch, microbatch=microbatch, seed=SEED, **config))
+  het = HetjaxLoop(trainer)
+  seconds(plain, WARMUP_STEPS)
+  seconds(het, WARMUP_STEPS)
+  plain_ms, het_ms = [], []
+  for _ in range(args.repeats):
+    plain_ms.append(seconds(plain, steps) / steps * 1e3)
+    het_ms.append(seconds(het, steps) / steps * 1e3)
+  params, leaves = leaf_counts(trainer)
+  trainer.close()
+  return {
+      "global_batch": batch, "microbatch": microbatch, "steps": steps,
+      "overrides": setting.overrides, "param_leaves": params, "leaves": leaves,
+      "plain_ms": round(statistics.median(plain_ms), 3),
+      "hetjax_ms": round(statistics.median(het_ms), 3),
+      "ratio": round(statistics.median(p / h for p, h in zip(plain_ms, het_ms)), 4),
+      "added_ms": round(statistics.median(h - p for p, h in zip(plain_ms, het_ms)), 3),
+  }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-  """Builds both loops, measures them side by side, prints the table and JSON."""
+  """Measures every model side by side, prints the table and the JSON line."""
   args = parse_args(argv)
   topo = hetjax.initialize()
   source = data_lib.load("digits")
-  task = hetjax_models.build(args.model, kind=source.info.kind,
-                             num_classes=source.info.num_classes)
-  optimizer = optax.adam(LEARNING_RATE)
-  plain = PlainLoop(task, optimizer, source, args.global_batch)
-  trainer = hetjax.Trainer(task, optimizer, source, hetjax.TrainConfig(
-      global_batch=args.global_batch, microbatch=args.microbatch, seed=SEED))
-  print(f"hetjax overhead: model={args.model} global_batch={args.global_batch} "
-        f"microbatch={args.microbatch} ({-(-args.global_batch // args.microbatch)} per step) "
-        f"steps={args.steps} repeats={args.repeats}; {topo.num_hosts} host x "
-        f"{topo.local_devices} {topo.platform} device, jax {jax.__version__}")
-  print(f"{'repeat':>6} {'plain smp/s':>14} {'hetjax smp/s':>14} {'ratio':>8}")
-  rates = measure(plain, trainer, args.global_batch, args.steps, args.repeats)
+  print(f"hetjax overhead: precision={args.precision} repeats={args.repeats}; "
+        f"{topo.num_hosts} host x {topo.local_devices} {topo.platform} device, "
+        f"jax {jax.__version__}")
+  print(f"{'model':>9} {'batch':>5} {'leaves':>11} {'plain ms':>9} {'hetjax ms':>9} "
+        f"{'added ms':>8} {'ratio':>6}")
+  rows = {}
+  for name in args.models:
+    r = rows[name] = measure_model(name, args, source)
+    print(f"{name:>9} {r['global_batch']:>5} {r['param_leaves']:>4} ({r['leaves']:>4}) "
+          f"{r['plain_ms']:>9.2f} {r['hetjax_ms']:>9.2f} {r['added_ms']:>8.2f} "
+          f"{r['ratio']:>6.3f}", flush=True)
+  print(f"targets: ratio >= {TARGET}, added <= {TARGET_ADDED_MS} ms per step; leaves: "
+        "parameter arrays (with model state)")
   result = {
-      "model": args.model,
-      "global_batch": args.global_batch,
-      "microbatch": args.microbatch,
-      "steps": args.steps,
-      "repeats": args.repeats,
-      "plain_samples_per_sec": round(statistics.median(p for p, _ in rates), 1),
-      "hetjax_samples_per_sec": round(statistics.median(h for _, h in rates), 1),
-      "ratio": round(statistics.median(h / p for p, h in rates), 4),
-      "target": TARGET,
+      "precision": args.precision, "repeats": args.repeats, "models": rows,
+      "ratio": {n: r["ratio"] for n, r in rows.items()},
+      "added_ms": {n: r["added_ms"] for n, r in rows.items()},
   }
-  print(f"{'median':>6} {result['plain_samples_per_sec']:>14,.0f} "
-        f"{result['hetjax_samples_per_sec']:>14,.0f} {result['ratio']:>8.3f}"
-        f"   (target >= {TARGET})")
   print(json.dumps(result))
   return result
 

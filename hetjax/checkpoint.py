@@ -14,6 +14,15 @@ with the step (and micro-batch), so (seed, step) is the whole RNG state.
 Every host calls every method here in the same order with the same
 arguments (orbax's multi-host contract); which checkpoint to load is agreed
 through a collective, so no host loads one the others skip.
+
+An asynchronous save is handed to orbax at a moment when the devices are
+busy anyway: `defer` records it, and the trainer calls `run_deferred` in the
+next step right after dispatching that step's local programs, before the
+reduction that donates the saved state. Orbax's synchronous part (per-array
+bookkeeping, thread start-up, device-to-host copies: ~70 ms for a
+ResNet-18's 228 arrays on CPU) then overlaps the local compute instead of
+stalling the loop, and it still runs on the main thread at the same point
+on every host, so orbax's own barriers keep their order.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import dataclasses
 import logging
 import os
 import tempfile
+import time
 from typing import Any, Callable
 
 import jax
@@ -145,6 +155,8 @@ class Checkpointer:
         max_to_keep=config.keep, create=True, enable_async_checkpointing=config.async_save)
     self._manager = ocp.CheckpointManager(self._path, options=options)
     self.last_saved: int | None = None
+    self._deferred: tuple[int, Any, dict[str, Any]] | None = None
+    self.handover_s: list[float] = []  # Seconds each save call spent in orbax.
 
   def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
     """Starts saving the state after `step` steps (in the background if async)."""
@@ -155,8 +167,23 @@ class Checkpointer:
         state=ocp.args.StandardSave(state._asdict()), meta=ocp.args.JsonSave(meta)))
     self.last_saved = step
 
+  def defer(self, step: int, state: Any, meta: dict[str, Any]) -> None:
+    """Saves at the next `run_deferred` (or `wait`); `state` must live until then."""
+    self.run_deferred()
+    if step != self.last_saved:
+      self._deferred = (step, state, meta)
+
+  def run_deferred(self) -> None:
+    """Hands a deferred save to orbax now (a no-op when none is pending)."""
+    deferred, self._deferred = self._deferred, None
+    if deferred is not None:
+      t0 = time.perf_counter()
+      self.save(*deferred)
+      self.handover_s.append(time.perf_counter() - t0)
+
   def wait(self) -> None:
     """Blocks until every started save is complete on disk."""
+    self.run_deferred()
     self._manager.wait_until_finished()
 
   def close(self) -> None:

@@ -36,7 +36,9 @@ def _parser() -> argparse.ArgumentParser:
   p = _Parser(prog="hetjax", description=__doc__.splitlines()[0])
   sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
   t = sub.add_parser("train", help="train a built-in model on a built-in dataset")
-  t.add_argument("--model", default="cnn", help="mlp, cnn, resnet18 or transformer")
+  t.add_argument("--model", default="cnn", help="mlp, cnn, resnet18, resnet50 or transformer")
+  t.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
+                 help="compute type; parameters and gradient sums stay float32 (fp16: loss scaling)")
   t.add_argument("--dataset", default="digits",
                  help="digits, synthetic, synthetic_big, tokens, or tfds:NAME (prepared in --data-dir)")
   t.add_argument("--data-dir", default=None, help="TFDS data folder for --dataset tfds:NAME")
@@ -195,7 +197,7 @@ def train(args: argparse.Namespace) -> dict:
                              vocab_size=source.info.vocab_size, **overrides)
   config = trainer.TrainConfig(global_batch=args.global_batch, microbatch=args.microbatch,
                                seed=args.seed, assignment=args.assignment, reduction=args.reduction,
-                               balancer=args.balancer,
+                               balancer=args.balancer, precision=args.precision,
                                augment="none" if images else args.augment)  # Else the recipe's.
   identity = f"{args.model}|{_optimizer_identity(args)}|{args.model_width}|{args.dropout}"
   identity += f"|{args.image_size}|{args.augment}" if images else ""

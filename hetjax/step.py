@@ -19,6 +19,14 @@ different numbers of devices. The rows also carry a small host vector
 (timings, config hashes): each device row of host `h` holds host `h`'s
 values, so every host learns every host's values from the same collective
 (invariant 3).
+
+Per-step work does not grow with the number of parameter arrays (`Layout`):
+each device's sums are one float32 row, so they cross to the world mesh as
+one array, and the global program hands the local one its parameters packed
+into one buffer per dtype (`HostViews`). A step launches one program per
+micro-batch and one reduction, and re-wraps three arrays, for 6 leaves or
+600. Under `precision` bf16 / fp16 the local program computes in the low
+type from float32 master parameters; sums and the reduction stay float32.
 """
 
 from __future__ import annotations
@@ -33,6 +41,8 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from hetjax import packing
+from hetjax import precision as precision_lib
 from hetjax.task import MASK, Task, split_losses
 
 PyTree = Any
@@ -47,10 +57,11 @@ class TrainState(NamedTuple):
   params: PyTree
   opt_state: PyTree
   model_state: PyTree
+  loss_scale: precision_lib.LossScale  # (1, 0) unless fp16 scales its loss
 
 
 class Sums(NamedTuple):
-  """Per-device running sums; every leaf has a leading per-device axis."""
+  """What one device sums over its micro-batches (packed into one float32 row)."""
 
   grads: PyTree
   weight: jax.Array     # the normaliser: real examples, or their `Weighted` weights
@@ -134,6 +145,70 @@ def rows_by_host(rows: np.ndarray, meshes: Meshes) -> np.ndarray:
   return np.stack([rows[np.argmax(hosts == h)] for h in range(meshes.num_hosts)])
 
 
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """How the step packs its arrays, fixed by the model's shapes.
+
+  `views`: parameters, model state and loss scale, as the local program reads
+  them (one buffer per dtype); `sums`: one device's `Sums`, as one float32
+  row, so a step's sums cross to the world mesh as one array.
+  """
+
+  views: packing.Packer
+  sums: packing.Packer
+  precision: str
+
+  @property
+  def row_size(self) -> int:
+    return self.sums.sizes.get("float32", 0)
+
+
+class HostViews:
+  """This host's views of the parameters, reused from the program that made them.
+
+  The global program packs the new parameters and model state into one
+  buffer per dtype; re-wrapping those few buffers onto the local mesh costs
+  the same for 6 leaves or 600. Views of a state the global program did not
+  make (initial, restored) are packed by one small program.
+  """
+
+  def __init__(self, meshes: Meshes):
+    self.meshes = meshes
+    self._for: Any = None   # First parameter leaf of the state the views belong to.
+    self._views: dict[str, jax.Array] | None = None
+    self._pack = None
+
+  def put(self, params: PyTree, views: dict[str, jax.Array]) -> None:
+    self._for, self._views = jax.tree.leaves(params)[0], views
+
+  def get(self, layout: Layout, params: PyTree, model_state: PyTree,
+          scale: jax.Array) -> dict[str, jax.Array]:
+    if self._views is None or jax.tree.leaves(params)[0] is not self._for:
+      if self._pack is None:
+        self._pack = jax.jit(lambda *t: layout.views.pack(t), out_shardings=self.meshes.replicated)
+      self.put(params, self._pack(params, model_state, scale))
+    return {k: to_local(v, self.meshes) for k, v in self._views.items()}
+
+
+@jax.tree_util.register_pytree_node_class
+class LocalSums:
+  """The local program's output: one `[local devices, row]` float32 array."""
+
+  def __init__(self, flat: jax.Array, layout: Layout, views: HostViews):
+    self.flat, self.layout, self.views = flat, layout, views
+
+  def tree_flatten(self):
+    return (self.flat,), (self.layout, self.views)
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    return cls(children[0], *aux)
+
+  def totals(self) -> Sums:
+    """This host's sums, unpacked (summed over its devices): for tests and tools."""
+    return self.layout.sums.unpack({"float32": jnp.sum(self.flat, axis=0)})
+
+
 def micro_batches(batch: dict[str, np.ndarray], size: int) -> Iterator[dict[str, np.ndarray]]:
   """Cuts a batch into `size`-row chunks with a `MASK`, the last one padded.
 
@@ -155,123 +230,140 @@ def micro_batches(batch: dict[str, np.ndarray], size: int) -> Iterator[dict[str,
 class LocalProgram:
   """Accumulates this host's gradient sums over its micro-batches."""
 
-  def __init__(self, task: Task, meshes: Meshes, microbatch_per_device: int):
+  def __init__(self, task: Task, meshes: Meshes, microbatch_per_device: int,
+               precision: str = "fp32"):
     if microbatch_per_device < 1:
       raise ValueError(f"--microbatch must be >= 1, got {microbatch_per_device}.")
     self.meshes = meshes
     self.micro = microbatch_per_device * meshes.local_devices
-    mesh = meshes.local
+    self.precision = precision_lib.check(precision)
+    self.views = HostViews(meshes)
+    self.layout: Layout | None = None
+    self._task = task
+    self._key = None
+    self._spare: jax.Array | None = None  # The last step's sums buffer, recycled.
 
-    def per_device(params, model_state, sums, batch, key, step, first_block):
+  def _build(self, params, model_state, example, rng) -> None:
+    """Fixes the packing layout and compiles the programs, once."""
+    per_device = {k: v[:self.micro // self.meshes.local_devices] for k, v in example.items()}
+    _, metrics, new_state = jax.eval_shape(self._task.loss, params, model_state, per_device, rng)
+    scalar = jax.ShapeDtypeStruct((), jnp.float32)
+    shapes = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
+    sums_like = Sums(shapes(params), scalar, scalar, scalar, {k: scalar for k in metrics},
+                     shapes(new_state))
+    layout = self.layout = Layout(packing.Packer((shapes(params), shapes(model_state), scalar)),
+                                  packing.Packer(sums_like, dtype=jnp.float32), self.precision)
+    compute = precision_lib.compute_dtype(self.precision)
+    low = compute != jnp.float32
+    task = self._task
+
+    def per_device(views, sums, batch, key, step, first_block, first):
+      params, model_state, scale = layout.views.unpack(views)
       # Without the cast, grad of a replicated input would already be summed
       # over the local devices; per-device sums let one reduction do it all.
       params = jax.lax.pcast(params, DEV, to="varying")
       block = first_block + jax.lax.axis_index(DEV)
       rng = jax.random.fold_in(jax.random.fold_in(key, step), block)
       real = batch[MASK] > 0
-      masked_sum = lambda v: jnp.sum(jnp.where(real, v, 0.0))
+      masked_sum = lambda v: jnp.sum(jnp.where(real, v.astype(jnp.float32), 0.0))
       # An all-padding block (a host whose blocks do not fill its last device
       # round) shows the model an all-ones mask: masked BatchNorm over zero
       # rows would be NaN, and NaN survives `where` in the backward pass. Its
       # rows are copies of a real row, and every sum below uses `real`.
       model_batch = {**batch, MASK: jnp.where(jnp.any(real), batch[MASK], 1.0)}
+      if low:
+        model_batch = precision_lib.cast_batch(model_batch, compute, keep=(MASK,))
 
       def total_loss(p):
+        if low:
+          p = precision_lib.cast_floats(p, compute)
         losses, metrics, new_state = task.loss(p, model_state, model_batch, rng)
         values, weights = split_losses(losses)
         weight = masked_sum(weights) if weights is not None else jnp.sum(real.astype(jnp.float32))
-        return masked_sum(values), (metrics, new_state, weight)
+        loss = masked_sum(values)
+        return loss * scale, (loss, metrics, new_state, weight)
 
-      (loss, (metrics, new_state, weight)), grads = jax.value_and_grad(
+      (_, (loss, metrics, new_state, weight)), grads = jax.value_and_grad(
           total_loss, has_aux=True)(params)
       n = jnp.sum(real.astype(jnp.float32))
-      weighted_state = jax.tree.map(lambda s: jnp.where(n > 0, s * n, 0.0), new_state)
-      add = lambda acc, x: acc + x[None].astype(acc.dtype)
-      return Sums(
-          grads=jax.tree.map(add, sums.grads, grads),
-          weight=add(sums.weight, weight),
-          count=add(sums.count, n),
-          loss=add(sums.loss, loss),
-          metrics={k: add(sums.metrics[k], masked_sum(v)) for k, v in metrics.items()},
-          model_state=jax.tree.map(add, sums.model_state, weighted_state))
+      row = layout.sums.pack(Sums(
+          grads=jax.tree.map(lambda g: g.astype(jnp.float32) / scale, grads),
+          weight=weight, count=n, loss=loss,
+          metrics={k: masked_sum(v) for k, v in metrics.items()},
+          model_state=jax.tree.map(lambda s: jnp.where(n > 0, s * n, 0.0), new_state)))
+      # The first micro-batch of a step starts from zero in a recycled buffer.
+      return jnp.where(first, 0.0, sums) + row["float32"][None]
 
     self._accumulate = jax.jit(
-        jax.shard_map(per_device, mesh=mesh,
-                      in_specs=(P(), P(), P(DEV), P(DEV), P(), P(), P()), out_specs=P(DEV)),
-        donate_argnums=(2,))
-    self._batch_sharding = meshes.local_by_device
-    self._task = task
-    self._zeros = None
-    self._key = None
-
-  def _build_zeros(self, params, model_state, batch, rng) -> None:
-    """Compiles the maker of zero sums, shaped like the local program's outputs."""
-    per_device = {k: v[:self.micro // self.meshes.local_devices] for k, v in batch.items()}
-    _, metrics, new_state = jax.eval_shape(self._task.loss, params, model_state, per_device, rng)
-    d = self.meshes.local_devices
-    zeros = lambda s: jnp.zeros((d,) + tuple(s.shape), jnp.float32)
-    shapes = (params, metrics, new_state)
-    sharding = self.meshes.local_by_device
-
-    def make(params, metrics, new_state):
-      return Sums(grads=jax.tree.map(zeros, params), weight=jnp.zeros((d,)), count=jnp.zeros((d,)),
-                  loss=jnp.zeros((d,)),
-                  metrics={k: jnp.zeros((d,)) for k in metrics},
-                  model_state=jax.tree.map(zeros, new_state))
-
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), shapes)
-    self._zeros = jax.jit(lambda: make(*abstract), out_shardings=sharding)
+        jax.shard_map(per_device, mesh=self.meshes.local,
+                      in_specs=(P(), P(DEV), P(DEV), P(), P(), P(), P()), out_specs=P(DEV)),
+        donate_argnums=(1,))
+    # Compiled now, so that a first share of 0 later on compiles nothing.
+    shape = (self.meshes.local_devices, layout.row_size)
+    self._zeros = jax.jit(lambda: jnp.zeros(shape, jnp.float32),
+                          out_shardings=self.meshes.local_by_device).lower().compile()
 
   def __call__(self, params: PyTree, model_state: PyTree, batch: dict[str, np.ndarray],
                example: dict[str, np.ndarray], key: jax.Array, step: int,
-               first_block: int = 0) -> Sums:
+               first_block: int = 0, loss_scale: jax.Array | None = None) -> LocalSums:
     """Runs the host's share `batch` (possibly empty) through the local program.
 
     `example` is one record of the dataset; it fixes the micro-batch shapes
     even when this host's share is 0. `key` is the run's base PRNG key; the
     step and each device's global block index (from `first_block`, the
-    host's first block) are folded in on the devices.
+    host's first block) are folded in on the devices. `loss_scale` (fp16)
+    multiplies the loss before differentiation; the sums come back unscaled.
     """
-    params = jax.tree.map(lambda x: to_local(x, self.meshes), params)
-    model_state = jax.tree.map(lambda x: to_local(x, self.meshes), model_state)
     if self._key is None or self._key[0] is not key:
       self._key = (key, jax.device_put(key, self.meshes.local_replicated))
     local_key = self._key[1]
-    if self._zeros is None:
-      self._build_zeros(params, model_state, next(micro_batches(example, self.micro)), local_key)
-    sums = self._zeros()
+    if loss_scale is None:
+      loss_scale = jnp.float32(1.0)
+    if self.layout is None:
+      local = lambda t: jax.tree.map(lambda x: to_local(x, self.meshes), t)
+      self._build(local(params), local(model_state),
+                  next(micro_batches(example, self.micro)), local_key)
+    views = self.views.get(self.layout, params, model_state, loss_scale)
+    sums, first = self._spare, True
+    if sums is None or sums.is_deleted():
+      sums = self._zeros()
     step = np.int32(step)
     d = self.meshes.local_devices
     for i, micro in enumerate(micro_batches(batch, self.micro)):
-      micro = jax.device_put(micro, self._batch_sharding)
-      sums = self._accumulate(params, model_state, sums, micro, local_key, step,
-                              np.int32(first_block + i * d))
-    return sums
-
-
+      micro = jax.device_put(micro, self.meshes.local_by_device)
+      sums = self._accumulate(views, sums, micro, local_key, step,
+                              np.int32(first_block + i * d), first)
+      first = False
+    if first:  # No micro-batch: the recycled buffer still holds old sums.
+      sums = self._zeros()
+    self._spare = sums
+    return LocalSums(sums, self.layout, self.views)
 
 
 # ---- Cross-host reduction and update ------------------------------------
 
 
 def init_state(task: Task, optimizer: optax.GradientTransformation, meshes: Meshes,
-               example_batch: dict[str, np.ndarray], seed: int) -> TrainState:
+               example_batch: dict[str, np.ndarray], seed: int,
+               precision: str = "fp32") -> TrainState:
   """Initialises the train state as global replicated arrays (same on every host)."""
 
   def init(seed, batch):
     params, model_state = task.init(jax.random.key(seed), batch)
-    return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), model_state)
+    return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), model_state,
+                      precision_lib.initial_scale(precision))
 
   return jax.jit(init, out_shardings=meshes.replicated)(np.int32(seed), example_batch)
 
 
-def _total(sums: Sums) -> Sums:
-  return jax.tree.map(lambda x: jnp.sum(x, axis=0), sums)
+def _update(optimizer: optax.GradientTransformation, state: TrainState, totals: Sums,
+            layout: Layout, overflow: jax.Array) -> tuple[TrainState, dict[str, jax.Array], dict]:
+  """`sum(grad sums) / sum(weights)`, the optax update, the weighted model state.
 
-
-def _update(optimizer: optax.GradientTransformation, state: TrainState,
-            totals: Sums) -> tuple[TrainState, dict[str, jax.Array]]:
-  """`sum(grad sums) / sum(weights)`, the optax update, and the weighted model state."""
+  Also returns the new state's packed views for the local program. On an
+  fp16 overflow (some host's sums not finite) the update is skipped and the
+  loss scale halved, the same on every host.
+  """
   count = totals.count
   # count == 0 is reported by the trainer as an error; a zero total weight
   # leaves the gradient zero rather than NaN.
@@ -285,7 +377,14 @@ def _update(optimizer: optax.GradientTransformation, state: TrainState,
       state.model_state, totals.model_state)
   stats = {"count": count, "loss": totals.loss / norm}
   stats.update({k: v / norm for k, v in totals.metrics.items()})
-  return TrainState(state.step + 1, params, opt_state, model_state), stats
+  if precision_lib.uses_loss_scale(layout.precision):
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(overflow, b, a), new, old)
+    params, opt_state, model_state = keep(
+        (params, opt_state, model_state), (state.params, state.opt_state, state.model_state))
+    stats.update(loss_scale=state.loss_scale.scale, skipped=overflow.astype(jnp.float32))
+  loss_scale = precision_lib.next_scale(state.loss_scale, overflow, layout.precision)
+  new = TrainState(state.step + 1, params, opt_state, model_state, loss_scale)
+  return new, stats, layout.views.pack((params, model_state, loss_scale.scale))
 
 
 class DeviceReduction:
@@ -299,18 +398,33 @@ class DeviceReduction:
 
   def __init__(self, optimizer: optax.GradientTransformation, meshes: Meshes):
     self.meshes = meshes
+    self._optimizer = optimizer
+    self._program = None
+
+  def _build(self, layout: Layout) -> None:
+    scaled = precision_lib.uses_loss_scale(layout.precision)
 
     def program(state, sums, rows):
-      new_state, stats = _update(optimizer, state, _total(sums))
-      return new_state, stats, rows
+      # Each row's overflow flag (fp16): any of that device's sums not finite.
+      bad = (~jnp.all(jnp.isfinite(sums), axis=1) if scaled
+             else jnp.zeros(sums.shape[0], bool))
+      totals = layout.sums.unpack({"float32": jnp.sum(sums, axis=0)})
+      new_state, stats, views = _update(self._optimizer, state, totals, layout, jnp.any(bad))
+      return new_state, stats, jnp.concatenate([rows, bad[:, None].astype(rows.dtype)], 1), views
 
-    self._program = jax.jit(program, out_shardings=meshes.replicated, donate_argnums=(0,))
+    self._program = jax.jit(program, out_shardings=self.meshes.replicated, donate_argnums=(0,))
 
-  def __call__(self, state: TrainState, sums: Sums,
+  def __call__(self, state: TrainState, sums: LocalSums,
                host_values: np.ndarray) -> tuple[TrainState, dict[str, jax.Array], np.ndarray]:
-    """Reduces, updates; returns the new state, the stats and every host's values."""
-    world = jax.tree.map(lambda x: to_world(x, self.meshes), sums)
-    state, stats, rows = self._program(state, world, host_rows(host_values, self.meshes))
+    """Reduces, updates; returns the new state, the stats and every host's values.
+
+    The rows gain a last column: 1 where that host's sums overflowed (fp16).
+    """
+    if self._program is None:
+      self._build(sums.layout)
+    world = to_world(sums.flat, self.meshes)
+    state, stats, rows, views = self._program(state, world, host_rows(host_values, self.meshes))
+    sums.views.put(state.params, views)
     stats, rows = jax.device_get((stats, rows))  # One host sync for both.
     return state, stats, rows_by_host(rows, self.meshes)
 
@@ -321,22 +435,22 @@ class HostReduction:
   For jobs whose hosts cannot share one device collective (accelerators of
   different vendors or generations whose collective libraries do not
   interoperate): the CPU collective does not care what accelerator a host
-  has. It costs a device-to-host copy of the gradients each step.
+  has. Each host first sums over its own devices, on the devices, then
+  copies that one row to host memory: one device-to-host copy per step.
   """
 
   name = "host"
 
   def __init__(self, optimizer: optax.GradientTransformation, meshes: Meshes):
     self.meshes = meshes
+    self._optimizer = optimizer
     cpus = sorted(jax.devices("cpu"), key=lambda d: (d.process_index, d.id))
     firsts = [next(d for d in cpus if d.process_index == h) for h in range(meshes.num_hosts)]
     self._cpu_mesh = Mesh(np.array(firsts), ("host",))
     self._by_host = NamedSharding(self._cpu_mesh, P("host"))
-    self._reduce = jax.jit(lambda x: jax.tree.map(lambda a: jnp.sum(a, axis=0), x),
-                           out_shardings=NamedSharding(self._cpu_mesh, P()))
     self._gather = jax.jit(lambda x: x, out_shardings=NamedSharding(self._cpu_mesh, P()))
-    self._update = jax.jit(lambda state, totals: _update(optimizer, state, totals),
-                           out_shardings=meshes.replicated, donate_argnums=(0,))
+    self._device_sum = jax.jit(lambda x: jnp.sum(x, axis=0), out_shardings=meshes.local_replicated)
+    self._update = None
     # gloo sets up a communicator for a new set of devices on its first
     # collective and gives up if a peer is not there within 30 s (fixed in
     # XLA), so a host that compiles much later (a slower or busier machine)
@@ -347,17 +461,35 @@ class HostReduction:
     gather = self._gather.lower(probe).compile()
     gather_host_values(np.zeros(1), meshes)
     gather(probe).block_until_ready()
+  def _build(self, layout: Layout) -> None:
+    n = layout.row_size
 
-  def __call__(self, state: TrainState, sums: Sums,
+    def reduce(x):  # [hosts, n + k] -> (the sum of the sums, every host's values)
+      return jnp.sum(x[:, :n], axis=0), x[:, n:]
+
+    self._reduce = jax.jit(reduce, out_shardings=NamedSharding(self._cpu_mesh, P()))
+
+    def update(state, total, overflow):
+      totals = layout.sums.unpack({"float32": total})
+      return _update(self._optimizer, state, totals, layout, overflow)
+
+    self._update = jax.jit(update, out_shardings=self.meshes.replicated, donate_argnums=(0,))
+
+  def __call__(self, state: TrainState, sums: LocalSums,
                host_values: np.ndarray) -> tuple[TrainState, dict[str, jax.Array], np.ndarray]:
     """Reduces on the CPUs, updates on the devices; same contract as `DeviceReduction`."""
-    host_sums = jax.tree.map(lambda x: np.sum(np.asarray(x), axis=0, keepdims=True), sums)
-    to_cpu = lambda x: jax.make_array_from_process_local_data(self._by_host, x)
-    totals = jax.device_get(self._reduce(jax.tree.map(to_cpu, host_sums)))
-    rows = np.asarray(self._gather(to_cpu(np.asarray(host_values, np.float32).reshape(1, -1))))
-    replicated = self.meshes.replicated
-    totals = jax.tree.map(lambda x: jax.make_array_from_process_local_data(replicated, x), totals)
-    state, stats = self._update(state, totals)
+    layout = sums.layout
+    if self._update is None:
+      self._build(layout)
+    # Summed over this host's devices on the devices; then one device-to-host copy.
+    mine = np.asarray(self._device_sum(sums.flat).addressable_data(0))
+    bad = float(precision_lib.uses_loss_scale(layout.precision) and not np.all(np.isfinite(mine)))
+    values = np.concatenate([mine, np.asarray(host_values, np.float32).ravel(), [bad]])
+    total, rows = jax.device_get(self._reduce(
+        jax.make_array_from_process_local_data(self._by_host, values[None].astype(np.float32))))
+    total = jax.make_array_from_process_local_data(self.meshes.replicated, total)
+    state, stats, views = self._update(state, total, np.bool_(rows[:, -1].max() > 0))
+    sums.views.put(state.params, views)
     return state, jax.device_get(stats), rows
 
 

@@ -27,6 +27,8 @@ from hetjax import data as data_lib
 from hetjax import evaluate as evaluate_lib
 from hetjax import loader as loader_lib
 from hetjax import metrics as metrics_lib
+from hetjax import precision as precision_lib
+from hetjax import readiness
 from hetjax import runtime
 from hetjax import signals
 from hetjax import sources as sources_lib
@@ -73,6 +75,7 @@ class TrainConfig:
   balancer: str | None = None
   augment: str = "none"
   check_every: int = 100
+  precision: str = "fp32"
 
   def validate(self) -> None:
     if self.global_batch < 1:
@@ -82,6 +85,7 @@ class TrainConfig:
     if self.reduction not in step_lib.REDUCTIONS:
       raise ValueError(f"unknown reduction backend {self.reduction!r}; choose 'device' or 'host'.")
     augment_lib.parse(self.augment)  # Raises on an unknown augmentation.
+    precision_lib.check(self.precision)
     if not isinstance(self.assignment, str):
       blocks_lib.check_aligned(self.assignment, self.global_batch, self.microbatch)
     if self.check_every < 0:
@@ -161,12 +165,16 @@ class Trainer:
     # Records that disagree with one another fail here, not mid-run.
     sources_lib.check_records(source, sources_lib.record_spec(source))
     init_batch = next(step_lib.micro_batches(self._example, config.microbatch))
-    self.state = step_lib.init_state(task, optimizer, self.meshes, init_batch, config.seed)
+    self.state = step_lib.init_state(task, optimizer, self.meshes, init_batch, config.seed,
+                                     config.precision)
     self._check_contract(init_batch)
-    self.local = step_lib.LocalProgram(task, self.meshes, config.microbatch)
+    self.local = step_lib.LocalProgram(task, self.meshes, config.microbatch, config.precision)
     self.reduction = step_lib.make_reduction(config.reduction, optimizer, self.meshes)
     self.history = History()
     self._last_wait = 0.0
+    self._last_compute: float | None = None  # This host's, for the next step's reduction.
+    self._clock = readiness.ReadyClock()
+    self._timing = None  # (t0, t2, future of the sums' readiness) of the last step.
     self._start_step = 0
     self._base_key = jax.random.key(config.seed)
     self._stop_code = 0.0  # The largest stop signal any host sent (hetjax.signals).
@@ -265,8 +273,15 @@ class Trainer:
     return self._start_step + self.history.steps
 
   def train_step(self) -> dict[str, float]:
-    """Runs one synchronous step on every host; returns the global metrics."""
+    """Runs one synchronous step on every host; returns the global metrics.
+
+    Nothing waits for the devices between the local programs and the
+    reduction: a helper thread times the local compute, and the seconds
+    travel in the next step's reduction (the balancer sees them one step
+    late, the same on every host). Under emulation the pacing still waits.
+    """
     step = self.step
+    self._settle_timing()
     t0 = time.perf_counter()
     block = self.config.microbatch
     shares = blocks_lib.check_aligned(balancer_lib.validate_shares(
@@ -275,33 +290,43 @@ class Trainer:
     batch = self.loader.get(step, shares)
     self.loader.prefetch(step + 1, shares)  # A guess: shares rarely change.
     sums = self.local(self.state.params, self.state.model_state, batch, self._example,
-                      self._base_key, step, blocks_lib.first_block(shares, self.host_id, block))
-    jax.block_until_ready(sums)
-    compute = time.perf_counter() - t0
-    if self.pace is not None:
+                      self._base_key, step, blocks_lib.first_block(shares, self.host_id, block),
+                      self.state.loss_scale.scale)
+    if self.checkpointer is not None:
+      self.checkpointer.run_deferred()  # While the devices compute.
+    if self.pace is None:
+      ready = self._clock.watch(sums)
+    else:
+      jax.block_until_ready(sums)
       unit = self.config.microbatch * self.meshes.local_devices
-      compute = self.pace(compute, step, -(-shares[self.host_id] // unit) * unit)
+      paced = self.pace(time.perf_counter() - t0, step, -(-shares[self.host_id] // unit) * unit)
     t1 = time.perf_counter()
-    # Timings, this host's stop signal and the shares it used, for every host to check.
-    host_values = np.array([compute, self._last_wait, signals.REQUESTS.code, *shares])
+    # Timings (this host's of the previous step: measured off the critical path),
+    # its stop signal and the shares it used, for every host to check.
+    previous = self._last_compute
+    host_values = np.array([previous or 0.0, self._last_wait, signals.REQUESTS.code, *shares])
     self.state, stats, rows = self.reduction(self.state, sums, host_values)
     agreement.check_shares(step, rows[:, 3:])
     self._stop_code = float(rows[:, 2].max())
     t2 = time.perf_counter()
-    self._last_wait = t2 - t1
+    if self.pace is None:
+      self._timing = (t0, t2, ready)  # Read at the next step, long after it is known.
+    else:
+      self._last_compute, self._last_wait = paced, t2 - t1
     if stats["count"] <= 0:
       raise RuntimeError(f"step {step}: the hosts processed 0 examples in total; the "
                          f"assignment {shares} must give the global batch at least one sample.")
     h = self.history
     h.shares.append(shares)
-    h.compute_s.append([float(r) for r in rows[:, 0]])
-    if h.dropped + len(h.wait_s) < h.steps - 1:  # Not yet gathered by summary().
-      h.wait_s.append([float(r) for r in rows[:, 1]])
+    if previous is not None:  # Every host's compute and wait seconds of the previous step.
+      if h.dropped + len(h.compute_s) < h.steps - 1:  # Not yet gathered by summary().
+        h.compute_s.append([float(r) for r in rows[:, 0]])
+        h.wait_s.append([float(r) for r in rows[:, 1]])
+      self.balancer.observe(step - 1, h.shares[-2], rows[:, 0].tolist())
     h.step_s.append(t2 - t0)
     metrics = {k: float(v) for k, v in stats.items() if k != "count"}
     h.loss.append(metrics["loss"])
     h.metrics.append(metrics)
-    self.balancer.observe(step, shares, rows[:, 0].tolist())
     return metrics
 
   def fit(self, steps: int | None = None, *, until: int | None = None, log_every: int = 0,
@@ -423,6 +448,7 @@ class Trainer:
   def close(self) -> None:
     """Stops the input threads and finishes any checkpoint being written."""
     self.loader.close()
+    self._clock.close()
     if self.checkpointer is not None:
       self.checkpointer.wait()
       self.checkpointer.close()
@@ -437,15 +463,30 @@ class Trainer:
       raise ValueError("this trainer has no checkpoint folder; pass checkpoint=CheckpointConfig(...).")
     if self.checkpointer.last_saved != self.step:
       self.check_params_agree()
-    self.checkpointer.save(self.step, self.state, self._checkpoint_meta())
-    if wait:
-      self.checkpointer.wait()
+    if wait or not self.checkpointer.config.async_save:
+      self.checkpointer.run_deferred()
+      self.checkpointer.save(self.step, self.state, self._checkpoint_meta())
+      if wait:
+        self.checkpointer.wait()
+    else:  # Handed to orbax in the next step, while the devices compute.
+      self.checkpointer.defer(self.step, self.state, self._checkpoint_meta())
+
+  def _settle_timing(self) -> None:
+    """This host's compute and wait seconds of the last step, from the helper thread."""
+    if self._timing is not None:
+      t0, t2, ready = self._timing
+      ready_at = ready.result()
+      self._last_compute, self._last_wait, self._timing = ready_at - t0, t2 - ready_at, None
 
   def _final_waits(self) -> None:
-    """The last step's waits travel in one extra small collective."""
-    if len(self.history.wait_s) < len(self.history.shares):  # The window keeps them aligned.
-      rows = step_lib.gather_host_values(np.array([self._last_wait]), self.meshes)
-      self.history.wait_s.append([float(r) for r in rows[:, 0]])
+    """The last step's compute and wait seconds travel in one extra small collective."""
+    self._settle_timing()
+    h = self.history
+    if len(h.wait_s) < len(h.shares):  # The window keeps them aligned.
+      rows = step_lib.gather_host_values(
+          np.array([self._last_compute or 0.0, self._last_wait]), self.meshes)
+      h.compute_s.append([float(r) for r in rows[:, 0]])
+      h.wait_s.append([float(r) for r in rows[:, 1]])
 
   def summary(self, digest: bool = False) -> dict[str, Any]:
     """The figures of the run so far; identical on every host.

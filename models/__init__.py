@@ -19,10 +19,10 @@ from hetjax import task as task_lib
 from . import losses, preprocess
 from .cnn import CNN
 from .mlp import MLP
-from .resnet import MaskedBatchNorm, ResNet
+from .resnet import MaskedBatchNorm, ResNet, ResNet50
 from .transformer import TransformerLM
 
-MODEL_NAMES = ("mlp", "cnn", "resnet18", "transformer")
+MODEL_NAMES = ("mlp", "cnn", "resnet18", "transformer", "resnet50")
 KINDS = ("image", "tokens")
 _NOUNS = {"image": "image", "tokens": "token"}  # For error messages.
 
@@ -41,6 +41,7 @@ _SPECS = {
     "resnet18": _Spec(ResNet, "image", "num_classes", losses.classification),
     "transformer": _Spec(
         TransformerLM, "tokens", "vocab_size", losses.next_token),
+    "resnet50": _Spec(ResNet50, "image", "num_classes", losses.classification),
 }
 assert tuple(_SPECS) == MODEL_NAMES
 
@@ -118,5 +119,5 @@ def build(
 
 __all__ = [
     "CNN", "KINDS", "MLP", "MODEL_NAMES", "MaskedBatchNorm", "ResNet",
-    "TransformerLM", "build", "default_config", "losses",
+    "ResNet50", "TransformerLM", "build", "default_config", "losses",
 ]

@@ -6,7 +6,8 @@ from typing import Any, Sequence
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
+
+from .inputs import as_input
 
 
 class CNN(nn.Module):
@@ -21,18 +22,19 @@ class CNN(nn.Module):
     features: channels of each conv layer.
     hidden: width of the dense layer before the head.
     dropout: rate of dropout before the head in training.
-    dtype: computation dtype (parameters stay float32).
+    dtype: computation dtype (parameters stay float32); None follows the
+      parameters, which hetjax casts to the `--precision` compute type.
   """
 
   num_classes: int
   features: Sequence[int] = (16, 32)
   hidden: int = 128
   dropout: float = 0.0
-  dtype: Any = jnp.float32
+  dtype: Any = None
 
   @nn.compact
   def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
-    x = x.astype(self.dtype)
+    x = as_input(x, self.dtype)
     for features in self.features:
       x = nn.relu(nn.Conv(features, (3, 3), dtype=self.dtype)(x))
     # Pool only along sides that have something to pool, so 1-pixel inputs work.

@@ -6,7 +6,8 @@ from typing import Any, Sequence
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
+
+from .inputs import as_input
 
 
 class MLP(nn.Module):
@@ -16,17 +17,18 @@ class MLP(nn.Module):
     num_classes: size of the output layer.
     hidden: width of each hidden layer.
     dropout: rate of dropout after each hidden layer in training.
-    dtype: computation dtype (parameters stay float32).
+    dtype: computation dtype (parameters stay float32); None follows the
+      parameters, which hetjax casts to the `--precision` compute type.
   """
 
   num_classes: int
   hidden: Sequence[int] = (128, 128)
   dropout: float = 0.0
-  dtype: Any = jnp.float32
+  dtype: Any = None
 
   @nn.compact
   def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
-    x = x.reshape((x.shape[0], -1)).astype(self.dtype)
+    x = as_input(x.reshape((x.shape[0], -1)), self.dtype)
     for width in self.hidden:
       x = nn.relu(nn.Dense(width, dtype=self.dtype)(x))
       x = nn.Dropout(self.dropout, deterministic=not train)(x)

@@ -28,6 +28,7 @@ TINY = {
     # stages (one with a projection shortcut) keep compilation short.
     # test_default_configs_build covers the full [2, 2, 2, 2] network.
     "resnet18": {"width": 4, "stage_sizes": (1, 1)},
+    "resnet50": {"width": 2, "stage_sizes": (1, 1)},
     "transformer": {"d_model": 16, "num_heads": 2, "num_layers": 1,
                     "max_len": 16},
 }
@@ -103,7 +104,7 @@ def test_losses_and_metrics_are_per_example_and_finite(name):
   acc = metrics["accuracy"]
   assert acc.shape == (B,) and np.all((acc >= 0) & (acc <= 1))
   assert jax.tree.structure(new_state) == jax.tree.structure(state)
-  assert ("batch_stats" in state) == (name == "resnet18")
+  assert ("batch_stats" in state) == name.startswith("resnet")
 
 
 @pytest.mark.parametrize("name", NON_BN)
@@ -231,6 +232,10 @@ def test_default_configs_build(name):
   count = sum(x.size for x in jax.tree.leaves(params))
   if name == "resnet18":
     assert 11.1e6 < count < 11.3e6  # The usual CIFAR ResNet-18 size.
+  if name == "resnet50":
+    # 25.56M with a 1000-class head; 2.03M fewer with 10 classes.
+    assert 23.4e6 < count < 23.6e6
+    assert len(jax.tree.leaves(params)) == 161
 
 
 def test_overrides_reach_the_module():
@@ -239,6 +244,20 @@ def test_overrides_reach_the_module():
   assert params["stem_conv"]["kernel"].shape == (3, 3, 1, 8)
   assert params["head"]["kernel"].shape == (64, 3)
   assert "stage4_block2" in params
+
+
+def test_resnet50_bottlenecks_and_overrides():
+  task = hetjax_models.build("resnet50", kind="image", num_classes=3, width=8)
+  params, state = jax.eval_shape(task.init, _key(0), _batch("resnet50"))
+  block = params["stage2_block1"]
+  # 1x1 reduce to 2 * 8, 3x3, 1x1 expand to 4 * 16; projected shortcut.
+  assert block["Conv_0"]["kernel"].shape == (1, 1, 32, 16)
+  assert block["Conv_1"]["kernel"].shape == (3, 3, 16, 16)
+  assert block["Conv_2"]["kernel"].shape == (1, 1, 16, 64)
+  assert block["proj_conv"]["kernel"].shape == (1, 1, 32, 64)
+  assert params["head"]["kernel"].shape == (8 * 4 * 8, 3)
+  assert "stage4_block3" in params and "stage4_block4" not in params
+  assert len(jax.tree.leaves(state)) == 106
 
 
 @pytest.mark.parametrize("kwargs, message", [

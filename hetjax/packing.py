@@ -1,0 +1,88 @@
+"""A pytree's leaves laid end to end in one flat buffer per dtype.
+
+Every array that crosses from one mesh to another costs the step ~0.1 ms of
+Python (a re-wrap), so a ResNet-50's ~270 parameter and statistics arrays
+would cost tens of milliseconds a step, more than a GPU step itself. Packed,
+the per-device sums cross to the world mesh as one buffer and the
+parameters reach the local program as one buffer per dtype, whatever the
+number of leaves. Packing and unpacking run inside the compiled programs
+(concatenate / slice + reshape), where XLA fuses them into their neighbours.
+
+Example:
+  >>> packer = Packer({"w": jnp.zeros((3, 2)), "b": jnp.zeros(2)})
+  >>> flat = packer.pack({"w": jnp.ones((3, 2)), "b": jnp.ones(2)})  # {"float32": [8]}
+  >>> tree = packer.unpack(flat)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+PyTree = Any
+Packed = dict[str, jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+  group: str      # dtype name: the buffer this leaf lives in
+  offset: int
+  shape: tuple[int, ...]
+
+  @property
+  def size(self) -> int:
+    return math.prod(self.shape)
+
+
+class Packer:
+  """The layout of one tree structure: which buffer and offset holds each leaf.
+
+  Args:
+    like: a tree of arrays or `jax.ShapeDtypeStruct`s fixing structure,
+      shapes and dtypes.
+    dtype: when given, every leaf is cast to it (one buffer in all), e.g.
+      float32 for gradient sums whose leaves come in several precisions.
+  """
+
+  def __init__(self, like: PyTree, dtype: Any = None):
+    leaves, self.treedef = jax.tree.flatten(like)
+    self.dtypes = tuple(jnp.dtype(dtype or x.dtype) for x in leaves)
+    self.leaf_dtypes = tuple(jnp.dtype(x.dtype) for x in leaves)
+    sizes: dict[str, int] = {}
+    slots = []
+    for x, dt in zip(leaves, self.dtypes):
+      name = dt.name
+      shape = tuple(x.shape)
+      slots.append(_Slot(name, sizes.get(name, 0), shape))
+      sizes[name] = sizes.get(name, 0) + math.prod(shape)
+    self.slots = tuple(slots)
+    self.sizes = dict(sorted(sizes.items()))
+
+  @property
+  def num_leaves(self) -> int:
+    return len(self.slots)
+
+  def pack(self, tree: PyTree, batch_dims: int = 0) -> Packed:
+    """`{dtype name: [*batch, total]}`; leaves keep their first `batch_dims` axes."""
+    leaves = self.treedef.flatten_up_to(tree)
+    parts: dict[str, list[jax.Array]] = {name: [] for name in self.sizes}
+    for x, slot, dt in zip(leaves, self.slots, self.dtypes):
+      x = jnp.asarray(x).astype(dt)
+      parts[slot.group].append(x.reshape(x.shape[:batch_dims] + (slot.size,)))
+    return {name: (jnp.concatenate(p, axis=batch_dims) if len(p) > 1 else p[0])
+            for name, p in parts.items()}
+
+  def unpack(self, packed: Packed, batch_dims: int = 0, cast: bool = True) -> PyTree:
+    """The tree back from `pack`'s buffers; with `cast`, in the leaves' own dtypes."""
+    leaves = []
+    for slot, dt in zip(self.slots, self.leaf_dtypes):
+      buf = packed[slot.group]
+      batch = buf.shape[:batch_dims]
+      x = jax.lax.slice_in_dim(buf, slot.offset, slot.offset + slot.size, axis=batch_dims)
+      x = x.reshape(batch + slot.shape)
+      leaves.append(x.astype(dt) if cast else x)
+    return self.treedef.unflatten(leaves)

@@ -1,0 +1,124 @@
+"""Per-step work must not grow with the number of parameter arrays (issue 13).
+
+A ResNet-50 has ~270 parameter and statistics arrays; per-leaf Python work in
+the step (re-wrapping each leaf onto a mesh, one transfer per leaf) costs
+~0.1 ms per leaf, which on a GPU is a large part of a step. This test counts,
+per training step, the programs the runtime executes (compiled steps and
+eager operations alike), the arrays stitched or re-wrapped and the
+host-to-device transfers, for a model with 2 parameter arrays and one with
+200: the counts must be equal.
+
+Programs are counted from a JAX profiler trace (`jax.profiler`, host tracer
+level 3 records every executable launch); wraps and transfers by wrapping,
+for the duration of the count, the JAX functions that make them.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import glob
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import hetjax
+from hetjax import data
+
+STEPS = 3
+_WRAPS = ("make_array_from_single_device_arrays", "make_array_from_process_local_data")
+_LAUNCH = "CommonPjRtLoadedExecutable::ExecutePrepare"  # One per program run on a device.
+
+
+@contextlib.contextmanager
+def counting():
+  """Counts 'programs', 'wraps' and 'transfers' made inside the context.
+
+  The program count is filled in when the context closes.
+  """
+  counts = collections.Counter()
+  undo = []
+  for name, kind in [(n, "wraps") for n in _WRAPS] + [("device_put", "transfers")]:
+    real = getattr(jax, name)
+
+    def run(*args, _real=real, _kind=kind, **kwargs):
+      counts[_kind] += 1
+      return _real(*args, **kwargs)
+    undo.append((name, real))
+    setattr(jax, name, run)
+  options = jax.profiler.ProfileOptions()
+  options.host_tracer_level = 3
+  options.python_tracer_level = 0
+  with tempfile.TemporaryDirectory(prefix="hetjax-dispatch-") as folder:
+    jax.profiler.start_trace(folder, profiler_options=options)
+    try:
+      yield counts
+    finally:
+      jax.profiler.stop_trace()
+      for name, real in undo:
+        setattr(jax, name, real)
+    trace = jax.profiler.ProfileData.from_file(
+        glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)[0])
+    counts["programs"] = sum(ev.name == _LAUNCH for plane in trace.planes
+                             for line in plane.lines for ev in line.events)
+
+
+def _task(num_leaves: int) -> hetjax.Task:
+  """A linear model whose weights are split into `num_leaves` arrays."""
+  width = 4
+
+  def init(rng, batch):
+    del batch
+    keys = jax.random.split(rng, num_leaves)
+    return {f"w{i:03d}": 0.1 * jax.random.normal(k, (width,)) for i, k in enumerate(keys)}
+
+  def loss(params, batch, rng):
+    del rng
+    w = sum(params.values())
+    return (batch["x"] @ w - batch["y"]) ** 2, {}
+
+  return hetjax.from_functions(init, loss)
+
+
+def _source() -> data.ArraySource:
+  rng = np.random.default_rng(0)
+  return data.ArraySource({"x": rng.normal(size=(64, 4)).astype(np.float32),
+                           "y": rng.normal(size=(64,)).astype(np.float32)})
+
+
+def _per_step_counts(num_leaves: int, reduction: str) -> dict[str, float]:
+  trainer = hetjax.Trainer(_task(num_leaves), optax.adam(1e-2), _source(),
+                           hetjax.TrainConfig(global_batch=16, microbatch=8, reduction=reduction))
+  for _ in range(2):  # Compilation and first transfers.
+    trainer.train_step()
+  jax.block_until_ready(trainer.state)
+  with counting() as counts:
+    for _ in range(STEPS):
+      trainer.train_step()
+    jax.block_until_ready(trainer.state)
+  trainer.close()
+  return {k: v / STEPS for k, v in counts.items()}
+
+
+@pytest.mark.parametrize("reduction", ["device", "host"])
+def test_per_step_dispatches_do_not_grow_with_the_leaf_count(reduction):
+  few = _per_step_counts(2, reduction)
+  many = _per_step_counts(200, reduction)
+  assert few["programs"] >= 2  # Two micro-batches per step at least: the counter sees them.
+  assert many == few, f"2 leaves: {few}; 200 leaves: {many}"
+
+
+def test_the_counter_sees_per_leaf_work():
+  """The counter itself: per-leaf eager ops, transfers and one jitted call."""
+  tree = {f"w{i}": jnp.ones(3) for i in range(5)}
+  jitted = jax.jit(lambda t: jax.tree.map(lambda x: x * 2, t))
+  jax.block_until_ready((jitted(tree), jax.tree.map(lambda x: x + 1, tree)))
+  with counting() as counts:
+    jax.block_until_ready(jax.tree.map(lambda x: x + 1, tree))
+    jax.block_until_ready(jax.tree.map(lambda x: jax.device_put(np.asarray(x)), tree))
+    jax.block_until_ready(jitted(tree))
+  assert counts == {"programs": 5 + 1, "transfers": 5}
