@@ -306,7 +306,7 @@ class Trainer:
     previous = self._last_compute
     host_values = np.array([previous or 0.0, self._last_wait, signals.REQUESTS.code, *shares])
     self.state, stats, rows = self.reduction(self.state, sums, host_values)
-    agreement.check_shares(step, rows[:, 3:])
+    agreement.check_shares(step, rows[:, 3:3 + self.num_hosts])  # The reduction appends an overflow column.
     self._stop_code = float(rows[:, 2].max())
     t2 = time.perf_counter()
     if self.pace is None:
