@@ -92,8 +92,7 @@ def simulate_rounds(spec: sim.ClusterSpec, round_steps: int, rounds: int = 60, *
   step, so with H = 1 a round is exactly a sync step of the equal split
   under the same seed. Taus come from the median of the last `speed_window`
   rounds' step times, as the trainer's; `adapt=False` keeps the cost model's
-  taus all run;
-  `comm` and `outer_update` False leave those parts out (tests, breakdowns).
+  taus all run; `comm` and `outer_update` False leave those parts out.
   """
   if round_steps < 1:
     raise ValueError(f"round_steps (H) must be >= 1, got {round_steps}; H = 1 is one local "
@@ -113,8 +112,8 @@ def simulate_rounds(spec: sim.ClusterSpec, round_steps: int, rounds: int = 60, *
   drawn = spell_spec(spec, float(step_s.min()), seed) if spells_per == "time" else spec
   factors = sim.slowdowns(drawn, rounds * round_steps, seed)
   comm_s = spec.comm_s() if comm else 0.0
-  outer_s = float(np.max(spec.optimizer_bytes / np.array([sim.HBM_BYTES_PER_S[g] for g in spec.gpus]))
-                  ) if outer_update else 0.0
+  hbm = np.array([sim.HBM_BYTES_PER_S[g] for g in spec.gpus])
+  outer_s = float(np.max(spec.optimizer_bytes / hbm)) if outer_update else 0.0
   seen: list[np.ndarray] = []
   round_s, compute_all, taus_all = np.zeros(rounds), np.zeros((rounds, n)), []
   for r in range(rounds):
