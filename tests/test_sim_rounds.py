@@ -28,7 +28,7 @@ def test_outer_update_adds_the_slowest_hosts_memory_pass_once_per_round():
 
 
 def test_tau_follows_speeds_as_the_trainer_computes_it():
-  rounds = pytest.importorskip("hetjax.modes.rounds")
+  from hetjax.modes import rounds  # The trainer's own formula (imports JAX).
   assert sim_rounds.SPEED_WINDOW == rounds.SPEED_WINDOW
   for step_s in ([1.0, 2.0, 4.0], [0.03, 0.031, 0.09, 0.2], [5.0]):
     for h in (1, 3, 4, 8):
