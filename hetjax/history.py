@@ -34,9 +34,9 @@ class Folded:
 class History:
   """Per-step records of the recent steps; `compute_s` and `wait_s` are `[steps][hosts]`.
 
-  `compute_s` and `wait_s` lag one step behind the others: a step's compute
-  and wait seconds are measured off the critical path and travel in the next
-  step's collective (or the final small one in `summary`).
+  `compute_s` and `wait_s` lag two steps behind the others: a step's compute
+  and wait seconds are measured off the critical path and travel in the
+  collective two steps later (or the final small one in `summary`).
   """
 
   shares: list[tuple[int, ...]] = dataclasses.field(default_factory=list)

@@ -1,9 +1,9 @@
 """Per-step metrics on disk: OUT/metrics.jsonl and TensorBoard event files.
 
 One record per step, in the schema below (`RECORD_KEYS`). The trainer emits
-it one step late, because the wait of step `s` is only known after the
-collective of step `s + 1` (`RecordStream` does that bookkeeping), and the
-last one at close. Only process 0 writes.
+it two steps late, because the wait of step `s` travels in the collective of
+step `s + 2` (`RecordStream` does that bookkeeping), and the last ones at
+close. Only process 0 writes.
 
 TensorBoard scalars go through `tensorboardX`, the maintained event writer
 that needs no TensorFlow (it replaced a hand-written TFRecord/crc32c one).

@@ -11,6 +11,8 @@ Example:
 
 from __future__ import annotations
 
+from typing import Any
+
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 SCHEDULES = ("constant", "cosine", "linear")
 ADAMW_DEFAULT_DECAY = 1e-4  # optax.adamw's own default, kept for `--optimizer adamw`.
@@ -84,3 +86,18 @@ def make(name: str, lr: float, *, schedule: str = "constant", warmup_steps: int 
 
     inner = optax.inject_hyperparams(sgd)(learning_rate=rate)
   return inner if clip_norm is None else optax.chain(optax.clip_by_global_norm(clip_norm), inner)
+
+
+def find_learning_rate(opt_state: Any) -> Any:
+  """The `learning_rate` of the first `optax.inject_hyperparams` state in `opt_state`.
+
+  None for an optimizer that hides it. Works on traced states too, so the
+  step's program reports the rate with its other statistics.
+  """
+  import jax
+  import optax
+  kinds = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+  for node in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, kinds)):
+    if isinstance(node, kinds) and "learning_rate" in node.hyperparams:
+      return node.hyperparams["learning_rate"]
+  return None

@@ -3,7 +3,8 @@
 The balancer needs each host's local compute seconds. Blocking the training
 loop on the local sums to time them would leave the devices idle while
 Python prepares the reduction; instead a helper thread waits for readiness
-and notes the time, and the loop reads the figure one step later, when the
+and notes the time, and the loop reads the figure when it fetches that step's
+results (after dispatching the next step), when the
 devices have long finished that work.
 """
 

@@ -3,7 +3,8 @@
 A signal never stops a host on its own: the handler only raises a flag, the
 flag travels to every host in the next step's reduction (DESIGN invariant
 3), and every host stops at the same step boundary, saving first when there
-is a checkpoint folder. SIGTERM means "restart me" (exit 75, the launchers'
+is a checkpoint folder: the boundary after the step that follows that
+reduction (a loop that overlaps steps has dispatched it already). SIGTERM means "restart me" (exit 75, the launchers'
 preemption code); SIGINT means the user wants to stop (exit 130).
 
 A second Ctrl-C on the same host is not caught: it interrupts at once, as a
@@ -114,7 +115,7 @@ class StopRequests:
     if signum == signal.SIGINT:
       # A second Ctrl-C interrupts at once.
       signal.signal(signal.SIGINT, signal.default_int_handler)
-      print("hetjax: Ctrl-C: every host stops at the next step boundary (Ctrl-C again to "
+      print("hetjax: Ctrl-C: every host stops within two steps (Ctrl-C again to "
             "abort at once)", file=sys.stderr, flush=True)
 
   @contextlib.contextmanager

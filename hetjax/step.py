@@ -41,11 +41,13 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from hetjax import optimizers as optimizers_lib
 from hetjax import packing
 from hetjax import precision as precision_lib
 from hetjax.task import MASK, Task, split_losses
 
 PyTree = Any
+LEARNING_RATE = "hetjax.lr"  # Stats entry: the update's learning rate, when the optimizer shows it.
 DEV = "dev"   # axis of the local mesh: this host's devices
 ALL = "all"   # axis of the global mesh: every device of every host
 
@@ -241,7 +243,10 @@ class LocalProgram:
     self.layout: Layout | None = None
     self._task = task
     self._key = None
-    self._spare: jax.Array | None = None  # The last step's sums buffer, recycled.
+    # Sums buffers recycled from two steps back: the last step's may still be
+    # read (by its reduction, or the thread that times it) while this one runs.
+    self._ring: list[jax.Array | None] = [None, None]
+    self._calls = 0
 
   def _build(self, params, model_state, example, rng) -> None:
     """Fixes the packing layout and compiles the programs, once."""
@@ -324,7 +329,8 @@ class LocalProgram:
       self._build(local(params), local(model_state),
                   next(micro_batches(example, self.micro)), local_key)
     views = self.views.get(self.layout, params, model_state, loss_scale)
-    sums, first = self._spare, True
+    slot = self._calls % 2
+    sums, first = self._ring[slot], True
     if sums is None or sums.is_deleted():
       sums = self._zeros()
     step = np.int32(step)
@@ -336,7 +342,8 @@ class LocalProgram:
       first = False
     if first:  # No micro-batch: the recycled buffer still holds old sums.
       sums = self._zeros()
-    self._spare = sums
+    self._ring[slot] = sums
+    self._calls += 1
     return LocalSums(sums, self.layout, self.views)
 
 
@@ -382,9 +389,31 @@ def _update(optimizer: optax.GradientTransformation, state: TrainState, totals: 
     params, opt_state, model_state = keep(
         (params, opt_state, model_state), (state.params, state.opt_state, state.model_state))
     stats.update(loss_scale=state.loss_scale.scale, skipped=overflow.astype(jnp.float32))
+  lr = optimizers_lib.find_learning_rate(opt_state)
+  if lr is not None:
+    stats[LEARNING_RATE] = jnp.asarray(lr, jnp.float32)
   loss_scale = precision_lib.next_scale(state.loss_scale, overflow, layout.precision)
   new = TrainState(state.step + 1, params, opt_state, model_state, loss_scale)
   return new, stats, layout.views.pack((params, model_state, loss_scale.scale))
+
+
+class Reduced(NamedTuple):
+  """A dispatched reduction's step statistics and host rows, still on the devices.
+
+  Fetching them is the step's only wait for the devices; the trainer does it
+  after dispatching the next step, so the devices never idle while Python
+  prepares it (a plain JAX loop reads its loss one step late for the same
+  reason).
+  """
+
+  stats: dict[str, jax.Array]
+  rows: Any               # [all devices, k] on the world mesh, or [hosts, k] numpy
+  meshes: Meshes | None   # None when `rows` are already one per host
+
+  def fetch(self) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """(the step's global statistics, every host's row `[hosts, k]`); waits."""
+    stats, rows = jax.device_get((self.stats, self.rows))  # One host sync for both.
+    return stats, rows if self.meshes is None else rows_by_host(rows, self.meshes)
 
 
 class DeviceReduction:
@@ -415,8 +444,8 @@ class DeviceReduction:
     self._program = jax.jit(program, out_shardings=self.meshes.replicated, donate_argnums=(0,))
 
   def __call__(self, state: TrainState, sums: LocalSums,
-               host_values: np.ndarray) -> tuple[TrainState, dict[str, jax.Array], np.ndarray]:
-    """Reduces, updates; returns the new state, the stats and every host's values.
+               host_values: np.ndarray) -> tuple[TrainState, "Reduced"]:
+    """Reduces and updates, without waiting: the new state and what to fetch later.
 
     The rows gain a last column: 1 where that host's sums overflowed (fp16).
     """
@@ -425,8 +454,7 @@ class DeviceReduction:
     world = to_world(sums.flat, self.meshes)
     state, stats, rows, views = self._program(state, world, host_rows(host_values, self.meshes))
     sums.views.put(state.params, views)
-    stats, rows = jax.device_get((stats, rows))  # One host sync for both.
-    return state, stats, rows_by_host(rows, self.meshes)
+    return state, Reduced(stats, rows, self.meshes)
 
 
 class HostReduction:
@@ -476,8 +504,12 @@ class HostReduction:
     self._update = jax.jit(update, out_shardings=self.meshes.replicated, donate_argnums=(0,))
 
   def __call__(self, state: TrainState, sums: LocalSums,
-               host_values: np.ndarray) -> tuple[TrainState, dict[str, jax.Array], np.ndarray]:
-    """Reduces on the CPUs, updates on the devices; same contract as `DeviceReduction`."""
+               host_values: np.ndarray) -> tuple[TrainState, "Reduced"]:
+    """Reduces on the CPUs, updates on the devices; same contract as `DeviceReduction`.
+
+    The CPU collective needs this host's sums in host memory, so this
+    backend waits for the local programs; the update is not waited for.
+    """
     layout = sums.layout
     if self._update is None:
       self._build(layout)
@@ -490,7 +522,7 @@ class HostReduction:
     total = jax.make_array_from_process_local_data(self.meshes.replicated, total)
     state, stats, views = self._update(state, total, np.bool_(rows[:, -1].max() > 0))
     sums.views.put(state.params, views)
-    return state, jax.device_get(stats), rows
+    return state, Reduced(stats, rows, None)
 
 
 REDUCTIONS = {"device": DeviceReduction, "host": HostReduction}

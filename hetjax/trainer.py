@@ -12,7 +12,8 @@ import dataclasses
 import hashlib
 import os
 import time
-from typing import Any, Callable, Sequence
+from concurrent.futures import Future
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import numpy as np
@@ -27,6 +28,7 @@ from hetjax import data as data_lib
 from hetjax import evaluate as evaluate_lib
 from hetjax import loader as loader_lib
 from hetjax import metrics as metrics_lib
+from hetjax import optimizers as optimizers_lib
 from hetjax import precision as precision_lib
 from hetjax import readiness
 from hetjax import runtime
@@ -104,6 +106,19 @@ def params_digest(params: PyTree) -> str:
 _fingerprint = agreement.text_fingerprint
 
 
+class _InFlight(NamedTuple):
+  """A step whose programs are dispatched and whose results are not yet fetched."""
+
+  step: int
+  shares: tuple[int, ...]
+  t0: float                          # when its dispatch began
+  t1: float                          # when its local programs were dispatched (and paced)
+  local_ready: Future | None         # when its local sums were ready (helper thread)
+  update_ready: Future | None        # when its update was ready
+  paced: float | None                # emulated compute seconds (emulation only)
+  reduced: step_lib.Reduced
+
+
 class Trainer:
   """Synchronous data parallelism over whatever hosts this process belongs to.
 
@@ -171,13 +186,16 @@ class Trainer:
     self.local = step_lib.LocalProgram(task, self.meshes, config.microbatch, config.precision)
     self.reduction = step_lib.make_reduction(config.reduction, optimizer, self.meshes)
     self.history = History()
-    self._last_wait = 0.0
-    self._last_compute: float | None = None  # This host's, for the next step's reduction.
     self._clock = readiness.ReadyClock()
-    self._timing = None  # (t0, t2, future of the sums' readiness) of the last step.
+    self._flight: _InFlight | None = None  # The step dispatched but not yet fetched.
+    self._timings: dict[int, tuple[float, float]] = {}  # step -> this host's (compute, wait)
+    self._shares_of: dict[int, tuple[int, ...]] = {}    # step -> shares, for the balancer
+    self._observations: list[tuple[int, int, list[float]]] = []  # (from step, step, compute)
+    self._last_update_ready: float | None = None
     self._start_step = 0
     self._base_key = jax.random.key(config.seed)
     self._stop_code = 0.0  # The largest stop signal any host sent (hetjax.signals).
+    self._stop_at: int | None = None  # The step boundary where every host acts on it.
     self._evaluator: evaluate_lib.Evaluator | None = None
     self.resumed_from: int | None = None
     self.job = ckpt_lib.describe_job(self.state, {
@@ -269,24 +287,35 @@ class Trainer:
 
   @property
   def step(self) -> int:
-    """The index of the next step to run."""
-    return self._start_step + self.history.steps
+    """The index of the next step to run (a dispatched step counts as run)."""
+    return self._start_step + self.history.steps + (self._flight is not None)
 
   def train_step(self) -> dict[str, float]:
-    """Runs one synchronous step on every host; returns the global metrics.
+    """Runs one synchronous step on every host; returns its global metrics.
 
-    Nothing waits for the devices between the local programs and the
-    reduction: a helper thread times the local compute, and the seconds
-    travel in the next step's reduction (the balancer sees them one step
-    late, the same on every host). Under emulation the pacing still waits.
+    `fit` overlaps steps instead: it fetches a step's metrics after
+    dispatching the next one, so the devices never wait for Python.
+    """
+    self._drain()  # A step `fit` left in flight.
+    self._flight = self._dispatch()
+    return self._drain()
+
+  def _dispatch(self) -> "_InFlight":
+    """Launches one step (local programs, then the reduction) without waiting for it.
+
+    The rows carry this host's compute and wait seconds of step `s - 2`,
+    known by then whether or not the loop overlaps steps, and the balancer
+    decides step `s` from rows up to step `s - 2`: every host follows the
+    same figures at the same step, overlapped or not (invariant 3).
     """
     step = self.step
-    self._settle_timing()
     t0 = time.perf_counter()
+    self._feed_balancer(step)
     block = self.config.microbatch
     shares = blocks_lib.check_aligned(balancer_lib.validate_shares(
         self.balancer.shares(step), self.config.global_batch, self.num_hosts),
         self.config.global_batch, block)
+    self._shares_of[step] = shares
     batch = self.loader.get(step, shares)
     self.loader.prefetch(step + 1, shares)  # A guess: shares rarely change.
     sums = self.local(self.state.params, self.state.model_state, batch, self._example,
@@ -294,40 +323,76 @@ class Trainer:
                       self.state.loss_scale.scale)
     if self.checkpointer is not None:
       self.checkpointer.run_deferred()  # While the devices compute.
+    paced = None
     if self.pace is None:
-      ready = self._clock.watch(sums)
+      local_ready = self._clock.watch(sums)
     else:
       jax.block_until_ready(sums)
       unit = self.config.microbatch * self.meshes.local_devices
-      paced = self.pace(time.perf_counter() - t0, step, -(-shares[self.host_id] // unit) * unit)
+      busy_from = max(t0, self._last_update_ready or t0)
+      paced = self.pace(time.perf_counter() - busy_from, step,
+                        -(-shares[self.host_id] // unit) * unit)
+      local_ready = None
     t1 = time.perf_counter()
-    # Timings (this host's of the previous step: measured off the critical path),
-    # its stop signal and the shares it used, for every host to check.
-    previous = self._last_compute
-    host_values = np.array([previous or 0.0, self._last_wait, signals.REQUESTS.code, *shares])
-    self.state, stats, rows = self.reduction(self.state, sums, host_values)
-    agreement.check_shares(step, rows[:, 3:3 + self.num_hosts])  # The reduction appends an overflow column.
-    self._stop_code = float(rows[:, 2].max())
-    t2 = time.perf_counter()
+    timed = self._timings.pop(step - 2, (0.0, 0.0))
+    host_values = np.array([*timed, signals.REQUESTS.code, *shares])
+    self.state, reduced = self.reduction(self.state, sums, host_values)
+    update_ready = self._clock.watch(reduced.stats) if self.pace is None else None
+    return _InFlight(step, shares, t0, t1, local_ready, update_ready, paced, reduced)
+
+  def _finish(self, flight: "_InFlight") -> dict[str, float]:
+    """Fetches a dispatched step's statistics and rows; records and checks them."""
+    stats, rows = flight.reduced.fetch()
+    fetched = time.perf_counter()
+    step, shares = flight.step, flight.shares
+    code = float(rows[:, 2].max())
+    if code and self._stop_at is None:
+      # Acted on two steps later: by then every host has this row, whether
+      # or not its loop overlaps steps.
+      self._stop_code, self._stop_at = code, step + 2
     if self.pace is None:
-      self._timing = (t0, t2, ready)  # Read at the next step, long after it is known.
+      local_ready, update_ready = flight.local_ready.result(), flight.update_ready.result()
+      # The devices start a step when the previous update is done, or when it is dispatched.
+      busy_from = max(flight.t0, self._last_update_ready or flight.t0)
+      self._timings[step] = (local_ready - busy_from, update_ready - local_ready)
     else:
-      self._last_compute, self._last_wait = paced, t2 - t1
-    if stats["count"] <= 0:
-      raise RuntimeError(f"step {step}: the hosts processed 0 examples in total; the "
-                         f"assignment {shares} must give the global batch at least one sample.")
+      update_ready = fetched
+      self._timings[step] = (flight.paced, fetched - flight.t1)
+    self._last_update_ready = update_ready
     h = self.history
     h.shares.append(shares)
-    if previous is not None:  # Every host's compute and wait seconds of the previous step.
-      if h.dropped + len(h.compute_s) < h.steps - 1:  # Not yet gathered by summary().
+    timed = step - 2
+    if timed >= self._start_step:  # Every host's compute and wait seconds of step s - 2.
+      if h.dropped + len(h.compute_s) == timed - self._start_step:  # Not yet gathered by summary().
         h.compute_s.append([float(r) for r in rows[:, 0]])
         h.wait_s.append([float(r) for r in rows[:, 1]])
-      self.balancer.observe(step - 1, h.shares[-2], rows[:, 0].tolist())
-    h.step_s.append(t2 - t0)
+      self._observations.append((step, timed, rows[:, 0].tolist()))
+    h.step_s.append(fetched - flight.t0)
+    lr = stats.pop(step_lib.LEARNING_RATE, None)
+    if lr is not None:
+      h.lr[h.steps - 1] = float(lr)
     metrics = {k: float(v) for k, v in stats.items() if k != "count"}
     h.loss.append(metrics["loss"])
     h.metrics.append(metrics)
+    # Checked once recorded: the update has happened, whatever the check says.
+    agreement.check_shares(step, rows[:, 3:3 + self.num_hosts])  # The reduction appends an overflow column.
+    if stats["count"] <= 0:
+      raise RuntimeError(f"step {step}: the hosts processed 0 examples in total; the "
+                         f"assignment {shares} must give the global batch at least one sample.")
     return metrics
+
+  def _drain(self) -> dict[str, float] | None:
+    """Finishes the step in flight, if any; its metrics."""
+    flight, self._flight = self._flight, None
+    return None if flight is None else self._finish(flight)
+
+  def _feed_balancer(self, step: int) -> None:
+    """Gives the balancer the figures that arrived with steps up to `step - 2`."""
+    while self._observations and self._observations[0][0] <= step - 2:
+      _, timed, compute = self._observations.pop(0)
+      self.balancer.observe(timed, self._shares_of[timed], compute)
+    for old in [s for s in self._shares_of if s < step - 4]:
+      del self._shares_of[old]
 
   def fit(self, steps: int | None = None, *, until: int | None = None, log_every: int = 0,
           log: Callable[[str], None] = print,
@@ -337,19 +402,25 @@ class Trainer:
     """Runs `steps` more steps, or until step `until`; returns the summary (same on every host).
 
     With a checkpoint folder it saves every `every` steps and at the end.
-    SIGTERM or Ctrl-C (SIGINT) to any host makes every host stop at the next
-    step boundary, save when there is a checkpoint folder, and raise
-    `Preempted` (SIGTERM) or `Interrupted` (SIGINT).
+    SIGTERM or Ctrl-C (SIGINT) to any host makes every host stop at the same
+    step boundary (within two steps), save when there is a checkpoint folder,
+    and raise `Preempted` (SIGTERM) or `Interrupted` (SIGINT).
+
+    Steps overlap: a step's statistics are fetched after the next step is
+    dispatched, so the devices never wait for Python. Where something
+    happens (logging, evaluation, a check, a checkpoint, a stop, `on_step`),
+    the loop first finishes the step in flight.
 
     Args:
       steps: how many steps to run from here.
       until: the step to stop at (a resumed job runs only what is left).
       log_every: host 0 logs every this many steps (0: never).
       log: where log lines go.
-      on_step: called after every step with the trainer and the step's metrics.
+      on_step: called after every step with the trainer and the step's
+        metrics (the loop then finishes every step before the next).
       sinks: fed one complete per-step record each (`hetjax.metrics` schema),
         e.g. `MetricsWriter.write` or `Progress.update`; a step's record
-        comes one step late, when its wait seconds are known.
+        comes two steps late, when its wait seconds are known.
       eval_every: evaluate on `eval_source` every this many steps (0: only
         at the end, when `eval_source` is given); the figures go into the
         records (`eval`) and the summary, the time spent off the step clock.
@@ -377,26 +448,40 @@ class Trainer:
         first_step=self._start_step, sinks=sinks)
     try:
       with signals.REQUESTS.installed():
-        while self.step < target:
-          metrics = self.train_step()
-          if stream is not None:
-            self.history.lr[self.history.steps - 1] = self.learning_rate()
-          if eval_every and self.step % eval_every == 0:
-            self._evaluate_into_history(eval_source)
-          if stream is not None:
-            stream.pop()
-          self.history.trim(WARMUP_STEPS)  # Memory O(1) in steps: records are in the sinks.
-          if on_step is not None:
-            on_step(self, metrics)
-          if log_every and self.step % log_every == 0 and self.host_id == 0:
-            shown = " ".join(f"{k}={v:.4f}" for k, v in metrics.items())
-            log(f"step {self.step:5d} {shown} shares={','.join(map(str, self.history.shares[-1]))}")
-          if self._stop_code:
-            self._stop(stream, out)
-          if self.config.check_every and self.step % self.config.check_every == 0:
-            self.check_params_agree()
-          if self.checkpointer is not None and self.step % self.checkpointer.config.every == 0:
-            self.save_checkpoint()
+        self._drain()  # A step an earlier call left in flight.
+        try:
+          while self.step < target:
+            previous = self._flight
+            self._flight = self._dispatch()
+            if previous is not None:  # Fetched now that the next step keeps the devices busy.
+              self._finish(previous)
+              self._record(stream)
+            step = self.step
+            every = lambda n: bool(n) and step % n == 0
+            checkpoint_due = self.checkpointer is not None and every(self.checkpointer.config.every)
+            stopping = self._stop_at is not None and step >= self._stop_at
+            if not (step >= target or stopping or on_step is not None or self.pace is not None
+                    or every(eval_every) or every(log_every) or every(self.config.check_every)
+                    or checkpoint_due):
+              continue
+            metrics = self._drain()  # A step boundary where something happens.
+            if every(eval_every):
+              self._evaluate_into_history(eval_source)
+            self._record(stream)
+            if on_step is not None:
+              on_step(self, metrics)
+            if every(log_every) and self.host_id == 0:
+              shown = " ".join(f"{k}={v:.4f}" for k, v in metrics.items())
+              log(f"step {step:5d} {shown} shares={','.join(map(str, self.history.shares[-1]))}")
+            if stopping:
+              self._stop(stream, out)
+            if every(self.config.check_every):
+              self.check_params_agree()
+            if checkpoint_due:
+              self.save_checkpoint()
+        except Exception:
+          self._settle_after_error()
+          raise
       # Also when nothing was left to run (a finished job started again).
       if eval_source is not None and (self.history.steps - 1) not in self.history.evals:
         self._evaluate_into_history(eval_source)
@@ -412,9 +497,26 @@ class Trainer:
       if writer is not None:
         writer.close()
 
+  def _settle_after_error(self) -> None:
+    """Finishes the step still in flight, so the trainer's step matches its state.
+
+    That step's update has already happened on every host; its own error,
+    if any, is dropped: the first one is the one raised.
+    """
+    try:
+      self._drain()
+    except Exception:  # noqa: BLE001 (reported through the error being raised)
+      pass
+
+  def _record(self, stream: metrics_lib.RecordStream | None) -> None:
+    """Hands the complete records to the sinks; keeps the history's memory O(1) in steps."""
+    if stream is not None:
+      stream.pop()
+    self.history.trim(WARMUP_STEPS)
+
   def _stop(self, stream: metrics_lib.RecordStream | None, out: str | None) -> None:
     """Every host got the stop flag in the same step: save, write what is known, raise."""
-    code, self._stop_code = self._stop_code, 0.0
+    code, self._stop_code, self._stop_at = self._stop_code, 0.0, None
     signals.REQUESTS.clear()
     directory = None
     if self.checkpointer is not None:
@@ -437,7 +539,7 @@ class Trainer:
     Found in an `optax.inject_hyperparams` state (the command line builds its
     optimizers that way); None for an optimizer that hides it.
     """
-    lr = _find_learning_rate(self.state.opt_state)
+    lr = optimizers_lib.find_learning_rate(self.state.opt_state)
     return None if lr is None else float(np.asarray(lr.addressable_data(0)))
 
   def write_summary(self, out: str, summary: dict[str, Any]) -> None:
@@ -471,22 +573,17 @@ class Trainer:
     else:  # Handed to orbax in the next step, while the devices compute.
       self.checkpointer.defer(self.step, self.state, self._checkpoint_meta())
 
-  def _settle_timing(self) -> None:
-    """This host's compute and wait seconds of the last step, from the helper thread."""
-    if self._timing is not None:
-      t0, t2, ready = self._timing
-      ready_at = ready.result()
-      self._last_compute, self._last_wait, self._timing = ready_at - t0, t2 - ready_at, None
-
   def _final_waits(self) -> None:
-    """The last step's compute and wait seconds travel in one extra small collective."""
-    self._settle_timing()
+    """The compute and wait seconds no step's rows carried yet travel in one small collective."""
+    self._drain()
     h = self.history
-    if len(h.wait_s) < len(h.shares):  # The window keeps them aligned.
-      rows = step_lib.gather_host_values(
-          np.array([self._last_compute or 0.0, self._last_wait]), self.meshes)
-      h.compute_s.append([float(r) for r in rows[:, 0]])
-      h.wait_s.append([float(r) for r in rows[:, 1]])
+    missing = range(h.dropped + len(h.compute_s), h.steps)  # At most the last two steps.
+    if missing:  # Every host misses the same steps.
+      mine = [x for i in missing for x in self._timings.get(self._start_step + i, (0.0, 0.0))]
+      rows = step_lib.gather_host_values(np.array(mine), self.meshes)
+      for k in range(len(missing)):
+        h.compute_s.append([float(r) for r in rows[:, 2 * k]])
+        h.wait_s.append([float(r) for r in rows[:, 2 * k + 1]])
 
   def summary(self, digest: bool = False) -> dict[str, Any]:
     """The figures of the run so far; identical on every host.
@@ -549,15 +646,6 @@ class Trainer:
       return None
     index = max(self.history.evals)
     return {"step": self._start_step + index, **self.history.evals[index]}
-
-
-def _find_learning_rate(opt_state: PyTree) -> jax.Array | None:
-  """The `learning_rate` of the first `optax.inject_hyperparams` state in `opt_state`."""
-  kinds = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
-  for node in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, kinds)):
-    if isinstance(node, kinds) and "learning_rate" in node.hyperparams:
-      return node.hyperparams["learning_rate"]
-  return None
 
 
 def train(task: Task, optimizer: optax.GradientTransformation, source: data_lib.ArraySource,

@@ -29,10 +29,11 @@ def two_hosts(tmp_path_factory):
 
 def test_ctrl_c_to_one_host_stops_both_at_the_same_boundary_without_checkpoints(two_hosts):
   results, _ = two_hosts
-  # Host 1 got SIGINT after step 3; the flag reached host 0 in step 4's reduction.
+  # Host 1 got SIGINT after step 3; the flag travelled in step 3's reduction and
+  # every host acts on it two steps later, whether or not its loop overlaps steps.
   for r in results:
     seen = r["sigint_host1_no_ckpt"]
-    assert (seen["kind"], seen["step"], seen["directory"]) == ("Interrupted", 4, None)
+    assert (seen["kind"], seen["step"], seen["directory"]) == ("Interrupted", 5, None)
     assert seen["exit_code"] == signals.INTERRUPTED_EXIT and "nothing was saved" in seen["message"]
 
 
@@ -40,31 +41,31 @@ def test_sigterm_without_checkpoints_stops_every_host_as_a_preemption(two_hosts)
   results, _ = two_hosts
   for r in results:
     seen = r["sigterm_host0_no_ckpt"]  # The same trainer, continued after the Ctrl-C stop.
-    assert (seen["kind"], seen["step"], seen["exit_code"]) == ("Preempted", 7, procs.PREEMPTED_EXIT)
+    assert (seen["kind"], seen["step"], seen["exit_code"]) == ("Preempted", 8, procs.PREEMPTED_EXIT)
 
 
 def test_ctrl_c_with_checkpoints_saves_the_boundary_and_says_how_to_resume(two_hosts):
   results, ckpt = two_hosts
   for r in results:
     seen = r["sigint_host0_ckpt"]
-    assert (seen["kind"], seen["step"], seen["directory"]) == ("Interrupted", 5, ckpt)
+    assert (seen["kind"], seen["step"], seen["directory"]) == ("Interrupted", 6, ckpt)
     assert "run the same command to resume" in seen["message"]
-    assert r["saved_steps"] == [5]
+    assert r["saved_steps"] == [6]
 
 
 def test_a_host_whose_balancer_decides_another_split_stops_the_job_naming_it(two_hosts):
   results, _ = two_hosts
   for r in results:
-    assert r["permuted"].startswith("HostsDisagree: step 7: host(s) [1] computed another split")
+    assert r["permuted"].startswith("HostsDisagree: step 8: host(s) [1] computed another split")
     assert "host 1 used (24, 40)" in r["permuted"]
 
 
 def test_a_host_whose_parameters_diverge_stops_the_job_at_the_next_check(two_hosts):
   results, _ = two_hosts
   for r in results:
-    # Host 1's replica perturbed after step 8, a step the check (every 2) falls on.
-    assert r["perturbed_from"] == 8
-    assert r["perturbed"].startswith("HostsDisagree: after step 8: host(s) [1] hold other "
+    # Host 1's replica perturbed after step 12, a step the check (every 2) falls on.
+    assert r["perturbed_from"] == 12
+    assert r["perturbed"].startswith("HostsDisagree: after step 12: host(s) [1] hold other "
                                      "parameters than host 0")
 
 
@@ -113,10 +114,10 @@ def _one_host(directory=None):
 def test_ctrl_c_on_one_host_with_checkpoints_saves_the_boundary_and_says_how_to_resume(tmp_path):
   import _stop_entries
   tr = _one_host(str(tmp_path))
-  with pytest.raises(signals.Interrupted, match="stopped after step 3, checkpoint saved in "
+  with pytest.raises(signals.Interrupted, match="stopped after step 4, checkpoint saved in "
                      f"{tmp_path}; run the same command to resume") as stop:
     tr.fit(until=50, on_step=_stop_entries._signal_on(0, 2, signal.SIGINT))
-  assert stop.value.exit_code == 130 and _saved(tmp_path) == [3]
+  assert stop.value.exit_code == 130 and _saved(tmp_path) == [4]
   assert signal.getsignal(signal.SIGINT) is not None and signals.REQUESTS.code == signals.NONE
   tr.close()
 
@@ -124,7 +125,7 @@ def test_ctrl_c_on_one_host_with_checkpoints_saves_the_boundary_and_says_how_to_
 def test_sigterm_on_one_host_without_checkpoints_stops_as_a_preemption_and_a_second_ctrl_c_aborts():
   import _stop_entries
   tr = _one_host()
-  with pytest.raises(signals.Preempted, match="after step 2; nothing was saved") as stop:
+  with pytest.raises(signals.Preempted, match="after step 3; nothing was saved") as stop:
     tr.fit(until=50, on_step=_stop_entries._signal_on(0, 1, signal.SIGTERM))
   assert stop.value.exit_code == procs.PREEMPTED_EXIT
 
