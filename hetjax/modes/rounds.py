@@ -28,6 +28,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from hetjax import blocks as blocks_lib
+from hetjax import precision as precision_lib
 from hetjax import step as step_lib
 from hetjax.step import DEV, Meshes
 from hetjax.task import MASK, Task, split_losses
@@ -140,8 +141,9 @@ class LocalStep:
   """
 
   def __init__(self, task: Task, optimizer: optax.GradientTransformation, meshes: Meshes,
-               microbatch: int, local_batch: int):
+               microbatch: int, local_batch: int, precision: str = "fp32"):
     self.meshes, self.m, self.b = meshes, int(microbatch), int(local_batch)
+    self.compute = precision_lib.compute_dtype(precision)
     d = meshes.local_devices
     self.micro_rounds = -(-blocks_lib.num_blocks(self.b, self.m) // d)
     self.optimizer = optimizer
@@ -154,6 +156,8 @@ class LocalStep:
   def _build(self, metric_names: Sequence[str]) -> None:
     """Compiles the step; the metric names fix the shape of the running sums."""
     task, optimizer, meshes, d = self.task, self.optimizer, self.meshes, self.meshes.local_devices
+    compute = self.compute
+    low = compute != jnp.float32
 
     def per_device(params, model_state, batch, key, round_index, first_block):
       params = jax.lax.pcast(params, DEV, to="varying")
@@ -164,11 +168,15 @@ class LocalStep:
         block, r = xs
         rng = jax.random.fold_in(jax.random.fold_in(key, round_index), first_block + r * d + device)
         real = block[MASK] > 0
-        masked_sum = lambda v: jnp.sum(jnp.where(real, v, 0.0))
+        masked_sum = lambda v: jnp.sum(jnp.where(real, v.astype(jnp.float32), 0.0))
         # An all-padding block shows the model an all-ones mask (see LocalProgram).
         model_block = {**block, MASK: jnp.where(jnp.any(real), block[MASK], 1.0)}
+        if low:  # As the sync step: float32 parameters and sums, the model in `compute`.
+          model_block = precision_lib.cast_batch(model_block, compute, keep=(MASK,))
 
         def total_loss(p):
+          if low:
+            p = precision_lib.cast_floats(p, compute)
           losses, metrics, new_state = task.loss(p, model_state, model_block, rng)
           values, weights = split_losses(losses)
           weight = masked_sum(weights) if weights is not None else jnp.sum(real.astype(jnp.float32))
@@ -233,6 +241,26 @@ class LocalStep:
       self._build(sorted(metrics))
     return self._step(params, opt_state, model_state, laid, self._key[1],
                       np.int32(round_index), np.int32(first_block))
+
+
+@jax.jit
+def _distance(mine: PyTree, my_weight: jax.Array, totals: PyTree, total_weight: jax.Array
+              ) -> jax.Array:
+  return jnp.sqrt(sum(jnp.sum(jnp.square(m / my_weight - t / total_weight))
+                      for m, t in zip(jax.tree.leaves(mine), jax.tree.leaves(totals))))
+
+
+def spread(mine: PyTree, my_weight: float, totals: PyTree, total_weight: float,
+           meshes: Meshes) -> jax.Array:
+  """`||x_i - mean||` from what the round's reduction already holds, on this host's devices.
+
+  Both modes reduce a tree of the form `sum_j w_j (x_j - c)` (up to sign)
+  whose weights make `totals / total_weight` the hosts' sample-weighted
+  mean minus `c`, while `mine / my_weight` is `x_i - c`: the difference is
+  this host's distance to the mean, and no second full-size sum is needed.
+  """
+  local = jax.tree.map(lambda x: step_lib.to_local(x, meshes), totals)
+  return _distance(mine, jnp.float32(my_weight), local, jnp.float32(total_weight))
 
 
 def to_host_mesh(tree: PyTree, meshes: Meshes) -> PyTree:
