@@ -174,34 +174,39 @@ def test_spread_is_each_hosts_distance_to_the_hosts_mean_in_both_modes():
   assert np.abs(np.array(to_centre) - want).min() > 0.1  # Not the distance to the centre.
 
 
-def test_bf16_local_steps_train_and_fp16_is_refused_before_compiling(capsys):
+def test_bf16_and_fp16_local_steps_train_and_fp16_skips_a_hosts_overflowing_step():
   import optax
   import hetjax
   import hetjax_models
-  from hetjax import cli, data, trainer
+  from hetjax import data, precision as precision_lib, trainer
   from hetjax.modes import RoundsConfig
   from hetjax.modes.trainer import RoundsTrainer
 
-  assert cli.main(["train", "--mode", "hybrid", "--precision", "fp16"]) == 2
-  assert "--precision fp16 does not apply to --mode hybrid" in capsys.readouterr().err
   hetjax.initialize()
   source = data.load("digits")
   task = hetjax_models.build("mlp", kind="image", num_classes=10, hidden=(16,))
   settings = RoundsConfig(mode="hybrid", local_steps=(2,), outer_optimizer="sgd", outer_lr=1.0,
                           outer_momentum=0.0)
-  with pytest.raises(ValueError, match="Use --precision bf16"):
-    RoundsTrainer(task, optax.sgd(0.1), source,
-                  trainer.TrainConfig(global_batch=32, microbatch=8, precision="fp16"), settings)
-  runs = {}
-  for precision in ("fp32", "bf16"):
+  runs, big = {}, 2.0 ** 20  # Large enough that the first local step's fp16 gradients overflow.
+  for precision in ("fp32", "bf16", "fp16"):
     tr = RoundsTrainer(task, optax.sgd(0.5), source,
                        trainer.TrainConfig(global_batch=32, microbatch=8, precision=precision),
                        settings)
+    if precision == "fp16":
+      inner, _ = tr.host_opt_state
+      tr.host_opt_state = (inner, jax.device_put(
+          precision_lib.LossScale(np.float32(big), np.int32(0)), tr.meshes.local_replicated))
     tr.fit(8)
-    runs[precision] = (tr.history.loss, tr.params())
-  (fp32, p32), (bf16, p16) = runs["fp32"], runs["bf16"]
-  assert all(leaf.dtype == np.float32 for leaf in jax.tree.leaves(p16))  # Master copy stays fp32.
-  assert bf16[-1] < 0.85 * bf16[0], bf16  # It trains.
-  np.testing.assert_allclose(bf16, fp32, rtol=0.05)
+    runs[precision] = (tr.history, tr.params(), tr.host_opt_state[1])
+  (fp32, p32, _), (bf16, p16, _), (fp16, ph, scale) = runs["fp32"], runs["bf16"], runs["fp16"]
+  for params in (p16, ph):
+    assert all(leaf.dtype == np.float32 for leaf in jax.tree.leaves(params))  # Master copy.
+  assert bf16.loss[-1] < 0.85 * bf16.loss[0], bf16.loss  # It trains...
+  np.testing.assert_allclose(bf16.loss, fp32.loss, rtol=0.05)  # ...as fp32 does,
   diff = max(np.abs(a - b).max() for a, b in zip(jax.tree.leaves(p16), jax.tree.leaves(p32)))
-  assert diff > 1e-4  # The forward pass did run in bf16.
+  assert diff > 1e-4  # and its forward pass did run in bf16.
+  skipped = [m["skipped"] for m in fp16.metrics]
+  assert skipped[0] >= 1 and sum(skipped) < 16, skipped  # Overflowing steps skipped, then it trains.
+  assert float(scale.scale.addressable_data(0)) == big / 2 ** sum(skipped)  # Halved once per skip.
+  assert fp16.loss[-1] < 0.95 * fp16.loss[0], fp16.loss  # Fewer real steps than bf16 took.
+  assert "skipped" not in bf16.metrics[0]

@@ -90,14 +90,6 @@ class RoundsConfig:
     return self.local_batch if self.local_batch is not None else global_batch // num_hosts
 
 
-def check_precision(precision: str, mode: str) -> None:
-  """bf16 and fp32 only: fp16 needs a loss scale that the local steps do not keep."""
-  if precision == "fp16":
-    raise ValueError(f"--precision fp16 does not apply to --mode {mode}: fp16 needs dynamic "
-                     "loss scaling, which the rounds modes' local steps do not do. Use "
-                     "--precision bf16 (float32's range, no scaling) or fp32.")
-
-
 def parse_local_steps(text: str) -> tuple[int, ...]:
   try:
     return tuple(int(t) for t in text.split(","))
@@ -145,7 +137,6 @@ def from_args(args: argparse.Namespace, num_hosts: int | None = None) -> RoundsC
                      "records in the training thread.")
   if getattr(args, "assignment", "equal") != "equal":
     raise ValueError(f"--assignment does not apply to --mode {args.mode}; use --local-steps.")
-  check_precision(getattr(args, "precision", "fp32"), args.mode)
   values = {k: getattr(args, k) for k in given}
   if "local_steps" in values:
     values["local_steps"] = parse_local_steps(values["local_steps"])

@@ -34,7 +34,6 @@ from hetjax import step as step_lib
 from hetjax import task as task_lib
 from hetjax.modes import elastic as elastic_lib
 from hetjax.modes import hybrid as hybrid_lib
-from hetjax.modes import options as options_lib
 from hetjax.modes import rounds as rounds_lib
 from hetjax.modes.options import RoundsConfig
 from hetjax.task import Task
@@ -112,7 +111,6 @@ class RoundsTrainer:
       raise RuntimeError(f"{runtime.ENV_NUM_HOSTS} asks for several hosts but the cluster is not "
                          "joined: call hetjax.initialize() before building a trainer.")
     config.validate()
-    options_lib.check_precision(config.precision, rounds.mode)
     if config.balancer is not None or config.assignment != "equal":
       raise ValueError(f"--mode {rounds.mode} sizes the hosts' work by local steps; the "
                        "assignment and balancer settings do not apply (use --local-steps).")
@@ -227,6 +225,8 @@ class RoundsTrainer:
     weight = float(stats["weight"]) or 1.0
     metrics = {"loss": float(stats["loss"]) / weight,
                **{k: float(v) / weight for k, v in stats["metrics"].items()}}
+    if "skipped" in stats:  # fp16: local steps skipped for overflow, over every host.
+      metrics["skipped"] = float(stats["skipped"])
     h = self.history
     h.taus.append(taus)
     h.samples.append(n)
