@@ -319,6 +319,7 @@ def _plot_rounds(taus, times, spread, records: list[dict[str, Any]], fig: Figure
   times.plot(rounds, [r["metrics"]["reduction_s"] for r in records], color="tab:red",
              label="reduction")
   times.set_ylabel("seconds")
+  times.set_ylim(0, 1.2 * max(r["step_s"] for r in steady(records)))  # Round 0 compiles.
   times.set_title(f"(c) round {fig.rounds.round_s * 1e3:.0f} ms, reduction "
                   f"{fig.rounds.reduction_s * 1e3:.0f} ms (means after warm-up)")
   for i, values in enumerate(zip(*_per_host(records, "spread", hosts))):
