@@ -38,7 +38,7 @@ def format_line(record: dict[str, Any], total_steps: int, eta_s: float) -> str:
   shares = "/".join(str(s) for s in record["shares"])
   evaluated = record.get("eval") or {}
   shown = "accuracy" if "accuracy" in evaluated else "loss"
-  metrics, hosts = record["metrics"], range(len(record["shares"]))
+  metrics, hosts = record.get("metrics", {}), range(len(record["shares"]))
   rounds = "tau/0" in metrics  # A hybrid or elastic run: one record per round.
   work = (f"shares {shares}" if not rounds else
           "taus " + "/".join(f"{metrics[f'tau/{i}']:.0f}" for i in hosts) + f"  samples {shares}  "
