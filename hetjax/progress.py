@@ -38,10 +38,16 @@ def format_line(record: dict[str, Any], total_steps: int, eta_s: float) -> str:
   shares = "/".join(str(s) for s in record["shares"])
   evaluated = record.get("eval") or {}
   shown = "accuracy" if "accuracy" in evaluated else "loss"
-  return (f"step {step:{width}d}/{total_steps}  loss {record['loss']:.4f}  "
+  metrics, hosts = record.get("metrics", {}), range(len(record["shares"]))
+  rounds = "tau/0" in metrics  # A hybrid or elastic run: one record per round.
+  work = (f"shares {shares}" if not rounds else
+          "taus " + "/".join(f"{metrics[f'tau/{i}']:.0f}" for i in hosts) + f"  samples {shares}  "
+          f"spread max {max(metrics[f'spread/{i}'] for i in hosts):.3g}  "
+          f"reduction {metrics['reduction_s'] * 1e3:.0f} ms")
+  return (f"{'round' if rounds else 'step'} {step:{width}d}/{total_steps}  loss {record['loss']:.4f}  "
           + (f"eval {shown} {evaluated[shown]:.4f}  " if evaluated else "")
           + (f"lr {record['lr']:.3g}  " if "lr" in record else "")
-          + f"{record['samples_per_sec']:,.0f} samples/s  shares {shares}  ETA {format_eta(eta_s)}"
+          + f"{record['samples_per_sec']:,.0f} samples/s  {work}  ETA {format_eta(eta_s)}"
           + ("  (emulated speeds)" if record["emulated"] else ""))
 
 

@@ -17,6 +17,12 @@ printed:
 
 The first `WARMUP_STEPS` steps (compilation) are left out of every figure
 but the plots.
+
+A run of the rounds modes (hybrid, elastic: one record per round, with
+`tau/<host>`, `spread/<host>` and `reduction_s` in its metrics) is drawn in
+rounds: (b) becomes each host's local steps per round (tau) and samples,
+and two panels join: the round and reduction seconds, and the spread of
+the hosts' models (each host's distance to their sample-weighted mean).
 """
 
 from __future__ import annotations
@@ -59,6 +65,45 @@ class Figures:
   evaluations: int = 0          # records carrying evaluation figures
   last_eval: dict[str, float] | None = None
   last_eval_step: int | None = None
+  rounds: RoundsFigures | None = None  # a hybrid or elastic run
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundsFigures:
+  """What a rounds-mode run adds (means over the rounds after warm-up)."""
+
+  mode: str | None               # from summary.json: 'hybrid' or 'elastic'
+  last_taus: list[int]           # local steps per host in the last round
+  mean_taus: list[float]
+  samples_per_round: list[float]  # per host
+  round_s: float
+  reduction_s: float             # the round's one cross-host reduction
+  last_spread: list[float]       # ||x_i - mean|| per host, last round
+  mean_spread: list[float]
+
+
+def is_rounds(records: Sequence[dict[str, Any]]) -> bool:
+  """Records of a hybrid or elastic run carry each host's tau in their metrics."""
+  return "tau/0" in records[0]["metrics"]
+
+
+def _per_host(records: Sequence[dict[str, Any]], name: str, hosts: int) -> list[list[float]]:
+  """`[rounds][hosts]` of the metric `name/<host>`."""
+  return [[r["metrics"][f"{name}/{i}"] for i in range(hosts)] for r in records]
+
+
+def analyze_rounds(summary: dict[str, Any] | None, records: list[dict[str, Any]],
+                   hosts: int) -> RoundsFigures:
+  run = steady(records)
+  mean = lambda rows: [sum(col) / len(col) for col in zip(*rows)]
+  taus, spread = _per_host(run, "tau", hosts), _per_host(run, "spread", hosts)
+  return RoundsFigures(
+      mode=(summary or {}).get("mode"),
+      last_taus=[int(t) for t in _per_host(records[-1:], "tau", hosts)[0]],
+      mean_taus=mean(taus), samples_per_round=mean([r["shares"] for r in run]),
+      round_s=sum(r["step_s"] for r in run) / len(run),
+      reduction_s=sum(r["metrics"]["reduction_s"] for r in run) / len(run),
+      last_spread=_per_host(records[-1:], "spread", hosts)[0], mean_spread=mean(spread))
 
 
 def load_run(out_dir: str) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
@@ -132,7 +177,8 @@ def analyze(summary: dict[str, Any] | None, records: list[dict[str, Any]]) -> Fi
       balancer_decisions=None if decisions is None else len(decisions),
       balancer_moves=None if decisions is None else balancer_moves(decisions), emulated=emulated,
       evaluations=len(evaluated), last_eval=evaluated[-1]["eval"] if evaluated else None,
-      last_eval_step=evaluated[-1]["step"] + 1 if evaluated else None)
+      last_eval_step=evaluated[-1]["step"] + 1 if evaluated else None,
+      rounds=analyze_rounds(summary, records, hosts) if is_rounds(records) else None)
 
 
 def _count(n: int, noun: str) -> str:
@@ -141,6 +187,8 @@ def _count(n: int, noun: str) -> str:
 
 def format_text(fig: Figures, out_dir: str) -> str:
   """The report as a few lines of text."""
+  if fig.rounds is not None:
+    return _format_rounds(fig, out_dir)
   tag = "  (emulated speeds)" if fig.emulated else ""
   lines = [
       f"hetjax report: {out_dir}{tag}",
@@ -169,17 +217,47 @@ def format_text(fig: Figures, out_dir: str) -> str:
   return "\n".join(lines) + "\n"
 
 
+def _format_rounds(fig: Figures, out_dir: str) -> str:
+  """The report of a hybrid or elastic run: rounds, taus, reduction time and spread."""
+  r = fig.rounds
+  lines = [
+      f"hetjax report: {out_dir}" + ("  (emulated speeds)" if fig.emulated else ""),
+      f"{r.mode or 'rounds'} mode: {_count(fig.steps, 'round')} ({fig.warmup_steps} warm-up "
+      f"rounds left out), {fig.hosts} hosts, {fig.global_batch} samples in the last round",
+      f"round: {r.round_s * 1e3:,.1f} ms mean, of which the reduction {r.reduction_s * 1e3:,.1f} "
+      f"ms ({r.reduction_s / r.round_s if r.round_s else 0.0:.1%})",
+      f"throughput: {fig.measured_samples_per_sec:,.1f} samples/s measured, "
+      f"{fig.ideal_samples_per_sec:,.1f} ideal; efficiency {fig.efficiency:.1%}",
+      "host  own samples/s  tau (last, mean)  samples/round  spread (last, mean)  idle",
+  ]
+  for i in range(fig.hosts):
+    lines.append(f"{i:4d}  {fig.host_samples_per_sec[i]:13,.1f}  {r.last_taus[i]:6d} "
+                 f"{r.mean_taus[i]:9.2f}  {r.samples_per_round[i]:13.1f}  "
+                 f"{r.last_spread[i]:9.4g} {r.mean_spread[i]:9.4g}  {fig.idle_fraction[i]:.1%}")
+  lines.append("  (spread = distance of the host's model to the hosts' sample-weighted mean, "
+               "at the round's end before the reduction)")
+  if fig.balancer_mode is not None:
+    lines.append(f"taus: {fig.balancer_mode}")
+  if fig.last_eval is not None:
+    shown = ", ".join(f"{k} {v:.4f}" for k, v in sorted(fig.last_eval.items()))
+    lines.append(f"evaluation of the centre: {shown} after round {fig.last_eval_step} "
+                 f"({_count(fig.evaluations, 'evaluation')} during training)")
+  return "\n".join(lines) + "\n"
+
+
 def plot(records: list[dict[str, Any]], fig: Figures, path: str, title: str = "") -> None:
   """Draws the timeline, shares and throughput panels into a PNG at `path`."""
   from matplotlib.figure import Figure  # No pyplot: no global backend, Agg by default.
 
   hosts = fig.hosts
   evaluated = [r for r in records if r.get("eval")]
-  panels = 4 if evaluated else 3
-  figure = Figure(figsize=(11, 3 + 0.35 * hosts + 5 + (1.8 if evaluated else 0)),
+  extra = 0 if fig.rounds is None else 2  # Round and reduction seconds; spread.
+  unit = "step" if fig.rounds is None else "round"
+  panels = 3 + extra + (1 if evaluated else 0)
+  figure = Figure(figsize=(11, 3 + 0.35 * hosts + 5 + 2.5 * extra + (1.8 if evaluated else 0)),
                   layout="constrained")
-  axes = figure.subplots(panels, 1, height_ratios=[1 + 0.25 * hosts, 1.2, 1.2, 1.2][:panels])
-  timeline, shares, throughput = axes[:3]
+  axes = figure.subplots(panels, 1, height_ratios=[1 + 0.25 * hosts] + [1.2] * (panels - 1))
+  timeline, shares, throughput = axes[0], axes[1], axes[2 + extra]
   shown = steady(records)[-TIMELINE_STEPS:]
   for i in range(hosts):
     starts = [r["time_s"] - r["step_s"] for r in shown]
@@ -190,20 +268,23 @@ def plot(records: list[dict[str, Any]], fig: Figures, path: str, title: str = ""
   timeline.set_yticks(range(hosts), [f"host {i}" for i in range(hosts)])
   timeline.invert_yaxis()
   timeline.set_xlabel("seconds since start")
-  timeline.set_title(f"(a) compute vs wait per host, steps {shown[0]['step']}-{shown[-1]['step']}")
+  timeline.set_title(f"(a) compute vs wait per host, {unit}s {shown[0]['step']}-{shown[-1]['step']}")
   timeline.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
 
   steps = [r["step"] for r in records]
-  # Stacked, so every band shows and the total stays the fixed global batch.
-  shares.stackplot(steps, [[r["shares"][i] for r in records] for i in range(hosts)], step="post",
-                   labels=[f"host {i}" for i in range(hosts)])
-  shares.set_ylabel("samples")
-  shares.set_title("(b) share of the global batch per host (stacked)")
-  if hosts <= 12:
-    shares.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
+  if fig.rounds is None:
+    # Stacked, so every band shows and the total stays the fixed global batch.
+    shares.stackplot(steps, [[r["shares"][i] for r in records] for i in range(hosts)], step="post",
+                     labels=[f"host {i}" for i in range(hosts)])
+    shares.set_ylabel("samples")
+    shares.set_title("(b) share of the global batch per host (stacked)")
+    if hosts <= 12:
+      shares.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
+  else:
+    _plot_rounds(shares, axes[2], axes[3], records, fig)
 
   sps = [r["samples_per_sec"] for r in records]
-  throughput.plot(steps, sps, color="tab:gray", lw=0.8, label="per step")
+  throughput.plot(steps, sps, color="tab:gray", lw=0.8, label=f"per {unit}")
   window = 5
   smooth = [sum(sps[max(0, k - window + 1):k + 1]) / len(sps[max(0, k - window + 1):k + 1])
             for k in range(len(sps))]
@@ -217,23 +298,48 @@ def plot(records: list[dict[str, Any]], fig: Figures, path: str, title: str = ""
     throughput.axvspan(steps[0], steps[fig.warmup_steps], color="0.9", label="warm-up")
   top = max(smooth[fig.warmup_steps:] + ideal[fig.warmup_steps:] or smooth + ideal)
   throughput.set_ylim(0, 1.15 * top)
-  throughput.set_xlabel("step")
+  throughput.set_xlabel(unit)
   throughput.set_ylabel("samples/s")
-  throughput.set_title(f"(c) throughput; efficiency {fig.efficiency:.1%}")
+  throughput.set_title(f"({'ce'[extra // 2]}) throughput; efficiency {fig.efficiency:.1%}")
   throughput.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
   if evaluated:
-    _plot_evaluation(axes[3], records, evaluated)
+    _plot_evaluation(axes[-1], records, evaluated, unit, "df"[extra // 2])
   figure.suptitle(title + ("  (emulated speeds)" if fig.emulated else ""))
   figure.savefig(path, dpi=100)
 
 
-def _plot_evaluation(ax, records: list[dict[str, Any]], evaluated: list[dict[str, Any]]) -> None:
-  """Panel (d): evaluation accuracy (else loss) after each evaluated step; lr on the right."""
+def _plot_rounds(taus, times, spread, records: list[dict[str, Any]], fig: Figures) -> None:
+  """Panels (b)-(d) of a rounds run: taus and samples, round and reduction seconds, spread."""
+  hosts, rounds = fig.hosts, [r["step"] for r in records]
+  for i, values in enumerate(zip(*_per_host(records, "tau", hosts))):
+    taus.step(rounds, values, where="post", label=f"host {i}: {fig.rounds.samples_per_round[i]:.0f} samples/round")
+  taus.set_ylabel("local steps (tau)")
+  taus.set_title("(b) local steps per round per host (legend: mean samples per round)")
+  times.plot(rounds, [r["step_s"] for r in records], color="tab:gray", label="round")
+  times.plot(rounds, [r["metrics"]["reduction_s"] for r in records], color="tab:red",
+             label="reduction")
+  times.set_ylabel("seconds")
+  times.set_ylim(0, 1.2 * max(r["step_s"] for r in steady(records)))  # Round 0 compiles.
+  times.set_title(f"(c) round {fig.rounds.round_s * 1e3:.0f} ms, reduction "
+                  f"{fig.rounds.reduction_s * 1e3:.0f} ms (means after warm-up)")
+  for i, values in enumerate(zip(*_per_host(records, "spread", hosts))):
+    spread.plot(rounds, values, label=f"host {i}")
+  spread.set_ylabel("||x_i - mean||")
+  spread.set_xlabel("round")
+  spread.set_title("(d) spread: each host's distance to the hosts' sample-weighted mean")
+  for ax in (taus, times, spread):
+    if hosts <= 12 or ax is times:
+      ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
+
+
+def _plot_evaluation(ax, records: list[dict[str, Any]], evaluated: list[dict[str, Any]],
+                     unit: str = "step", letter: str = "d") -> None:
+  """The last panel: evaluation accuracy (else loss) after each evaluated step; lr on the right."""
   name = "accuracy" if "accuracy" in evaluated[0]["eval"] else "loss"
   done = [r["step"] + 1 for r in evaluated]
   ax.plot(done, [r["eval"][name] for r in evaluated], "o-", color="tab:purple",
           label=f"eval {name}")
-  ax.set_xlabel("steps done")
+  ax.set_xlabel(f"{unit}s done")
   ax.set_ylabel(f"eval {name}")
   # Training seconds (evaluation time excluded) on the top axis, from the records' clock.
   steps = [r["step"] + 1 for r in records]
@@ -243,7 +349,7 @@ def _plot_evaluation(ax, records: list[dict[str, Any]], evaluated: list[dict[str
     top = ax.secondary_xaxis("top", functions=(lambda x: np.interp(x, steps, times),
                                                lambda t: np.interp(t, times, steps)))
     top.set_xlabel("training seconds")
-  title = f"(d) evaluation {name}: {evaluated[-1]['eval'][name]:.4f} after step {done[-1]}"
+  title = f"({letter}) evaluation {name}: {evaluated[-1]['eval'][name]:.4f} after {unit} {done[-1]}"
   with_lr = [r for r in records if "lr" in r]
   if with_lr:
     lr_axis = ax.twinx()

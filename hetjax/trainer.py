@@ -31,6 +31,7 @@ from hetjax import metrics as metrics_lib
 from hetjax import optimizers as optimizers_lib
 from hetjax import precision as precision_lib
 from hetjax import readiness
+from hetjax import run_common
 from hetjax import runtime
 from hetjax import signals
 from hetjax import sources as sources_lib
@@ -230,12 +231,10 @@ class Trainer:
       task_lib.check_contract(self.task.eval_loss, *args, what="the task's evaluation loss")
 
   def _all_hosts_agree(self, flag: bool) -> bool:
-    flags = step_lib.gather_host_values(np.array([float(flag)]), self.meshes)
-    return bool(np.all(flags > 0))
+    return run_common.all_hosts_agree(flag, self.meshes)
 
   def _layout(self) -> dict[str, Any]:
-    return {"hosts": self.num_hosts, "devices_per_host": list(self.meshes.devices_per_host()),
-            "microbatch": self.config.microbatch}
+    return run_common.layout(self.meshes, self.config.microbatch)
 
   def _checkpoint_meta(self) -> dict[str, Any]:
     meta = {"job": self.job, "layout": self._layout(), "data": self.sampler.state_dict(self.step)}
@@ -429,19 +428,9 @@ class Trainer:
         TensorBoard events there, as `hetjax train --out` does, so
         `hetjax report OUT` reads API runs too.
     """
-    if (steps is None) == (until is None):
-      raise ValueError("give fit() exactly one of steps (how many more) or until (the last step).")
-    if steps is not None and steps < 0:
-      raise ValueError(f"steps must be >= 0, got {steps}.")
-    if eval_every < 0:
-      raise ValueError(f"eval_every must be >= 0 steps (0: evaluate only at the end), got {eval_every}.")
-    if eval_every and eval_source is None:
-      raise ValueError(f"eval_every={eval_every} needs eval_source, the split to evaluate on.")
+    run_common.check_fit_args(steps, until, eval_every, eval_source, "steps")
     target = self.step + steps if until is None else until
-    writer = None
-    if out is not None and self.host_id == 0:
-      writer = metrics_lib.MetricsWriter(out, resume_step=self.step or None)
-      sinks = [*sinks, writer.write]
+    writer, sinks = run_common.open_run_folder(out, self.host_id, self.step, sinks)
     # Records are built only for someone to read them: the step loop stays lean.
     stream = None if not sinks else metrics_lib.RecordStream(
         self.history, global_batch=self.config.global_batch, emulated=self.emulated,
@@ -485,14 +474,9 @@ class Trainer:
       # Also when nothing was left to run (a finished job started again).
       if eval_source is not None and (self.history.steps - 1) not in self.history.evals:
         self._evaluate_into_history(eval_source)
-      if self.checkpointer is not None:
-        self.save_checkpoint(wait=True)
-      summary = self.summary()
-      if stream is not None:
-        stream.pop()  # The last step's record, now that summary() gathered its waits.
-      if out is not None:
-        self.write_summary(out, summary)
-      return summary
+      return run_common.close_run(self.checkpointer, lambda: self.save_checkpoint(wait=True),
+                                  self.summary, stream.pop if stream else lambda: None, out,
+                                  self.host_id)
     finally:
       if writer is not None:
         writer.close()
@@ -517,17 +501,8 @@ class Trainer:
   def _stop(self, stream: metrics_lib.RecordStream | None, out: str | None) -> None:
     """Every host got the stop flag in the same step: save, write what is known, raise."""
     code, self._stop_code, self._stop_at = self._stop_code, 0.0, None
-    signals.REQUESTS.clear()
-    directory = None
-    if self.checkpointer is not None:
-      self.save_checkpoint(wait=True)
-      directory = self.checkpointer.directory
-    summary = self.summary()
-    if stream is not None:
-      stream.pop()
-    if out is not None:
-      self.write_summary(out, summary)
-    raise signals.stopped(code, self.step, directory)
+    run_common.stop_run(code, self.step, self.checkpointer, lambda: self.save_checkpoint(wait=True),
+                        self.summary, stream.pop if stream else lambda: None, out, self.host_id)
 
   def _evaluate_into_history(self, source: data_lib.ArraySource) -> None:
     figures = self.evaluate(source)
@@ -544,8 +519,7 @@ class Trainer:
 
   def write_summary(self, out: str, summary: dict[str, Any]) -> None:
     """Writes OUT/summary.json on process 0 (what `hetjax report` reads)."""
-    if self.host_id == 0:
-      metrics_lib.write_summary(out, summary)
+    run_common.write_summary(out, summary, self.host_id)
 
   def close(self) -> None:
     """Stops the input threads and finishes any checkpoint being written."""
@@ -606,28 +580,17 @@ class Trainer:
       per_host.append({"batch": [s[i] for s in h.shares], "compute_s": [c[i] for c in h.compute_s],
                        "wait_s": [w[i] for w in h.wait_s],
                        "idle_fraction": busy_wait[i] / busy if busy else 0.0})
-    return {
-        "steps": h.steps,
-        "last_step": self.step,
-        "resumed_from": self.resumed_from,
-        "global_batch": self.config.global_batch,
-        "hosts": self.num_hosts,
-        "devices_per_host": self.meshes.local_devices,
-        "reduction": self.config.reduction,
-        "balancer_mode": self.balancer.name,
-        "balancer_decisions": list(getattr(self.balancer, "decisions", [])),
-        "samples_per_sec": samples_per_sec,
-        "final_loss": h.loss[-1] if h.loss else None,
-        "final_metrics": h.metrics[-1] if h.metrics else {},
-        "params_digest": params_digest(self.params()) if digest else None,
-        "eval": self._last_eval(),
-        "emulated_speeds": self.emulated,
-        "per_host": per_host,
-    }
+    return run_common.summary_fields(
+        steps=h.steps, last_step=self.step, resumed_from=self.resumed_from, config=self.config,
+        meshes=self.meshes, balancer_mode=self.balancer.name,
+        balancer_decisions=list(getattr(self.balancer, "decisions", [])),
+        samples_per_sec=samples_per_sec, losses=h.loss, metrics=h.metrics,
+        params_digest=params_digest(self.params()) if digest else None,
+        evaluation=self._last_eval(), emulated=self.emulated, per_host=per_host)
 
   def params(self) -> PyTree:
     """The current parameters as host numpy arrays (this host's replica)."""
-    return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), self.state.params)
+    return run_common.host_copy(self.state.params)
 
   def evaluate(self, source: data_lib.ArraySource, batch_size: int = 256) -> dict[str, float]:
     """Mean loss and metrics over all of `source`; every host must call it.
@@ -636,16 +599,12 @@ class Trainer:
     `batch_size` records per device at a time and spread over every host
     (slices sized by the current shares, i.e. by speed) and its devices.
     """
-    if self._evaluator is None or self._evaluator.batch != batch_size * self.meshes.local_devices:
-      self._evaluator = evaluate_lib.Evaluator(self.task, self.meshes, batch_size)
+    self._evaluator = run_common.evaluator_for(self._evaluator, self.task, self.meshes, batch_size)
     weights = self.history.shares[-1] if self.history.shares else [1] * self.num_hosts
     return self._evaluator.evaluate(self.state.params, self.state.model_state, source, weights)
 
   def _last_eval(self) -> dict[str, Any] | None:
-    if not self.history.evals:
-      return None
-    index = max(self.history.evals)
-    return {"step": self._start_step + index, **self.history.evals[index]}
+    return run_common.last_eval(self.history.evals, self._start_step)
 
 
 def train(task: Task, optimizer: optax.GradientTransformation, source: data_lib.ArraySource,

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import optax
 
 import hetjax
 import hetjax_models
 from hetjax import data, trainer
+from hetjax import step as step_lib
 from hetjax.modes import RoundsConfig
 from hetjax.modes.trainer import RoundsTrainer
 
@@ -41,9 +43,18 @@ def degenerate(steps: int, global_batch: int, lr: float) -> dict:
   return out
 
 
+def _flat(tree) -> np.ndarray:
+  return np.concatenate([np.ravel(np.asarray(x, np.float32)) for x in jax.tree.leaves(tree)])
+
+
 def accuracy(mode: str, rounds: int, local_steps: tuple, lr: float, momentum: float | None = 0.9,
-             adam: bool = False, **options) -> dict:
-  """One mode on uneven local step counts; the centre's test accuracy."""
+             adam: bool = False, out: str | None = None, **options) -> dict:
+  """One mode on uneven local step counts; the centre's test accuracy.
+
+  Also every host's parameters after the last round's local steps (hybrid
+  keeps them until the next round starts from the centre), gathered, so
+  the caller can check the recorded spread against them.
+  """
   from hetjax import runtime
   if not runtime.is_initialized():
     hetjax.initialize()
@@ -53,15 +64,45 @@ def accuracy(mode: str, rounds: int, local_steps: tuple, lr: float, momentum: fl
   inner = optax.adam(lr) if adam else optax.sgd(lr, momentum=momentum)
   tr = RoundsTrainer(task, inner, source, config,
                      RoundsConfig(mode=mode, local_steps=local_steps, **options))
-  summary = tr.fit(until=rounds)
+  summary = tr.fit(until=rounds, out=out, eval_every=rounds // 2 if out else 0,
+                   eval_source=test if out else None)
+  mine = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tr.host_params)
+  hosts = step_lib.gather_host_values(_flat(mine), tr.meshes)
+  tr.close()
   return {"accuracy": tr.evaluate(test)["accuracy"], "taus": [h["tau"][-1] for h in summary["per_host"]],
           "samples": [h["batch"][-1] for h in summary["per_host"]],
+          "spread": [h["spread"][-1] for h in summary["per_host"]], "host_params": hosts,
           "digest": summary["params_digest"]}
 
 
-def accuracies(specs: list) -> list:
-  """`accuracy(*args, **kwargs)` for each `(args, kwargs)` on one cluster (one start-up)."""
-  return [accuracy(*args, **kwargs) for args, kwargs in specs]
+def disagreeing_centre(rounds: int) -> str:
+  """An elastic run whose host 1 gets another centre after `rounds`: the check's message."""
+  from hetjax import agreement
+  source = data.load("digits")
+  config = trainer.TrainConfig(global_batch=24, microbatch=BLOCK, check_every=1)
+  tr = RoundsTrainer(_tiny(), optax.sgd(0.05), source, config,
+                     RoundsConfig(mode="elastic", local_steps=(1, 1, 1)))
+  tr.fit(until=rounds)
+  if tr.host_id == 1:  # One bit of one parameter, on this host's copy only.
+    leaf = jax.tree.leaves(tr.centre.params)[0]
+    shards = [jax.device_put(np.asarray(s.data) + np.float32(1e-3), s.device)
+              for s in leaf.addressable_shards]
+    bent = jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, shards)
+    params = jax.tree.unflatten(jax.tree.structure(tr.centre.params),
+                                [bent] + jax.tree.leaves(tr.centre.params)[1:])
+    tr.centre = tr.centre._replace(params=params)
+  try:
+    tr.fit(until=rounds + 1)
+  except agreement.HostsDisagree as e:
+    return str(e)
+  return "no error"
+
+
+def accuracies(specs: list, check_rounds: int = 0) -> dict:
+  """`accuracy(*args, **kwargs)` for each `(args, kwargs)` on one cluster (one start-up),
+  then, with `check_rounds`, `disagreeing_centre(check_rounds)`."""
+  results = [accuracy(*args, **kwargs) for args, kwargs in specs]
+  return {"runs": results, "check": disagreeing_centre(check_rounds) if check_rounds else None}
 
 
 def resume(directory: str, mode: str, rounds: int, local_steps: tuple | None, stop_at: int) -> dict:

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import _modes_entries  # noqa: F401  (importable by the hosts)
+from hetjax import report
 from hetjax.modes import options, rounds
 from hetjax.testing import run_hosts
 
@@ -29,16 +30,42 @@ def test_hybrid_with_one_local_step_is_sync_on_both_backends():
         assert np.abs(want - start).max() > 1e-4  # Training moved every leaf.
 
 
-def test_hybrid_and_elastic_reach_97_percent_on_uneven_hosts():
-  """3 hosts running 4, 2 and 1 local steps per round (fixed: deterministic); the centre's test accuracy."""
-  hybrid = (("hybrid", 80, (4, 2, 1), 0.1), {"momentum": None})          # outer: nesterov 0.7, 0.9
-  elastic = (("elastic", 120, (4, 2, 1), 0.05), {"elastic_beta": 0.5})   # inner momentum 0.9
-  out = run_hosts("_modes_entries:accuracies", hosts=3, args=([hybrid, elastic],), timeout_s=600)
+def test_hybrid_and_elastic_reach_97_percent_on_uneven_hosts_and_record_rounds(tmp_path):
+  """3 hosts running 4, 2 and 1 local steps per round (fixed: deterministic); one cluster start for:
+
+  the centre's test accuracy of both modes; the recorded spread is each
+  host's distance to the hosts' sample-weighted mean (checked against the
+  hosts' gathered parameters); `hetjax report` draws the hybrid run's
+  rounds; a host whose centre differs is caught by `check_every`.
+  """
+  out_dir = str(tmp_path / "hybrid")
+  hybrid = (("hybrid", 80, (4, 2, 1), 0.1), {"momentum": None, "out": out_dir})  # outer: nesterov 0.7, 0.9
+  elastic = (("elastic", 160, (4, 2, 1), 0.05), {})  # default beta 0.9 (0.969 at 120 rounds); inner momentum 0.9
+  out = run_hosts("_modes_entries:accuracies", hosts=3, args=([hybrid, elastic], 2), timeout_s=600)
   for host in out:
-    for result in host:
+    for result in host["runs"]:
       assert result["taus"] == [4, 2, 1] and result["samples"] == [64, 32, 16]
       assert result["accuracy"] >= 0.97, result
-  assert out[0] == out[1] == out[2]  # One centre on every host.
+    assert "host(s) [1] hold other centres" in host["check"], host["check"]
+  runs = [host["runs"] for host in out]
+  for field in ("accuracy", "digest", "spread"):
+    assert [r[0][field] for r in runs] == [runs[0][0][field]] * 3  # Every host holds one record.
+
+  got = runs[0][0]
+  x = np.asarray(got["host_params"], np.float64)            # [hosts, parameters]
+  n = np.asarray(got["samples"], np.float64)
+  mean = (n[:, None] * x).sum(0) / n.sum()
+  want = np.linalg.norm(x - mean, axis=1)
+  np.testing.assert_allclose(got["spread"], want, rtol=1e-4)
+  plain = np.linalg.norm(x - x.mean(0), axis=1)
+  assert np.abs(np.asarray(got["spread"]) - plain).max() > 1e-3 * want.max()  # Weighted, not plain.
+
+  fig, text = report.make_report(out_dir)
+  assert fig.rounds is not None and fig.rounds.mode == "hybrid"
+  assert fig.rounds.last_taus == [4, 2, 1] and fig.rounds.samples_per_round == [64.0, 32.0, 16.0]
+  np.testing.assert_allclose(fig.rounds.last_spread, got["spread"], rtol=1e-6)
+  assert "80 rounds" in text and "hybrid" in text and "spread" in text
+  assert (tmp_path / "hybrid" / "report.png").stat().st_size > 10_000
 
 
 def test_a_mode_flag_for_another_mode_fails_before_jax_starts(capsys):
@@ -111,3 +138,75 @@ def test_mode_flags_make_the_config():
   assert config.local_steps == (4, 2, 1) and config.outer_lr == 0.5
   assert config.outer_optimizer == "nesterov" and config.local_batch_for(48, 3) == 16
   assert options.from_args(_args(mode="sync"), num_hosts=3) is None
+
+
+def test_spread_is_each_hosts_distance_to_the_hosts_mean_in_both_modes():
+  """Three hosts' known parameters of a tiny two-leaf model, summed as each mode's reduction sums them."""
+  import optax
+  import hetjax
+  from hetjax import step as step_lib
+  from hetjax.modes import elastic, hybrid
+
+  hetjax.initialize()
+  meshes = step_lib.Meshes.create()
+  rng = np.random.default_rng(0)
+  tree = lambda: {"b": rng.normal(size=2).astype(np.float32),
+                  "w": rng.normal(size=(3, 2)).astype(np.float32)}
+  x, centre, n = [tree(), tree(), tree()], tree(), [64, 32, 16]
+  flat = lambda t: np.concatenate([np.ravel(t["b"]), np.ravel(t["w"])]).astype(np.float64)
+  mean = sum(k * flat(t) for k, t in zip(n, x)) / sum(n)
+  want = [np.linalg.norm(flat(t) - mean) for t in x]
+  local = lambda t: jax.device_put(t, meshes.local_replicated)
+  world = lambda t: jax.device_put(t, meshes.replicated)
+  total = lambda trees: jax.tree.map(lambda *v: sum(v), *trees)
+
+  mode = hybrid.Hybrid(optax.sgd(1.0), meshes)
+  mine = [{"delta": jax.tree.map(lambda c, p: k * (c - p), centre, t)} for k, t in zip(n, x)]
+  got = [float(mode.spread(local(m), world(total(mine)), k, sum(n))) for m, k in zip(mine, n)]
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+
+  mode = elastic.Elastic(0.9, meshes)
+  mine = [{"d": jax.tree.map(lambda p, c: mode.alpha(k, sum(n)) * (p - c), t, centre)}
+          for k, t in zip(n, x)]
+  got = [float(mode.spread(local(m), world(total(mine)), k, sum(n))) for m, k in zip(mine, n)]
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  to_centre = [np.linalg.norm(flat(t) - flat(centre)) for t in x]
+  assert np.abs(np.array(to_centre) - want).min() > 0.1  # Not the distance to the centre.
+
+
+def test_bf16_and_fp16_local_steps_train_and_fp16_skips_a_hosts_overflowing_step():
+  import optax
+  import hetjax
+  import hetjax_models
+  from hetjax import data, precision as precision_lib, trainer
+  from hetjax.modes import RoundsConfig
+  from hetjax.modes.trainer import RoundsTrainer
+
+  hetjax.initialize()
+  source = data.load("digits")
+  task = hetjax_models.build("mlp", kind="image", num_classes=10, hidden=(16,))
+  settings = RoundsConfig(mode="hybrid", local_steps=(2,), outer_optimizer="sgd", outer_lr=1.0,
+                          outer_momentum=0.0)
+  runs, big = {}, 2.0 ** 20  # Large enough that the first local step's fp16 gradients overflow.
+  for precision in ("fp32", "bf16", "fp16"):
+    tr = RoundsTrainer(task, optax.sgd(0.5), source,
+                       trainer.TrainConfig(global_batch=32, microbatch=8, precision=precision),
+                       settings)
+    if precision == "fp16":
+      inner, _ = tr.host_opt_state
+      tr.host_opt_state = (inner, jax.device_put(
+          precision_lib.LossScale(np.float32(big), np.int32(0)), tr.meshes.local_replicated))
+    tr.fit(8)
+    runs[precision] = (tr.history, tr.params(), tr.host_opt_state[1])
+  (fp32, p32, _), (bf16, p16, _), (fp16, ph, scale) = runs["fp32"], runs["bf16"], runs["fp16"]
+  for params in (p16, ph):
+    assert all(leaf.dtype == np.float32 for leaf in jax.tree.leaves(params))  # Master copy.
+  assert bf16.loss[-1] < 0.85 * bf16.loss[0], bf16.loss  # It trains...
+  np.testing.assert_allclose(bf16.loss, fp32.loss, rtol=0.05)  # ...as fp32 does,
+  diff = max(np.abs(a - b).max() for a, b in zip(jax.tree.leaves(p16), jax.tree.leaves(p32)))
+  assert diff > 1e-4  # and its forward pass did run in bf16.
+  skipped = [m["skipped"] for m in fp16.metrics]
+  assert skipped[0] >= 1 and sum(skipped) < 16, skipped  # Overflowing steps skipped, then it trains.
+  assert float(scale.scale.addressable_data(0)) == big / 2 ** sum(skipped)  # Halved once per skip.
+  assert fp16.loss[-1] < 0.95 * fp16.loss[0], fp16.loss  # Fewer real steps than bf16 took.
+  assert "skipped" not in bf16.metrics[0]

@@ -115,3 +115,60 @@ def test_an_api_run_with_fit_out_writes_what_the_cli_writes_and_its_report_has_t
   assert f"evaluation: accuracy {records[-1]['eval']['accuracy']:.4f}, loss " in text
   assert "after step 6 (3 evaluations during training)" in text
   assert (out / "report.png").stat().st_size > 10_000
+
+
+def _rounds_records(rounds=12, b=16):
+  """A hybrid run: taus 1,1,1 for 2 warm-up rounds, then 4,2,1; known spreads and reduction seconds."""
+  out, t = [], 0.0
+  for r in range(rounds):
+    taus = [1, 1, 1] if r < 2 else [4, 2, 1]
+    shares = [tau * b for tau in taus]
+    compute = [0.01 * tau for tau in taus]
+    reduction = 0.004 + 0.001 * (r % 2)
+    round_s = max(compute) + reduction
+    t += round_s
+    metrics = {"accuracy": 0.5, "reduction_s": reduction}
+    metrics.update({f"tau/{i}": float(tau) for i, tau in enumerate(taus)})
+    metrics.update({f"spread/{i}": 0.1 * (i + 1) / (r + 1) for i in range(3)})
+    out.append({"step": r, "time_s": t, "loss": 1.0, "metrics": metrics,
+                "samples_per_sec": sum(shares) / round_s, "step_s": round_s,
+                "global_batch": sum(shares), "shares": shares, "compute_s": compute,
+                "wait_s": [max(compute) - c + reduction for c in compute], "emulated": True})
+  return out
+
+
+def test_a_rounds_run_is_reported_in_rounds_with_taus_reduction_and_spread(tmp_path, capsys):
+  records = _rounds_records()
+  out = tmp_path / "run"
+  with metrics.MetricsWriter(str(out)) as writer:
+    for r in records:
+      writer.write(r)
+  (out / "summary.json").write_text(json.dumps(
+      {"mode": "hybrid", "balancer_mode": "hybrid rounds, taus from speeds", "emulated_speeds": True}))
+  assert report.main([str(out)]) == 0
+  text = capsys.readouterr().out
+  fig = report.analyze(*report.load_run(str(out)))
+  r = fig.rounds
+  steady = records[2:]
+  assert r.mode == "hybrid" and r.last_taus == [4, 2, 1] and r.mean_taus == [4.0, 2.0, 1.0]
+  assert r.samples_per_round == [64.0, 32.0, 16.0]
+  assert r.round_s == pytest.approx(np.mean([x["step_s"] for x in steady]), rel=1e-12)
+  assert r.reduction_s == pytest.approx(0.0045, rel=1e-12)
+  np.testing.assert_allclose(r.last_spread, [0.1 / 12, 0.2 / 12, 0.3 / 12])
+  np.testing.assert_allclose(r.mean_spread, [0.1 * (i + 1) * np.mean([1 / (k + 1) for k in range(2, 12)])
+                                             for i in range(3)])
+  assert "hybrid mode: 12 rounds (2 warm-up rounds left out), 3 hosts" in text
+  assert f"of which the reduction 4.5 ms ({0.0045 / r.round_s:.1%})" in text
+  assert "taus: hybrid rounds, taus from speeds" in text
+  assert "steps" not in text and "share" not in text
+  assert (out / "report.png").stat().st_size > 10_000
+  # The same figures reach TensorBoard and the progress line.
+  assert metrics.scalars_of(records[-1])["metrics/spread/2"] == pytest.approx(0.3 / 12)
+  from hetjax import progress
+  line = progress.format_line(records[-1], 12, 1.0)
+  assert line.startswith("round 12/12  loss 1.0000")
+  assert f"taus 4/2/1  samples 64/32/16  spread max {0.3 / 12:.3g}  reduction 5 ms" in line
+
+
+def test_a_sync_run_has_no_rounds_figures():
+  assert report.analyze(None, fixture.records()).rounds is None

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from hetjax import step as step_lib
+from hetjax.modes import rounds as rounds_lib
 from hetjax.modes.hybrid import Centre
 from hetjax.step import Meshes
 
@@ -35,8 +36,7 @@ class Elastic:
 
     def contribution(centre_params, params, model_state, n, alpha):
       d = jax.tree.map(lambda x, c: alpha * (x - c).astype(jnp.float32), params, centre_params)
-      drift = jnp.sqrt(sum(jnp.sum(jnp.square(v)) for v in jax.tree.leaves(d))) / alpha
-      return {"d": d, "model_state": jax.tree.map(lambda s: n * s, model_state)}, drift
+      return {"d": d, "model_state": jax.tree.map(lambda s: n * s, model_state)}
 
     self._contribution = jax.jit(contribution, out_shardings=meshes.local_replicated)
     self._pull = jax.jit(lambda params, d: jax.tree.map(lambda x, v: (x - v).astype(x.dtype), params, d),
@@ -62,14 +62,25 @@ class Elastic:
       return local(centre.params), local(centre.model_state)
     return host_params, host_model_state
 
+  def alpha(self, n: int, total_n: int) -> float:
+    return self.beta * n / total_n
+
   def contribution(self, centre: Centre, params: PyTree, model_state: PyTree, n: int,
-                   total_n: int) -> tuple[dict, jax.Array]:
-    """`([d_i, n_i * model_state_i], ||x_i - centre||)` on this host's devices."""
+                   total_n: int) -> dict:
+    """`[d_i, n_i * model_state_i]` on this host's devices."""
     centre_params = jax.tree.map(lambda x: step_lib.to_local(x, self.meshes), centre.params)
-    alpha = jnp.float32(self.beta * n / total_n)
-    tree, drift = self._contribution(centre_params, params, model_state, jnp.float32(n), alpha)
+    alpha = jnp.float32(self.alpha(n, total_n))
+    tree = self._contribution(centre_params, params, model_state, jnp.float32(n), alpha)
     self._last_d = tree["d"]
-    return tree, drift
+    return tree
+
+  def spread(self, mine: dict, totals: dict, n: int, total_n: int) -> jax.Array:
+    """`||x_i - mean||` before the pull: `d_i / alpha_i - sum d / beta`.
+
+    `sum_j d_j = beta (mean - centre)` with the sample-weighted mean of the hosts.
+    """
+    return rounds_lib.spread(mine["d"], self.alpha(n, total_n), totals["d"], self.beta,
+                             self.meshes)
 
   def finish(self, centre: Centre, totals: dict, params: PyTree, total_n: int
              ) -> tuple[Centre, PyTree]:

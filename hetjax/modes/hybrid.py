@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import optax
 
 from hetjax import step as step_lib
+from hetjax.modes import rounds as rounds_lib
 from hetjax.step import Meshes
 
 PyTree = Any
@@ -57,8 +58,7 @@ class Hybrid:
 
     def contribution(centre_params, params, model_state, n):
       delta = jax.tree.map(lambda c, p: n * (c - p).astype(jnp.float32), centre_params, params)
-      drift = jnp.sqrt(sum(jnp.sum(jnp.square(d)) for d in jax.tree.leaves(delta))) / n
-      return {"delta": delta, "model_state": jax.tree.map(lambda s: n * s, model_state)}, drift
+      return {"delta": delta, "model_state": jax.tree.map(lambda s: n * s, model_state)}
 
     self._contribution = jax.jit(contribution, out_shardings=meshes.local_replicated)
 
@@ -84,11 +84,15 @@ class Hybrid:
     return local(centre.params), local(centre.model_state)
 
   def contribution(self, centre: Centre, params: PyTree, model_state: PyTree, n: int,
-                   total_n: int) -> tuple[dict, jax.Array]:
-    """`([n_i * delta_i, n_i * model_state_i], ||delta_i||)` on this host's devices."""
+                   total_n: int) -> dict:
+    """`[n_i * delta_i, n_i * model_state_i]` on this host's devices."""
     del total_n
     centre_params = jax.tree.map(lambda x: step_lib.to_local(x, self.meshes), centre.params)
     return self._contribution(centre_params, params, model_state, jnp.float32(n))
+
+  def spread(self, mine: dict, totals: dict, n: int, total_n: int) -> jax.Array:
+    """`||theta_i - mean||`: `delta_i - sum n_j delta_j / sum n` (the mean is sample-weighted)."""
+    return rounds_lib.spread(mine["delta"], n, totals["delta"], total_n, self.meshes)
 
   def finish(self, centre: Centre, totals: dict, params: PyTree, total_n: int
              ) -> tuple[Centre, PyTree]:

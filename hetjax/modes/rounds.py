@@ -28,6 +28,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from hetjax import blocks as blocks_lib
+from hetjax import precision as precision_lib
 from hetjax import step as step_lib
 from hetjax.step import DEV, Meshes
 from hetjax.task import MASK, Task, split_losses
@@ -137,25 +138,37 @@ class LocalStep:
   `hetjax.step.LocalProgram`), the sums meet in a psum over this host's
   devices only, and the inner optax update follows. Parameters and inner
   state are arrays on this host's devices (the local mesh).
+
+  Precision as in the sync step (`hetjax.precision`). Under fp16 each host
+  keeps its own dynamic loss scale in its inner state: a local step whose
+  gradients overflow is skipped on that host alone and its scale halved.
+  No other host needs to know: the round's reduction sums models, not
+  gradients, and a skipped step leaves the host's model where it was.
   """
 
   def __init__(self, task: Task, optimizer: optax.GradientTransformation, meshes: Meshes,
-               microbatch: int, local_batch: int):
+               microbatch: int, local_batch: int, precision: str = "fp32"):
     self.meshes, self.m, self.b = meshes, int(microbatch), int(local_batch)
+    self.precision = precision_lib.check(precision)
+    self.compute = precision_lib.compute_dtype(precision)
     d = meshes.local_devices
     self.micro_rounds = -(-blocks_lib.num_blocks(self.b, self.m) // d)
     self.optimizer = optimizer
 
     self.task = task
     self._step = None
-    self._init_opt = jax.jit(optimizer.init, out_shardings=meshes.local_replicated)
+    # The host's inner state: the optimizer's, and its own loss scale (fp16).
+    init = lambda p: (optimizer.init(p), precision_lib.initial_scale(precision))
+    self._init_opt = jax.jit(init, out_shardings=meshes.local_replicated)
     self._key = None
 
   def _build(self, metric_names: Sequence[str]) -> None:
     """Compiles the step; the metric names fix the shape of the running sums."""
     task, optimizer, meshes, d = self.task, self.optimizer, self.meshes, self.meshes.local_devices
+    compute, precision = self.compute, self.precision
+    low, scaled = compute != jnp.float32, precision_lib.uses_loss_scale(precision)
 
-    def per_device(params, model_state, batch, key, round_index, first_block):
+    def per_device(params, model_state, scale, batch, key, round_index, first_block):
       params = jax.lax.pcast(params, DEV, to="varying")
       batch = jax.tree.map(lambda x: x[0], batch)   # [micro_rounds, m, ...]
       device = jax.lax.axis_index(DEV)
@@ -164,19 +177,25 @@ class LocalStep:
         block, r = xs
         rng = jax.random.fold_in(jax.random.fold_in(key, round_index), first_block + r * d + device)
         real = block[MASK] > 0
-        masked_sum = lambda v: jnp.sum(jnp.where(real, v, 0.0))
+        masked_sum = lambda v: jnp.sum(jnp.where(real, v.astype(jnp.float32), 0.0))
         # An all-padding block shows the model an all-ones mask (see LocalProgram).
         model_block = {**block, MASK: jnp.where(jnp.any(real), block[MASK], 1.0)}
+        if low:  # As the sync step: float32 parameters and sums, the model in `compute`.
+          model_block = precision_lib.cast_batch(model_block, compute, keep=(MASK,))
 
         def total_loss(p):
+          if low:
+            p = precision_lib.cast_floats(p, compute)
           losses, metrics, new_state = task.loss(p, model_state, model_block, rng)
           values, weights = split_losses(losses)
           weight = masked_sum(weights) if weights is not None else jnp.sum(real.astype(jnp.float32))
-          return masked_sum(values), (metrics, new_state, weight)
+          loss = masked_sum(values)
+          return loss * scale, (loss, metrics, new_state, weight)  # scale: 1 unless fp16
 
-        (loss, (metrics, new_state, weight)), grads = jax.value_and_grad(
+        (_, (loss, metrics, new_state, weight)), grads = jax.value_and_grad(
             total_loss, has_aux=True)(params)
         n = jnp.sum(real.astype(jnp.float32))
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32) / scale, grads)
         sums = {"grads": grads, "weight": weight, "count": n, "loss": loss,
                 "metrics": {k: masked_sum(metrics[k]) for k in metric_names},
                 "model_state": jax.tree.map(lambda s: jnp.where(n > 0, s * n, 0.0), new_state)}
@@ -190,25 +209,36 @@ class LocalStep:
       return jax.lax.psum(sums, DEV)
 
     sums_of = jax.shard_map(per_device, mesh=meshes.local,
-                            in_specs=(P(), P(), P(DEV), P(), P(), P()), out_specs=P())
+                            in_specs=(P(), P(), P(), P(DEV), P(), P(), P()), out_specs=P())
 
-    def step(params, opt_state, model_state, batch, key, round_index, first_block):
-      sums = sums_of(params, model_state, batch, key, round_index, first_block)
+    def step(params, state, model_state, batch, key, round_index, first_block):
+      opt_state, loss_scale = state
+      sums = sums_of(params, model_state, loss_scale.scale, batch, key, round_index, first_block)
       norm = jnp.where(sums["weight"] != 0, sums["weight"], 1.0)
       grads = jax.tree.map(lambda g, p: (g / norm).astype(p.dtype), sums["grads"], params)
-      updates, opt_state = optimizer.update(grads, opt_state, params)
-      params = optax.apply_updates(params, updates)
+      updates, new_opt_state = optimizer.update(grads, opt_state, params)
+      new_params = optax.apply_updates(params, updates)
       count = sums["count"]
-      model_state = jax.tree.map(
+      new_model_state = jax.tree.map(
           lambda old, s: jnp.where(count > 0, s / jnp.maximum(count, 1.0), old).astype(old.dtype),
           model_state, sums["model_state"])
       stats = {"weight": sums["weight"], "count": count, "loss": sums["loss"],
                "metrics": sums["metrics"]}
-      return params, opt_state, model_state, stats
+      overflow = jnp.bool_(False)
+      if scaled:  # This host's gradients overflowed: skip its local step, halve its scale.
+        overflow = ~jnp.all(jnp.stack([jnp.all(jnp.isfinite(g))
+                                       for g in jax.tree.leaves(sums["grads"])]))
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(overflow, b, a), new, old)
+        new_params, new_opt_state, new_model_state = keep(
+            (new_params, new_opt_state, new_model_state), (params, opt_state, model_state))
+        stats["skipped"] = overflow.astype(jnp.float32)
+      loss_scale = precision_lib.next_scale(loss_scale, overflow, precision)
+      return new_params, (new_opt_state, loss_scale), new_model_state, stats
 
     self._step = jax.jit(step, out_shardings=meshes.local_replicated, donate_argnums=(0, 1))
 
   def init_opt_state(self, params: PyTree) -> PyTree:
+    """`(inner optimizer state, loss scale)`: what a host keeps besides its parameters."""
     return self._init_opt(params)
 
   def layout(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -233,6 +263,26 @@ class LocalStep:
       self._build(sorted(metrics))
     return self._step(params, opt_state, model_state, laid, self._key[1],
                       np.int32(round_index), np.int32(first_block))
+
+
+@jax.jit
+def _distance(mine: PyTree, my_weight: jax.Array, totals: PyTree, total_weight: jax.Array
+              ) -> jax.Array:
+  return jnp.sqrt(sum(jnp.sum(jnp.square(m / my_weight - t / total_weight))
+                      for m, t in zip(jax.tree.leaves(mine), jax.tree.leaves(totals))))
+
+
+def spread(mine: PyTree, my_weight: float, totals: PyTree, total_weight: float,
+           meshes: Meshes) -> jax.Array:
+  """`||x_i - mean||` from what the round's reduction already holds, on this host's devices.
+
+  Both modes reduce a tree of the form `sum_j w_j (x_j - c)` (up to sign)
+  whose weights make `totals / total_weight` the hosts' sample-weighted
+  mean minus `c`, while `mine / my_weight` is `x_i - c`: the difference is
+  this host's distance to the mean, and no second full-size sum is needed.
+  """
+  local = jax.tree.map(lambda x: step_lib.to_local(x, meshes), totals)
+  return _distance(mine, jnp.float32(my_weight), local, jnp.float32(total_weight))
 
 
 def to_host_mesh(tree: PyTree, meshes: Meshes) -> PyTree:

@@ -14,7 +14,6 @@ every host (each local step of a host takes `global_batch / hosts` unless
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import time
 from typing import Any, Callable, NamedTuple, Sequence
@@ -24,11 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from hetjax import agreement
 from hetjax import augment as augment_lib
 from hetjax import checkpoint as ckpt_lib
 from hetjax import data as data_lib
-from hetjax import evaluate as evaluate_lib
-from hetjax import metrics as metrics_lib
+from hetjax import run_common
 from hetjax import runtime
 from hetjax import signals
 from hetjax import step as step_lib
@@ -43,9 +42,10 @@ PyTree = Any
 WARMUP_ROUNDS = rounds_lib.WARMUP_ROUNDS
 _EMULATION_ENV = ("HETJAX_SPEED", "HETJAX_SLOWDOWN", "HETJAX_DEVICE_SAMPLE_MS")
 # The host vector of the reduction: seconds per local step, the round's
-# local compute seconds, the last reduction's seconds, the stop flag, the
-# distance of the host's parameters from the centre.
-_STEP_S, _COMPUTE_S, _WAIT_S, _STOP, _DRIFT = range(5)
+# local compute seconds, and, of the round before (known only after its
+# reduction), the reduction's seconds and the host's distance to the hosts'
+# mean; then the stop flag.
+_STEP_S, _COMPUTE_S, _WAIT_S, _SPREAD, _STOP = range(5)
 
 
 class Saved(NamedTuple):
@@ -72,16 +72,11 @@ class RoundsHistory:
   samples: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
   compute_s: list[list[float]] = dataclasses.field(default_factory=list)
   wait_s: list[list[float]] = dataclasses.field(default_factory=list)
-  drift: list[list[float]] = dataclasses.field(default_factory=list)
+  spread: list[list[float]] = dataclasses.field(default_factory=list)  # ||x_i - mean||
   round_s: list[float] = dataclasses.field(default_factory=list)
   loss: list[float] = dataclasses.field(default_factory=list)
   metrics: list[dict[str, float]] = dataclasses.field(default_factory=list)
   evals: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)  # round -> figures
-
-
-def _fingerprint(text: str) -> np.ndarray:
-  digest = hashlib.sha256(text.encode()).digest()[:8]
-  return np.frombuffer(digest, dtype=np.uint16).astype(np.float32)
 
 
 class RoundsTrainer:
@@ -129,11 +124,9 @@ class RoundsTrainer:
     self.sampler = data_lib.GlobalSampler(len(source), config.global_batch, config.seed,
                                           name=source.info.name)
     mine = f"{config!r}|{rounds!r}|{source.info!r}|{len(source)}|{identity}|{checkpoint!r}"
-    everyone = step_lib.gather_host_values(_fingerprint(mine), self.meshes)
-    differ = [h for h in range(self.num_hosts) if not np.array_equal(everyone[h], everyone[0])]
-    if differ:
-      raise ValueError(f"host(s) {differ} run a different configuration from host 0 (config "
-                       "hash mismatch): every host must run the same command and arguments.")
+    everyone = step_lib.gather_host_values(agreement.text_fingerprint(mine), self.meshes)
+    agreement.check_all_equal(everyone, what="configuration", fix="(config hash mismatch): "
+                              "every host must run the same command and arguments.")
     self.emulated = pace is not None or any(k in os.environ for k in _EMULATION_ENV)
     if pace is None and self.emulated:
       from hetjax import emulate  # Emulation stays off the real path.
@@ -154,7 +147,7 @@ class RoundsTrainer:
       self.mode = elastic_lib.Elastic(rounds.elastic_beta, self.meshes)
     self.centre = self.mode.init_centre(params, model_state)
     self.local = rounds_lib.LocalStep(task, optimizer, self.meshes, config.microbatch,
-                                      self.local_batch)
+                                      self.local_batch, config.precision)
     self.host_params, self.host_model_state = None, None
     self.host_opt_state = self.local.init_opt_state(rounds_lib.to_host_mesh(params, self.meshes))
     self.reduction = rounds_lib.RoundReduction(config.reduction, self.meshes)
@@ -163,7 +156,7 @@ class RoundsTrainer:
     self.position = 0          # The data cursor: next position of the global stream.
     self._start_round = 0
     self._base_key = jax.random.key(config.seed)
-    self._last_wait = 0.0
+    self._last_wait = self._last_spread = 0.0
     self._stop_code = 0.0  # The largest stop signal any host sent (hetjax.signals).
     self._evaluator = None
     self.resumed_from: int | None = None
@@ -210,34 +203,37 @@ class RoundsTrainer:
       params, opt_state, model_state, stats = self.local(
           params, opt_state, model_state, part, self._base_key, r, plan.first_block(me, k))
       totals = stats if totals is None else jax.tree.map(jnp.add, totals, stats)
-    contribution, drift = self.mode.contribution(self.centre, params, model_state, n[me], total_n)
+    contribution = self.mode.contribution(self.centre, params, model_state, n[me], total_n)
     jax.block_until_ready(contribution)
     compute = time.perf_counter() - t0
     if self.pace is not None:
       padded = self.local.micro_rounds * self.meshes.local_devices * self.config.microbatch
       compute = self.pace(compute, r, taus[me] * padded)
     t1 = time.perf_counter()
-    host_values = np.array([compute / taus[me], compute, self._last_wait,
-                            signals.REQUESTS.code, float(drift)])
+    host_values = np.array([compute / taus[me], compute, self._last_wait, self._last_spread,
+                            signals.REQUESTS.code])
     reduced, rows = self.reduction({"update": contribution, "stats": totals}, host_values)
+    spread = self.mode.spread(contribution, reduced["update"], n[me], total_n)
     self.centre, params = self.mode.finish(self.centre, reduced["update"], params, total_n)
     self.host_params, self.host_opt_state, self.host_model_state = params, opt_state, model_state
     stats = jax.device_get(reduced["stats"])
     t2 = time.perf_counter()
-    self._last_wait = t2 - t1
+    self._last_wait, self._last_spread = t2 - t1, float(spread)
     self._stop_code = float(rows[:, _STOP].max())
     self.taus.observe(r, rows[:, _STEP_S].tolist())
     self.position += plan.size
     weight = float(stats["weight"]) or 1.0
     metrics = {"loss": float(stats["loss"]) / weight,
                **{k: float(v) / weight for k, v in stats["metrics"].items()}}
+    if "skipped" in stats:  # fp16: local steps skipped for overflow, over every host.
+      metrics["skipped"] = float(stats["skipped"])
     h = self.history
     h.taus.append(taus)
     h.samples.append(n)
     h.compute_s.append(rows[:, _COMPUTE_S].tolist())
-    if len(h.wait_s) < len(h.taus) - 1:
+    if len(h.wait_s) < len(h.taus) - 1:  # The round before's, now that every host sent them.
       h.wait_s.append(rows[:, _WAIT_S].tolist())
-    h.drift.append(rows[:, _DRIFT].tolist())
+      h.spread.append(rows[:, _SPREAD].tolist())
     h.round_s.append(t2 - t0)
     h.loss.append(metrics["loss"])
     h.metrics.append(metrics)
@@ -249,14 +245,15 @@ class RoundsTrainer:
     """Round `i` of this run (0-based in history) in the `hetjax.metrics` schema.
 
     A round is a "step" of the schema: shares are the samples each host
-    processed, and the round's figures (tau, drift, reduction seconds) ride
-    in `metrics` as `tau/<host>`, `drift/<host>`, `reduction_s`.
+    processed, and the round's figures (tau, distance to the hosts' mean,
+    reduction seconds) ride in `metrics` as `tau/<host>`, `spread/<host>`,
+    `reduction_s`.
     """
     h = self.history
     metrics = {k: v for k, v in h.metrics[i].items() if k != "loss"}
     for host in range(self.num_hosts):
       metrics[f"tau/{host}"] = float(h.taus[i][host])
-      metrics[f"drift/{host}"] = float(h.drift[i][host])
+      metrics[f"spread/{host}"] = float(h.spread[i][host])
     metrics["reduction_s"] = float(min(h.wait_s[i]))
     record = {"step": self._start_round + i, "time_s": time_s, "loss": h.loss[i],
               "metrics": metrics, "samples_per_sec": sum(h.samples[i]) / h.round_s[i],
@@ -268,9 +265,12 @@ class RoundsTrainer:
     return record
 
   def _final_waits(self) -> None:
+    """The last round's reduction seconds and spreads travel in one extra small collective."""
     if len(self.history.wait_s) < len(self.history.taus):
-      rows = step_lib.gather_host_values(np.array([self._last_wait]), self.meshes)
+      rows = step_lib.gather_host_values(np.array([self._last_wait, self._last_spread]),
+                                         self.meshes)
       self.history.wait_s.append([float(r) for r in rows[:, 0]])
+      self.history.spread.append([float(r) for r in rows[:, 1]])
 
   # ---- the loop -------------------------------------------------------------
 
@@ -287,20 +287,10 @@ class RoundsTrainer:
     outside its clock, and a stop signal to any host makes every host stop
     at the next round boundary (saving first when there is a checkpoint folder).
     """
-    if (rounds is None) == (until is None):
-      raise ValueError("give fit() exactly one of rounds (how many more) or until (the last round).")
-    if rounds is not None and rounds < 0:
-      raise ValueError(f"rounds must be >= 0, got {rounds}.")
-    if eval_every < 0:
-      raise ValueError(f"eval_every must be >= 0 rounds (0: evaluate only at the end), got {eval_every}.")
-    if eval_every and eval_source is None:
-      raise ValueError(f"eval_every={eval_every} needs eval_source, the split to evaluate on.")
+    run_common.check_fit_args(rounds, until, eval_every, eval_source, "rounds")
     callback = on_round or on_step
     target = self.round + rounds if until is None else until
-    writer = None
-    if out is not None and self.host_id == 0:
-      writer = metrics_lib.MetricsWriter(out, resume_step=self.round or None)
-      sinks = [*sinks, writer.write]
+    writer, sinks = run_common.open_run_folder(out, self.host_id, self.round, sinks)
     emitted, clock = len(self.history.wait_s), 0.0
 
     def emit() -> None:
@@ -326,35 +316,24 @@ class RoundsTrainer:
             log(f"round {self.round:5d} {shown} taus={','.join(map(str, self.history.taus[-1]))}")
           if self._stop_code:
             code, self._stop_code = self._stop_code, 0.0
-            signals.REQUESTS.clear()
-            directory = None
-            if self.checkpointer is not None:
-              self.save_checkpoint(wait=True)
-              directory = self.checkpointer.directory
-            summary = self.summary()
-            emit()
-            if out is not None:
-              self.write_summary(out, summary)
-            raise signals.stopped(code, self.round, directory)
+            run_common.stop_run(code, self.round, self.checkpointer,
+                                lambda: self.save_checkpoint(wait=True), self.summary, emit, out,
+                                self.host_id)
+          if self.config.check_every and self.round % self.config.check_every == 0:
+            self.check_centre_agrees()
           if self.checkpointer is not None and self.round % self.checkpointer.config.every == 0:
             self.save_checkpoint()
       if eval_source is not None and (len(self.history.taus) - 1) not in self.history.evals:
         self.history.evals[len(self.history.taus) - 1] = self.evaluate(eval_source)
-      if self.checkpointer is not None:
-        self.save_checkpoint(wait=True)
-      summary = self.summary()
-      emit()
-      if out is not None:
-        self.write_summary(out, summary)
-      return summary
+      return run_common.close_run(self.checkpointer, lambda: self.save_checkpoint(wait=True),
+                                  self.summary, emit, out, self.host_id)
     finally:
       if writer is not None:
         writer.close()
 
   def write_summary(self, out: str, summary: dict[str, Any]) -> None:
     """Writes OUT/summary.json on process 0 (what `hetjax report` reads)."""
-    if self.host_id == 0:
-      metrics_lib.write_summary(out, summary)
+    run_common.write_summary(out, summary, self.host_id)
 
   def summary(self, digest: bool = False) -> dict[str, Any]:
     """The figures of the run so far; identical on every host (`digest`: hash the centre too)."""
@@ -368,49 +347,32 @@ class RoundsTrainer:
     for i in range(self.num_hosts):
       per_host.append({"batch": [s[i] for s in h.samples], "tau": [t[i] for t in h.taus],
                        "compute_s": [c[i] for c in h.compute_s],
-                       "wait_s": [w[i] for w in h.wait_s], "drift": [d[i] for d in h.drift]})
-    return {
-        "mode": self.rounds.mode,
-        "steps": len(h.taus),
-        "last_step": self.round,
-        "resumed_from": self.resumed_from,
-        "global_batch": self.config.global_batch,
-        "local_batch": self.local_batch,
-        "hosts": self.num_hosts,
-        "devices_per_host": self.meshes.local_devices,
-        "reduction": self.config.reduction,
-        "balancer_mode": f"{self.rounds.mode} rounds, taus " + (
-            "from speeds" if self.rounds.local_steps is None else "fixed (--local-steps)"),
-        "balancer_decisions": [],
-        "samples_per_sec": samples / seconds if seconds else 0.0,
-        "final_loss": h.loss[-1] if h.loss else None,
-        "final_metrics": h.metrics[-1] if h.metrics else {},
-        "params_digest": params_digest(self.params()) if digest else None,
-        "eval": self._last_eval(),
-        "emulated_speeds": self.emulated,
-        "data_position": self.position,
-        "per_host": per_host,
-    }
+                       "wait_s": [w[i] for w in h.wait_s], "spread": [d[i] for d in h.spread]})
+    taus = "from speeds" if self.rounds.local_steps is None else "fixed (--local-steps)"
+    return {"mode": self.rounds.mode, "local_batch": self.local_batch,
+            "data_position": self.position, **run_common.summary_fields(
+                steps=len(h.taus), last_step=self.round, resumed_from=self.resumed_from,
+                config=self.config, meshes=self.meshes,
+                balancer_mode=f"{self.rounds.mode} rounds, taus {taus}", balancer_decisions=[],
+                samples_per_sec=samples / seconds if seconds else 0.0, losses=h.loss,
+                metrics=h.metrics, params_digest=params_digest(self.params()) if digest else None,
+                evaluation=self._last_eval(), emulated=self.emulated, per_host=per_host)}
 
   def params(self) -> PyTree:
     """The centre's parameters as host numpy arrays."""
-    return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), self.centre.params)
+    return run_common.host_copy(self.centre.params)
 
   def evaluate(self, source: data_lib.ArraySource, batch_size: int = 256) -> dict[str, float]:
     """Mean loss and metrics of the centre over all of `source`; every host must call it.
 
     Spread over the hosts by the samples they processed last round (their speed).
     """
-    if self._evaluator is None or self._evaluator.batch != batch_size * self.meshes.local_devices:
-      self._evaluator = evaluate_lib.Evaluator(self.task, self.meshes, batch_size)
+    self._evaluator = run_common.evaluator_for(self._evaluator, self.task, self.meshes, batch_size)
     weights = self.history.samples[-1] if self.history.samples else [1] * self.num_hosts
     return self._evaluator.evaluate(self.centre.params, self.centre.model_state, source, weights)
 
   def _last_eval(self) -> dict[str, Any] | None:
-    if not self.history.evals:
-      return None
-    index = max(self.history.evals)
-    return {"step": self._start_round + index, **self.history.evals[index]}
+    return run_common.last_eval(self.history.evals, self._start_round)
 
   def close(self) -> None:
     if self.checkpointer is not None:
@@ -419,13 +381,26 @@ class RoundsTrainer:
 
   # ---- checkpoints ------------------------------------------------------------
 
+  def check_centre_agrees(self) -> None:
+    """Compares every host's fingerprint of the centre and outer state (every host must call it).
+
+    Every host computes the centre's update itself; this catches one that
+    drifted (other code, a numerical difference) every `check_every`
+    rounds and before each checkpoint. The hosts' own parameters differ by
+    design (elastic) and are not compared.
+
+    Raises:
+      agreement.HostsDisagree: naming the hosts whose centre differs.
+    """
+    local = jax.tree.map(lambda x: step_lib.to_local(x, self.meshes), self.centre)
+    rows = step_lib.gather_host_values(agreement.params_fingerprint(local), self.meshes)
+    agreement.check_fingerprints(self.round, rows, what="centres (parameters, outer state)")
+
   def _all_hosts_agree(self, flag: bool) -> bool:
-    flags = step_lib.gather_host_values(np.array([float(flag)]), self.meshes)
-    return bool(np.all(flags > 0))
+    return run_common.all_hosts_agree(flag, self.meshes)
 
   def _layout(self) -> dict[str, Any]:
-    return {"hosts": self.num_hosts, "devices_per_host": list(self.meshes.devices_per_host()),
-            "microbatch": self.config.microbatch}
+    return run_common.layout(self.meshes, self.config.microbatch)
 
   def _rows(self, tree: PyTree) -> PyTree:
     """This host's arrays as its rows of `[all devices, ...]` global arrays."""
@@ -444,6 +419,8 @@ class RoundsTrainer:
     """Saves the state after `self.round` rounds (every host must call it)."""
     if self.checkpointer is None:
       raise ValueError("this trainer has no checkpoint folder; pass checkpoint=CheckpointConfig(...).")
+    if self.checkpointer.last_saved != self.round:
+      self.check_centre_agrees()
     meta = {"job": self.job, "layout": self._layout(), "position": self.position,
             "round": self.round, "taus": self.taus.state_dict()}
     self.checkpointer.save(self.round, self._saved(), meta)
