@@ -49,6 +49,7 @@ from hetjax.task import MASK, Task, split_losses
 PyTree = Any
 LEARNING_RATE = "hetjax.lr"  # Stats entry: the update's learning rate, when the optimizer shows it.
 DEV = "dev"   # axis of the local mesh: this host's devices
+_POSITION = "hetjax.position"  # Batch entry, one row per device: (step, block, first micro-batch?).
 ALL = "all"   # axis of the global mesh: every device of every host
 
 
@@ -262,12 +263,13 @@ class LocalProgram:
     low = compute != jnp.float32
     task = self._task
 
-    def per_device(views, sums, batch, key, step, first_block, first):
+    def per_device(views, sums, batch, key):
       params, model_state, scale = layout.views.unpack(views)
       # Without the cast, grad of a replicated input would already be summed
       # over the local devices; per-device sums let one reduction do it all.
       params = jax.lax.pcast(params, DEV, to="varying")
-      block = first_block + jax.lax.axis_index(DEV)
+      batch = dict(batch)
+      step, block, first = batch.pop(_POSITION)[0]
       rng = jax.random.fold_in(jax.random.fold_in(key, step), block)
       real = batch[MASK] > 0
       masked_sum = lambda v: jnp.sum(jnp.where(real, v.astype(jnp.float32), 0.0))
@@ -297,11 +299,11 @@ class LocalProgram:
           metrics={k: masked_sum(v) for k, v in metrics.items()},
           model_state=jax.tree.map(lambda s: jnp.where(n > 0, s * n, 0.0), new_state)))
       # The first micro-batch of a step starts from zero in a recycled buffer.
-      return jnp.where(first, 0.0, sums) + row["float32"][None]
+      return jnp.where(first > 0, 0.0, sums) + row["float32"][None]
 
     self._accumulate = jax.jit(
         jax.shard_map(per_device, mesh=self.meshes.local,
-                      in_specs=(P(), P(DEV), P(DEV), P(), P(), P(), P()), out_specs=P(DEV)),
+                      in_specs=(P(), P(DEV), P(DEV), P()), out_specs=P(DEV)),
         donate_argnums=(1,))
     # Compiled now, so that a first share of 0 later on compiles nothing.
     shape = (self.meshes.local_devices, layout.row_size)
@@ -333,12 +335,14 @@ class LocalProgram:
     sums, first = self._ring[slot], True
     if sums is None or sums.is_deleted():
       sums = self._zeros()
-    step = np.int32(step)
     d = self.meshes.local_devices
     for i, micro in enumerate(micro_batches(batch, self.micro)):
+      # Each device's (step, block, first micro-batch?) rides in the batch's
+      # one transfer rather than as three scalar arguments (a transfer each).
+      micro[_POSITION] = np.stack([np.full(d, step), first_block + i * d + np.arange(d),
+                                   np.full(d, first)], axis=1).astype(np.int32)
       micro = jax.device_put(micro, self.meshes.local_by_device)
-      sums = self._accumulate(views, sums, micro, local_key, step,
-                              np.int32(first_block + i * d), first)
+      sums = self._accumulate(views, sums, micro, local_key)
       first = False
     if first:  # No micro-batch: the recycled buffer still holds old sums.
       sums = self._zeros()

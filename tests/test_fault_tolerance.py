@@ -21,10 +21,11 @@ def test_sigterm_to_one_host_makes_every_host_save_at_the_next_boundary_and_resu
   results = run_hosts("_ckpt_entries:preempt_resume_and_reference", hosts=2,
                       args=(str(tmp_path), 1, 4, 9), timeout_s=600)
   for r in results:
-    # Host 1 got the signal after step 4; the flag reached every host in step
-    # 5's reduction, so all saved the state after 5 steps and stopped there.
-    assert r["preempted"] == 5 and r["steps_done_first"] == 5
-    assert r["resumed_from"] == 5
+    # Host 1 got the signal after step 4; the flag travelled in step 4's
+    # reduction, and every host acts on it two steps later (step 5 was
+    # already dispatched), so all saved the state after 6 steps and stopped.
+    assert r["preempted"] == 6 and r["steps_done_first"] == 6
+    assert r["resumed_from"] == 6
     assert r["digest"] == r["reference"]  # Bit for bit, same layout.
 
 
