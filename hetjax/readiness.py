@@ -20,23 +20,29 @@ import jax
 class ReadyClock:
   """Notes, on one helper thread, the `time.perf_counter()` when arrays are ready.
 
+  One submission per step (each one wakes the thread, which then competes
+  with the loop for the GIL), however many stages it times.
+
   Example:
     >>> clock = ReadyClock()
-    >>> done = clock.watch(sums)       # returns at once
-    >>> ready_at = done.result()       # later: when `sums` was ready
+    >>> done = clock.watch(sums, update)      # returns at once
+    >>> sums_at, update_at = done.result()    # later: when each was ready
   """
 
   def __init__(self):
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hetjax-ready")
 
-  def watch(self, arrays: Any) -> concurrent.futures.Future:
-    """A future of the moment every array in the tree `arrays` is ready."""
-    return self._pool.submit(_ready_at, arrays)
+  def watch(self, *stages: Any) -> concurrent.futures.Future:
+    """A future of the moments each stage (a tree of arrays) was ready, in order."""
+    return self._pool.submit(_ready_at, stages)
 
   def close(self) -> None:
     self._pool.shutdown(wait=True)
 
 
-def _ready_at(arrays: Any) -> float:
-  jax.block_until_ready(arrays)
-  return time.perf_counter()
+def _ready_at(stages: tuple[Any, ...]) -> tuple[float, ...]:
+  times = []
+  for arrays in stages:
+    jax.block_until_ready(arrays)
+    times.append(time.perf_counter())
+  return tuple(times)

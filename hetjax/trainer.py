@@ -114,8 +114,7 @@ class _InFlight(NamedTuple):
   shares: tuple[int, ...]
   t0: float                          # when its dispatch began
   t1: float                          # when its local programs were dispatched (and paced)
-  local_ready: Future | None         # when its local sums were ready (helper thread)
-  update_ready: Future | None        # when its update was ready
+  ready: Future | None               # when its local sums, then its update, were ready
   paced: float | None                # emulated compute seconds (emulation only)
   reduced: step_lib.Reduced
 
@@ -323,21 +322,18 @@ class Trainer:
     if self.checkpointer is not None:
       self.checkpointer.run_deferred()  # While the devices compute.
     paced = None
-    if self.pace is None:
-      local_ready = self._clock.watch(sums)
-    else:
+    if self.pace is not None:
       jax.block_until_ready(sums)
       unit = self.config.microbatch * self.meshes.local_devices
       busy_from = max(t0, self._last_update_ready or t0)
       paced = self.pace(time.perf_counter() - busy_from, step,
                         -(-shares[self.host_id] // unit) * unit)
-      local_ready = None
     t1 = time.perf_counter()
     timed = self._timings.pop(step - 2, (0.0, 0.0))
     host_values = np.array([*timed, signals.REQUESTS.code, *shares])
     self.state, reduced = self.reduction(self.state, sums, host_values)
-    update_ready = self._clock.watch(reduced.stats) if self.pace is None else None
-    return _InFlight(step, shares, t0, t1, local_ready, update_ready, paced, reduced)
+    ready = self._clock.watch(sums, reduced.stats) if self.pace is None else None
+    return _InFlight(step, shares, t0, t1, ready, paced, reduced)
 
   def _finish(self, flight: "_InFlight") -> dict[str, float]:
     """Fetches a dispatched step's statistics and rows; records and checks them."""
@@ -350,7 +346,7 @@ class Trainer:
       # or not its loop overlaps steps.
       self._stop_code, self._stop_at = code, step + 2
     if self.pace is None:
-      local_ready, update_ready = flight.local_ready.result(), flight.update_ready.result()
+      local_ready, update_ready = flight.ready.result()
       # The devices start a step when the previous update is done, or when it is dispatched.
       busy_from = max(flight.t0, self._last_update_ready or flight.t0)
       self._timings[step] = (local_ready - busy_from, update_ready - local_ready)
