@@ -550,7 +550,8 @@ class Trainer:
     missing = range(h.dropped + len(h.compute_s), h.steps)  # At most the last two steps.
     if missing:  # Every host misses the same steps.
       mine = [x for i in missing for x in self._timings.get(self._start_step + i, (0.0, 0.0))]
-      rows = step_lib.gather_host_values(np.array(mine), self.meshes)
+      # Always four values: one compiled gather, however many steps are missing.
+      rows = step_lib.gather_host_values(np.array(mine + [0.0] * (4 - len(mine))), self.meshes)
       for k in range(len(missing)):
         h.compute_s.append([float(r) for r in rows[:, 2 * k]])
         h.wait_s.append([float(r) for r in rows[:, 2 * k + 1]])
