@@ -1,0 +1,135 @@
+"""Where hetjax's extra time per step goes: each compiled program timed alone.
+
+Run from the repository root (a minute or two):
+
+  python bench/step_phases.py [--models cnn,resnet18,resnet50] [--repeats 15]
+
+`bench/overhead.py` compares whole loops; this script explains its result.
+For each model (the same settings as `bench/overhead.py`, 1 host x 1
+device, one micro-batch per step) it times, interleaved and each waited on
+alone (medians):
+
+  plain      the hand-written loop's one program: loss, gradient, adam;
+  local      hetjax's local program: loss, gradient, sums packed in a row;
+  update     hetjax's reduction + update program: the row summed and
+             unpacked, adam, the model state, the packed parameter views;
+  adam       adam alone on the unpacked gradients (part of `update`).
+
+`local + update - plain` is the time hetjax's device work adds to a step;
+the rest of `bench/overhead.py`'s figure is host work (Python, transfers).
+On a CPU the "device" is the same cores as the host, so the plain loop's
+single fused program has an edge that two programs cannot recover there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import hetjax
+from hetjax import data as data_lib
+from hetjax import step as step_lib
+import hetjax_models
+import overhead
+
+
+def _median_ms(runs: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+  """Each callable's median wall time in ms, run interleaved and waited on."""
+  times: dict[str, list[float]] = {name: [] for name in runs}
+  for fn in runs.values():  # Compile and warm up.
+    jax.block_until_ready(fn())
+  for _ in range(repeats):
+    for name, fn in runs.items():
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn())
+      times[name].append((time.perf_counter() - t0) * 1e3)
+  return {name: round(statistics.median(v), 3) for name, v in times.items()}
+
+
+def measure(name: str, source: data_lib.ArraySource, repeats: int) -> dict[str, float]:
+  """The four programs of one model, timed alone."""
+  setting = overhead.SETTINGS[name]
+  task = hetjax_models.build(name, kind=source.info.kind, num_classes=source.info.num_classes,
+                             **setting.overrides)
+  optimizer = optax.adam(overhead.LEARNING_RATE)
+  plain = overhead.PlainLoop(task, optimizer, source, setting.global_batch, "fp32")
+  trainer = hetjax.Trainer(task, optimizer, source, hetjax.TrainConfig(
+      global_batch=setting.global_batch, microbatch=setting.global_batch, seed=overhead.SEED))
+  for _ in range(2):
+    plain.train_step()
+    trainer.train_step()
+  plain.wait()
+  local, meshes = trainer.local, trainer.meshes
+  layout = local.layout
+  state = trainer.state
+  views = local.views.get(layout, state.params, state.model_state, state.loss_scale.scale)
+  micro = next(step_lib.micro_batches(trainer.loader.get(trainer.step, (setting.global_batch,)),
+                                      local.micro))
+  micro[step_lib._POSITION] = np.array([[trainer.step, 0, 1]], np.int32)
+  micro = jax.device_put(micro, meshes.local_by_device)
+  key = jax.device_put(jax.random.key(overhead.SEED), meshes.local_replicated)
+  plain_batch, rng = jax.device_put(plain.batch(0)), jax.random.key(0)
+  box = {"sums": local._zeros(), "plain": (plain.params, plain.opt_state, plain.model_state)}
+  rows = step_lib.host_rows(np.zeros(4), meshes)
+  update = jax.jit(_undonated(layout, optimizer), out_shardings=meshes.replicated)
+  adam = jax.jit(lambda st, row: optimizer.update(
+      layout.sums.unpack({"float32": row[0]}).grads, st.opt_state, st.params))
+
+  def run_plain():
+    out = plain._step(*box["plain"], plain_batch, rng)
+    box["plain"] = out[:3]
+    return out
+
+  def run_local():
+    box["sums"] = local._accumulate(views, box["sums"], micro, key)
+    return box["sums"]
+
+  world = lambda: step_lib.to_world(box["sums"], meshes)
+  result = _median_ms({"plain": run_plain, "local": run_local,
+                       "update": lambda: update(state, world(), rows),
+                       "adam": lambda: adam(state, world())}, repeats)
+  result["added"] = round(result["local"] + result["update"] - result["plain"], 3)
+  result["row_floats"] = layout.row_size
+  trainer.close()
+  return result
+
+
+def _undonated(layout: step_lib.Layout, optimizer: optax.GradientTransformation) -> Callable:
+  """The reduction program's body, without donating the state (timed repeatedly)."""
+
+  def program(state, sums, rows):
+    totals = layout.sums.unpack({"float32": jnp.sum(sums, axis=0)})
+    return step_lib._update(optimizer, state, totals, layout, jnp.bool_(False)), rows
+
+  return program
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+  parser.add_argument("--models", default="cnn,resnet18,resnet50")
+  parser.add_argument("--repeats", type=int, default=15)
+  args = parser.parse_args(argv)
+  hetjax.initialize()
+  source = data_lib.load("digits")
+  print(f"hetjax step phases (ms, each program alone, median of {args.repeats}); "
+        f"{jax.devices()[0].platform}, jax {jax.__version__}")
+  print(f"{'model':>9} {'plain':>8} {'local':>8} {'update':>8} {'adam':>8} {'added':>8}")
+  rows = {}
+  for name in [m.strip() for m in args.models.split(",") if m.strip()]:
+    r = rows[name] = measure(name, source, args.repeats)
+    print(f"{name:>9} {r['plain']:>8.2f} {r['local']:>8.2f} {r['update']:>8.2f} "
+          f"{r['adam']:>8.2f} {r['added']:>8.2f}", flush=True)
+  print(json.dumps(rows))
+  return rows
+
+
+if __name__ == "__main__":
+  main()
