@@ -35,11 +35,16 @@ import time
 from typing import Any, Callable
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
 PyTree = Any
 FORMAT = 1
+# TrainState fields a checkpoint may lack because it predates them: each is
+# filled from the fresh state of this run (for `loss_scale`, the default
+# scale of the run's precision: 1 in fp32/bf16, 2^15 in fp16).
+ADDED_FIELDS = ("loss_scale",)
 _COMMIT_MARKER = "commit_success.txt"  # Written by orbax when a step folder is complete.
 log = logging.getLogger("hetjax.checkpoint")
 
@@ -153,7 +158,11 @@ class Checkpointer:
     self._agree = agree
     options = ocp.CheckpointManagerOptions(
         max_to_keep=config.keep, create=True, enable_async_checkpointing=config.async_save)
-    self._manager = ocp.CheckpointManager(self._path, options=options)
+    # Handlers named up front so `item_metadata` can tell which fields a
+    # checkpoint holds before its arrays are read (an older one lacks some).
+    self._manager = ocp.CheckpointManager(
+        self._path, options=options,
+        item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
     self.last_saved: int | None = None
     self._deferred: tuple[int, Any, dict[str, Any]] | None = None
     self.handover_s: list[float] = []  # Seconds each save call spent in orbax.
@@ -226,11 +235,14 @@ class Checkpointer:
         raise ValueError(f"checkpoint {self.directory}/{step} belongs to another job: "
                          + "; ".join(differences) + ". Use another --ckpt-dir, or "
                          "--no-resume to start afresh (its checkpoints are then replaced).")
-      state = self._read_state(step, like)
+      state, missing = self._read_state(step, like)
       if not self._agree(state is not None):
         _warn(f"skipping checkpoint {self.directory}/{step}: its arrays are damaged or "
               "incomplete on at least one host; trying the previous one.")
         continue
+      if missing:
+        _say(f"checkpoint {self.directory}/{step} predates {', '.join(missing)}; "
+             + "; ".join(_describe_fill(name, state[name]) for name in missing) + ".")
       self.last_saved = step  # Already on disk: a run with nothing left to do must not resave it.
       return type(like)(**state), meta
     return None
@@ -245,21 +257,50 @@ class Checkpointer:
       return None
     return meta
 
-  def _read_state(self, step: int, like: Any) -> dict[str, Any] | None:
+  def _read_state(self, step: int, like: Any) -> tuple[dict[str, Any] | None, list[str]]:
+    """The arrays of `step` on `like`'s shardings, and the `ADDED_FIELDS` it lacked.
+
+    A field in `ADDED_FIELDS` that the checkpoint does not hold is taken from
+    `like` (the run's fresh state), so a checkpoint written before the field
+    existed still continues the run; any other difference is damage (None).
+    """
+    fresh = like._asdict()
+    try:
+      saved = set(self._manager.item_metadata(step).state.keys())
+    except Exception as e:  # pylint: disable=broad-except
+      log.debug("array metadata of step %d unreadable: %s", step, e)
+      return None, []
+    missing = [name for name in ADDED_FIELDS if name not in saved]
+    wanted = {k: v for k, v in fresh.items() if k not in missing}
     abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like._asdict())
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), wanted)
     try:
       restored = self._manager.restore(
           step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))).state
     except Exception as e:  # pylint: disable=broad-except
       log.debug("arrays of step %d unreadable: %s", step, e)
-      return None
+      return None, []
     # Restored containers may be plain tuples; the arrays go back into our structure.
     leaves = jax.tree.leaves(restored)
-    treedef = jax.tree.structure(like._asdict())
+    treedef = jax.tree.structure(wanted)
     if len(leaves) != treedef.num_leaves:
-      return None
-    return jax.tree.unflatten(treedef, leaves)
+      return None, []
+    state = jax.tree.unflatten(treedef, leaves)
+    return {k: state[k] if k in state else fresh[k] for k in fresh}, missing
+
+
+def _describe_fill(name: str, value: Any) -> str:
+  """How a field missing from an older checkpoint was filled, for the one printed line."""
+  if name == "loss_scale":
+    scale = float(np.asarray(value.scale.addressable_data(0)))
+    return f"loss scale set to {scale:g}, the default for this run's precision"
+  return f"{name} set to this run's initial value"
+
+
+def _say(message: str) -> None:
+  if jax.process_index() == 0:
+    print(f"hetjax: {message}", flush=True)
+  log.info(message)
 
 
 def _warn(message: str) -> None:

@@ -12,7 +12,9 @@ import time
 import jax
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
+from etils import epath
 
 import hetjax
 import hetjax_models
@@ -21,13 +23,14 @@ from hetjax import checkpoint, cli, data, procs, trainer
 DIGITS = data.load("digits")
 
 
-def _trainer(directory, *, resume=True, every=3, width=None, optimizer=None, keep=3):
+def _trainer(directory, *, resume=True, every=3, width=None, optimizer=None, keep=3,
+             precision="fp32"):
   hetjax.initialize()
   overrides = {} if width is None else {"hidden": (width, width)}
   task = hetjax_models.build("mlp", kind="image", num_classes=10, **overrides)
   return trainer.Trainer(
       task, optimizer or optax.adam(1e-3), DIGITS,
-      trainer.TrainConfig(global_batch=64, microbatch=4),
+      trainer.TrainConfig(global_batch=64, microbatch=4, precision=precision),
       checkpoint=checkpoint.CheckpointConfig(str(directory), every=every, keep=keep, resume=resume))
 
 
@@ -92,6 +95,53 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(tmp_path, uninter
   assert f"skipping checkpoint {tmp_path}/7" in capsys.readouterr().out
   assert resumed.resumed_from == 6
   assert _digest(resumed, until=10) == uninterrupted
+
+
+def _write_pre_mixed_precision_checkpoint(directory, tr):
+  """The checkpoint hetjax wrote before mixed precision: a TrainState with no loss_scale."""
+  old_state = {k: v for k, v in tr.state._asdict().items() if k != "loss_scale"}
+  meta = {"format": checkpoint.FORMAT, "step": tr.step, **tr._checkpoint_meta()}
+  manager = ocp.CheckpointManager(epath.Path(directory),
+                                  options=ocp.CheckpointManagerOptions(create=True))
+  manager.save(tr.step, force=True, args=ocp.args.Composite(
+      state=ocp.args.StandardSave(old_state), meta=ocp.args.JsonSave(meta)))
+  manager.wait_until_finished()
+  manager.close()
+
+
+@pytest.fixture(scope="module")
+def pre_mixed_precision_folder(tmp_path_factory):
+  """A folder whose only checkpoint (step 6) has the old format."""
+  writer = _trainer(tmp_path_factory.mktemp("writer"), every=100)
+  writer.fit(until=6)
+  folder = tmp_path_factory.mktemp("old-format")
+  _write_pre_mixed_precision_checkpoint(folder, writer)
+  with open(folder / "6" / "state" / "_METADATA") as f:
+    assert "loss_scale" not in f.read()  # Really the old format.
+  return folder
+
+
+def test_a_checkpoint_from_before_mixed_precision_resumes_exactly(
+    tmp_path, pre_mixed_precision_folder, uninterrupted, capsys):
+  shutil.copytree(pre_mixed_precision_folder, tmp_path, dirs_exist_ok=True)
+  resumed = _trainer(tmp_path)
+  out = capsys.readouterr().out
+  assert resumed.resumed_from == 6, out
+  assert "skipping" not in out
+  assert out.count("predates loss_scale; loss scale set to 1, the default") == 1, out
+  assert _digest(resumed, until=10) == uninterrupted
+
+
+def test_an_fp16_run_resuming_a_checkpoint_without_loss_scale_starts_its_default_scale(
+    tmp_path, pre_mixed_precision_folder, capsys):
+  shutil.copytree(pre_mixed_precision_folder, tmp_path, dirs_exist_ok=True)
+  resumed = _trainer(tmp_path, precision="fp16")
+  assert resumed.resumed_from == 6
+  assert "loss scale set to 32768, the default" in capsys.readouterr().out
+  assert float(resumed.state.loss_scale.scale) == 2.0 ** 15
+  assert int(resumed.state.loss_scale.good_steps) == 0
+  resumed.fit(until=8)  # And the restored state trains on, saving the new format.
+  assert resumed.step == 8 and (tmp_path / "8" / "commit_success.txt").exists()
 
 
 def test_a_checkpoint_without_its_commit_marker_is_never_loaded(tmp_path, capsys):
@@ -190,7 +240,7 @@ def test_a_url_reaches_orbax_unchanged_and_skips_the_local_checks(tmp_path, monk
   assert os.listdir(tmp_path) == []  # ...and no local folder named "gs:".
   seen = []
   monkeypatch.setattr(checkpoint.ocp, "CheckpointManager",
-                      lambda directory, options: seen.append(directory))
+                      lambda directory, **options: seen.append(directory))
   ckpt = checkpoint.Checkpointer(checkpoint.CheckpointConfig("gs://some-bucket/run"), bool)
   assert ckpt.directory == "gs://some-bucket/run"
   assert [str(d) for d in seen] == ["gs://some-bucket/run"] and os.listdir(tmp_path) == []
