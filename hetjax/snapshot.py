@@ -42,14 +42,15 @@ class Snapshot:
   """One replica of a replicated tree on this host, and the global layout it stands for."""
 
   treedef: Any
-  local: list[Any]           # numpy views, or arrays in pinned host memory
+  local: list[Any]           # the replicas: viewed arrays, numpy copies, or pinned-host copies
   device: jax.Device         # this host's first device
   sharding: NamedSharding    # replicated over each host's first device
+  views: list[np.ndarray]    # what keeps viewed buffers from being donated
 
   def as_global(self) -> PyTree:
     """The replicas as global arrays (one per host), what orbax saves."""
     def wrap(x):
-      if not isinstance(x, jax.Array):  # A view: on CPU an alias of it, no copy.
+      if not isinstance(x, jax.Array):  # A copy np.asarray made (on CPU, aliased, not copied).
         x = jax.device_put(x, self.device)
       return jax.make_array_from_single_device_arrays(x.shape, self.sharding, [x])
     return jax.tree.unflatten(self.treedef, [wrap(x) for x in self.local])
@@ -83,8 +84,14 @@ class SnapshotTaker:
     if plan is None:
       plan = self._plans[key] = self._plan(leaves)
     local = [x.addressable_data(0) for x in leaves]
-    local = [np.asarray(x) for x in local] if plan.copy is None else plan.copy(local)
-    return Snapshot(treedef, local, plan.device, plan.sharding)
+    if plan.copy is not None:
+      return Snapshot(treedef, plan.copy(local), plan.device, plan.sharding, [])
+    views = [np.asarray(x) for x in local]
+    # A viewed buffer stays valid while its view lives; where np.asarray had
+    # to copy, the copy is the snapshot.
+    local = [x if v.size and v.ctypes.data == x.unsafe_buffer_pointer() else v
+             for x, v in zip(local, views)]
+    return Snapshot(treedef, local, plan.device, plan.sharding, views)
 
   def _plan(self, leaves: list[jax.Array]) -> _Plan:
     firsts = _first_devices(_replicated_mesh(leaves))
