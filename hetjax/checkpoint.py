@@ -20,9 +20,9 @@ An asynchronous save stalls the loop only for a snapshot:
 (`hetjax.snapshot`: numpy views of the buffers on CPU, which JAX then does
 not donate; elsewhere one asynchronous copy into pinned host memory), and a
 worker thread hands it to orbax (per-array bookkeeping, thread start-up:
-100-250 ms for a ResNet-18's 230 arrays on this CPU), then orbax writes in
-its own background threads. The worker may run beside the training collectives
-because every orbax barrier goes through the coordination service's
+100-300 ms for a ResNet-18's 230 arrays on this shared CPU), then orbax
+writes in its own background threads. The worker may run beside the
+training collectives because every orbax barrier goes through the coordination service's
 key-value store (`active_processes` = every host), never through a device
 collective: orbax's default barrier (`sync_global_devices`) is an
 all-gather over every device, which, issued from a second thread, meets the
@@ -176,7 +176,8 @@ class Checkpointer:
     # checkpoint holds before its arrays are read (an older one lacks some).
     self._manager = ocp.CheckpointManager(
         self._path, options=options,
-        item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
+        item_handlers={"state": ocp.StandardCheckpointHandler(),
+                       "meta": ocp.JsonCheckpointHandler()})
     self.last_saved: int | None = None
     self._snapshots = snapshot_lib.SnapshotTaker()
     self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hetjax-ckpt")
@@ -306,7 +307,7 @@ class Checkpointer:
     except Exception as e:  # pylint: disable=broad-except
       log.debug("array metadata of step %d unreadable: %s", step, e)
       return None, []
-    missing = [name for name in ADDED_FIELDS if name not in saved]
+    missing = [name for name in ADDED_FIELDS if name in fresh and name not in saved]
     wanted = {k: v for k, v in fresh.items() if k not in missing}
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), wanted)
