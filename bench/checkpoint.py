@@ -7,13 +7,14 @@ every `--every` steps, with asynchronous saves (the default) and then with
 synchronous ones, in the same invocation. The stall of a save is the extra
 wall time of the step that saves and the step after it, over two median
 steps without a save; it is printed as a fraction of a median step, next to
-how long the save call itself blocks the loop and how long orbax's own
-synchronous part (the hand-over) takes. An asynchronous save hands the state
-to orbax during the next step, right after that step's local programs are
-dispatched, so the hand-over overlaps the devices' compute; the stall shows
-what of it the loop still waits for. On this 2-core machine the hand-over
-and the background write compete with the step for the CPU; on a GPU server
-they run on otherwise idle host cores. The last line is one JSON object.
+how long the save call itself blocks the loop (the hosts' parameter
+fingerprint check, then, for an asynchronous save, dispatching a copy of the
+state: "snapshot") and how long orbax's own synchronous part (the hand-over)
+takes, which an asynchronous save runs on a worker thread. On this 2-core
+machine the worker's hand-over, the copy and orbax's background write
+compete with the step for the same cores (the devices are these cores), so
+the next step's extra wall time shows that contention; on a GPU server they
+run on otherwise idle host cores. The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -54,9 +55,11 @@ def measure(model: str, async_save: bool, steps: int, every: int, global_batch: 
     tr = _trainer(model, directory, async_save, global_batch)
     for _ in range(3):  # Compilation and the first save's one-time setup.
       tr.train_step()
-    tr.save_checkpoint(wait=True)
+    tr.save_checkpoint()  # Compiles the snapshot's copy when async.
+    tr.checkpointer.wait()
     times, saved, blocking = [], [], []
     tr.checkpointer.handover_s.clear()
+    tr.checkpointer.snapshot_s.clear()
     for i in range(steps):
       t0 = time.perf_counter()
       tr.train_step()
@@ -68,6 +71,7 @@ def measure(model: str, async_save: bool, steps: int, every: int, global_batch: 
       times.append(time.perf_counter() - t0)
     tr.close()
     handover = tr.checkpointer.handover_s or blocking  # Sync saves hand over in the call.
+    snapshot = tr.checkpointer.snapshot_s or [0.0]  # Sync saves take no snapshot.
     size = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(directory) for f in fs)
   touched = {j for i in saved for j in (i, i + 1)}
   plain = statistics.median(t for j, t in enumerate(times) if j not in touched)
@@ -77,6 +81,7 @@ def measure(model: str, async_save: bool, steps: int, every: int, global_batch: 
           "blocking_s": statistics.median(blocking),
           "blocking_fraction": statistics.median(blocking) / plain,
           "handover_s": statistics.median(handover),
+          "snapshot_s": statistics.median(snapshot),
           "next_step_extra_s": statistics.median(
               times[i + 1] - plain for i in saved if i + 1 < len(times)),
           "checkpoint_mb": size / 2 ** 20 / max(1, len(saved) + 1)}
@@ -96,11 +101,12 @@ def main(argv=None) -> dict:
     for mode in ("async", "sync"):
       r = measure(model, mode == "async", args.steps, args.every, args.global_batch)
       result[f"{model}_{mode}"] = r
+      where = "on a worker" if mode == "async" else "in the call"
       print(f"{model:12s} {mode:5s} step {r['step_s'] * 1e3:7.1f} ms  save call blocks "
             f"{r['blocking_s'] * 1e3:6.1f} ms = {r['blocking_fraction']:.1%} of a step "
-            f"(orbax hand-over {r['handover_s'] * 1e3:6.1f} ms, next step +"
-            f"{r['next_step_extra_s'] * 1e3:6.1f} ms); stall per "
-            f"save {r['stall_s'] * 1e3:7.1f} ms = {r['stall_fraction']:.1%}  "
+            f"(snapshot {r['snapshot_s'] * 1e3:5.1f} ms; orbax hand-over {where} "
+            f"{r['handover_s'] * 1e3:6.1f} ms; next step +{r['next_step_extra_s'] * 1e3:6.1f} ms); "
+            f"stall per save {r['stall_s'] * 1e3:7.1f} ms = {r['stall_fraction']:.1%}  "
             f"(~{r['checkpoint_mb']:.1f} MB per checkpoint)")
     ratio = result[f"{model}_async"]["stall_s"] / max(result[f"{model}_sync"]["stall_s"], 1e-9)
     result[f"{model}_async_over_sync"] = ratio

@@ -15,18 +15,26 @@ Every host calls every method here in the same order with the same
 arguments (orbax's multi-host contract); which checkpoint to load is agreed
 through a collective, so no host loads one the others skip.
 
-An asynchronous save is handed to orbax at a moment when the devices are
-busy anyway: `defer` records it, and the trainer calls `run_deferred` in the
-next step right after dispatching that step's local programs, before the
-reduction that donates the saved state. Orbax's synchronous part (per-array
-bookkeeping, thread start-up, device-to-host copies: ~70 ms for a
-ResNet-18's 228 arrays on CPU) then overlaps the local compute instead of
-stalling the loop, and it still runs on the main thread at the same point
-on every host, so orbax's own barriers keep their order.
+An asynchronous save stalls the loop only for a snapshot:
+`save_in_background` takes one replica of the state per host
+(`hetjax.snapshot`: numpy views of the buffers on CPU, which JAX then does
+not donate; elsewhere one asynchronous copy into pinned host memory), and a
+worker thread hands it to orbax (per-array bookkeeping, thread start-up:
+100-300 ms for a ResNet-18's 230 arrays on this shared CPU), then orbax
+writes in its own background threads. The worker may run beside the
+training collectives because every orbax barrier goes through the coordination service's
+key-value store (`active_processes` = every host), never through a device
+collective: orbax's default barrier (`sync_global_devices`) is an
+all-gather over every device, which, issued from a second thread, meets the
+training programs in different orders on different hosts (tried: gloo
+aborts with "collective mismatch"). The hosts' workers run the same saves in
+the same order (the main threads decide them at the same step), so their
+barriers match.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -35,11 +43,18 @@ import time
 from typing import Any, Callable
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from hetjax import snapshot as snapshot_lib
+
 PyTree = Any
 FORMAT = 1
+# TrainState fields a checkpoint may lack because it predates them: each is
+# filled from the fresh state of this run (for `loss_scale`, the default
+# scale of the run's precision: 1 in fp32/bf16, 2^15 in fp16).
+ADDED_FIELDS = ("loss_scale",)
 _COMMIT_MARKER = "commit_success.txt"  # Written by orbax when a step folder is complete.
 log = logging.getLogger("hetjax.checkpoint")
 
@@ -151,43 +166,74 @@ class Checkpointer:
     self.directory = resolve(config.directory)
     self._path = epath.Path(self.directory)
     self._agree = agree
+    # Barriers through the key-value store (see the module docstring). Orbax
+    # then leaves the root folder to us: `validate` made it (a URL needs none).
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=config.keep, create=True, enable_async_checkpointing=config.async_save)
-    self._manager = ocp.CheckpointManager(self._path, options=options)
+        max_to_keep=config.keep, create=False, enable_async_checkpointing=config.async_save,
+        multiprocessing_options=ocp.options.MultiprocessingOptions(
+            active_processes=set(range(jax.process_count()))))
+    # Handlers named up front so `item_metadata` can tell which fields a
+    # checkpoint holds before its arrays are read (an older one lacks some).
+    self._manager = ocp.CheckpointManager(
+        self._path, options=options,
+        item_handlers={"state": ocp.StandardCheckpointHandler(),
+                       "meta": ocp.JsonCheckpointHandler()})
     self.last_saved: int | None = None
-    self._deferred: tuple[int, Any, dict[str, Any]] | None = None
-    self.handover_s: list[float] = []  # Seconds each save call spent in orbax.
+    self._snapshots = snapshot_lib.SnapshotTaker()
+    self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hetjax-ckpt")
+    self._handing_over: concurrent.futures.Future | None = None
+    self.snapshot_s: list[float] = []  # Seconds each snapshot blocked the caller.
+    self.handover_s: list[float] = []  # Seconds each hand-over spent in orbax (on the worker).
 
   def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
-    """Starts saving the state after `step` steps (in the background if async)."""
+    """Hands the state after `step` steps to orbax on this thread (written in the
+    background if async); `state` must not be donated until this returns."""
+    self._finish_hand_over()
+    if step != self.last_saved:
+      self._hand_over(step, state, meta)
+      self.last_saved = step
+
+  def save_in_background(self, step: int, state: Any, meta: dict[str, Any]) -> None:
+    """Saves the state after `step` steps, blocking only for a snapshot of it.
+
+    The snapshot (`hetjax.snapshot`) is the worker's to hand to orbax, so
+    the caller may donate `state` at once. Waits first for the previous
+    hand-over (it takes a fraction of a step; saves are many steps apart).
+    """
+    self._finish_hand_over()
     if step == self.last_saved:
       return
+    t0 = time.perf_counter()
+    snapshot = self._snapshots.take(state)
+    self.snapshot_s.append(time.perf_counter() - t0)
+    self.last_saved = step
+    self._handing_over = self._worker.submit(
+        lambda: self._hand_over(step, snapshot.as_global(), meta))
+
+  def _hand_over(self, step: int, state: Any, meta: dict[str, Any]) -> None:
+    t0 = time.perf_counter()
     meta = {"format": FORMAT, "step": step, **meta}
     self._manager.save(step, force=True, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state._asdict()), meta=ocp.args.JsonSave(meta)))
-    self.last_saved = step
+    self.handover_s.append(time.perf_counter() - t0)
 
-  def defer(self, step: int, state: Any, meta: dict[str, Any]) -> None:
-    """Saves at the next `run_deferred` (or `wait`); `state` must live until then."""
-    self.run_deferred()
-    if step != self.last_saved:
-      self._deferred = (step, state, meta)
-
-  def run_deferred(self) -> None:
-    """Hands a deferred save to orbax now (a no-op when none is pending)."""
-    deferred, self._deferred = self._deferred, None
-    if deferred is not None:
-      t0 = time.perf_counter()
-      self.save(*deferred)
-      self.handover_s.append(time.perf_counter() - t0)
+  def _finish_hand_over(self) -> None:
+    """Waits for the worker's hand-over, re-raising its error here."""
+    handing_over, self._handing_over = self._handing_over, None
+    if handing_over is not None:
+      handing_over.result()
 
   def wait(self) -> None:
     """Blocks until every started save is complete on disk."""
-    self.run_deferred()
+    self._finish_hand_over()
     self._manager.wait_until_finished()
 
   def close(self) -> None:
-    self._manager.close()
+    try:
+      self._finish_hand_over()
+    finally:
+      self._worker.shutdown()
+      self._manager.close()
 
   def complete_steps(self) -> list[int]:
     """Steps whose folders orbax committed, newest first."""
@@ -226,11 +272,14 @@ class Checkpointer:
         raise ValueError(f"checkpoint {self.directory}/{step} belongs to another job: "
                          + "; ".join(differences) + ". Use another --ckpt-dir, or "
                          "--no-resume to start afresh (its checkpoints are then replaced).")
-      state = self._read_state(step, like)
+      state, missing = self._read_state(step, like)
       if not self._agree(state is not None):
         _warn(f"skipping checkpoint {self.directory}/{step}: its arrays are damaged or "
               "incomplete on at least one host; trying the previous one.")
         continue
+      if missing:
+        _say(f"checkpoint {self.directory}/{step} predates {', '.join(missing)}; "
+             + "; ".join(_describe_fill(name, state[name]) for name in missing) + ".")
       self.last_saved = step  # Already on disk: a run with nothing left to do must not resave it.
       return type(like)(**state), meta
     return None
@@ -245,21 +294,50 @@ class Checkpointer:
       return None
     return meta
 
-  def _read_state(self, step: int, like: Any) -> dict[str, Any] | None:
+  def _read_state(self, step: int, like: Any) -> tuple[dict[str, Any] | None, list[str]]:
+    """The arrays of `step` on `like`'s shardings, and the `ADDED_FIELDS` it lacked.
+
+    A field in `ADDED_FIELDS` that the checkpoint does not hold is taken from
+    `like` (the run's fresh state), so a checkpoint written before the field
+    existed still continues the run; any other difference is damage (None).
+    """
+    fresh = like._asdict()
+    try:
+      saved = set(self._manager.item_metadata(step).state.keys())
+    except Exception as e:  # pylint: disable=broad-except
+      log.debug("array metadata of step %d unreadable: %s", step, e)
+      return None, []
+    missing = [name for name in ADDED_FIELDS if name in fresh and name not in saved]
+    wanted = {k: v for k, v in fresh.items() if k not in missing}
     abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like._asdict())
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), wanted)
     try:
       restored = self._manager.restore(
           step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))).state
     except Exception as e:  # pylint: disable=broad-except
       log.debug("arrays of step %d unreadable: %s", step, e)
-      return None
+      return None, []
     # Restored containers may be plain tuples; the arrays go back into our structure.
     leaves = jax.tree.leaves(restored)
-    treedef = jax.tree.structure(like._asdict())
+    treedef = jax.tree.structure(wanted)
     if len(leaves) != treedef.num_leaves:
-      return None
-    return jax.tree.unflatten(treedef, leaves)
+      return None, []
+    state = jax.tree.unflatten(treedef, leaves)
+    return {k: state[k] if k in state else fresh[k] for k in fresh}, missing
+
+
+def _describe_fill(name: str, value: Any) -> str:
+  """How a field missing from an older checkpoint was filled, for the one printed line."""
+  if name == "loss_scale":
+    scale = float(np.asarray(value.scale.addressable_data(0)))
+    return f"loss scale set to {scale:g}, the default for this run's precision"
+  return f"{name} set to this run's initial value"
+
+
+def _say(message: str) -> None:
+  if jax.process_index() == 0:
+    print(f"hetjax: {message}", flush=True)
+  log.info(message)
 
 
 def _warn(message: str) -> None:

@@ -319,8 +319,6 @@ class Trainer:
     sums = self.local(self.state.params, self.state.model_state, batch, self._example,
                       self._base_key, step, blocks_lib.first_block(shares, self.host_id, block),
                       self.state.loss_scale.scale)
-    if self.checkpointer is not None:
-      self.checkpointer.run_deferred()  # While the devices compute.
     paced = None
     if self.pace is not None:
       jax.block_until_ready(sums)
@@ -536,12 +534,11 @@ class Trainer:
     if self.checkpointer.last_saved != self.step:
       self.check_params_agree()
     if wait or not self.checkpointer.config.async_save:
-      self.checkpointer.run_deferred()
       self.checkpointer.save(self.step, self.state, self._checkpoint_meta())
       if wait:
         self.checkpointer.wait()
-    else:  # Handed to orbax in the next step, while the devices compute.
-      self.checkpointer.defer(self.step, self.state, self._checkpoint_meta())
+    else:  # A device copy; a worker thread hands it to orbax while training goes on.
+      self.checkpointer.save_in_background(self.step, self.state, self._checkpoint_meta())
 
   def _final_waits(self) -> None:
     """The compute and wait seconds no step's rows carried yet travel in one small collective."""

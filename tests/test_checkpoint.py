@@ -1,5 +1,6 @@
 """Checkpoints on one host: exact resume, damaged folders, another job, bad folders, SIGTERM."""
 
+import functools
 import json
 import os
 import shutil
@@ -12,22 +13,26 @@ import time
 import jax
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
+from etils import epath
 
 import hetjax
 import hetjax_models
-from hetjax import checkpoint, cli, data, procs, trainer
+from hetjax import checkpoint, cli, data, procs, snapshot, trainer
+from hetjax.testing import run_hosts
 
 DIGITS = data.load("digits")
 
 
-def _trainer(directory, *, resume=True, every=3, width=None, optimizer=None, keep=3):
+def _trainer(directory, *, resume=True, every=3, width=None, optimizer=None, keep=3,
+             precision="fp32"):
   hetjax.initialize()
   overrides = {} if width is None else {"hidden": (width, width)}
   task = hetjax_models.build("mlp", kind="image", num_classes=10, **overrides)
   return trainer.Trainer(
       task, optimizer or optax.adam(1e-3), DIGITS,
-      trainer.TrainConfig(global_batch=64, microbatch=4),
+      trainer.TrainConfig(global_batch=64, microbatch=4, precision=precision),
       checkpoint=checkpoint.CheckpointConfig(str(directory), every=every, keep=keep, resume=resume))
 
 
@@ -81,6 +86,58 @@ def test_a_background_save_is_not_disturbed_by_the_steps_that_follow(tmp_path, u
   assert _digest(_trainer(tmp_path), until=10) == uninterrupted
 
 
+@pytest.mark.parametrize("copy", [False, True], ids=["views", "copy"])
+def test_a_background_save_hands_a_snapshot_to_a_worker_and_the_next_steps_may_donate_the_state(
+    tmp_path, uninterrupted, monkeypatch, copy):
+  # The worker's hand-over of step 6 is held until steps 7 and 8 have run
+  # and donated what they could of the arrays the save of step 6 was called
+  # with: orbax must be reading the snapshot. With views (CPU) JAX may not
+  # donate the viewed buffers; with a copy (the GPU path) it does.
+  monkeypatch.setattr(checkpoint.snapshot_lib, "SnapshotTaker",
+                      functools.partial(snapshot.SnapshotTaker, copy=copy))
+  release, real = threading.Event(), checkpoint.Checkpointer._hand_over
+  workers = []
+
+  def held(self, step, state, meta):
+    if step == 6:
+      workers.append(threading.current_thread() is not threading.main_thread())
+      assert release.wait(timeout=300), "step 8 never ran"
+    return real(self, step, state, meta)
+
+  monkeypatch.setattr(checkpoint.Checkpointer, "_hand_over", held)
+  states, donated = {}, []
+
+  def after(tr, metrics):
+    states[tr.step] = tr.state  # on_step runs before the step's save.
+    if tr.step == 8:
+      donated.append(all(x.is_deleted() for x in jax.tree.leaves(states[6].params)))
+      release.set()
+
+  tr = _trainer(tmp_path)
+  tr.fit(until=8, on_step=after)
+  assert workers == [True] and donated == [copy]
+  assert tr.checkpointer.snapshot_s and tr.checkpointer.handover_s
+  shutil.rmtree(tmp_path / "8")
+  resumed = _trainer(tmp_path)
+  assert resumed.resumed_from == 6
+  assert _digest(resumed, until=10) == uninterrupted
+
+
+def test_on_two_hosts_a_held_hand_over_lets_the_training_collectives_run_and_resumes_exactly(
+    tmp_path):
+  # Host 1's worker holds the save of step 3 while both hosts train steps 4
+  # and 5; host 0's worker meanwhile waits at orbax's first barrier. Were that
+  # barrier a device collective (orbax's default), it would meet host 1's
+  # training programs (tried: gloo aborts, "collective mismatch"). Two
+  # devices per host: the snapshot holds one replica of each.
+  results = run_hosts("_ckpt_entries:hand_over_held_on_one_host", hosts=2, devices_per_host=2,
+                      args=(str(tmp_path), 1, 7), timeout_s=600)
+  assert [r["held"] for r in results] == [[], [True]]
+  for r in results:
+    assert r["resumed_from"] == 3
+    assert r["digest"] == r["reference"]
+
+
 def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(tmp_path, uninterrupted, capsys):
   _trainer(tmp_path).fit(until=7)  # Checkpoints 3, 6 and 7.
   for root, _, files in os.walk(tmp_path / "7" / "state"):
@@ -92,6 +149,53 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(tmp_path, uninter
   assert f"skipping checkpoint {tmp_path}/7" in capsys.readouterr().out
   assert resumed.resumed_from == 6
   assert _digest(resumed, until=10) == uninterrupted
+
+
+def _write_pre_mixed_precision_checkpoint(directory, tr):
+  """The checkpoint hetjax wrote before mixed precision: a TrainState with no loss_scale."""
+  old_state = {k: v for k, v in tr.state._asdict().items() if k != "loss_scale"}
+  meta = {"format": checkpoint.FORMAT, "step": tr.step, **tr._checkpoint_meta()}
+  manager = ocp.CheckpointManager(epath.Path(directory),
+                                  options=ocp.CheckpointManagerOptions(create=True))
+  manager.save(tr.step, force=True, args=ocp.args.Composite(
+      state=ocp.args.StandardSave(old_state), meta=ocp.args.JsonSave(meta)))
+  manager.wait_until_finished()
+  manager.close()
+
+
+@pytest.fixture(scope="module")
+def pre_mixed_precision_folder(tmp_path_factory):
+  """A folder whose only checkpoint (step 6) has the old format."""
+  writer = _trainer(tmp_path_factory.mktemp("writer"), every=100)
+  writer.fit(until=6)
+  folder = tmp_path_factory.mktemp("old-format")
+  _write_pre_mixed_precision_checkpoint(folder, writer)
+  with open(folder / "6" / "state" / "_METADATA") as f:
+    assert "loss_scale" not in f.read()  # Really the old format.
+  return folder
+
+
+def test_a_checkpoint_from_before_mixed_precision_resumes_exactly(
+    tmp_path, pre_mixed_precision_folder, uninterrupted, capsys):
+  shutil.copytree(pre_mixed_precision_folder, tmp_path, dirs_exist_ok=True)
+  resumed = _trainer(tmp_path)
+  out = capsys.readouterr().out
+  assert resumed.resumed_from == 6, out
+  assert "skipping" not in out
+  assert out.count("predates loss_scale; loss scale set to 1, the default") == 1, out
+  assert _digest(resumed, until=10) == uninterrupted
+
+
+def test_an_fp16_run_resuming_a_checkpoint_without_loss_scale_starts_its_default_scale(
+    tmp_path, pre_mixed_precision_folder, capsys):
+  shutil.copytree(pre_mixed_precision_folder, tmp_path, dirs_exist_ok=True)
+  resumed = _trainer(tmp_path, precision="fp16")
+  assert resumed.resumed_from == 6
+  assert "loss scale set to 32768, the default" in capsys.readouterr().out
+  assert float(resumed.state.loss_scale.scale) == 2.0 ** 15
+  assert int(resumed.state.loss_scale.good_steps) == 0
+  resumed.fit(until=8)  # And the restored state trains on, saving the new format.
+  assert resumed.step == 8 and (tmp_path / "8" / "commit_success.txt").exists()
 
 
 def test_a_checkpoint_without_its_commit_marker_is_never_loaded(tmp_path, capsys):
@@ -190,7 +294,7 @@ def test_a_url_reaches_orbax_unchanged_and_skips_the_local_checks(tmp_path, monk
   assert os.listdir(tmp_path) == []  # ...and no local folder named "gs:".
   seen = []
   monkeypatch.setattr(checkpoint.ocp, "CheckpointManager",
-                      lambda directory, options: seen.append(directory))
+                      lambda directory, **options: seen.append(directory))
   ckpt = checkpoint.Checkpointer(checkpoint.CheckpointConfig("gs://some-bucket/run"), bool)
   assert ckpt.directory == "gs://some-bucket/run"
   assert [str(d) for d in seen] == ["gs://some-bucket/run"] and os.listdir(tmp_path) == []
