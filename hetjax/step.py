@@ -261,6 +261,7 @@ class LocalProgram:
                                   packing.Packer(sums_like, dtype=jnp.float32), self.precision)
     compute = precision_lib.compute_dtype(self.precision)
     low = compute != jnp.float32
+    scaled = precision_lib.uses_loss_scale(self.precision)  # Else the scale is 1: no pass over the gradients.
     task = self._task
 
     def per_device(views, sums, batch, key):
@@ -288,13 +289,14 @@ class LocalProgram:
         values, weights = split_losses(losses)
         weight = masked_sum(weights) if weights is not None else jnp.sum(real.astype(jnp.float32))
         loss = masked_sum(values)
-        return loss * scale, (loss, metrics, new_state, weight)
+        return (loss * scale if scaled else loss), (loss, metrics, new_state, weight)
 
       (_, (loss, metrics, new_state, weight)), grads = jax.value_and_grad(
           total_loss, has_aux=True)(params)
       n = jnp.sum(real.astype(jnp.float32))
       row = layout.sums.pack(Sums(
-          grads=jax.tree.map(lambda g: g.astype(jnp.float32) / scale, grads),
+          grads=jax.tree.map(lambda g: g.astype(jnp.float32) / scale if scaled else
+                             g.astype(jnp.float32), grads),
           weight=weight, count=n, loss=loss,
           metrics={k: masked_sum(v) for k, v in metrics.items()},
           model_state=jax.tree.map(lambda s: jnp.where(n > 0, s * n, 0.0), new_state)))
