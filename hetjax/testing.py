@@ -13,17 +13,26 @@ environment the launcher gives, so tests exercise the real multi-process path:
 `jax.distributed`, gloo collectives, one process per host. Processes are
 started, prefixed and stopped by `hetjax.procs`, exactly as the launcher does.
 
+`kill_a_host_mid_run` is the other half of fault-tolerance tests: it runs a
+launcher command, SIGKILLs one of its hosts after the first checkpoint and
+returns what the launcher said, so a test can check the restart.
+
 This module imports no JAX; only the child processes do.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import pickle
+import random
 import re
+import signal
+import subprocess
 import sys
 import tempfile
+import time
 from typing import Any, Mapping, Sequence
 
 from hetjax import procs
@@ -88,6 +97,76 @@ def run_hosts(entry: str, *, hosts: int, devices_per_host: int = 1, args: tuple 
   if not outcome.ok:
     raise RuntimeError(_failure(entry, outcome, results))
   return [value for _, value in results]
+
+
+@dataclasses.dataclass(frozen=True)
+class KilledRun:
+  """What `kill_a_host_mid_run` did and what the launcher said."""
+  seed: int      # Of the victim and the delay: quote it in assertion messages.
+  victim: int    # The host that got SIGKILL.
+  returncode: int
+  stdout: str
+  stderr: str
+
+
+def kill_a_host_mid_run(command: Sequence[str], ckpt_dir: str | os.PathLike, *, hosts: int,
+                        max_delay_s: float = 1.0, seed: int | None = None,
+                        timeout_s: float = 600) -> KilledRun:
+  """Runs a launcher `command`; SIGKILLs one host once a checkpoint exists; waits for the end.
+
+  The victim and a delay in [0, max_delay_s) after the first checkpoint
+  appears in `ckpt_dir` are drawn from `seed` (a fresh one if None), so a
+  failure can be replayed. The host is found in /proc by its
+  `HETJAX_HOST_ID` and by `ckpt_dir` in its command line, so `command` must
+  name the checkpoint folder and run `hetjax.cli` on every host (e.g.
+  `launch/local.py --max-restarts 2 -- python -m hetjax.cli train ...`).
+
+  Raises:
+    ValueError: `ckpt_dir` is not in `command`, before anything starts.
+    AssertionError: the run ends before the first checkpoint, or the host is
+      not found; the launcher's stderr tail and the seed are in the message.
+  """
+  ckpt_dir = os.fspath(ckpt_dir)
+  if not any(ckpt_dir in part for part in command):
+    raise ValueError(f"the command must name the checkpoint folder {ckpt_dir!r} (it finds the "
+                     "host processes by it); pass the same folder as --ckpt-dir.")
+  seed = random.randrange(1 << 30) if seed is None else seed
+  rng = random.Random(seed)
+  victim, delay = rng.randrange(hosts), rng.uniform(0.0, max_delay_s)
+  proc = subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    deadline = time.monotonic() + timeout_s
+    while not (os.path.isdir(ckpt_dir) and any(p.isdigit() for p in os.listdir(ckpt_dir))):
+      if proc.poll() is not None or time.monotonic() > deadline:
+        raise AssertionError(f"seed {seed}: the run ended or timed out before its first "
+                             f"checkpoint: {proc.communicate()[1][-3000:]}")
+      time.sleep(0.05)
+    time.sleep(delay)
+    pid = host_pid(victim, ckpt_dir)
+    if pid is None:
+      raise AssertionError(f"seed {seed}: host {victim} not found in /proc")
+    os.kill(pid, signal.SIGKILL)
+    out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.communicate()
+  return KilledRun(seed, victim, proc.returncode, out, err)
+
+
+def host_pid(host: int, token: str) -> int | None:
+  """The pid of hetjax.cli host `host` whose command line contains `token`, from /proc."""
+  for entry in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      with open(f"/proc/{entry}/environ", "rb") as f:
+        env = f.read().split(b"\0")
+      with open(f"/proc/{entry}/cmdline", "rb") as f:
+        cmd = f.read()
+    except OSError:
+      continue
+    if token.encode() in cmd and f"HETJAX_HOST_ID={host}".encode() in env and b"hetjax.cli" in cmd:
+      return int(entry)
+  return None
 
 
 def _check_entry(entry: str) -> tuple[str, str]:

@@ -1,7 +1,14 @@
-"""Test-wide settings: one persistent XLA compilation cache for the whole run.
+"""Test-wide settings: a shared XLA compilation cache and XLA's cheap backend passes.
 
 Every emulated host is a fresh process that compiles the same programs; a
-shared on-disk cache (new for each pytest run) lets them compile once.
+shared on-disk cache (new for each pytest run) lets them compile once. JAX
+writes that cache from process 0 only, and a host's own-device programs are
+keyed by its device ids, so hosts 1, 2, ... compile every program anew: there
+compilation is most of a test's cost. The programs run a few steps on tiny
+inputs, so the suite asks XLA:CPU for its cheap backend passes (as
+tests/test_models.py does for its own programs): the same HLO, the same
+math, LLVM at -O0. The children inherit the setting through the environment.
+Set HETJAX_TEST_FULL_OPT=1 to run the suite with XLA's default passes.
 """
 
 import os
@@ -11,3 +18,10 @@ _cache = tempfile.mkdtemp(prefix="hetjax-xla-cache-")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _cache)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+_CHEAP_PASSES = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+if os.environ.get("HETJAX_TEST_FULL_OPT") != "1":
+  _flags = os.environ.get("XLA_FLAGS", "").split()
+  _named = {flag.split("=")[0] for flag in _flags}
+  os.environ["XLA_FLAGS"] = " ".join(
+      _flags + [flag for flag in _CHEAP_PASSES if flag.split("=")[0] not in _named])

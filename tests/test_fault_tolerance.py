@@ -2,17 +2,14 @@
 
 import json
 import os
-import random
-import signal
 import subprocess
 import sys
-import time
 
 import jax
 import numpy as np
 import pytest
 
-from hetjax.testing import run_hosts
+from hetjax.testing import kill_a_host_mid_run, run_hosts
 
 import _ckpt_entries
 
@@ -54,44 +51,18 @@ def _launch(ckpt, out, extra=()):
           "--out", str(out), "--log-every", "0"]
 
 
-def _host_pid(host: int, token: str) -> int | None:
-  for entry in filter(str.isdigit, os.listdir("/proc")):
-    try:
-      with open(f"/proc/{entry}/environ", "rb") as f:
-        env = f.read().split(b"\0")
-      with open(f"/proc/{entry}/cmdline", "rb") as f:
-        cmd = f.read()
-    except OSError:
-      continue
-    if token.encode() in cmd and f"HETJAX_HOST_ID={host}".encode() in env and b"hetjax.cli" in cmd:
-      return int(entry)
-  return None
-
-
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the host process in /proc")
 def test_a_host_killed_mid_run_is_restarted_from_the_checkpoint_and_finishes_exactly(tmp_path):
-  seed = random.randrange(1 << 30)
-  rng = random.Random(seed)
-  victim, delay = rng.randrange(2), rng.uniform(0.0, 1.0)
   reference = subprocess.run(_launch(tmp_path / "ref-ckpt", tmp_path / "ref"), capture_output=True,
                              text=True, timeout=600)
   assert reference.returncode == 0, reference.stderr[-3000:]
   ckpt = tmp_path / "ckpt"
-  proc = subprocess.Popen(_launch(ckpt, tmp_path / "run", ("--max-restarts", "2")),
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-  deadline = time.monotonic() + 300
-  while not (ckpt.exists() and any(p.isdigit() for p in os.listdir(ckpt))):
-    assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
-    time.sleep(0.05)
-  time.sleep(delay)
-  pid = _host_pid(victim, str(ckpt))
-  assert pid is not None, f"host {victim} not found (seed {seed})"
-  os.kill(pid, signal.SIGKILL)
-  out, err = proc.communicate(timeout=600)
-  assert proc.returncode == 0, f"seed {seed}: {err[-3000:]}"
-  assert f"restart 1/2 after host {victim} failed with signal SIGKILL" in err, err[-3000:]
+  run = kill_a_host_mid_run(_launch(ckpt, tmp_path / "run", ("--max-restarts", "2")), ckpt, hosts=2)
+  out, err = run.stdout, run.stderr
+  assert run.returncode == 0, f"seed {run.seed}: {err[-3000:]}"
+  assert f"restart 1/2 after host {run.victim} failed with signal SIGKILL" in err, err[-3000:]
   assert "resumed from" in out
   summary = json.loads((tmp_path / "run" / "summary.json").read_text())
   expected = json.loads((tmp_path / "ref" / "summary.json").read_text())
   assert summary["resumed_from"] is not None and summary["resumed_from"] % 20 == 0
-  assert summary["params_digest"] == expected["params_digest"], f"seed {seed}"
+  assert summary["params_digest"] == expected["params_digest"], f"seed {run.seed}"

@@ -2,16 +2,13 @@
 
 import json
 import os
-import random
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 import _modes_entries  # noqa: F401  (importable by the hosts)
-from hetjax.testing import run_hosts
+from hetjax.testing import kill_a_host_mid_run, run_hosts
 
 
 def test_hybrid_resumes_exactly_and_on_another_layout_restarts_hosts_from_the_centre(tmp_path, capfd):
@@ -39,46 +36,20 @@ def _launch(ckpt, out, extra=()):
           "--ckpt-every", "20", "--out", str(out), "--log-every", "0"]
 
 
-def _host_pid(host: int, token: str) -> int | None:
-  for entry in filter(str.isdigit, os.listdir("/proc")):
-    try:
-      with open(f"/proc/{entry}/environ", "rb") as f:
-        env = f.read().split(b"\0")
-      with open(f"/proc/{entry}/cmdline", "rb") as f:
-        cmd = f.read()
-    except OSError:
-      continue
-    if token.encode() in cmd and f"HETJAX_HOST_ID={host}".encode() in env and b"hetjax.cli" in cmd:
-      return int(entry)
-  return None
-
-
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the host process in /proc")
 def test_elastic_host_killed_mid_round_resumes_to_the_uninterrupted_centre(tmp_path):
   """Per-host parameters and inner (momentum) state are checkpointed: the restart is exact."""
-  seed = random.randrange(1 << 30)
-  rng = random.Random(seed)
-  victim, delay = rng.randrange(2), rng.uniform(0.0, 1.0)
   reference = subprocess.run(_launch(tmp_path / "ref-ckpt", tmp_path / "ref"), capture_output=True,
                              text=True, timeout=600)
   assert reference.returncode == 0, reference.stderr[-3000:]
   ckpt = tmp_path / "ckpt"
-  proc = subprocess.Popen(_launch(ckpt, tmp_path / "run", ("--max-restarts", "2")),
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-  deadline = time.monotonic() + 300
-  while not (ckpt.exists() and any(p.isdigit() for p in os.listdir(ckpt))):
-    assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
-    time.sleep(0.05)
-  time.sleep(delay)
-  pid = _host_pid(victim, str(ckpt))
-  assert pid is not None, f"host {victim} not found (seed {seed})"
-  os.kill(pid, signal.SIGKILL)
-  out, err = proc.communicate(timeout=600)
-  assert proc.returncode == 0, f"seed {seed}: {err[-3000:]}"
-  assert f"restart 1/2 after host {victim} failed with signal SIGKILL" in err, err[-3000:]
+  run = kill_a_host_mid_run(_launch(ckpt, tmp_path / "run", ("--max-restarts", "2")), ckpt, hosts=2)
+  out, err = run.stdout, run.stderr
+  assert run.returncode == 0, f"seed {run.seed}: {err[-3000:]}"
+  assert f"restart 1/2 after host {run.victim} failed with signal SIGKILL" in err, err[-3000:]
   assert "resumed elastic from" in out
   summary = json.loads((tmp_path / "run" / "summary.json").read_text())
   expected = json.loads((tmp_path / "ref" / "summary.json").read_text())
   assert summary["mode"] == "elastic" and summary["last_step"] == 100
   assert summary["resumed_from"] is not None and summary["resumed_from"] % 20 == 0
-  assert summary["params_digest"] == expected["params_digest"], f"seed {seed}"
+  assert summary["params_digest"] == expected["params_digest"], f"seed {run.seed}"

@@ -64,3 +64,14 @@ def test_bad_cluster_fails_before_any_process_starts(monkeypatch, kwargs, match)
 
 def _must_not_run(*args, **kwargs):
   raise AssertionError("a process was started")
+
+
+def test_kill_a_host_mid_run_refuses_a_command_without_the_checkpoint_folder(monkeypatch, tmp_path):
+  import subprocess
+
+  def no_process(*args, **kwargs):
+    raise AssertionError("a process was started")
+  monkeypatch.setattr(subprocess, "Popen", no_process)
+  with pytest.raises(ValueError, match="must name the checkpoint folder .*ckpt.*--ckpt-dir"):
+    testing.kill_a_host_mid_run(["launch/local.py", "--", "hetjax", "train"], tmp_path / "ckpt",
+                                hosts=2)
