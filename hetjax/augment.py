@@ -3,7 +3,7 @@
 An augmentation is `fn(batch, keys) -> batch`, `keys` one uint64 per example
 from `example_keys(seed, epochs, indices)`. Every draw is a hash of that key,
 so record `i` in epoch `e` is cropped and flipped the same way whichever host
-reads it and whatever shares the balancer chose (DESIGN.md invariant 1).
+reads it and whatever shares the balancer chose (docs/design.md invariant 1).
 Augmentation is opt-in: digits, the default dataset, trains best without it
 (a flipped 2 is not a 2).
 

@@ -1,7 +1,7 @@
 """How the global batch is split between hosts. Pure numpy, no JAX.
 
 Every host computes the assignment itself from values every host holds
-(DESIGN.md invariant 3), so an assignment policy must be deterministic. This
+(docs/design.md invariant 3), so an assignment policy must be deterministic. This
 module holds the policies that need no profiling (`equal`, a fixed explicit
 split) and the profiling one (`ProfilingBalancer`: a robust per-host cost
 model fitted online, and an exact integer min-max solver), all behind the
@@ -413,7 +413,7 @@ class ProfilingBalancer:
 
   Every input is the timing vector that every host holds, and every
   computation is deterministic, so all hosts hold the same split
-  (DESIGN.md invariant 3). `decisions` logs each split with its predicted and
+  (docs/design.md invariant 3). `decisions` logs each split with its predicted and
   then-measured step time (max host compute seconds).
   """
 

@@ -1,4 +1,4 @@
-"""Checkpoints of the whole train state with orbax (DESIGN.md invariant 5).
+"""Checkpoints of the whole train state with orbax (docs/design.md invariant 5).
 
 A checkpoint is one orbax step folder with two items:
 - `state`: the `TrainState` (step, parameters, optimizer state, model state)

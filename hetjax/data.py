@@ -1,6 +1,6 @@
 """Global-batch sampling, host slices, and datasets by name.
 
-DESIGN.md invariant 1: the samples of step `s` depend only on (dataset, seed,
+docs/design.md invariant 1: the samples of step `s` depend only on (dataset, seed,
 step). The sampler enumerates one global stream of record indices, epoch
 after epoch, each epoch a fresh keyed permutation (`hetjax/shuffle.py`, O(1)
 memory); step `s` takes stream positions `[s*B, (s+1)*B)`, so batches may

@@ -9,7 +9,7 @@ here, the way the Flax ImageNet example and big_vision prepare them:
 
 Every draw is a hash of the example's key (`hetjax.augment.example_keys`:
 seed, epoch, global record index), so a record is cropped and flipped the
-same way on any host and under any split (DESIGN.md invariant 1). Pixels
+same way on any host and under any split (docs/design.md invariant 1). Pixels
 stay uint8 (a quarter of float32's bytes on the way to the device); the
 models scale them on the device (`hetjax_models.preprocess`).
 

@@ -11,7 +11,7 @@ fp16 has too few exponent bits for small gradients, so its loss is scaled
 scale before differentiating and divides the gradient sums after. When any
 host's sums overflow, every host skips the update and halves the scale; after
 `GROWTH_INTERVAL` finite steps in a row the scale doubles. The decision
-uses only values the reduction gives every host (DESIGN.md invariant 3):
+uses only values the reduction gives every host (docs/design.md invariant 3):
 each host's overflow flag rides in its rows of the reduction.
 """
 

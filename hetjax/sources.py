@@ -3,7 +3,7 @@
 A source is anything with `len(source)`, `source.info` (a `DatasetInfo`) and
 `source[indices] -> {name: array[len(indices), ...]}` that returns record `i`
 the same way whatever else is in `indices`: every host then reads exactly the
-records of its slice and nothing else (DESIGN.md invariant 1). TFDS sources
+records of its slice and nothing else (docs/design.md invariant 1). TFDS sources
 on disk live in `hetjax/tfds_data.py`.
 """
 

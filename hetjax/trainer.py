@@ -1,9 +1,10 @@
 """The training loop and the public Python API.
 
-The loop, one step at a time (DESIGN.md, "One step, as the data flows"):
+The loop, one step at a time (docs/design.md, "One step, as the data flows"):
 balancer -> this host's share -> its slice of the global batch -> LOCAL
 program -> measured (and, under emulation, paced) compute seconds -> the
 cross-host reduction, which also carries every host's timings -> balancer.
+`fit` overlaps consecutive steps (docs/design.md, "Overlapped steps").
 """
 
 from __future__ import annotations
