@@ -230,6 +230,48 @@ def micro_batches(batch: dict[str, np.ndarray], size: int) -> Iterator[dict[str,
     yield part
 
 
+def block_sums(task: Task, params: PyTree, model_state: PyTree, block: dict[str, jax.Array],
+               rng: jax.Array, scale: jax.Array, precision: str) -> Sums:
+  """One block's sums over its real examples: float32 gradients, loss, metrics, state.
+
+  The one definition of what a device computes for a block, shared by the
+  sync step and the rounds modes' local steps. Under bf16 / fp16 the model
+  runs in the low type from float32 parameters, so the gradients come back
+  float32; `scale` multiplies the loss before differentiation and is divided
+  out of the gradients, only when `precision` scales its loss (a pass over
+  every gradient otherwise spent dividing by 1).
+  """
+  compute = precision_lib.compute_dtype(precision)
+  low, scaled = compute != jnp.float32, precision_lib.uses_loss_scale(precision)
+  real = block[MASK] > 0
+  masked_sum = lambda v: jnp.sum(jnp.where(real, v.astype(jnp.float32), 0.0))
+  # An all-padding block (a host whose blocks do not fill its last device
+  # round) shows the model an all-ones mask: masked BatchNorm over zero rows
+  # would be NaN, and NaN survives `where` in the backward pass. Its rows are
+  # copies of a real row, and every sum below uses `real`.
+  model_block = {**block, MASK: jnp.where(jnp.any(real), block[MASK], 1.0)}
+  if low:
+    model_block = precision_lib.cast_batch(model_block, compute, keep=(MASK,))
+
+  def total_loss(p):
+    if low:
+      p = precision_lib.cast_floats(p, compute)
+    losses, metrics, new_state = task.loss(p, model_state, model_block, rng)
+    values, weights = split_losses(losses)
+    weight = masked_sum(weights) if weights is not None else jnp.sum(real.astype(jnp.float32))
+    loss = masked_sum(values)
+    return (loss * scale if scaled else loss), (loss, metrics, new_state, weight)
+
+  (_, (loss, metrics, new_state, weight)), grads = jax.value_and_grad(
+      total_loss, has_aux=True)(params)
+  n = jnp.sum(real.astype(jnp.float32))
+  unscale = (lambda g: g.astype(jnp.float32) / scale) if scaled else (
+      lambda g: g.astype(jnp.float32))
+  return Sums(grads=jax.tree.map(unscale, grads), weight=weight, count=n, loss=loss,
+              metrics={k: masked_sum(v) for k, v in metrics.items()},
+              model_state=jax.tree.map(lambda s: jnp.where(n > 0, s * n, 0.0), new_state))
+
+
 class LocalProgram:
   """Accumulates this host's gradient sums over its micro-batches."""
 
@@ -259,9 +301,6 @@ class LocalProgram:
                      shapes(new_state))
     layout = self.layout = Layout(packing.Packer((shapes(params), shapes(model_state), scalar)),
                                   packing.Packer(sums_like, dtype=jnp.float32), self.precision)
-    compute = precision_lib.compute_dtype(self.precision)
-    low = compute != jnp.float32
-    scaled = precision_lib.uses_loss_scale(self.precision)  # Else the scale is 1: no pass over the gradients.
     task = self._task
 
     def per_device(views, sums, batch, key):
@@ -272,34 +311,8 @@ class LocalProgram:
       batch = dict(batch)
       step, block, first = batch.pop(_POSITION)[0]
       rng = jax.random.fold_in(jax.random.fold_in(key, step), block)
-      real = batch[MASK] > 0
-      masked_sum = lambda v: jnp.sum(jnp.where(real, v.astype(jnp.float32), 0.0))
-      # An all-padding block (a host whose blocks do not fill its last device
-      # round) shows the model an all-ones mask: masked BatchNorm over zero
-      # rows would be NaN, and NaN survives `where` in the backward pass. Its
-      # rows are copies of a real row, and every sum below uses `real`.
-      model_batch = {**batch, MASK: jnp.where(jnp.any(real), batch[MASK], 1.0)}
-      if low:
-        model_batch = precision_lib.cast_batch(model_batch, compute, keep=(MASK,))
-
-      def total_loss(p):
-        if low:
-          p = precision_lib.cast_floats(p, compute)
-        losses, metrics, new_state = task.loss(p, model_state, model_batch, rng)
-        values, weights = split_losses(losses)
-        weight = masked_sum(weights) if weights is not None else jnp.sum(real.astype(jnp.float32))
-        loss = masked_sum(values)
-        return (loss * scale if scaled else loss), (loss, metrics, new_state, weight)
-
-      (_, (loss, metrics, new_state, weight)), grads = jax.value_and_grad(
-          total_loss, has_aux=True)(params)
-      n = jnp.sum(real.astype(jnp.float32))
-      row = layout.sums.pack(Sums(
-          grads=jax.tree.map(lambda g: g.astype(jnp.float32) / scale if scaled else
-                             g.astype(jnp.float32), grads),
-          weight=weight, count=n, loss=loss,
-          metrics={k: masked_sum(v) for k, v in metrics.items()},
-          model_state=jax.tree.map(lambda s: jnp.where(n > 0, s * n, 0.0), new_state)))
+      row = layout.sums.pack(block_sums(task, params, model_state, batch, rng, scale,
+                                        self.precision))
       # The first micro-batch of a step starts from zero in a recycled buffer.
       return jnp.where(first > 0, 0.0, sums) + row["float32"][None]
 

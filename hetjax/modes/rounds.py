@@ -31,7 +31,7 @@ from hetjax import blocks as blocks_lib
 from hetjax import precision as precision_lib
 from hetjax import step as step_lib
 from hetjax.step import DEV, Meshes
-from hetjax.task import MASK, Task, split_losses
+from hetjax.task import MASK, Task
 
 PyTree = Any
 WARMUP_ROUNDS = 2   # Rounds run with tau = 1 while the hosts' speeds are measured.
@@ -150,7 +150,6 @@ class LocalStep:
                microbatch: int, local_batch: int, precision: str = "fp32"):
     self.meshes, self.m, self.b = meshes, int(microbatch), int(local_batch)
     self.precision = precision_lib.check(precision)
-    self.compute = precision_lib.compute_dtype(precision)
     d = meshes.local_devices
     self.micro_rounds = -(-blocks_lib.num_blocks(self.b, self.m) // d)
     self.optimizer = optimizer
@@ -165,8 +164,8 @@ class LocalStep:
   def _build(self, metric_names: Sequence[str]) -> None:
     """Compiles the step; the metric names fix the shape of the running sums."""
     task, optimizer, meshes, d = self.task, self.optimizer, self.meshes, self.meshes.local_devices
-    compute, precision = self.compute, self.precision
-    low, scaled = compute != jnp.float32, precision_lib.uses_loss_scale(precision)
+    precision = self.precision
+    scaled = precision_lib.uses_loss_scale(precision)
 
     def per_device(params, model_state, scale, batch, key, round_index, first_block):
       params = jax.lax.pcast(params, DEV, to="varying")
@@ -176,29 +175,10 @@ class LocalStep:
       def one_block(carry, xs):
         block, r = xs
         rng = jax.random.fold_in(jax.random.fold_in(key, round_index), first_block + r * d + device)
-        real = block[MASK] > 0
-        masked_sum = lambda v: jnp.sum(jnp.where(real, v.astype(jnp.float32), 0.0))
-        # An all-padding block shows the model an all-ones mask (see LocalProgram).
-        model_block = {**block, MASK: jnp.where(jnp.any(real), block[MASK], 1.0)}
-        if low:  # As the sync step: float32 parameters and sums, the model in `compute`.
-          model_block = precision_lib.cast_batch(model_block, compute, keep=(MASK,))
-
-        def total_loss(p):
-          if low:
-            p = precision_lib.cast_floats(p, compute)
-          losses, metrics, new_state = task.loss(p, model_state, model_block, rng)
-          values, weights = split_losses(losses)
-          weight = masked_sum(weights) if weights is not None else jnp.sum(real.astype(jnp.float32))
-          loss = masked_sum(values)
-          return loss * scale, (loss, metrics, new_state, weight)  # scale: 1 unless fp16
-
-        (_, (loss, metrics, new_state, weight)), grads = jax.value_and_grad(
-            total_loss, has_aux=True)(params)
-        n = jnp.sum(real.astype(jnp.float32))
-        grads = jax.tree.map(lambda g: g.astype(jnp.float32) / scale, grads)
-        sums = {"grads": grads, "weight": weight, "count": n, "loss": loss,
-                "metrics": {k: masked_sum(metrics[k]) for k in metric_names},
-                "model_state": jax.tree.map(lambda s: jnp.where(n > 0, s * n, 0.0), new_state)}
+        b = step_lib.block_sums(task, params, model_state, block, rng, scale, precision)
+        sums = {"grads": b.grads, "weight": b.weight, "count": b.count, "loss": b.loss,
+                "metrics": {k: b.metrics[k] for k in metric_names},
+                "model_state": b.model_state}
         return jax.tree.map(lambda a, x: a + x.astype(a.dtype), carry, sums), None
 
       zero = lambda x: jax.lax.pcast(jnp.zeros(jnp.shape(x), jnp.float32), DEV, to="varying")
