@@ -56,6 +56,18 @@ def _norm(train: bool, mask: jax.Array | None, momentum: float, dtype: Any,
   return functools.partial(bn, mask=mask if train else None)
 
 
+def _add_shortcut(x: jax.Array, y: jax.Array, conv: Any, norm: Any, strides: int) -> jax.Array:
+  """relu(shortcut + y): identity, or a strided 1x1 projection when shapes differ.
+
+  Called from a block's compact `__call__`, so the projection's modules keep
+  the names `proj_conv` and `proj_norm` inside that block.
+  """
+  if x.shape != y.shape:
+    x = conv(y.shape[-1], (1, 1), strides, name="proj_conv")(x)
+    x = norm(name="proj_norm")(x)
+  return nn.relu(x + y)
+
+
 class BasicBlock(nn.Module):
   """Two 3x3 convolutions with a (projected when needed) identity shortcut."""
 
@@ -74,10 +86,7 @@ class BasicBlock(nn.Module):
     y = conv(self.features, (3, 3), padding=1)(y)
     # Zero-init of the last scale starts every block as the identity.
     y = norm(scale_init=nn.initializers.zeros)(y)
-    if x.shape != y.shape:
-      x = conv(self.features, (1, 1), self.strides, name="proj_conv")(x)
-      x = norm(name="proj_norm")(x)
-    return nn.relu(x + y)
+    return _add_shortcut(x, y, conv, norm, self.strides)
 
 
 class BottleneckBlock(nn.Module):
@@ -102,10 +111,7 @@ class BottleneckBlock(nn.Module):
     y = nn.relu(norm()(y))
     y = conv(4 * self.features, (1, 1))(y)
     y = norm(scale_init=nn.initializers.zeros)(y)
-    if x.shape != y.shape:
-      x = conv(4 * self.features, (1, 1), self.strides, name="proj_conv")(x)
-      x = norm(name="proj_norm")(x)
-    return nn.relu(x + y)
+    return _add_shortcut(x, y, conv, norm, self.strides)
 
 
 class ResNet(nn.Module):
