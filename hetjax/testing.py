@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import os
 import pickle
 import random
@@ -33,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from hetjax import procs
 
@@ -123,9 +124,13 @@ def kill_a_host_mid_run(command: Sequence[str], ckpt_dir: str | os.PathLike, *, 
 
   Raises:
     ValueError: `ckpt_dir` is not in `command`, before anything starts.
+    RuntimeError: this machine has no /proc (Linux only), before anything starts.
     AssertionError: the run ends before the first checkpoint, or the host is
       not found; the launcher's stderr tail and the seed are in the message.
   """
+  if not os.path.isdir("/proc"):
+    raise RuntimeError("kill_a_host_mid_run finds the host processes in /proc, which this "
+                       "machine lacks; run it on Linux.")
   ckpt_dir = os.fspath(ckpt_dir)
   if not any(ckpt_dir in part for part in command):
     raise ValueError(f"the command must name the checkpoint folder {ckpt_dir!r} (it finds the "
@@ -152,6 +157,32 @@ def kill_a_host_mid_run(command: Sequence[str], ckpt_dir: str | os.PathLike, *, 
       proc.kill()
       proc.communicate()
   return KilledRun(seed, victim, proc.returncode, out, err)
+
+
+def killed_and_uninterrupted(launch: Callable[..., Sequence[str]], folder: str | os.PathLike, *,
+                             hosts: int) -> tuple[KilledRun, dict[str, Any], dict[str, Any]]:
+  """The same training twice: uninterrupted, and with one host killed mid-run.
+
+  `launch(ckpt, out, extra=())` is the launcher command of one run; the
+  killed run gets `("--max-restarts", "2")` as `extra`. Both runs live in
+  `folder`. Returns the killed run and both runs' summary.json, after
+  checking that both finished and that the launcher restarted the killed
+  host: what is left to compare is the caller's.
+  """
+  folder = os.fspath(folder)
+  reference = subprocess.run(list(launch(os.path.join(folder, "ref-ckpt"), os.path.join(folder, "ref"))),
+                             capture_output=True, text=True, timeout=600)
+  assert reference.returncode == 0, reference.stderr[-3000:]
+  ckpt, out = os.path.join(folder, "ckpt"), os.path.join(folder, "run")
+  run = kill_a_host_mid_run(launch(ckpt, out, ("--max-restarts", "2")), ckpt, hosts=hosts)
+  assert run.returncode == 0, f"seed {run.seed}: {run.stderr[-3000:]}"
+  assert f"restart 1/2 after host {run.victim} failed with signal SIGKILL" in run.stderr, (
+      f"seed {run.seed}: {run.stderr[-3000:]}")
+  summaries = []
+  for name in (out, os.path.join(folder, "ref")):
+    with open(os.path.join(name, "summary.json")) as f:
+      summaries.append(json.load(f))
+  return run, summaries[0], summaries[1]
 
 
 def host_pid(host: int, token: str) -> int | None:

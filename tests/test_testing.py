@@ -75,3 +75,11 @@ def test_kill_a_host_mid_run_refuses_a_command_without_the_checkpoint_folder(mon
   with pytest.raises(ValueError, match="must name the checkpoint folder .*ckpt.*--ckpt-dir"):
     testing.kill_a_host_mid_run(["launch/local.py", "--", "hetjax", "train"], tmp_path / "ckpt",
                                 hosts=2)
+
+
+def test_kill_a_host_mid_run_says_it_needs_proc_before_starting_anything(monkeypatch, tmp_path):
+  real_isdir = testing.os.path.isdir
+  monkeypatch.setattr(testing.os.path, "isdir", lambda p: False if p == "/proc" else real_isdir(p))
+  monkeypatch.setattr(testing.subprocess, "Popen", _must_not_run)
+  with pytest.raises(RuntimeError, match="finds the host processes in /proc"):
+    testing.kill_a_host_mid_run(["--ckpt-dir", str(tmp_path)], tmp_path, hosts=2)
