@@ -10,6 +10,11 @@ result equals `read(step, shares)`, the synchronous read, element for element.
 
 Reads run in threads (`workers=0`: cheap records, numpy arrays) or in worker
 processes (`workers=N`: decoding JPEGs is CPU work the GIL would serialise).
+With threads, a slice that reads faster than `inline_below_s` is read on the
+calling thread instead: handing a 20-microsecond numpy gather to a thread
+cost the MLP step 1.5 ms on 2 cores (BUILD_NOTES.md, "Reads on the calling
+thread"), and the trainer reads after dispatching a step, while the devices
+compute it, so the read still overlaps the device work.
 A slice is cut into one piece per worker; each piece is read, decoded and
 augmented where it runs, keyed by the records' global positions, so the
 result never depends on how many workers there are. Workers start by
@@ -57,6 +62,8 @@ class _Chunk:
 
 _WORKER: tuple = ()  # (source, sampler, augment) inside a worker process.
 _LOADER_IDS = itertools.count()
+# A slice that reads faster than this is read on the calling thread (what the trainer uses).
+INLINE_BELOW_S = 1e-3
 _WATCHDOG_S = 0.5  # How often a worker checks that its host process is alive.
 
 
@@ -112,7 +119,7 @@ class HostLoader:
 
   def __init__(self, source: Source, sampler: data_lib.GlobalSampler, host_id: int, *,
                threads: int = 2, workers: int = 0, augment: augment_lib.Augment | None = None,
-               min_chunk: int | None = None):
+               min_chunk: int | None = None, inline_below_s: float = 0.0):
     """Args:
       source: random-access records.
       sampler: the global stream (decides which record sits where).
@@ -123,10 +130,16 @@ class HostLoader:
       augment: per-example augmentation (see `hetjax.augment`), or None.
       min_chunk: do not split a read into pieces smaller than this (default
         64 records for threads, 1 for worker processes).
+      inline_below_s: with threads, read a slice on the calling thread when
+        reads so far took less than this many seconds for its size (timed
+        from the reads themselves; 0: always in threads). The records are
+        the same either way; only where the read runs differs.
     """
-    if threads < 1 or workers < 0 or (min_chunk is not None and min_chunk < 1):
-      raise ValueError(f"HostLoader needs threads >= 1, workers >= 0 and min_chunk >= 1, got "
-                       f"threads={threads}, workers={workers}, min_chunk={min_chunk}.")
+    if (threads < 1 or workers < 0 or (min_chunk is not None and min_chunk < 1)
+        or inline_below_s < 0):
+      raise ValueError(f"HostLoader needs threads >= 1, workers >= 0, min_chunk >= 1 and "
+                       f"inline_below_s >= 0, got threads={threads}, workers={workers}, "
+                       f"min_chunk={min_chunk}, inline_below_s={inline_below_s}.")
     if len(source) != sampler.num_records:
       raise ValueError(f"dataset {source.info.name!r} has {len(source)} records but the sampler "
                        f"was built for {sampler.num_records}; build both from the same source.")
@@ -134,7 +147,9 @@ class HostLoader:
     self.augment, self.workers = augment, workers
     self.pieces = workers or threads
     self.min_chunk = min_chunk or (1 if workers else 64)
-    self.stats = {"prefetched": 0, "read_on_demand": 0}  # Records served each way.
+    self.inline_below_s = 0.0 if workers else inline_below_s
+    self._record_s: float | None = None  # Seconds per record of the latest timed read.
+    self.stats = {"prefetched": 0, "read_on_demand": 0, "read_inline": 0}  # Records served each way.
     self._chunks: list[_Chunk] = []
     self.thread_prefix = f"hetjax-loader-{host_id}-{next(_LOADER_IDS)}"
     if workers:
@@ -163,7 +178,8 @@ class HostLoader:
     """
     self._check_open()
     part = self._slice(shares)
-    self._cover(step, part.start, part.stop)
+    if not self._reads_inline(part.stop - part.start):
+      self._cover(step, part.start, part.stop)
 
   def get(self, step: int, shares: Sequence[int]) -> Batch:
     """This host's records of `step` under `shares`, equal to `read(step, shares)`."""
@@ -172,6 +188,9 @@ class HostLoader:
     start, stop = part.start, part.stop
     self._drop(lambda c: c.step < step or (c.step == step and (c.stop <= start or c.start >= stop)))
     had = {id(c) for c in self._chunks}
+    if not any(c.step == step for c in self._chunks) and self._reads_inline(stop - start):
+      self.stats["read_inline"] += stop - start
+      return self._read(step, start, stop)
     try:
       plan = self._cover(step, start, stop)
       pieces = []
@@ -223,9 +242,22 @@ class HostLoader:
                        f"{self.sampler.global_batch}; shares must be >= 0 and sum to it.")
     return part
 
+  def _reads_inline(self, records: int) -> bool:
+    """Whether a slice of `records` is cheaper to read here than to hand to a thread.
+
+    Before any read is timed, the first one runs here and is timed.
+    """
+    if not self.inline_below_s:
+      return False
+    return self._record_s is None or self._record_s * records < self.inline_below_s
+
   def _read(self, step: int, start: int, stop: int) -> Batch:
-    """Records `[start, stop)` of `step`'s global batch, read here."""
-    return read_records(self.source, self.sampler, self.augment, step, start, stop)
+    """Records `[start, stop)` of `step`'s global batch, read here (timed)."""
+    t0 = time.perf_counter()
+    batch = read_records(self.source, self.sampler, self.augment, step, start, stop)
+    if stop > start:
+      self._record_s = (time.perf_counter() - t0) / (stop - start)
+    return batch
 
   def _submit(self, step: int, start: int, stop: int) -> list[_Chunk]:
     """Reads `[start, stop)` in up to one piece per worker, in the background."""

@@ -130,10 +130,10 @@ def test_a_right_guess_is_served_from_the_prefetch_and_a_wrong_one_is_patched():
   with loader.HostLoader(source, sampler, 1, min_chunk=4) as host:
     host.prefetch(0, (8, 16, 8))
     _equal(host.get(0, (8, 16, 8)), host.read(0, (8, 16, 8)))
-    assert host.stats == {"prefetched": 16, "read_on_demand": 0}
+    assert host.stats == {"prefetched": 16, "read_on_demand": 0, "read_inline": 0}
     host.prefetch(1, (8, 16, 8))
     _equal(host.get(1, (4, 24, 4)), host.read(1, (4, 24, 4)))  # 16 reused, 8 read now.
-    assert host.stats == {"prefetched": 32, "read_on_demand": 8}
+    assert host.stats == {"prefetched": 32, "read_on_demand": 8, "read_inline": 0}
     assert len(host.get(2, (32, 0, 0))["i"]) == 0  # A share of zero.
 
 
