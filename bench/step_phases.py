@@ -71,17 +71,18 @@ def measure(name: str, source: data_lib.ArraySource, repeats: int) -> dict[str, 
   layout = local.layout
   state = trainer.state
   views = local.views.get(layout, state.params, state.model_state, state.loss_scale.scale)
-  micro = next(step_lib.micro_batches(trainer.loader.get(trainer.step, (setting.global_batch,)),
-                                      local.micro))
-  micro[step_lib._POSITION] = np.array([[trainer.step, 0, 1]], np.int32)
+  host = np.zeros(4, np.float32)  # Stands in for the trainer's host vector.
+  micro, real = next(step_lib.padded_chunks(
+      trainer.loader.get(trainer.step, (setting.global_batch,)), local.micro))
+  micro[step_lib._POSITION] = step_lib._position_rows(trainer.step, 0, True, real, local.per_device,
+                                                      1, host)
   micro = jax.device_put(micro, meshes.local_by_device)
   key = jax.device_put(jax.random.key(overhead.SEED), meshes.local_replicated)
   plain_batch, rng = jax.device_put(plain.batch(0)), jax.random.key(0)
-  box = {"sums": local._zeros(), "plain": (plain.params, plain.opt_state, plain.model_state)}
-  rows = step_lib.host_rows(np.zeros(4), meshes)
+  box = {"sums": local._zeros(host), "plain": (plain.params, plain.opt_state, plain.model_state)}
   update = jax.jit(_undonated(layout, optimizer), out_shardings=meshes.replicated)
   adam = jax.jit(lambda st, row: optimizer.update(
-      layout.sums.unpack({"float32": row[0]}).grads, st.opt_state, st.params))
+      layout.sums.unpack({"float32": row[0, :layout.row_size]}).grads, st.opt_state, st.params))
 
   def run_plain():
     out = plain._step(*box["plain"], plain_batch, rng)
@@ -94,7 +95,7 @@ def measure(name: str, source: data_lib.ArraySource, repeats: int) -> dict[str, 
 
   world = lambda: step_lib.to_world(box["sums"], meshes)
   result = _median_ms({"plain": run_plain, "local": run_local,
-                       "update": lambda: update(state, world(), rows),
+                       "update": lambda: update(state, world()),
                        "adam": lambda: adam(state, world())}, repeats)
   result["added"] = round(result["local"] + result["update"] - result["plain"], 3)
   result["row_floats"] = layout.row_size
@@ -105,9 +106,10 @@ def measure(name: str, source: data_lib.ArraySource, repeats: int) -> dict[str, 
 def _undonated(layout: step_lib.Layout, optimizer: optax.GradientTransformation) -> Callable:
   """The reduction program's body, without donating the state (timed repeatedly)."""
 
-  def program(state, sums, rows):
-    totals = layout.sums.unpack({"float32": jnp.sum(sums, axis=0)})
-    return step_lib._update(optimizer, state, totals, layout, jnp.bool_(False)), rows
+  def program(state, world):
+    n = layout.row_size
+    totals = layout.sums.unpack({"float32": jnp.sum(world[:, :n], axis=0)})
+    return step_lib._update(optimizer, state, totals, layout, jnp.bool_(False)), world[:, n:]
 
   return program
 

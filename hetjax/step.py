@@ -16,16 +16,19 @@ update produces the next train state as global replicated arrays.
 
 Every host contributes one row per local device, so hosts may even have
 different numbers of devices. The rows also carry a small host vector
-(timings, config hashes): each device row of host `h` holds host `h`'s
-values, so every host learns every host's values from the same collective
-(invariant 3).
+(timings, stop requests, shares): each device row of host `h` ends with host
+`h`'s values, so every host learns every host's values from the same
+collective (invariant 3).
 
 Per-step work does not grow with the number of parameter arrays (`Layout`):
 each device's sums are one float32 row, so they cross to the world mesh as
 one array, and the global program hands the local one its parameters packed
 into one buffer per dtype (`HostViews`). A step launches one program per
 micro-batch and one reduction, and re-wraps three arrays, for 6 leaves or
-600. Under `precision` bf16 / fp16 the local program computes in the low
+600. What a step sends from the host beyond the user's arrays travels in one
+small int32 array per micro-batch (`_POSITION`): each device's step, block,
+number of real examples (its mask is built on the device) and the host
+vector, so a step makes as many transfers as a plain loop's batch has arrays. Under `precision` bf16 / fp16 the local program computes in the low
 type from float32 master parameters; sums and the reduction stay float32.
 """
 
@@ -49,7 +52,10 @@ from hetjax.task import MASK, Task, split_losses
 PyTree = Any
 LEARNING_RATE = "hetjax.lr"  # Stats entry: the update's learning rate, when the optimizer shows it.
 DEV = "dev"   # axis of the local mesh: this host's devices
-_POSITION = "hetjax.position"  # Batch entry, one row per device: (step, block, first micro-batch?).
+# Batch entry, one int32 row per device: step, block, first micro-batch?, real
+# examples, then the host vector's float32 bits (`_position_rows`).
+_POSITION = "hetjax.position"
+_POSITION_FIELDS = 4
 ALL = "all"   # axis of the global mesh: every device of every host
 
 
@@ -195,7 +201,11 @@ class HostViews:
 
 @jax.tree_util.register_pytree_node_class
 class LocalSums:
-  """The local program's output: one `[local devices, row]` float32 array."""
+  """The local program's output: one `[local devices, row + k]` float32 array.
+
+  Each device's row is its packed `Sums` followed by the host vector (`k`
+  values, the same on every device of the host).
+  """
 
   def __init__(self, flat: jax.Array, layout: Layout, views: HostViews):
     self.flat, self.layout, self.views = flat, layout, views
@@ -209,11 +219,17 @@ class LocalSums:
 
   def totals(self) -> Sums:
     """This host's sums, unpacked (summed over its devices): for tests and tools."""
-    return self.layout.sums.unpack({"float32": jnp.sum(self.flat, axis=0)})
+    n = self.layout.row_size
+    return self.layout.sums.unpack({"float32": jnp.sum(self.flat[:, :n], axis=0)})
+
+  def host_values(self) -> np.ndarray:
+    """The host vector the sums carry (read from the first device): for tests and tools."""
+    return np.asarray(self.flat.addressable_data(0))[0, self.layout.row_size:]
 
 
-def micro_batches(batch: dict[str, np.ndarray], size: int) -> Iterator[dict[str, np.ndarray]]:
-  """Cuts a batch into `size`-row chunks with a `MASK`, the last one padded.
+def padded_chunks(batch: dict[str, np.ndarray],
+                  size: int) -> Iterator[tuple[dict[str, np.ndarray], int]]:
+  """Cuts a batch into `size`-row chunks, the last one padded: (chunk, real rows).
 
   Padding rows repeat the chunk's first (real) row: a loss that is NaN on an
   all-zero row (a count of zero tokens, say) stays finite, and the mask
@@ -226,8 +242,28 @@ def micro_batches(batch: dict[str, np.ndarray], size: int) -> Iterator[dict[str,
     if real < size:
       part = {k: np.concatenate([v, np.repeat(v[:1], size - real, axis=0)])
               for k, v in part.items()}
+    yield part, real
+
+
+def micro_batches(batch: dict[str, np.ndarray], size: int) -> Iterator[dict[str, np.ndarray]]:
+  """Cuts a batch into `size`-row chunks with a `MASK`, the last one padded."""
+  for part, real in padded_chunks(batch, size):
     part[MASK] = (np.arange(size) < real).astype(np.float32)
     yield part
+
+
+def _position_rows(step: int, first_block: int, first: bool, real: int, per_device: int,
+                   devices: int, host_values: np.ndarray) -> np.ndarray:
+  """`_POSITION` of one micro-batch of `devices` blocks: `[devices, 4 + k]` int32.
+
+  Device `d` runs block `first_block + d` with `clip(real - d * per_device, 0,
+  per_device)` real examples; the host vector rides as its float32 bits.
+  """
+  d = np.arange(devices)
+  fields = np.stack([np.full(devices, step), first_block + d, np.full(devices, int(first)),
+                     np.clip(real - d * per_device, 0, per_device)], axis=1)
+  bits = np.broadcast_to(host_values.view(np.int32), (devices, host_values.size))
+  return np.concatenate([fields.astype(np.int32), bits], axis=1)
 
 
 def block_sums(task: Task, params: PyTree, model_state: PyTree, block: dict[str, jax.Array],
@@ -280,6 +316,7 @@ class LocalProgram:
     if microbatch_per_device < 1:
       raise ValueError(f"--microbatch must be >= 1, got {microbatch_per_device}.")
     self.meshes = meshes
+    self.per_device = microbatch_per_device
     self.micro = microbatch_per_device * meshes.local_devices
     self.precision = precision_lib.check(precision)
     self.views = HostViews(meshes)
@@ -290,10 +327,11 @@ class LocalProgram:
     # read (by its reduction, or the thread that times it) while this one runs.
     self._ring: list[jax.Array | None] = [None, None]
     self._calls = 0
+    self._host_width: int | None = None  # k: the host vector's length, fixed by the first call.
 
-  def _build(self, params, model_state, example, rng) -> None:
+  def _build(self, params, model_state, example, rng, host_width: int) -> None:
     """Fixes the packing layout and compiles the programs, once."""
-    per_device = {k: v[:self.micro // self.meshes.local_devices] for k, v in example.items()}
+    per_device = {k: v[:self.per_device] for k, v in example.items()}
     _, metrics, new_state = jax.eval_shape(self._task.loss, params, model_state, per_device, rng)
     scalar = jax.ShapeDtypeStruct((), jnp.float32)
     shapes = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
@@ -301,7 +339,7 @@ class LocalProgram:
                      shapes(new_state))
     layout = self.layout = Layout(packing.Packer((shapes(params), shapes(model_state), scalar)),
                                   packing.Packer(sums_like, dtype=jnp.float32), self.precision)
-    task = self._task
+    task, n, m = self._task, layout.row_size, self.per_device
 
     def per_device(views, sums, batch, key):
       params, model_state, scale = layout.views.unpack(views)
@@ -309,25 +347,33 @@ class LocalProgram:
       # over the local devices; per-device sums let one reduction do it all.
       params = jax.lax.pcast(params, DEV, to="varying")
       batch = dict(batch)
-      step, block, first = batch.pop(_POSITION)[0]
+      position = batch.pop(_POSITION)[0]
+      step, block, first, real = (position[i] for i in range(_POSITION_FIELDS))
+      host = jax.lax.bitcast_convert_type(position[_POSITION_FIELDS:], jnp.float32)
+      batch[MASK] = (jnp.arange(m) < real).astype(jnp.float32)
       rng = jax.random.fold_in(jax.random.fold_in(key, step), block)
       row = layout.sums.pack(block_sums(task, params, model_state, batch, rng, scale,
-                                        self.precision))
+                                        self.precision))["float32"]
       # The first micro-batch of a step starts from zero in a recycled buffer.
-      return jnp.where(first > 0, 0.0, sums) + row["float32"][None]
+      return jnp.concatenate([jnp.where(first > 0, 0.0, sums[0, :n]) + row, host])[None]
 
     self._accumulate = jax.jit(
         jax.shard_map(per_device, mesh=self.meshes.local,
                       in_specs=(P(), P(DEV), P(DEV), P()), out_specs=P(DEV)),
         donate_argnums=(1,))
     # Compiled now, so that a first share of 0 later on compiles nothing.
-    shape = (self.meshes.local_devices, layout.row_size)
-    self._zeros = jax.jit(lambda: jnp.zeros(shape, jnp.float32),
-                          out_shardings=self.meshes.local_by_device).lower().compile()
+    d, k = self.meshes.local_devices, host_width
+    self._host_width = k
+    self._zeros = jax.jit(
+        lambda host: jnp.broadcast_to(jnp.concatenate([jnp.zeros(n, jnp.float32), host]), (d, n + k)),
+        in_shardings=self.meshes.local_replicated,
+        out_shardings=self.meshes.local_by_device).lower(
+            jax.ShapeDtypeStruct((k,), jnp.float32)).compile()
 
   def __call__(self, params: PyTree, model_state: PyTree, batch: dict[str, np.ndarray],
                example: dict[str, np.ndarray], key: jax.Array, step: int,
-               first_block: int = 0, loss_scale: jax.Array | None = None) -> LocalSums:
+               first_block: int = 0, loss_scale: jax.Array | None = None,
+               host_values: np.ndarray | None = None) -> LocalSums:
     """Runs the host's share `batch` (possibly empty) through the local program.
 
     `example` is one record of the dataset; it fixes the micro-batch shapes
@@ -335,7 +381,14 @@ class LocalProgram:
     step and each device's global block index (from `first_block`, the
     host's first block) are folded in on the devices. `loss_scale` (fp16)
     multiplies the loss before differentiation; the sums come back unscaled.
+    `host_values` (float32, the same length every call) ride along in the
+    sums to the reduction, which gathers every host's.
     """
+    host = np.zeros(0, np.float32) if host_values is None else (
+        np.asarray(host_values, np.float32).ravel())
+    if self._host_width is not None and host.size != self._host_width:
+      raise ValueError(f"host_values has {host.size} values; this program was built for "
+                       f"{self._host_width} (pass the same length every step).")
     if self._key is None or self._key[0] is not key:
       self._key = (key, jax.device_put(key, self.meshes.local_replicated))
     local_key = self._key[1]
@@ -344,23 +397,22 @@ class LocalProgram:
     if self.layout is None:
       local = lambda t: jax.tree.map(lambda x: to_local(x, self.meshes), t)
       self._build(local(params), local(model_state),
-                  next(micro_batches(example, self.micro)), local_key)
+                  next(micro_batches(example, self.micro)), local_key, host.size)
     views = self.views.get(self.layout, params, model_state, loss_scale)
     slot = self._calls % 2
     sums, first = self._ring[slot], True
     if sums is None or sums.is_deleted():
-      sums = self._zeros()
+      sums = self._zeros(host)
     d = self.meshes.local_devices
-    for i, micro in enumerate(micro_batches(batch, self.micro)):
-      # Each device's (step, block, first micro-batch?) rides in the batch's
-      # one transfer rather than as three scalar arguments (a transfer each).
-      micro[_POSITION] = np.stack([np.full(d, step), first_block + i * d + np.arange(d),
-                                   np.full(d, first)], axis=1).astype(np.int32)
+    for i, (micro, real) in enumerate(padded_chunks(batch, self.micro)):
+      # Position, mask and host vector ride in the batch's one transfer.
+      micro[_POSITION] = _position_rows(step, first_block + i * d, first, real, self.per_device,
+                                        d, host)
       micro = jax.device_put(micro, self.meshes.local_by_device)
       sums = self._accumulate(views, sums, micro, local_key)
       first = False
     if first:  # No micro-batch: the recycled buffer still holds old sums.
-      sums = self._zeros()
+      sums = self._zeros(host)
     self._ring[slot] = sums
     self._calls += 1
     return LocalSums(sums, self.layout, self.views)
@@ -451,8 +503,10 @@ class DeviceReduction:
 
   def _build(self, layout: Layout) -> None:
     scaled = precision_lib.uses_loss_scale(layout.precision)
+    n = layout.row_size
 
-    def program(state, sums, rows):
+    def program(state, world):
+      sums, rows = world[:, :n], world[:, n:]
       # Each row's overflow flag (fp16): any of that device's sums not finite.
       bad = (~jnp.all(jnp.isfinite(sums), axis=1) if scaled
              else jnp.zeros(sums.shape[0], bool))
@@ -462,16 +516,15 @@ class DeviceReduction:
 
     self._program = jax.jit(program, out_shardings=self.meshes.replicated, donate_argnums=(0,))
 
-  def __call__(self, state: TrainState, sums: LocalSums,
-               host_values: np.ndarray) -> tuple[TrainState, "Reduced"]:
+  def __call__(self, state: TrainState, sums: LocalSums) -> tuple[TrainState, "Reduced"]:
     """Reduces and updates, without waiting: the new state and what to fetch later.
 
-    The rows gain a last column: 1 where that host's sums overflowed (fp16).
+    The rows are every device's host vector, with a last column: 1 where that
+    host's sums overflowed (fp16).
     """
     if self._program is None:
       self._build(sums.layout)
-    world = to_world(sums.flat, self.meshes)
-    state, stats, rows, views = self._program(state, world, host_rows(host_values, self.meshes))
+    state, stats, rows, views = self._program(state, to_world(sums.flat, self.meshes))
     sums.views.put(state.params, views)
     return state, Reduced(stats, rows, self.meshes)
 
@@ -496,7 +549,7 @@ class HostReduction:
     self._cpu_mesh = Mesh(np.array(firsts), ("host",))
     self._by_host = NamedSharding(self._cpu_mesh, P("host"))
     self._gather = jax.jit(lambda x: x, out_shardings=NamedSharding(self._cpu_mesh, P()))
-    self._device_sum = jax.jit(lambda x: jnp.sum(x, axis=0), out_shardings=meshes.local_replicated)
+    self._device_sum = None
     self._update = None
     # gloo sets up a communicator for a new set of devices on its first
     # collective and gives up if a peer is not there within 30 s (fixed in
@@ -510,6 +563,9 @@ class HostReduction:
     gather(probe).block_until_ready()
   def _build(self, layout: Layout) -> None:
     n = layout.row_size
+    # The host's sums over its devices, then its host vector (every device holds it).
+    self._device_sum = jax.jit(lambda x: jnp.concatenate([jnp.sum(x[:, :n], axis=0), x[0, n:]]),
+                               out_shardings=self.meshes.local_replicated)
 
     def reduce(x):  # [hosts, n + k] -> (the sum of the sums, every host's values)
       return jnp.sum(x[:, :n], axis=0), x[:, n:]
@@ -522,8 +578,7 @@ class HostReduction:
 
     self._update = jax.jit(update, out_shardings=self.meshes.replicated, donate_argnums=(0,))
 
-  def __call__(self, state: TrainState, sums: LocalSums,
-               host_values: np.ndarray) -> tuple[TrainState, "Reduced"]:
+  def __call__(self, state: TrainState, sums: LocalSums) -> tuple[TrainState, "Reduced"]:
     """Reduces on the CPUs, updates on the devices; same contract as `DeviceReduction`.
 
     The CPU collective needs this host's sums in host memory, so this
@@ -534,8 +589,9 @@ class HostReduction:
       self._build(layout)
     # Summed over this host's devices on the devices; then one device-to-host copy.
     mine = np.asarray(self._device_sum(sums.flat).addressable_data(0))
-    bad = float(precision_lib.uses_loss_scale(layout.precision) and not np.all(np.isfinite(mine)))
-    values = np.concatenate([mine, np.asarray(host_values, np.float32).ravel(), [bad]])
+    finite = np.all(np.isfinite(mine[:layout.row_size]))
+    bad = float(precision_lib.uses_loss_scale(layout.precision) and not finite)
+    values = np.concatenate([mine, [bad]])
     total, rows = jax.device_get(self._reduce(
         jax.make_array_from_process_local_data(self._by_host, values[None].astype(np.float32))))
     total = jax.make_array_from_process_local_data(self.meshes.replicated, total)

@@ -175,7 +175,8 @@ class Trainer:
       pace = emulate.pacing_from_env(self.host_id)
     self.pace = pace
     self.loader = loader_lib.HostLoader(source, self.sampler, self.host_id, workers=data_workers,
-                                        augment=augment_lib.parse(config.augment))
+                                        augment=augment_lib.parse(config.augment),
+                                        inline_below_s=loader_lib.INLINE_BELOW_S)
     self._example = source[np.arange(1)]
     task_lib.check_batch_keys(list(self._example))
     # Records that disagree with one another fail here, not mid-run.
@@ -317,9 +318,11 @@ class Trainer:
     self._shares_of[step] = shares
     batch = self.loader.get(step, shares)
     self.loader.prefetch(step + 1, shares)  # A guess: shares rarely change.
+    timed = self._timings.pop(step - 2, (0.0, 0.0))
+    host_values = np.array([*timed, signals.REQUESTS.code, *shares], np.float32)
     sums = self.local(self.state.params, self.state.model_state, batch, self._example,
                       self._base_key, step, blocks_lib.first_block(shares, self.host_id, block),
-                      self.state.loss_scale.scale)
+                      self.state.loss_scale.scale, host_values)
     paced = None
     if self.pace is not None:
       jax.block_until_ready(sums)
@@ -328,10 +331,11 @@ class Trainer:
       paced = self.pace(time.perf_counter() - busy_from, step,
                         -(-shares[self.host_id] // unit) * unit)
     t1 = time.perf_counter()
-    timed = self._timings.pop(step - 2, (0.0, 0.0))
-    host_values = np.array([*timed, signals.REQUESTS.code, *shares])
-    self.state, reduced = self.reduction(self.state, sums, host_values)
-    ready = self._clock.watch(sums, reduced.stats) if self.pace is None else None
+    # Timed now when the local programs ran inside their dispatch (XLA:CPU).
+    local_done = readiness.ready_now(sums) if self.pace is None else None
+    self.state, reduced = self.reduction(self.state, sums)
+    ready = None if self.pace is not None else self._clock.watch(
+        sums if local_done is None else local_done, reduced.stats)
     return _InFlight(step, shares, t0, t1, ready, paced, reduced)
 
   def _finish(self, flight: "_InFlight") -> dict[str, float]:
