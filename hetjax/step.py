@@ -354,8 +354,10 @@ class LocalProgram:
       rng = jax.random.fold_in(jax.random.fold_in(key, step), block)
       row = layout.sums.pack(block_sums(task, params, model_state, batch, rng, scale,
                                         self.precision))["float32"]
-      # The first micro-batch of a step starts from zero in a recycled buffer.
-      return jnp.concatenate([jnp.where(first > 0, 0.0, sums[0, :n]) + row, host])[None]
+      # The first micro-batch of a step starts from zero in a recycled buffer;
+      # the host vector is set, not summed. One elementwise pass, in place.
+      keep = (first == 0) & (jnp.arange(n + host.size) < n)
+      return jnp.where(keep[None], sums, 0.0) + jnp.concatenate([row, host])[None]
 
     self._accumulate = jax.jit(
         jax.shard_map(per_device, mesh=self.meshes.local,
