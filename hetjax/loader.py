@@ -11,8 +11,8 @@ result equals `read(step, shares)`, the synchronous read, element for element.
 Reads run in threads (`workers=0`: cheap records, numpy arrays) or in worker
 processes (`workers=N`: decoding JPEGs is CPU work the GIL would serialise).
 With threads, a slice that reads faster than `inline_below_s` is read on the
-calling thread instead: handing a 20-microsecond numpy gather to a thread
-cost the MLP step 1.5 ms on 2 cores (BUILD_NOTES.md, "Reads on the calling
+calling thread instead: handing a sub-millisecond read (shuffle and numpy
+gather) to threads cost the MLP step ~1.5 ms on 2 cores (BUILD_NOTES.md, "Reads on the calling
 thread"), and the trainer reads after dispatching a step, while the devices
 compute it, so the read still overlaps the device work.
 A slice is cut into one piece per worker; each piece is read, decoded and
@@ -33,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import itertools
@@ -62,8 +63,9 @@ class _Chunk:
 
 _WORKER: tuple = ()  # (source, sampler, augment) inside a worker process.
 _LOADER_IDS = itertools.count()
-# A slice that reads faster than this is read on the calling thread (what the trainer uses).
-INLINE_BELOW_S = 1e-3
+# A slice that reads faster than this is read on the calling thread (what the
+# trainer uses). A 256-record digits read, shuffle included, takes 0.3-1 ms here.
+INLINE_BELOW_S = 2e-3
 _WATCHDOG_S = 0.5  # How often a worker checks that its host process is alive.
 
 
@@ -131,9 +133,9 @@ class HostLoader:
       min_chunk: do not split a read into pieces smaller than this (default
         64 records for threads, 1 for worker processes).
       inline_below_s: with threads, read a slice on the calling thread when
-        reads so far took less than this many seconds for its size (timed
-        from the reads themselves; 0: always in threads). The records are
-        the same either way; only where the read runs differs.
+        the fastest of the last 8 reads, per record, puts it under this many
+        seconds (0: always in threads). The records are the same either
+        way; only where the read runs differs.
     """
     if (threads < 1 or workers < 0 or (min_chunk is not None and min_chunk < 1)
         or inline_below_s < 0):
@@ -148,7 +150,9 @@ class HostLoader:
     self.pieces = workers or threads
     self.min_chunk = min_chunk or (1 if workers else 64)
     self.inline_below_s = 0.0 if workers else inline_below_s
-    self._record_s: float | None = None  # Seconds per record of the latest timed read.
+    # Seconds per record of the latest timed reads; their fastest is the estimate
+    # (a read that a busy machine preempted says little about the source).
+    self._record_s: collections.deque[float] = collections.deque(maxlen=8)
     self.stats = {"prefetched": 0, "read_on_demand": 0, "read_inline": 0}  # Records served each way.
     self._chunks: list[_Chunk] = []
     self.thread_prefix = f"hetjax-loader-{host_id}-{next(_LOADER_IDS)}"
@@ -249,14 +253,14 @@ class HostLoader:
     """
     if not self.inline_below_s:
       return False
-    return self._record_s is None or self._record_s * records < self.inline_below_s
+    return not self._record_s or min(self._record_s) * records < self.inline_below_s
 
   def _read(self, step: int, start: int, stop: int) -> Batch:
     """Records `[start, stop)` of `step`'s global batch, read here (timed)."""
     t0 = time.perf_counter()
     batch = read_records(self.source, self.sampler, self.augment, step, start, stop)
     if stop > start:
-      self._record_s = (time.perf_counter() - t0) / (stop - start)
+      self._record_s.append((time.perf_counter() - t0) / (stop - start))
     return batch
 
   def _submit(self, step: int, start: int, stop: int) -> list[_Chunk]:
