@@ -327,9 +327,8 @@ class Trainer:
     if self.pace is not None:
       jax.block_until_ready(sums)
       unit = self.config.microbatch * self.meshes.local_devices
-      busy_from = max(t0, self._last_update_ready or t0)
-      paced = self.pace(time.perf_counter() - busy_from, step,
-                        -(-shares[self.host_id] // unit) * unit)
+      # Paced steps are finished one by one: the devices were idle at t0.
+      paced = self.pace(time.perf_counter() - t0, step, -(-shares[self.host_id] // unit) * unit)
     t1 = time.perf_counter()
     # Timed now when the local programs ran inside their dispatch (XLA:CPU).
     local_done = readiness.ready_now(sums) if self.pace is None else None
