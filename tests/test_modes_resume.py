@@ -3,7 +3,9 @@
 import os
 import sys
 
-import _modes_entries  # noqa: F401  (importable by the hosts)
+import jax
+
+import _modes_entries
 from hetjax.testing import killed_and_uninterrupted, run_hosts
 
 
@@ -17,10 +19,10 @@ def test_hybrid_resumes_exactly_and_on_another_layout_restarts_hosts_from_the_ce
     assert host["resumed"] == out[0]["reference"]
     assert host["position"] == 8 * 3 * 12  # 8 rounds of (2 + 1) local steps of 24 / 2 samples.
   capfd.readouterr()
-  one = run_hosts("_modes_entries:resume", hosts=1, args=(ckpt, "hybrid", 10, None, 0),
-                  timeout_s=600)[0]
+  one = _modes_entries.resume(ckpt, "hybrid", 10, None, 0)  # One host, one device: in this process.
+  assert (jax.process_count(), jax.local_device_count()) == (1, 1)
   assert one["resumed_from"] == 8
-  assert "another layout: every host's inner state restarts from the centre" in capfd.readouterr().err
+  assert "another layout: every host's inner state restarts from the centre" in capfd.readouterr().out
 
 
 def _launch(ckpt, out, extra=()):
