@@ -164,7 +164,9 @@ def killed_and_uninterrupted(launch: Callable[..., Sequence[str]], folder: str |
   """The same training twice: uninterrupted, and with one host killed mid-run.
 
   `launch(ckpt, out, extra=())` is the launcher command of one run; the
-  killed run gets `("--max-restarts", "2")` as `extra`. Both runs live in
+  killed run gets `("--max-restarts", "2")` as `extra`, the uninterrupted
+  one `ckpt=None`: the same training without checkpoints (saving must not
+  change the result, and it is work that nothing reads). Both runs live in
   `folder`. Returns the killed run and both runs' summary.json, after
   checking that both finished and that the launcher restarted the killed
   host: what is left to compare is the caller's.
@@ -175,7 +177,7 @@ def killed_and_uninterrupted(launch: Callable[..., Sequence[str]], folder: str |
   # kill waits for a checkpoint, not for a time), so one wall time, not two.
   with open(os.path.join(folder, "ref.log"), "w+") as ref_log:
     reference = subprocess.Popen(
-        list(launch(os.path.join(folder, "ref-ckpt"), os.path.join(folder, "ref"))),
+        list(launch(None, os.path.join(folder, "ref"))),
         stdout=ref_log, stderr=subprocess.STDOUT)
     try:
       ckpt, out = os.path.join(folder, "ckpt"), os.path.join(folder, "run")

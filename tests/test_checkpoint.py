@@ -246,7 +246,9 @@ def test_only_the_newest_k_checkpoints_are_kept(tmp_path):
 
 
 def _cli(out, ckpt, steps):
-  ckpt_flags = [] if ckpt is None else ["--ckpt-dir", str(ckpt), "--ckpt-every", "25"]
+  # Every 100 of 1000 steps: the signal comes after the first checkpoint, and
+  # its save is at whatever boundary the stop lands on, not a multiple of 100.
+  ckpt_flags = [] if ckpt is None else ["--ckpt-dir", str(ckpt), "--ckpt-every", "100"]
   return [sys.executable, "-m", "hetjax.cli", "train", "--model", "mlp", "--global-batch", "32",
           "--microbatch", "4", "--steps", str(steps), *ckpt_flags, "--out", str(out),
           "--log-every", "0"]

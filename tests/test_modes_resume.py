@@ -25,13 +25,17 @@ def test_hybrid_resumes_exactly_and_on_another_layout_restarts_hosts_from_the_ce
   assert "another layout: every host's inner state restarts from the centre" in capfd.readouterr().out
 
 
+def _checkpoints(ckpt):
+  return [] if ckpt is None else ["--ckpt-dir", str(ckpt), "--ckpt-every", "20"]
+
+
 def _launch(ckpt, out, extra=()):
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   return [sys.executable, os.path.join(root, "launch", "local.py"), "--hosts", "2", *extra, "--",
           sys.executable, "-m", "hetjax.cli", "train", "--model", "mlp", "--mode", "elastic",
           "--local-steps", "2,1", "--optimizer", "momentum", "--lr", "0.05",
-          "--global-batch", "32", "--microbatch", "4", "--steps", "100", "--ckpt-dir", str(ckpt),
-          "--ckpt-every", "20", "--out", str(out), "--log-every", "0"]
+          "--global-batch", "32", "--microbatch", "4", "--steps", "100", *_checkpoints(ckpt),
+          "--out", str(out), "--log-every", "0"]
 
 
 def test_elastic_host_killed_mid_round_resumes_to_the_uninterrupted_centre(tmp_path):
