@@ -115,3 +115,13 @@ def cross_host_sum():
   meshes = step_lib.Meshes.create()
   rows = step_lib.gather_host_values(np.array([jax.process_index() + 1.0]), meshes)
   return float(rows.sum())
+
+
+def share_zero_moving_shares_and_mismatch():
+  """Three tests' clusters in one 3-host start: share zero, moving shares, then a mismatch.
+
+  The mismatch comes last: it leaves a trainer that refused to start.
+  """
+  return {"share_zero": train_params("mlp", (0, 32, 32), "device"),
+          "moving": compiles_while_shares_move(),
+          "mismatch": mismatched_config()}

@@ -78,3 +78,8 @@ def overflow_run(boom: bool, steps: int = 6):
 def overflow_pair():
   """The same fp16 run without and with the injected overflow, in one launch."""
   return {"clean": overflow_run(False), "boom": overflow_run(True)}
+
+
+def accuracy_and_overflow(steps: int):
+  """Both multi-host precision checks on one 3-host cluster (its start-up is shared)."""
+  return {"accuracy": digits_accuracy(steps), "overflow": overflow_pair()}

@@ -62,7 +62,8 @@ def test_the_python_api_refuses_a_cut_block():
 
 @pytest.fixture(scope="module")
 def masks():
-  one = run_hosts("_block_entries:dropout_masks", hosts=1, args=("equal",))[0]
+  one = be.dropout_masks("equal")  # One host, one device: in this process.
+  assert (jax.process_count(), jax.local_device_count()) == (1, 1)
   three = run_hosts("_block_entries:dropout_masks", hosts=3, devices_per_host=2,
                     args=((4, 24, 34),))
   return one, three

@@ -246,32 +246,44 @@ def test_only_the_newest_k_checkpoints_are_kept(tmp_path):
 
 
 def _cli(out, ckpt, steps):
+  # Every 100 of 1000 steps: the signal comes after the first checkpoint, and
+  # its save is at whatever boundary the stop lands on, not a multiple of 100.
+  ckpt_flags = [] if ckpt is None else ["--ckpt-dir", str(ckpt), "--ckpt-every", "100"]
   return [sys.executable, "-m", "hetjax.cli", "train", "--model", "mlp", "--global-batch", "32",
-          "--microbatch", "4", "--steps", str(steps), "--ckpt-dir", str(ckpt), "--ckpt-every", "25",
-          "--out", str(out), "--log-every", "0"]
+          "--microbatch", "4", "--steps", str(steps), *ckpt_flags, "--out", str(out),
+          "--log-every", "0"]
 
 
 def test_sigterm_saves_at_the_next_step_boundary_exits_75_and_the_rerun_resumes(tmp_path):
   steps = 1000
-  ref = subprocess.run(_cli(tmp_path / "ref", tmp_path / "ref-ckpt", steps), capture_output=True,
-                       text=True, timeout=600)
-  assert ref.returncode == 0, ref.stderr[-2000:]
-  ckpt = tmp_path / "ckpt"
-  proc = subprocess.Popen(_cli(tmp_path / "run", ckpt, steps), stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)
-  deadline = time.monotonic() + 300
-  while not any(p.isdigit() for p in (os.listdir(ckpt) if ckpt.exists() else [])):
-    assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-2000:]
-    time.sleep(0.05)
-  proc.send_signal(signal.SIGTERM)
-  _, err = proc.communicate(timeout=120)
-  assert proc.returncode == procs.PREEMPTED_EXIT, err[-2000:]
-  preempted_at = int(err.split("checkpoint of step ")[1].split()[0])
-  assert 0 < preempted_at < steps and str(preempted_at) in os.listdir(ckpt)
-  again = subprocess.run(_cli(tmp_path / "run", ckpt, steps), capture_output=True, text=True,
-                         timeout=600)
-  assert again.returncode == 0, again.stderr[-2000:]
-  assert f"resumed from {ckpt}/{preempted_at}" in again.stdout
+  # The uninterrupted reference: no checkpoints (saving must not change the
+  # parameters, so this is the stricter reference), and in its own process
+  # beside the stopped run and its rerun (they share nothing but the machine).
+  ref_log = open(tmp_path / "ref.log", "w+")  # A file: a pipe nobody reads could fill.
+  ref = subprocess.Popen(_cli(tmp_path / "ref", None, steps), stdout=ref_log, stderr=ref_log)
+  try:
+    ckpt = tmp_path / "ckpt"
+    proc = subprocess.Popen(_cli(tmp_path / "run", ckpt, steps), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not any(p.isdigit() for p in (os.listdir(ckpt) if ckpt.exists() else [])):
+      assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-2000:]
+      time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == procs.PREEMPTED_EXIT, err[-2000:]
+    preempted_at = int(err.split("checkpoint of step ")[1].split()[0])
+    assert 0 < preempted_at < steps and str(preempted_at) in os.listdir(ckpt)
+    again = subprocess.run(_cli(tmp_path / "run", ckpt, steps), capture_output=True, text=True,
+                           timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"resumed from {ckpt}/{preempted_at}" in again.stdout
+    assert ref.wait(timeout=600) == 0, (tmp_path / "ref.log").read_text()[-2000:]
+  finally:
+    if ref.poll() is None:
+      ref.kill()
+      ref.wait()
+    ref_log.close()
   summary = json.loads((tmp_path / "run" / "summary.json").read_text())
   reference = json.loads((tmp_path / "ref" / "summary.json").read_text())
   assert summary["resumed_from"] == preempted_at

@@ -22,24 +22,31 @@ def _close(a, b):
     np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
 
 
-def test_a_host_with_share_zero_joins_and_changes_nothing():
+@pytest.fixture(scope="module")
+def three_hosts():
+  """One 3-host cluster for the next three tests: starting it is the expensive part."""
+  return run_hosts("_cluster_entries:share_zero_moving_shares_and_mismatch", hosts=3,
+                   timeout_s=600)
+
+
+def test_a_host_with_share_zero_joins_and_changes_nothing(three_hosts):
   ref, _ = _cluster_entries.train_params("mlp", "equal", "device")  # One host, in this process.
-  results = run_hosts("_cluster_entries:train_params", hosts=3, args=("mlp", (0, 32, 32), "device"))
+  results = [r["share_zero"] for r in three_hosts]
   for params, summary in results:
     _close(params, ref)
     assert summary["per_host"][0]["batch"] == [0] * 10
 
 
-def test_moving_shares_never_recompiles():
-  results = run_hosts("_cluster_entries:compiles_while_shares_move", hosts=3)
+def test_moving_shares_never_recompiles(three_hosts):
+  results = [r["moving"] for r in three_hosts]
   for r in results:
     assert r["after_warmup"] == 0
     assert r["shares"][2:] == [(4, 0, 60), (64, 0, 0), (4, 24, 36), (32, 0, 32), (4, 0, 60), (64, 0, 0)]
   _close(results[0]["params"], results[2]["params"])
 
 
-def test_hosts_with_different_configurations_refuse_to_train():
-  messages = run_hosts("_cluster_entries:mismatched_config", hosts=2)
+def test_hosts_with_different_configurations_refuse_to_train(three_hosts):
+  messages = [r["mismatch"] for r in three_hosts]  # Host 1 has another seed than hosts 0 and 2.
   assert all(m is not None and "host(s) [1]" in m and "same command" in m for m in messages)
 
 
@@ -48,11 +55,21 @@ def test_readme_example_gives_the_same_parameters_on_one_and_three_uneven_hosts(
   assert example.read_text() in (ROOT / "README.md").read_text(), "README must show the example"
   one, three = tmp_path / "one.npz", tmp_path / "three.npz"
   env = dict(os.environ, PYTHONUNBUFFERED="1")
-  subprocess.run([sys.executable, str(example), "--out", str(one)], check=True, env=env, timeout=300)
-  run = subprocess.run(
-      [sys.executable, str(ROOT / "launch" / "local.py"), "--hosts", "3", "--speeds", "1,0.5,0.25",
-       "--", sys.executable, str(example), "--assignment", "8,24,32", "--out", str(three)],
-      env=env, timeout=300, capture_output=True, text=True)
+  # The one-host run goes beside the three-host one: independent processes, one wall time.
+  log = tmp_path / "one.log"
+  with open(log, "w") as f:
+    single = subprocess.Popen([sys.executable, str(example), "--out", str(one)], env=env,
+                              stdout=f, stderr=subprocess.STDOUT)
+  try:
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "launch" / "local.py"), "--hosts", "3", "--speeds",
+         "1,0.5,0.25", "--", sys.executable, str(example), "--assignment", "8,24,32", "--out",
+         str(three)], env=env, timeout=300, capture_output=True, text=True)
+    assert single.wait(timeout=300) == 0, log.read_text()[-3000:]
+  finally:
+    if single.poll() is None:
+      single.kill()
+      single.wait()
   assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
   assert "shares [8, 24, 32]" in run.stdout
   a, b = np.load(one), np.load(three)

@@ -40,11 +40,15 @@ def test_elastic_resume_3x2_to_2x1_to_3x2_follows_the_one_host_trajectory(tmp_pa
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def _checkpoints(ckpt):
+  return [] if ckpt is None else ["--ckpt-dir", str(ckpt), "--ckpt-every", "20"]
+
+
 def _launch(ckpt, out, extra=()):
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   return [sys.executable, os.path.join(root, "launch", "local.py"), "--hosts", "2", *extra, "--",
           sys.executable, "-m", "hetjax.cli", "train", "--model", "mlp", "--global-batch", "32",
-          "--microbatch", "4", "--steps", "400", "--ckpt-dir", str(ckpt), "--ckpt-every", "20",
+          "--microbatch", "4", "--steps", "400", *_checkpoints(ckpt),
           "--out", str(out), "--log-every", "0"]
 
 

@@ -3,7 +3,9 @@
 import os
 import sys
 
-import _modes_entries  # noqa: F401  (importable by the hosts)
+import jax
+
+import _modes_entries
 from hetjax.testing import killed_and_uninterrupted, run_hosts
 
 
@@ -17,10 +19,14 @@ def test_hybrid_resumes_exactly_and_on_another_layout_restarts_hosts_from_the_ce
     assert host["resumed"] == out[0]["reference"]
     assert host["position"] == 8 * 3 * 12  # 8 rounds of (2 + 1) local steps of 24 / 2 samples.
   capfd.readouterr()
-  one = run_hosts("_modes_entries:resume", hosts=1, args=(ckpt, "hybrid", 10, None, 0),
-                  timeout_s=600)[0]
+  one = _modes_entries.resume(ckpt, "hybrid", 10, None, 0)  # One host, one device: in this process.
+  assert (jax.process_count(), jax.local_device_count()) == (1, 1)
   assert one["resumed_from"] == 8
-  assert "another layout: every host's inner state restarts from the centre" in capfd.readouterr().err
+  assert "another layout: every host's inner state restarts from the centre" in capfd.readouterr().out
+
+
+def _checkpoints(ckpt):
+  return [] if ckpt is None else ["--ckpt-dir", str(ckpt), "--ckpt-every", "20"]
 
 
 def _launch(ckpt, out, extra=()):
@@ -28,8 +34,8 @@ def _launch(ckpt, out, extra=()):
   return [sys.executable, os.path.join(root, "launch", "local.py"), "--hosts", "2", *extra, "--",
           sys.executable, "-m", "hetjax.cli", "train", "--model", "mlp", "--mode", "elastic",
           "--local-steps", "2,1", "--optimizer", "momentum", "--lr", "0.05",
-          "--global-batch", "32", "--microbatch", "4", "--steps", "100", "--ckpt-dir", str(ckpt),
-          "--ckpt-every", "20", "--out", str(out), "--log-every", "0"]
+          "--global-batch", "32", "--microbatch", "4", "--steps", "100", *_checkpoints(ckpt),
+          "--out", str(out), "--log-every", "0"]
 
 
 def test_elastic_host_killed_mid_round_resumes_to_the_uninterrupted_centre(tmp_path):

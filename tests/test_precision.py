@@ -11,8 +11,15 @@ from hetjax import trainer
 import _precision_entries as entries
 
 
-def test_bf16_and_fp16_train_the_digits_cnn_on_three_uneven_hosts():
-  results = run_hosts("_precision_entries:digits_accuracy", hosts=3, args=(300,), timeout_s=900)
+@pytest.fixture(scope="module")
+def three_hosts():
+  """One 3-host cluster runs both multi-host tests' training: starting it is a large part."""
+  return run_hosts("_precision_entries:accuracy_and_overflow", hosts=3, args=(300,),
+                   timeout_s=900)
+
+
+def test_bf16_and_fp16_train_the_digits_cnn_on_three_uneven_hosts(three_hosts):
+  results = [r["accuracy"] for r in three_hosts]
   for precision in ("bf16", "fp16"):
     accuracies = [r[precision]["accuracy"] for r in results]
     assert accuracies[0] >= 0.97, f"{precision}: test accuracy {accuracies[0]:.4f} < 0.97"
@@ -20,8 +27,8 @@ def test_bf16_and_fp16_train_the_digits_cnn_on_three_uneven_hosts():
   assert results[0]["fp16"]["final_metrics"]["skipped"] == 0.0
 
 
-def test_an_overflow_on_one_host_skips_that_step_everywhere_and_halves_the_scale():
-  results = run_hosts("_precision_entries:overflow_pair", hosts=3, timeout_s=600)
+def test_an_overflow_on_one_host_skips_that_step_everywhere_and_halves_the_scale(three_hosts):
+  results = [r["overflow"] for r in three_hosts]
   step = entries.OVERFLOW_STEP
   for name in ("clean", "boom"):
     # Invariant 3: every host decided the same at every step.
