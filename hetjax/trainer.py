@@ -13,7 +13,6 @@ import dataclasses
 import hashlib
 import os
 import time
-from concurrent.futures import Future
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -115,7 +114,7 @@ class _InFlight(NamedTuple):
   shares: tuple[int, ...]
   t0: float                          # when its dispatch began
   t1: float                          # when its local programs were dispatched (and paced)
-  ready: Future | None               # when its local sums, then its update, were ready
+  ready: readiness.Pending | None    # when its local sums, then its update, were ready
   paced: float | None                # emulated compute seconds (emulation only)
   reduced: step_lib.Reduced
 
@@ -189,6 +188,7 @@ class Trainer:
     self.reduction = step_lib.make_reduction(config.reduction, optimizer, self.meshes)
     self.history = History()
     self._clock = readiness.ReadyClock()
+    self._cpu_devices = self.meshes.local.devices.flat[0].platform == "cpu"
     self._flight: _InFlight | None = None  # The step dispatched but not yet fetched.
     self._timings: dict[int, tuple[float, float]] = {}  # step -> this host's (compute, wait)
     self._shares_of: dict[int, tuple[int, ...]] = {}    # step -> shares, for the balancer
@@ -310,6 +310,7 @@ class Trainer:
     """
     step = self.step
     t0 = time.perf_counter()
+    self._peek_last_step()
     self._feed_balancer(step)
     block = self.config.microbatch
     shares = blocks_lib.check_aligned(balancer_lib.validate_shares(
@@ -320,6 +321,7 @@ class Trainer:
     self.loader.prefetch(step + 1, shares)  # A guess: shares rarely change.
     timed = self._timings.pop(step - 2, (0.0, 0.0))
     host_values = np.array([*timed, signals.REQUESTS.code, *shares], np.float32)
+    self._peek_last_step()
     sums = self.local(self.state.params, self.state.model_state, batch, self._example,
                       self._base_key, step, blocks_lib.first_block(shares, self.host_id, block),
                       self.state.loss_scale.scale, host_values)
@@ -330,12 +332,21 @@ class Trainer:
       # Paced steps are finished one by one: the devices were idle at t0.
       paced = self.pace(time.perf_counter() - t0, step, -(-shares[self.host_id] // unit) * unit)
     t1 = time.perf_counter()
-    # Timed now when the local programs ran inside their dispatch (XLA:CPU).
-    local_done = readiness.ready_now(sums) if self.pace is None else None
     self.state, reduced = self.reduction(self.state, sums)
-    ready = None if self.pace is not None else self._clock.watch(
-        sums if local_done is None else local_done, reduced.stats)
+    ready = None
+    if self.pace is None:
+      ready = self._clock.defer(sums, reduced.stats)
+      # On XLA:CPU stamped where the loop sees it done (hetjax.readiness),
+      # the step before first, so that stamps never run backwards; on an
+      # accelerator its timeline is timed exactly, from now.
+      self._peek_last_step()
+      ready.peek() if self._cpu_devices else ready.look()
     return _InFlight(step, shares, t0, t1, ready, paced, reduced)
+
+  def _peek_last_step(self) -> None:
+    """On XLA:CPU, stamps the step in flight's stages that are done by now."""
+    if self._cpu_devices and self._flight is not None and self._flight.ready is not None:
+      self._flight.ready.peek()
 
   def _finish(self, flight: "_InFlight") -> dict[str, float]:
     """Fetches a dispatched step's statistics and rows; records and checks them."""
@@ -348,7 +359,7 @@ class Trainer:
       # or not its loop overlaps steps.
       self._stop_code, self._stop_at = code, step + 2
     if self.pace is None:
-      local_ready, update_ready = flight.ready.result()
+      local_ready, update_ready = flight.ready.result(wait=True)
       # The devices start a step when the previous update is done, or when it is dispatched.
       busy_from = max(flight.t0, self._last_update_ready or flight.t0)
       self._timings[step] = (local_ready - busy_from, update_ready - local_ready)
