@@ -108,8 +108,8 @@ def _undonated(layout: step_lib.Layout, optimizer: optax.GradientTransformation)
 
   def program(state, world):
     n = layout.row_size
-    totals = layout.sums.unpack({"float32": jnp.sum(world[:, :n], axis=0)})
-    return step_lib._update(optimizer, state, totals, layout, jnp.bool_(False)), world[:, n:]
+    total = jnp.sum(world[:, :n], axis=0)
+    return step_lib._update(optimizer, state, total, layout, jnp.bool_(False)), world[:, n:]
 
   return program
 
