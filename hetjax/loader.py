@@ -12,9 +12,10 @@ Reads run in threads (`workers=0`: cheap records, numpy arrays) or in worker
 processes (`workers=N`: decoding JPEGs is CPU work the GIL would serialise).
 With threads, a slice that reads faster than `inline_below_s` is read on the
 calling thread instead: handing a sub-millisecond read (shuffle and numpy
-gather) to threads cost the MLP step ~1.5 ms on 2 cores (BUILD_NOTES.md, "Reads on the calling
-thread"), and the trainer reads after dispatching a step, while the devices
-compute it, so the read still overlaps the device work.
+gather) to threads cost the MLP step ~1.5 ms on 2 cores (BUILD_NOTES.md, "The
+host path and the last device passes"), and the trainer reads after
+dispatching a step, while the devices compute it, so the read still
+overlaps the device work.
 A slice is cut into one piece per worker; each piece is read, decoded and
 augmented where it runs, keyed by the records' global positions, so the
 result never depends on how many workers there are. Workers start by
@@ -191,10 +192,10 @@ class HostLoader:
     part = self._slice(shares)
     start, stop = part.start, part.stop
     self._drop(lambda c: c.step < step or (c.step == step and (c.stop <= start or c.start >= stop)))
-    had = {id(c) for c in self._chunks}
     if not any(c.step == step for c in self._chunks) and self._reads_inline(stop - start):
       self.stats["read_inline"] += stop - start
       return self._read(step, start, stop)
+    had = {id(c) for c in self._chunks}
     try:
       plan = self._cover(step, start, stop)
       pieces = []

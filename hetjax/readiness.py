@@ -6,11 +6,11 @@ Python prepares the reduction (on XLA:CPU it cost the MLP step 1.3 ms of
 overlap). So a step's stages are stamped in one of two ways:
 
 - on an accelerator, a helper thread waits for readiness and notes the time:
-  the device timeline, exactly (`Pending.look`);
+  the device timeline, exactly (`ReadyClock()`);
 - on XLA:CPU, whose "devices" are the loop's own cores, waking that thread
   cost a 2.5 ms MLP step 0.6 ms, more than the timing is worth; there the
   loop stamps a stage when it sees it done at points it passes anyway
-  (`Pending.peek`): an upper bound, off by at most the loop's own work
+  (`ReadyClock(on_loop=True)`): an upper bound, off by at most the loop's own work
   between two looks, and exact where the loop had to wait for it anyway.
 
 Either way the loop reads the figures when it fetches that step's results.
@@ -38,10 +38,12 @@ def ready_at(arrays: Any) -> float:
 
 
 class ReadyClock:
-  """Notes, on one helper thread, the `time.perf_counter()` when arrays are ready.
+  """Notes the `time.perf_counter()` when arrays are ready, without making the loop wait.
 
-  One submission per step (each one wakes the thread, which then competes
-  with the loop for the GIL), however many stages it times.
+  `on_loop=False` (accelerators): a helper thread waits and stamps, one
+  submission per step however many stages it times. `on_loop=True`
+  (XLA:CPU): `Pending.look` stamps what is done when the loop looks, and
+  `result` waits for the rest (see the module).
 
   Example:
     >>> clock = ReadyClock()
@@ -49,7 +51,8 @@ class ReadyClock:
     >>> sums_at, update_at = done.result()    # later: when each was ready
   """
 
-  def __init__(self):
+  def __init__(self, on_loop: bool = False):
+    self.on_loop = on_loop
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hetjax-ready")
 
   def watch(self, *stages: Any) -> concurrent.futures.Future:
@@ -65,7 +68,7 @@ class ReadyClock:
     return self._pool.submit(_ready_at, stages)
 
   def defer(self, *stages: Any) -> "Pending":
-    """The stages' moments, to be stamped by `Pending.peek`, `look` or `result`."""
+    """The stages' moments, stamped by `Pending.look` and `result`."""
     return Pending(self, stages)
 
   def close(self) -> None:
@@ -73,15 +76,21 @@ class ReadyClock:
 
 
 class Pending:
-  """A step's stages (each depends on the one before), stamped as cheaply as the backend allows."""
+  """A step's stages (each depends on the one before), stamped as the clock's backend allows."""
 
   def __init__(self, clock: ReadyClock, stages: tuple[Any, ...]):
     self._clock, self._stages = clock, list(stages)
     self._future: concurrent.futures.Future | None = None
 
-  def peek(self) -> None:
-    """Stamps now, in order, the stages done by now; wakes nothing, waits for nothing."""
+  def look(self) -> None:
+    """On the loop: stamps now, in order, the stages done by now (waits for nothing).
+
+    Otherwise hands the stages to the clock's thread, once, which stamps them exactly.
+    """
     if self._future is not None:
+      return
+    if not self._clock.on_loop:
+      self._future = self._clock.watch(*self._stages)
       return
     for i, stage in enumerate(self._stages):
       if not isinstance(stage, float):
@@ -90,20 +99,16 @@ class Pending:
           return
         self._stages[i] = now
 
-  def look(self) -> None:
-    """Hands the stages not yet stamped to the clock's thread, which stamps them exactly."""
-    if self._future is None:
-      self._future = self._clock.watch(*self._stages)
-
-  def result(self, wait: bool = False) -> tuple[float, ...]:
+  def result(self) -> tuple[float, ...]:
     """The moments each stage was ready, in order.
 
-    `wait`: stamp the stages nobody has stamped by waiting for them here
+    On the loop, the stages no look stamped are waited for and stamped here
     (they are usually done: the loop calls this once it holds the results).
     """
-    if self._future is None and wait:
-      self._stages = [s if isinstance(s, float) else ready_at(s) for s in self._stages]
-    self.look()
+    if self._future is None:
+      if self._clock.on_loop:
+        self._stages = [s if isinstance(s, float) else ready_at(s) for s in self._stages]
+      self._future = self._clock.watch(*self._stages)
     return self._future.result()
 
 

@@ -187,8 +187,9 @@ class Trainer:
     self.local = step_lib.LocalProgram(task, self.meshes, config.microbatch, config.precision)
     self.reduction = step_lib.make_reduction(config.reduction, optimizer, self.meshes)
     self.history = History()
-    self._clock = readiness.ReadyClock()
-    self._cpu_devices = self.meshes.local.devices.flat[0].platform == "cpu"
+    # XLA:CPU's "devices" are the loop's own cores: stamped where the loop looks.
+    self._clock = readiness.ReadyClock(
+        on_loop=self.meshes.local.devices.flat[0].platform == "cpu")
     self._flight: _InFlight | None = None  # The step dispatched but not yet fetched.
     self._timings: dict[int, tuple[float, float]] = {}  # step -> this host's (compute, wait)
     self._shares_of: dict[int, tuple[int, ...]] = {}    # step -> shares, for the balancer
@@ -310,7 +311,7 @@ class Trainer:
     """
     step = self.step
     t0 = time.perf_counter()
-    self._peek_last_step()
+    self._look_at_last_step()
     self._feed_balancer(step)
     block = self.config.microbatch
     shares = blocks_lib.check_aligned(balancer_lib.validate_shares(
@@ -321,7 +322,7 @@ class Trainer:
     self.loader.prefetch(step + 1, shares)  # A guess: shares rarely change.
     timed = self._timings.pop(step - 2, (0.0, 0.0))
     host_values = np.array([*timed, signals.REQUESTS.code, *shares], np.float32)
-    self._peek_last_step()
+    self._look_at_last_step()
     sums = self.local(self.state.params, self.state.model_state, batch, self._example,
                       self._base_key, step, blocks_lib.first_block(shares, self.host_id, block),
                       self.state.loss_scale.scale, host_values)
@@ -336,17 +337,15 @@ class Trainer:
     ready = None
     if self.pace is None:
       ready = self._clock.defer(sums, reduced.stats)
-      # On XLA:CPU stamped where the loop sees it done (hetjax.readiness),
-      # the step before first, so that stamps never run backwards; on an
-      # accelerator its timeline is timed exactly, from now.
-      self._peek_last_step()
-      ready.peek() if self._cpu_devices else ready.look()
+      # The step before first, so that stamps taken on the loop never run backwards.
+      self._look_at_last_step()
+      ready.look()
     return _InFlight(step, shares, t0, t1, ready, paced, reduced)
 
-  def _peek_last_step(self) -> None:
-    """On XLA:CPU, stamps the step in flight's stages that are done by now."""
-    if self._cpu_devices and self._flight is not None and self._flight.ready is not None:
-      self._flight.ready.peek()
+  def _look_at_last_step(self) -> None:
+    """Stamps the step in flight's stages done by now (on XLA:CPU; else a no-op)."""
+    if self._flight is not None and self._flight.ready is not None:
+      self._flight.ready.look()
 
   def _finish(self, flight: "_InFlight") -> dict[str, float]:
     """Fetches a dispatched step's statistics and rows; records and checks them."""
@@ -359,7 +358,7 @@ class Trainer:
       # or not its loop overlaps steps.
       self._stop_code, self._stop_at = code, step + 2
     if self.pace is None:
-      local_ready, update_ready = flight.ready.result(wait=True)
+      local_ready, update_ready = flight.ready.result()
       # The devices start a step when the previous update is done, or when it is dispatched.
       busy_from = max(flight.t0, self._last_update_ready or flight.t0)
       self._timings[step] = (local_ready - busy_from, update_ready - local_ready)

@@ -135,21 +135,22 @@ def test_work_done_when_watched_is_timed_without_the_thread():
 
 
 def test_deferred_work_is_stamped_when_the_loop_looks():
-  clock = readiness.ReadyClock()
+  on_loop, threaded = readiness.ReadyClock(on_loop=True), readiness.ReadyClock()
   try:
     x = jax.block_until_ready(jnp.arange(3.0) + 1)
-    pending = clock.defer(x, {"y": x})
+    pending = on_loop.defer(x, {"y": x})
     before = time.perf_counter()
-    pending.peek()  # Done by now: both stamped here, in order, no thread.
+    pending.look()  # Done by now: both stamped here, in order, no thread.
     after = time.perf_counter()
     first, second = pending.result()
     assert before <= first <= second <= after
-    pending.peek()  # Looking again changes nothing.
+    pending.look()  # Looking again changes nothing.
     assert pending.result() == (first, second)
-    waited = clock.defer(x)
-    assert before <= waited.result(wait=True)[0]  # Nobody looked: stamped by waiting.
-    looked = clock.defer(x)
+    waited = on_loop.defer(x)
+    assert before <= waited.result()[0]  # Nobody looked: stamped by waiting.
+    looked = threaded.defer(x)
     looked.look()  # Handed to the clock, which finds it done.
     assert before <= looked.result()[0]
   finally:
-    clock.close()
+    on_loop.close()
+    threaded.close()
