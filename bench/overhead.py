@@ -3,9 +3,9 @@
 Run from the repository root (all four models in one run, a few minutes):
 
   python bench/overhead.py [--models mlp,cnn,resnet18,resnet50] \
-      [--precision fp32|bf16|fp16] [--repeats 5] [--steps N] [--microbatch M]
+      [--precision fp32|bf16|fp16] [--repeats 21] [--steps N] [--microbatch M]
 
-Both sides train the same model (`hetjax_models.build`) on sklearn digits with
+All three loops train the same model (`hetjax_models.build`) on sklearn digits with
 `optax.adam(1e-3)`, on 1 host x 1 CPU device (no emulation, no HETJAX_*
 variables), fed the same global batches (`GlobalSampler(...).indices(step)`,
 a numpy gather, then a host-to-device transfer every step):
@@ -13,6 +13,11 @@ a numpy gather, then a host-to-device transfer every step):
   plain:  one `jax.jit` step (donated state): mean loss via `task.loss`,
           `jax.grad`, the adam update; it reads each step's loss one step
           late, as a logging loop does without stalling the device.
+  split:  the same loop with its step cut in two programs where a cross-host
+          reduction must sit: gradient, then update. It measures, with no
+          hetjax code, what that boundary costs: on XLA:CPU the one-program
+          step overlaps the update's small per-leaf kernels with the backward
+          pass on the other core, which two programs cannot.
   hetjax: `Trainer(...).fit(N)`, the loop users run: it overlaps steps
           (fetches a step's statistics after dispatching the next); the
           end-of-run summary it returns is inside the timed run.
@@ -20,14 +25,16 @@ a numpy gather, then a host-to-device transfer every step):
 Each model runs at a width and global batch that keep its step short on this
 CPU (`SETTINGS`): per-step overhead matters most where the step is short, as
 on a GPU. After a warm-up that excludes compilation, the script repeats R
-times {N steps plain; N steps hetjax}, each timed run ending when its last
+times {N steps plain; N steps split; N steps hetjax}, each timed run ending when its last
 step's results are ready, and reports per model the median of the
 per-repeat throughput ratios hetjax / plain (interleaving cancels machine
 noise), the milliseconds hetjax adds to a step, and the leaf count (parameter
 arrays, and with the model state such as BatchNorm statistics). The default
 micro-batch is the global batch, so hetjax runs one micro-batch per step,
-like the plain loop. The last line printed is one JSON object with `ratio`
-and `added_ms` per model.
+like the plain loop. The split columns give the same figures for the split
+loop against plain. The last line printed is one JSON object with `ratio`
+and `added_ms` per model (hetjax against plain), and `ratio_vs_split` /
+`added_vs_split_ms` per model in `models`.
 """
 
 from __future__ import annotations
@@ -83,7 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   parser.add_argument("--precision", default="fp32", choices=PRECISIONS)
   parser.add_argument("--steps", type=int, default=None,
                       help="timed steps per side per repeat (default: per model)")
-  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--repeats", type=int, default=21)
   parser.add_argument("--microbatch", type=int, default=None,
                       help="hetjax micro-batch (default: the global batch)")
   args = parser.parse_args(argv)
@@ -99,10 +106,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 class PlainLoop:
-  """The loop a JAX user would write by hand: gather, transfer, jitted step."""
+  """The loop a JAX user would write by hand: gather, transfer, jitted step.
+
+  `programs=2` splits the step where any cross-host reduction must sit:
+  one program for the loss and gradient, one for the adam update. On
+  XLA:CPU one program overlaps the update's many small kernels with the
+  backward pass on the other core; two cannot, so the split loop measures
+  what that boundary costs with no hetjax code at all.
+  """
 
   def __init__(self, task: Task, optimizer: optax.GradientTransformation,
-               source: data_lib.ArraySource, global_batch: int, precision: str):
+               source: data_lib.ArraySource, global_batch: int, precision: str,
+               programs: int = 1):
+    if programs not in (1, 2):
+      raise ValueError(f"programs must be 1 or 2, got {programs}.")
     self.source = source
     self.sampler = data_lib.GlobalSampler(len(source), global_batch, SEED)
     self.mask = np.ones(global_batch, np.float32)  # Every example is real.
@@ -112,7 +129,19 @@ class PlainLoop:
     self._pending = None
     params, self.model_state = jax.jit(task.init)(self.key, self.batch(0))
     self.params, self.opt_state = params, jax.jit(optimizer.init)(params)
-    self._step = jax.jit(_plain_step(task, optimizer, precision), donate_argnums=(0, 1, 2))
+    grad, update = _plain_grad(task, precision), _plain_update(optimizer, precision)
+    if programs == 1:
+      def step(params, opt_state, model_state, batch, rng):
+        loss, grads, new_state = grad(params, model_state, batch, rng)
+        return (*update(params, opt_state, grads), new_state, loss)
+      self._step = jax.jit(step, donate_argnums=(0, 1, 2))
+    else:
+      grad_program = jax.jit(grad)
+      update_program = jax.jit(update, donate_argnums=(0, 1))
+      def step(params, opt_state, model_state, batch, rng):
+        loss, grads, new_state = grad_program(params, model_state, batch, rng)
+        return (*update_program(params, opt_state, grads), new_state, loss)
+      self._step = step
 
   def batch(self, step: int) -> Batch:
     """The same global batch hetjax trains on at `step`, with an all-ones mask."""
@@ -137,19 +166,22 @@ class PlainLoop:
     jax.block_until_ready((self.params, self._pending))
 
 
-def _plain_step(task: Task, optimizer: optax.GradientTransformation, precision: str) -> Callable:
-  """Mean loss over the batch, its gradient and the optax update.
+_COMPUTE = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+_FP16_SCALE = 2.0 ** 15  # A hand-written loop's fixed loss scale.
+
+
+def _plain_grad(task: Task, precision: str) -> Callable:
+  """Mean loss over the batch and its float32 gradient.
 
   Low precision the way a hand-written loop does it: float32 parameters
-  cast to the compute type inside the loss; fp16 with a fixed loss scale
-  and the update skipped on overflow.
+  cast to the compute type inside the loss; fp16 with a fixed loss scale.
   """
-  compute = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}[precision]
-  scale = 2.0 ** 15 if precision == "fp16" else 1.0
+  compute = _COMPUTE[precision]
+  scale = _FP16_SCALE if precision == "fp16" else 1.0
   low = lambda t: jax.tree.map(
       lambda x: x.astype(compute) if jnp.issubdtype(x.dtype, jnp.floating) else x, t)
 
-  def step(params, opt_state, model_state, batch, rng):
+  def grad(params, model_state, batch, rng):
     inputs = {k: v if k == "mask" else low(v) for k, v in batch.items()}
 
     def mean_loss(p):
@@ -158,15 +190,24 @@ def _plain_step(task: Task, optimizer: optax.GradientTransformation, precision: 
 
     (loss, new_state), grads = jax.value_and_grad(mean_loss, has_aux=True)(params)
     grads = jax.tree.map(lambda g: g.astype(jnp.float32) / scale, grads)
+    return loss / scale, grads, new_state
+
+  return grad
+
+
+def _plain_update(optimizer: optax.GradientTransformation, precision: str) -> Callable:
+  """The optax update; under fp16 skipped when a gradient is not finite."""
+
+  def update(params, opt_state, grads):
     updates, new_opt = optimizer.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
     if precision == "fp16":
       finite = jnp.all(jnp.array([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
       keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
       new_params, new_opt = keep(new_params, params), keep(new_opt, opt_state)
-    return new_params, new_opt, new_state, loss / scale
+    return new_params, new_opt
 
-  return step
+  return update
 
 
 class HetjaxLoop:
@@ -197,7 +238,7 @@ def leaf_counts(trainer: hetjax.Trainer) -> tuple[int, int]:
 
 
 def measure_model(name: str, args: argparse.Namespace, source: data_lib.ArraySource) -> dict:
-  """Builds both loops for `name`, times them interleaved, returns its figures."""
+  """Builds the three loops for `name`, times them interleaved, returns its figures."""
   setting = SETTINGS[name]
   batch, steps = setting.global_batch, args.steps or setting.steps
   microbatch = args.microbatch or batch
@@ -205,25 +246,29 @@ def measure_model(name: str, args: argparse.Namespace, source: data_lib.ArraySou
                              num_classes=source.info.num_classes, **setting.overrides)
   optimizer = optax.adam(LEARNING_RATE)
   plain = PlainLoop(task, optimizer, source, batch, args.precision)
+  split = PlainLoop(task, optimizer, source, batch, args.precision, programs=2)
   config = {"precision": args.precision} if args.precision != "fp32" else {}
   trainer = hetjax.Trainer(task, optimizer, source, hetjax.TrainConfig(
       global_batch=batch, microbatch=microbatch, seed=SEED, **config))
   het = HetjaxLoop(trainer)
-  seconds(plain, WARMUP_STEPS)
-  seconds(het, WARMUP_STEPS)
-  plain_ms, het_ms = [], []
+  loops = {"plain": plain, "split": split, "hetjax": het}
+  for loop in loops.values():
+    seconds(loop, WARMUP_STEPS)
+  ms: dict[str, list[float]] = {name: [] for name in loops}
   for _ in range(args.repeats):
-    plain_ms.append(seconds(plain, steps) / steps * 1e3)
-    het_ms.append(seconds(het, steps) / steps * 1e3)
+    for label, loop in loops.items():
+      ms[label].append(seconds(loop, steps) / steps * 1e3)
   params, leaves = leaf_counts(trainer)
   trainer.close()
+  ratio = lambda a, b: round(statistics.median(x / y for x, y in zip(ms[a], ms[b])), 4)
+  added = lambda a, b: round(statistics.median(y - x for x, y in zip(ms[a], ms[b])), 3)
   return {
       "global_batch": batch, "microbatch": microbatch, "steps": steps,
       "overrides": setting.overrides, "param_leaves": params, "leaves": leaves,
-      "plain_ms": round(statistics.median(plain_ms), 3),
-      "hetjax_ms": round(statistics.median(het_ms), 3),
-      "ratio": round(statistics.median(p / h for p, h in zip(plain_ms, het_ms)), 4),
-      "added_ms": round(statistics.median(h - p for p, h in zip(plain_ms, het_ms)), 3),
+      **{f"{label}_ms": round(statistics.median(v), 3) for label, v in ms.items()},
+      "ratio": ratio("plain", "hetjax"), "added_ms": added("plain", "hetjax"),
+      "split_ratio": ratio("plain", "split"), "split_added_ms": added("plain", "split"),
+      "ratio_vs_split": ratio("split", "hetjax"), "added_vs_split_ms": added("split", "hetjax"),
   }
 
 
@@ -236,15 +281,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{topo.num_hosts} host x {topo.local_devices} {topo.platform} device, "
         f"jax {jax.__version__}")
   print(f"{'model':>9} {'batch':>5} {'leaves':>11} {'plain ms':>9} {'hetjax ms':>9} "
-        f"{'added ms':>8} {'ratio':>6}")
+        f"{'added ms':>8} {'ratio':>6} | {'split ms':>8} {'added':>6} {'ratio':>6}")
   rows = {}
   for name in args.models:
     r = rows[name] = measure_model(name, args, source)
     print(f"{name:>9} {r['global_batch']:>5} {r['param_leaves']:>4} ({r['leaves']:>4}) "
           f"{r['plain_ms']:>9.2f} {r['hetjax_ms']:>9.2f} {r['added_ms']:>8.2f} "
-          f"{r['ratio']:>6.3f}", flush=True)
+          f"{r['ratio']:>6.3f} | {r['split_ms']:>8.2f} {r['split_added_ms']:>6.2f} "
+          f"{r['split_ratio']:>6.3f}", flush=True)
   print(f"targets: ratio >= {TARGET}, added <= {TARGET_ADDED_MS} ms per step; leaves: "
-        "parameter arrays (with model state)")
+        "parameter arrays (with model state); split: the plain loop as two programs "
+        "(gradient, then update), no hetjax code")
   result = {
       "precision": args.precision, "repeats": args.repeats, "models": rows,
       "ratio": {n: r["ratio"] for n, r in rows.items()},

@@ -13,10 +13,15 @@ alone (medians):
   local      hetjax's local program: loss, gradient, sums packed in a row;
   update     hetjax's reduction + update program: the row summed and
              unpacked, adam, the model state, the packed parameter views;
-  adam       adam alone on the unpacked gradients (part of `update`).
+  adam       adam alone on the unpacked gradients (part of `update`);
+  split      the hand-written step as two programs, gradient then update
+             (`overhead.PlainLoop(programs=2)`), no hetjax code: what the
+             boundary a cross-host reduction needs costs by itself.
 
-`local + update - plain` is the time hetjax's device work adds to a step;
-the rest of `bench/overhead.py`'s figure is host work (Python, transfers).
+`local + update - plain` is the time hetjax's device work adds to a step
+(`added`), `split - plain` the part of it that two programs cost whatever
+they hold (`boundary`); the rest of `bench/overhead.py`'s figure is host
+work (Python, transfers).
 On a CPU the "device" is the same cores as the host, so the plain loop's
 single fused program has an edge that two programs cannot recover there.
 """
@@ -61,12 +66,15 @@ def measure(name: str, source: data_lib.ArraySource, repeats: int) -> dict[str, 
                              **setting.overrides)
   optimizer = optax.adam(overhead.LEARNING_RATE)
   plain = overhead.PlainLoop(task, optimizer, source, setting.global_batch, "fp32")
+  split = overhead.PlainLoop(task, optimizer, source, setting.global_batch, "fp32", programs=2)
   trainer = hetjax.Trainer(task, optimizer, source, hetjax.TrainConfig(
       global_batch=setting.global_batch, microbatch=setting.global_batch, seed=overhead.SEED))
   for _ in range(2):
     plain.train_step()
+    split.train_step()
     trainer.train_step()
   plain.wait()
+  split.wait()
   local, meshes = trainer.local, trainer.meshes
   layout = local.layout
   state = trainer.state
@@ -89,6 +97,11 @@ def measure(name: str, source: data_lib.ArraySource, repeats: int) -> dict[str, 
     box["plain"] = out[:3]
     return out
 
+  def run_split():
+    out = split._step(split.params, split.opt_state, split.model_state, plain_batch, rng)
+    split.params, split.opt_state, split.model_state = out[:3]
+    return out
+
   def run_local():
     box["sums"] = local._accumulate(views, box["sums"], micro, key)
     return box["sums"]
@@ -96,8 +109,9 @@ def measure(name: str, source: data_lib.ArraySource, repeats: int) -> dict[str, 
   world = lambda: step_lib.to_world(box["sums"], meshes)
   result = _median_ms({"plain": run_plain, "local": run_local,
                        "update": lambda: update(state, world()),
-                       "adam": lambda: adam(state, world())}, repeats)
+                       "adam": lambda: adam(state, world()), "split": run_split}, repeats)
   result["added"] = round(result["local"] + result["update"] - result["plain"], 3)
+  result["boundary"] = round(result["split"] - result["plain"], 3)
   result["row_floats"] = layout.row_size
   trainer.close()
   return result
@@ -123,12 +137,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   source = data_lib.load("digits")
   print(f"hetjax step phases (ms, each program alone, median of {args.repeats}); "
         f"{jax.devices()[0].platform}, jax {jax.__version__}")
-  print(f"{'model':>9} {'plain':>8} {'local':>8} {'update':>8} {'adam':>8} {'added':>8}")
+  print(f"{'model':>9} {'plain':>8} {'local':>8} {'update':>8} {'adam':>8} {'added':>8} "
+        f"{'split':>8} {'boundary':>8}")
   rows = {}
   for name in [m.strip() for m in args.models.split(",") if m.strip()]:
     r = rows[name] = measure(name, source, args.repeats)
     print(f"{name:>9} {r['plain']:>8.2f} {r['local']:>8.2f} {r['update']:>8.2f} "
-          f"{r['adam']:>8.2f} {r['added']:>8.2f}", flush=True)
+          f"{r['adam']:>8.2f} {r['added']:>8.2f} {r['split']:>8.2f} {r['boundary']:>8.2f}",
+          flush=True)
   print(json.dumps(rows))
   return rows
 
