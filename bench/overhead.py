@@ -34,7 +34,9 @@ micro-batch is the global batch, so hetjax runs one micro-batch per step,
 like the plain loop. The split columns give the same figures for the split
 loop against plain. The last line printed is one JSON object with `ratio`
 and `added_ms` per model (hetjax against plain), and `ratio_vs_split` /
-`added_vs_split_ms` per model in `models`.
+`added_vs_split_ms` per model in `models`, with the quartiles of the
+per-repeat added ms (`added_ms_quartiles`): on a shared machine they say
+how much one run's median can be trusted.
 """
 
 from __future__ import annotations
@@ -262,11 +264,15 @@ def measure_model(name: str, args: argparse.Namespace, source: data_lib.ArraySou
   trainer.close()
   ratio = lambda a, b: round(statistics.median(x / y for x, y in zip(ms[a], ms[b])), 4)
   added = lambda a, b: round(statistics.median(y - x for x, y in zip(ms[a], ms[b])), 3)
+  # The spread says how far one run's median can be trusted on a shared machine.
+  quartiles = lambda a, b: [round(q, 3) for q in statistics.quantiles(
+      [y - x for x, y in zip(ms[a], ms[b])], n=4)[::2]] if args.repeats > 1 else None
   return {
       "global_batch": batch, "microbatch": microbatch, "steps": steps,
       "overrides": setting.overrides, "param_leaves": params, "leaves": leaves,
       **{f"{label}_ms": round(statistics.median(v), 3) for label, v in ms.items()},
       "ratio": ratio("plain", "hetjax"), "added_ms": added("plain", "hetjax"),
+      "added_ms_quartiles": quartiles("plain", "hetjax"),
       "split_ratio": ratio("plain", "split"), "split_added_ms": added("plain", "split"),
       "ratio_vs_split": ratio("split", "hetjax"), "added_vs_split_ms": added("split", "hetjax"),
   }
