@@ -274,11 +274,15 @@ def _position_rows(step: int, first_block: int, first: bool, real: int, per_devi
 
 
 def block_sums(task: Task, params: PyTree, model_state: PyTree, block: dict[str, jax.Array],
-               rng: jax.Array, scale: jax.Array, precision: str) -> Sums:
+               rng: jax.Array, scale: jax.Array, precision: str,
+               blocks_full: bool = False) -> Sums:
   """One block's sums over its real examples: float32 gradients, loss, metrics, state.
 
   The one definition of what a device computes for a block, shared by the
-  sync step and the rounds modes' local steps. Under bf16 / fp16 the model
+  sync step and the rounds modes' local steps. `blocks_full` (fixed for a
+  run): every block is all real or all padding, never partly; then the
+  task's `unmasked_loss` serves, as the sums drop an all-padding block
+  whole. Under bf16 / fp16 the model
   runs in the low type from float32 parameters, so the gradients come back
   float32; `scale` multiplies the loss before differentiation and is divided
   out of the gradients, only when `precision` scales its loss (a pass over
@@ -293,13 +297,14 @@ def block_sums(task: Task, params: PyTree, model_state: PyTree, block: dict[str,
   # would be NaN, and NaN survives `where` in the backward pass. Its rows are
   # copies of a real row, and every sum below uses `real`.
   model_block = {**block, MASK: jnp.where(jnp.any(real), block[MASK], 1.0)}
+  loss_fn = task.training_loss(blocks_full)
   if low:
     model_block = precision_lib.cast_batch(model_block, compute, keep=(MASK,))
 
   def total_loss(p):
     if low:
       p = precision_lib.cast_floats(p, compute)
-    losses, metrics, new_state = task.loss(p, model_state, model_block, rng)
+    losses, metrics, new_state = loss_fn(p, model_state, model_block, rng)
     values, weights = split_losses(losses)
     weight = masked_sum(weights) if weights is not None else jnp.sum(real.astype(jnp.float32))
     loss = masked_sum(values)
@@ -319,11 +324,14 @@ class LocalProgram:
   """Accumulates this host's gradient sums over its micro-batches."""
 
   def __init__(self, task: Task, meshes: Meshes, microbatch_per_device: int,
-               precision: str = "fp32"):
+               precision: str = "fp32", global_batch: int | None = None):
+    """`global_batch`, when given, tells whether every block is whole: it is
+    when the batch is a whole number of blocks (see `block_sums`)."""
     if microbatch_per_device < 1:
       raise ValueError(f"--microbatch must be >= 1, got {microbatch_per_device}.")
     self.meshes = meshes
     self.per_device = microbatch_per_device
+    self.blocks_full = global_batch is not None and global_batch % microbatch_per_device == 0
     self.micro = microbatch_per_device * meshes.local_devices
     self.precision = precision_lib.check(precision)
     self.views = HostViews(meshes)
@@ -361,7 +369,7 @@ class LocalProgram:
       batch[MASK] = (jnp.arange(m) < real).astype(jnp.float32)
       rng = jax.random.fold_in(jax.random.fold_in(key, step), block)
       row = layout.sums.pack(block_sums(task, params, model_state, batch, rng, scale,
-                                        self.precision))["float32"]
+                                        self.precision, self.blocks_full))["float32"]
       # The first micro-batch of a step starts from zero in a recycled buffer;
       # the host vector is set, not summed. One elementwise pass, in place.
       keep = (first == 0) & (jnp.arange(n + host.size) < n)

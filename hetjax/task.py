@@ -66,15 +66,26 @@ class Task:
       real examples).
     eval_loss: the same contract in inference mode (BatchNorm running
       averages, no dropout); `None` when it equals `loss`.
+    unmasked_loss: `loss` for a block whose rows are all real, without
+      the work the padding mask costs (`from_linen` / `from_nnx`: the module
+      called without `mask=`, so BatchNorm takes plain batch statistics,
+      ~0.7 ms a step less for resnet18 on a CPU). The step uses it when no
+      block that counts holds padding (the global batch a whole number of
+      blocks); `None`: `loss` serves every block.
   """
 
   init: Callable[[jax.Array, Batch], tuple[PyTree, PyTree]]
   loss: LossFn
   eval_loss: LossFn | None = None
+  unmasked_loss: LossFn | None = None
 
   def evaluation_loss(self) -> LossFn:
     """The loss to evaluate with: `eval_loss` when given, else `loss`."""
     return self.eval_loss or self.loss
+
+  def training_loss(self, blocks_full: bool) -> LossFn:
+    """The loss for training blocks; `blocks_full`: no block that counts holds padding."""
+    return self.unmasked_loss if (blocks_full and self.unmasked_loss) else self.loss
 
 
 def split_losses(losses: Any) -> tuple[jax.Array, jax.Array | None]:
@@ -209,9 +220,9 @@ def from_linen(
   streams = None if rng_streams is None else tuple(rng_streams)
   warned: dict = {}
 
-  def kwargs(batch, train):
+  def kwargs(batch, train, masked=True):
     kw = {n: (_MODE_ARGS[n] if train else not _MODE_ARGS[n]) for n in modes}
-    if takes_mask and train:
+    if takes_mask and train and masked:
       kw["mask"] = batch[MASK] if MASK in batch else None
     return kw
 
@@ -228,11 +239,11 @@ def from_linen(
                  "nn.BatchNorm(..., mask=...) for exact statistics.")
     return params, state
 
-  def apply(params, state, batch, rng, train, rngs):
+  def apply(params, state, batch, rng, train, rngs, masked=True):
     mutable = list(state) if (train and state) else False
     keys = {name: jax.random.fold_in(rng, i) for i, name in enumerate(rngs)}
     return module.apply({"params": params, **state}, batch[input_key], rngs=keys,
-                        mutable=mutable, **kwargs(batch, train))
+                        mutable=mutable, **kwargs(batch, train, masked))
 
   def find_streams(params, state, batch, rng):
     """Asks the module itself which rng streams it draws from in training."""
@@ -247,12 +258,12 @@ def from_linen(
           raise
         found.append(match.group(1))
 
-  def make_loss(train):
+  def make_loss(train, masked=True):
     def loss(params, state, batch, rng):
       nonlocal streams
       if train and streams is None:
         streams = find_streams(params, state, batch, rng)
-      outputs = apply(params, state, batch, rng, train, streams if train else ())
+      outputs = apply(params, state, batch, rng, train, streams if train else (), masked)
       if train and state:
         outputs, new_state = outputs
         new_state = {**state, **{c: new_state[c] for c in state if c in new_state}}
@@ -262,7 +273,8 @@ def from_linen(
       return losses, dict(metrics), new_state
     return loss
 
-  return Task(init, make_loss(True), make_loss(False))
+  return Task(init, make_loss(True), make_loss(False),
+              make_loss(True, masked=False) if takes_mask else None)
 
 
 def from_nnx(
@@ -296,7 +308,7 @@ def from_nnx(
     del rng, batch
     return jax.tree.map(jnp.asarray, params), jax.tree.map(jnp.asarray, rest)
 
-  def make_loss(train):
+  def make_loss(train, masked=True):
     def loss(p, state, batch, rng):
       # Fresh variables of this trace (tree.map rebuilds them): NNX refuses to
       # mutate, from inside a trace, variables that were made outside it.
@@ -309,11 +321,12 @@ def from_nnx(
       if streams:
         nnx.reseed(m, **{s: jax.random.fold_in(rng, i) for i, s in enumerate(streams)})
       m.train() if train else m.eval()
-      kw = {"mask": batch[MASK]} if (takes_mask and train and MASK in batch) else {}
+      kw = {"mask": batch[MASK]} if (takes_mask and train and masked and MASK in batch) else {}
       outputs = m(batch[input_key], **kw)
       new_state = nnx.to_pure_dict(nnx.state(m, nnx.Not(nnx.Any(nnx.Param, nnx.RngState))))
       losses, metrics = per_example_loss(outputs, batch)
       return losses, dict(metrics), (new_state if train else state)
     return loss
 
-  return Task(init, make_loss(True), make_loss(False))
+  return Task(init, make_loss(True), make_loss(False),
+              make_loss(True, masked=False) if takes_mask else None)

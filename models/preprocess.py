@@ -36,4 +36,5 @@ def on_device_scaling(task: task_lib.Task, key: str = "x") -> task_lib.Task:
       return None
     return lambda params, state, batch, rng: loss(params, state, scale_pixels(batch, key), rng)
 
-  return dataclasses.replace(task, init=init, loss=wrap(task.loss), eval_loss=wrap(task.eval_loss))
+  return dataclasses.replace(task, init=init, loss=wrap(task.loss), eval_loss=wrap(task.eval_loss),
+                             unmasked_loss=wrap(task.unmasked_loss))

@@ -108,7 +108,8 @@ def _static_balancer(tr_devices):
                                     warmup_steps=2)
 
 
-def matrix(layout: str, models=MODELS, reductions=("device", "host")):
+def matrix(layout: str, models=MODELS, reductions=("device", "host"),
+           global_batch: int = GLOBAL_BATCH):
   """Every (model, reduction) on this cluster; `layout` is 'equal', 'uneven' or 'static'."""
   hetjax.initialize()
   out = {}
@@ -116,7 +117,7 @@ def matrix(layout: str, models=MODELS, reductions=("device", "host")):
     for reduction in reductions:
       source, task, optimizer = build(model)
       config = trainer.TrainConfig(
-          global_batch=GLOBAL_BATCH, microbatch=BLOCK, seed=SEED, reduction=reduction,
+          global_batch=global_batch, microbatch=BLOCK, seed=SEED, reduction=reduction,
           assignment=UNEVEN if layout == "uneven" else "equal")
       custom = None
       if layout == "static":

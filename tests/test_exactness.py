@@ -24,10 +24,10 @@ RTOL, ATOL = 1e-4, 1e-5
 SPEEDS = (1.0, 0.5, 0.25)
 
 
-def oracle(model: str):
+def oracle(model: str, global_batch: int = ex.GLOBAL_BATCH):
   """Final (params, model state) of the plain loop: the semantics, written out."""
   source, task, optimizer = ex.build(model)
-  sampler = data.GlobalSampler(len(source), ex.GLOBAL_BATCH, ex.SEED)
+  sampler = data.GlobalSampler(len(source), global_batch, ex.SEED)
   m = ex.BLOCK
 
   def block_of(batch, k):
@@ -54,16 +54,16 @@ def oracle(model: str):
     batch = source[sampler.indices(step)]
     grads = jax.tree.map(jnp.zeros_like, params)
     new_state = jax.tree.map(jnp.zeros_like, state)
-    for k in range(-(-ex.GLOBAL_BATCH // m)):
+    for k in range(-(-global_batch // m)):
       block = block_of(batch, k)
       g, s = block_grad(params, state, block, step, k)
       n = block[MASK].sum()
       grads = jax.tree.map(jnp.add, grads, g)
       new_state = jax.tree.map(lambda acc, x: acc + n * x, new_state, s)
-    grads = jax.tree.map(lambda g: g / ex.GLOBAL_BATCH, grads)
+    grads = jax.tree.map(lambda g: g / global_batch, grads)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
-    state = jax.tree.map(lambda s: s / ex.GLOBAL_BATCH, new_state)
+    state = jax.tree.map(lambda s: s / global_batch, new_state)
   return jax.device_get(params), jax.device_get(state)
 
 

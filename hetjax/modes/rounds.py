@@ -166,6 +166,7 @@ class LocalStep:
     task, optimizer, meshes, d = self.task, self.optimizer, self.meshes, self.meshes.local_devices
     precision = self.precision
     scaled = precision_lib.uses_loss_scale(precision)
+    blocks_full = self.b % self.m == 0  # No block of the host's batch is partly padding.
 
     def per_device(params, model_state, scale, batch, key, round_index, first_block):
       params = jax.lax.pcast(params, DEV, to="varying")
@@ -175,7 +176,8 @@ class LocalStep:
       def one_block(carry, xs):
         block, r = xs
         rng = jax.random.fold_in(jax.random.fold_in(key, round_index), first_block + r * d + device)
-        b = step_lib.block_sums(task, params, model_state, block, rng, scale, precision)
+        b = step_lib.block_sums(task, params, model_state, block, rng, scale, precision,
+                                blocks_full)
         sums = {"grads": b.grads, "weight": b.weight, "count": b.count, "loss": b.loss,
                 "metrics": {k: b.metrics[k] for k in metric_names},
                 "model_state": b.model_state}

@@ -1,0 +1,98 @@
+"""Whole blocks skip the padding mask's work and still reach the oracle.
+
+When the global batch is a whole number of blocks, every block is all real
+or all padding (dropped whole), so the step runs the task's `unmasked_loss`:
+a linen or NNX module called without `mask=`, i.e. plain BatchNorm
+statistics, which XLA computes in fewer kernels. A batch with a partial
+block keeps the masked loss. Either way the result is the semantics the
+independent oracle of `test_exactness.py` writes out.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import _exact_entries as ex
+import hetjax
+from hetjax import data
+from hetjax.task import MASK
+from test_exactness import assert_close, oracle
+
+WHOLE = 64  # 16 blocks of `ex.BLOCK` positions.
+
+
+class MaskProbe(nn.Module):
+  """A zero output, plus 1 when the module was handed a mask."""
+
+  @nn.compact
+  def __call__(self, x, train: bool = False, mask=None):
+    w = self.param("w", nn.initializers.zeros, (1,))
+    return jnp.zeros((x.shape[0], 1)) + w + (0.0 if mask is None else 1.0)
+
+
+def _probe_loss(outputs, batch):
+  return outputs[:, 0], {}
+
+
+def _batch(n=4):
+  return {"x": np.zeros((n, 8, 8, 1), np.float32), "y": np.zeros(n, np.int32),
+          MASK: np.ones(n, np.float32)}
+
+
+def test_linen_adapter_has_an_unmasked_loss_only_for_modules_that_take_a_mask():
+  task = hetjax.from_linen(MaskProbe(), _probe_loss)
+  params, state = task.init(jax.random.key(0), _batch())
+  masked = task.loss(params, state, _batch(), jax.random.key(1))[0]
+  unmasked = task.unmasked_loss(params, state, _batch(), jax.random.key(1))[0]
+  np.testing.assert_array_equal(masked, 1.0)
+  np.testing.assert_array_equal(unmasked, 0.0)
+  assert task.training_loss(blocks_full=True) is task.unmasked_loss
+  assert task.training_loss(blocks_full=False) is task.loss
+
+  no_mask = hetjax.from_linen(nn.Dense(1), lambda out, b: (out[:, 0], {}))
+  assert no_mask.unmasked_loss is None
+  assert no_mask.training_loss(blocks_full=True) is no_mask.loss
+
+
+def test_nnx_adapter_has_an_unmasked_loss():
+  from flax import nnx
+
+  class Probe(nnx.Module):
+    def __init__(self):
+      self.w = nnx.Param(jnp.zeros(1))
+
+    def __call__(self, x, mask=None):
+      return jnp.zeros((x.shape[0], 1)) + self.w + (0.0 if mask is None else 1.0)
+
+  task = hetjax.from_nnx(Probe(), _probe_loss)
+  params, state = task.init(jax.random.key(0), _batch())
+  np.testing.assert_array_equal(task.loss(params, state, _batch(), jax.random.key(1))[0], 1.0)
+  np.testing.assert_array_equal(
+      task.unmasked_loss(params, state, _batch(), jax.random.key(1))[0], 0.0)
+
+
+@pytest.mark.parametrize("global_batch, masked", [(8, False), (6, True)])
+def test_the_trainer_drops_the_mask_only_when_every_block_is_whole(global_batch, masked):
+  """8 = two whole blocks of 4; 6 ends with a partial block, which needs the mask."""
+  hetjax.initialize()
+  n = 24
+  source = data.ArraySource({"x": np.zeros((n, 8, 8, 1), np.float32),
+                             "y": np.zeros(n, np.int32)})
+  tr = hetjax.Trainer(hetjax.from_linen(MaskProbe(), _probe_loss), optax.sgd(0.0), source,
+                      hetjax.TrainConfig(global_batch=global_batch, microbatch=4, seed=0))
+  try:
+    assert tr.train_step()["loss"] == pytest.approx(1.0 if masked else 0.0)
+  finally:
+    tr.close()
+
+
+@pytest.mark.parametrize("model", ["resnet18", "linen"])
+def test_whole_blocks_match_the_oracle(model):
+  """BatchNorm models trained on whole blocks (unmasked) reach the masked oracle."""
+  params, state = oracle(model, WHOLE)
+  got = ex.matrix("equal", models=(model,), reductions=("device",), global_batch=WHOLE)
+  assert_close(got[(model, "device")][0], params, f"1x1 {model} params, whole blocks")
+  assert_close(got[(model, "device")][1], state, f"1x1 {model} state, whole blocks")
