@@ -14,6 +14,9 @@ alone (medians):
   update     hetjax's reduction + update program: the row summed and
              unpacked, adam, the model state, the packed parameter views;
   adam       adam alone on the unpacked gradients (part of `update`);
+  masked     the local program with the padding mask, as it ran before whole
+             blocks dropped it (`Task.unmasked_loss`); models whose task has
+             no unmasked loss run the same program either way ("-");
   split      the hand-written step as two programs, gradient then update
              (`overhead.PlainLoop(programs=2)`), no hetjax code: what the
              boundary a cross-host reduction needs costs by itself.
@@ -29,6 +32,7 @@ single fused program has an edge that two programs cannot recover there.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -67,12 +71,19 @@ def measure(name: str, source: data_lib.ArraySource, repeats: int) -> dict[str, 
   optimizer = optax.adam(overhead.LEARNING_RATE)
   plain = overhead.PlainLoop(task, optimizer, source, setting.global_batch, "fp32")
   split = overhead.PlainLoop(task, optimizer, source, setting.global_batch, "fp32", programs=2)
-  trainer = hetjax.Trainer(task, optimizer, source, hetjax.TrainConfig(
-      global_batch=setting.global_batch, microbatch=setting.global_batch, seed=overhead.SEED))
+  config = hetjax.TrainConfig(global_batch=setting.global_batch,
+                              microbatch=setting.global_batch, seed=overhead.SEED)
+  trainer = hetjax.Trainer(task, optimizer, source, config)
+  masked = None
+  if task.unmasked_loss is not None:
+    masked = hetjax.Trainer(dataclasses.replace(task, unmasked_loss=None), optimizer, source,
+                            config)
   for _ in range(2):
     plain.train_step()
     split.train_step()
     trainer.train_step()
+    if masked is not None:
+      masked.train_step()
   plain.wait()
   split.wait()
   local, meshes = trainer.local, trainer.meshes
@@ -106,14 +117,27 @@ def measure(name: str, source: data_lib.ArraySource, repeats: int) -> dict[str, 
     box["sums"] = local._accumulate(views, box["sums"], micro, key)
     return box["sums"]
 
+  runs = {"plain": run_plain, "local": run_local}
+  if masked is not None:
+    masked_views = masked.local.views.get(layout, masked.state.params, masked.state.model_state,
+                                          masked.state.loss_scale.scale)
+    box["masked"] = masked.local._zeros(host)
+
+    def run_masked():
+      box["masked"] = masked.local._accumulate(masked_views, box["masked"], micro, key)
+      return box["masked"]
+
+    runs["masked"] = run_masked
   world = lambda: step_lib.to_world(box["sums"], meshes)
-  result = _median_ms({"plain": run_plain, "local": run_local,
-                       "update": lambda: update(state, world()),
+  result = _median_ms({**runs, "update": lambda: update(state, world()),
                        "adam": lambda: adam(state, world()), "split": run_split}, repeats)
+  result.setdefault("masked", None)
   result["added"] = round(result["local"] + result["update"] - result["plain"], 3)
   result["boundary"] = round(result["split"] - result["plain"], 3)
   result["row_floats"] = layout.row_size
   trainer.close()
+  if masked is not None:
+    masked.close()
   return result
 
 
@@ -137,12 +161,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   source = data_lib.load("digits")
   print(f"hetjax step phases (ms, each program alone, median of {args.repeats}); "
         f"{jax.devices()[0].platform}, jax {jax.__version__}")
-  print(f"{'model':>9} {'plain':>8} {'local':>8} {'update':>8} {'adam':>8} {'added':>8} "
-        f"{'split':>8} {'boundary':>8}")
+  print(f"{'model':>9} {'plain':>8} {'local':>8} {'masked':>8} {'update':>8} {'adam':>8} "
+        f"{'added':>8} {'split':>8} {'boundary':>8}")
   rows = {}
   for name in [m.strip() for m in args.models.split(",") if m.strip()]:
     r = rows[name] = measure(name, source, args.repeats)
-    print(f"{name:>9} {r['plain']:>8.2f} {r['local']:>8.2f} {r['update']:>8.2f} "
+    masked_ms = "-" if r["masked"] is None else f"{r['masked']:.2f}"
+    print(f"{name:>9} {r['plain']:>8.2f} {r['local']:>8.2f} {masked_ms:>8} {r['update']:>8.2f} "
           f"{r['adam']:>8.2f} {r['added']:>8.2f} {r['split']:>8.2f} {r['boundary']:>8.2f}",
           flush=True)
   print(json.dumps(rows))
