@@ -67,9 +67,10 @@ class Task:
     eval_loss: the same contract in inference mode (BatchNorm running
       averages, no dropout); `None` when it equals `loss`.
     unmasked_loss: `loss` for a block whose rows are all real, without
-      the work the padding mask costs (`from_linen` / `from_nnx`: the module
-      called without `mask=`, so BatchNorm takes plain batch statistics:
-      118 fewer kernels in resnet18's local program). The step uses it when no
+      the work the padding mask costs (`from_linen` / `from_nnx`, for a
+      module whose `mask` has a default: the module called without `mask=`,
+      so BatchNorm takes plain batch statistics: 118 fewer kernels in
+      resnet18's local program). The step uses it when no
       block that counts holds padding (the global batch a whole number of
       blocks); `None`: `loss` serves every block.
   """
@@ -170,6 +171,15 @@ def _parameters(fn: Callable) -> set[str]:
     return set(inspect.signature(fn).parameters)
   except (TypeError, ValueError):
     return set()
+
+
+def _mask_optional(fn: Callable) -> bool:
+  """Whether `fn` may be called without `mask=` (it names one, with a default)."""
+  try:
+    mask = inspect.signature(fn).parameters.get("mask")
+  except (TypeError, ValueError):
+    return False
+  return mask is not None and mask.default is not inspect.Parameter.empty
 
 
 _MODE_ARGS = {"train": True, "training": True, "deterministic": False}  # name -> value in training
@@ -274,7 +284,7 @@ def from_linen(
     return loss
 
   return Task(init, make_loss(True), make_loss(False),
-              make_loss(True, masked=False) if takes_mask else None)
+              make_loss(True, masked=False) if _mask_optional(module.__call__) else None)
 
 
 def from_nnx(
@@ -329,4 +339,4 @@ def from_nnx(
     return loss
 
   return Task(init, make_loss(True), make_loss(False),
-              make_loss(True, masked=False) if takes_mask else None)
+              make_loss(True, masked=False) if _mask_optional(model.__call__) else None)

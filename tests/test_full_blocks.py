@@ -57,6 +57,19 @@ def test_linen_adapter_has_an_unmasked_loss_only_for_modules_that_take_a_mask():
   assert no_mask.training_loss(blocks_full=True) is no_mask.loss
 
 
+class MaskRequired(nn.Module):
+  @nn.compact
+  def __call__(self, x, mask, train: bool = False):
+    return nn.Dense(1)(x.reshape(x.shape[0], -1)) * mask[:, None]
+
+
+def test_a_module_whose_mask_has_no_default_gets_no_unmasked_loss():
+  """Calling it without `mask=` would fail, so whole blocks would keep the mask."""
+  task = hetjax.from_linen(MaskRequired(), _probe_loss)
+  assert task.unmasked_loss is None
+  assert task.training_loss(blocks_full=True) is task.loss
+
+
 def test_nnx_adapter_has_an_unmasked_loss():
   from flax import nnx
 
