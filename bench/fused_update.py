@@ -146,12 +146,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   parser.add_argument("--models", default="resnet18,resnet50")
   parser.add_argument("--repeats", type=int, default=31)
   args = parser.parse_args(argv)
+  models = overhead.model_names(parser, args.models)
   hetjax.initialize()
   source = data_lib.load("digits")
   print(f"fused-update bound (ms per step; paired vs plain), {args.repeats} repeats; "
         f"{jax.devices()[0].platform}, jax {jax.__version__}")
   rows = {}
-  for name in [m.strip() for m in args.models.split(",") if m.strip()]:
+  for name in models:
     r = rows[name] = measure(name, source, args.repeats)
     print(f"{name:>9} " + "  ".join(f"{label} {v['ms']:.2f} ({v['vs_plain_ms']:+.2f})"
                                      for label, v in r.items()), flush=True)

@@ -84,6 +84,15 @@ SETTINGS = {
 }
 
 
+def model_names(parser: argparse.ArgumentParser, text: str) -> list[str]:
+  """`--models`' comma-separated names, each one of `SETTINGS` (else a usage error)."""
+  names = [m.strip() for m in text.split(",") if m.strip()]
+  unknown = [m for m in names if m not in SETTINGS]
+  if unknown or not names:
+    parser.error(f"--models {unknown or '(none)'}: choose from {', '.join(SETTINGS)}.")
+  return names
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   """The command line; `--microbatch` defaults to each model's global batch."""
   parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
@@ -96,10 +105,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   parser.add_argument("--microbatch", type=int, default=None,
                       help="hetjax micro-batch (default: the global batch)")
   args = parser.parse_args(argv)
-  args.models = [m.strip() for m in args.models.split(",") if m.strip()]
-  unknown = [m for m in args.models if m not in SETTINGS]
-  if unknown or not args.models:
-    parser.error(f"--models {unknown or '(none)'}: choose from {', '.join(SETTINGS)}.")
+  args.models = model_names(parser, args.models)
   for name in ("steps", "repeats", "microbatch"):
     value = getattr(args, name)
     if value is not None and value < 1:

@@ -157,6 +157,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   parser.add_argument("--models", default="cnn,resnet18,resnet50")
   parser.add_argument("--repeats", type=int, default=15)
   args = parser.parse_args(argv)
+  models = overhead.model_names(parser, args.models)
   hetjax.initialize()
   source = data_lib.load("digits")
   print(f"hetjax step phases (ms, each program alone, median of {args.repeats}); "
@@ -164,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   print(f"{'model':>9} {'plain':>8} {'local':>8} {'masked':>8} {'update':>8} {'adam':>8} "
         f"{'added':>8} {'split':>8} {'boundary':>8}")
   rows = {}
-  for name in [m.strip() for m in args.models.split(",") if m.strip()]:
+  for name in models:
     r = rows[name] = measure(name, source, args.repeats)
     masked_ms = "-" if r["masked"] is None else f"{r['masked']:.2f}"
     print(f"{name:>9} {r['plain']:>8.2f} {r['local']:>8.2f} {masked_ms:>8} {r['update']:>8.2f} "

@@ -27,6 +27,13 @@ def num_blocks(global_batch: int, block: int) -> int:
   return -(-int(global_batch) // int(block))
 
 
+def every_block_whole(global_batch: int, block: int) -> bool:
+  """Whether no block is part padding: every block all real, or (a device with
+  none) all padding. Only the last block of a batch `block` does not divide is
+  partial; a model may then skip the padding mask (`Task.unmasked_loss`)."""
+  return int(global_batch) % int(block) == 0
+
+
 def to_samples(block_shares: Sequence[int], global_batch: int, block: int) -> tuple[int, ...]:
   """Per-host sample shares for per-host block counts (the last block may be partial)."""
   ends = np.minimum(np.cumsum(np.asarray(block_shares, np.int64)) * block, global_batch)

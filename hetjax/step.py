@@ -324,14 +324,13 @@ class LocalProgram:
   """Accumulates this host's gradient sums over its micro-batches."""
 
   def __init__(self, task: Task, meshes: Meshes, microbatch_per_device: int,
-               precision: str = "fp32", global_batch: int | None = None):
-    """`global_batch`, when given, tells whether every block is whole: it is
-    when the batch is a whole number of blocks (see `block_sums`)."""
+               precision: str = "fp32", blocks_full: bool = False):
+    """`blocks_full`: no block of the run is part padding (see `block_sums`)."""
     if microbatch_per_device < 1:
       raise ValueError(f"--microbatch must be >= 1, got {microbatch_per_device}.")
     self.meshes = meshes
     self.per_device = microbatch_per_device
-    self.blocks_full = global_batch is not None and global_batch % microbatch_per_device == 0
+    self.blocks_full = blocks_full
     self.micro = microbatch_per_device * meshes.local_devices
     self.precision = precision_lib.check(precision)
     self.views = HostViews(meshes)

@@ -184,8 +184,9 @@ class Trainer:
     self.state = step_lib.init_state(task, optimizer, self.meshes, init_batch, config.seed,
                                      config.precision)
     self._check_contract(init_batch)
-    self.local = step_lib.LocalProgram(task, self.meshes, config.microbatch, config.precision,
-                                       config.global_batch)
+    self.local = step_lib.LocalProgram(
+        task, self.meshes, config.microbatch, config.precision,
+        blocks_lib.every_block_whole(config.global_batch, config.microbatch))
     self.reduction = step_lib.make_reduction(config.reduction, optimizer, self.meshes)
     self.history = History()
     # XLA:CPU's "devices" are the loop's own cores: stamped where the loop looks.

@@ -166,7 +166,7 @@ class LocalStep:
     task, optimizer, meshes, d = self.task, self.optimizer, self.meshes, self.meshes.local_devices
     precision = self.precision
     scaled = precision_lib.uses_loss_scale(precision)
-    blocks_full = self.b % self.m == 0  # No block of the host's batch is partly padding.
+    blocks_full = blocks_lib.every_block_whole(self.b, self.m)
 
     def per_device(params, model_state, scale, batch, key, round_index, first_block):
       params = jax.lax.pcast(params, DEV, to="varying")
