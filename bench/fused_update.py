@@ -54,21 +54,26 @@ class HetjaxPrograms:
                source: data_lib.ArraySource):
     self.trainer, self.sampler, self.source = trainer, sampler, source
     self.step, self.pending = 0, None
+    self.state = trainer.local_state
     self.host_values = np.zeros(4, np.float32)
 
   def run(self, steps: int) -> None:
     t = self.trainer
     for _ in range(steps):
       batch = self.source[self.sampler.indices(self.step)]
-      sums = t.local(t.state.params, t.state.model_state, batch, t._example, t._base_key,
-                     self.step, 0, t.state.loss_scale.scale, self.host_values)
-      t.state, reduced = t.reduction(t.state, sums)
+      total = None if self.pending is None else self.pending.total
+      local = t.local(self.state, total, batch, t._example, t._base_key, self.step, 0,
+                      self.host_values)
+      self.state, reduced = local.state, t.reduction(local.sums)
       if self.pending is not None:
         self.pending.fetch()
       self.pending, self.step = reduced, self.step + 1
 
   def wait(self) -> None:
-    jax.block_until_ready(self.trainer.state)
+    if self.pending is not None:  # The last update, applied alone as `fit` does at its end.
+      self.state, _ = self.trainer.local.update(self.state, self.pending.total)
+      self.pending = None
+    jax.block_until_ready(self.state)
 
 
 class FusedSketch:

@@ -228,7 +228,8 @@ class HetjaxLoop:
     self.trainer.fit(steps)
 
   def wait(self) -> None:
-    jax.block_until_ready(self.trainer.state)
+    # This host's replica: `Trainer.state` would re-wrap every leaf as a global array.
+    jax.block_until_ready(self.trainer.local_state)
 
 
 def seconds(loop: PlainLoop | HetjaxLoop, steps: int) -> float:
@@ -241,8 +242,9 @@ def seconds(loop: PlainLoop | HetjaxLoop, steps: int) -> float:
 
 def leaf_counts(trainer: hetjax.Trainer) -> tuple[int, int]:
   """(parameter arrays, parameter + model-state arrays) of the trained model."""
-  params = len(jax.tree.leaves(trainer.state.params))
-  return params, params + len(jax.tree.leaves(trainer.state.model_state))
+  state = trainer.local_state
+  params = len(jax.tree.leaves(state.params))
+  return params, params + len(jax.tree.leaves(state.model_state))
 
 
 def measure_model(name: str, args: argparse.Namespace, source: data_lib.ArraySource) -> dict:

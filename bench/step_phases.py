@@ -10,9 +10,15 @@ device, one micro-batch per step) it times, interleaved and each waited on
 alone (medians):
 
   plain      the hand-written loop's one program: loss, gradient, adam;
-  local      hetjax's local program: loss, gradient, sums packed in a row;
-  update     hetjax's reduction + update program: the row summed and
-             unpacked, adam, the model state, the packed parameter views;
+  local      hetjax's local program without an update (a step's later
+             micro-batches, or its first after a checkpoint): loss,
+             gradient, sums packed in a row;
+  fused      the local program of a step's first micro-batch: the last
+             step's update, then `local`;
+  reduce     hetjax's reduction program: the rows summed, the statistics;
+  update     the update alone (`LocalProgram.update`: a host with no
+             micro-batch, a checkpoint, the end of `fit`): the row
+             unpacked, adam, the model state;
   adam       adam alone on the unpacked gradients (part of `update`);
   masked     the local program with the padding mask, as it ran before whole
              blocks dropped it (`Task.unmasked_loss`); models whose task has
@@ -21,10 +27,10 @@ alone (medians):
              (`overhead.PlainLoop(programs=2)`), no hetjax code: what the
              boundary a cross-host reduction needs costs by itself.
 
-`local + update - plain` is the time hetjax's device work adds to a step
-(`added`), `split - plain` the part of it that two programs cost whatever
-they hold (`boundary`); the rest of `bench/overhead.py`'s figure is host
-work (Python, transfers).
+`fused + reduce - plain` is the time hetjax's device work adds to a step
+(`added`), `split - plain` what a second program costs whatever it holds
+(`boundary`; hetjax's second program is the small reduction); the rest of
+`bench/overhead.py`'s figure is host work (Python, transfers).
 On a CPU the "device" is the same cores as the host, so the plain loop's
 single fused program has an edge that two programs cannot recover there.
 """
@@ -64,7 +70,7 @@ def _median_ms(runs: dict[str, Callable[[], Any]], repeats: int) -> dict[str, fl
 
 
 def measure(name: str, source: data_lib.ArraySource, repeats: int) -> dict[str, float]:
-  """The four programs of one model, timed alone."""
+  """The programs of one model, timed alone."""
   setting = overhead.SETTINGS[name]
   task = hetjax_models.build(name, kind=source.info.kind, num_classes=source.info.num_classes,
                              **setting.overrides)
@@ -88,8 +94,6 @@ def measure(name: str, source: data_lib.ArraySource, repeats: int) -> dict[str, 
   split.wait()
   local, meshes = trainer.local, trainer.meshes
   layout = local.layout
-  state = trainer.state
-  views = local.views.get(layout, state.params, state.model_state, state.loss_scale.scale)
   host = np.zeros(4, np.float32)  # Stands in for the trainer's host vector.
   micro, real = next(step_lib.padded_chunks(
       trainer.loader.get(trainer.step, (setting.global_batch,)), local.micro))
@@ -98,10 +102,15 @@ def measure(name: str, source: data_lib.ArraySource, repeats: int) -> dict[str, 
   micro = jax.device_put(micro, meshes.local_by_device)
   key = jax.device_put(jax.random.key(overhead.SEED), meshes.local_replicated)
   plain_batch, rng = jax.device_put(plain.batch(0)), jax.random.key(0)
-  box = {"sums": local._zeros(host), "plain": (plain.params, plain.opt_state, plain.model_state)}
-  update = jax.jit(_undonated(layout, optimizer), out_shardings=meshes.replicated)
+  state = trainer.local_state
+  box = {"sums": local._zeros(state.loss_scale.scale, host),
+         "plain": (plain.params, plain.opt_state, plain.model_state),
+         # Each program's own copy of the state: the fused and update programs donate theirs.
+         "fused": jax.tree.map(jnp.copy, state), "alone": jax.tree.map(jnp.copy, state)}
+  reduction = trainer.reduction
+  total = reduction(step_lib.LocalSums(box["sums"], layout)).total
   adam = jax.jit(lambda st, row: optimizer.update(
-      layout.sums.unpack({"float32": row[0, :layout.row_size]}).grads, st.opt_state, st.params))
+      layout.sums.unpack({"float32": row[:layout.row_size]}).grads, st.opt_state, st.params))
 
   def run_plain():
     out = plain._step(*box["plain"], plain_batch, rng)
@@ -114,42 +123,39 @@ def measure(name: str, source: data_lib.ArraySource, repeats: int) -> dict[str, 
     return out
 
   def run_local():
-    box["sums"] = local._accumulate(views, box["sums"], micro, key)
+    box["sums"] = local._grad(state, box["sums"], micro, key)
     return box["sums"]
 
-  runs = {"plain": run_plain, "local": run_local}
+  def run_fused():
+    box["fused"], lr, box["sums"] = local._update_then_grad(box["fused"], total, box["sums"],
+                                                            micro, key)
+    return box["sums"]
+
+  def run_update():
+    box["alone"], lr = local.update(box["alone"], total)
+    return box["alone"]
+
+  runs = {"plain": run_plain, "local": run_local, "fused": run_fused}
   if masked is not None:
-    masked_views = masked.local.views.get(layout, masked.state.params, masked.state.model_state,
-                                          masked.state.loss_scale.scale)
-    box["masked"] = masked.local._zeros(host)
+    masked_state = masked.local_state
+    box["masked"] = masked.local._zeros(masked_state.loss_scale.scale, host)
 
     def run_masked():
-      box["masked"] = masked.local._accumulate(masked_views, box["masked"], micro, key)
+      box["masked"] = masked.local._grad(masked_state, box["masked"], micro, key)
       return box["masked"]
 
     runs["masked"] = run_masked
-  world = lambda: step_lib.to_world(box["sums"], meshes)
-  result = _median_ms({**runs, "update": lambda: update(state, world()),
-                       "adam": lambda: adam(state, world()), "split": run_split}, repeats)
+  result = _median_ms({
+      **runs, "reduce": lambda: reduction(step_lib.LocalSums(box["sums"], layout)).stats,
+      "update": run_update, "adam": lambda: adam(state, total), "split": run_split}, repeats)
   result.setdefault("masked", None)
-  result["added"] = round(result["local"] + result["update"] - result["plain"], 3)
+  result["added"] = round(result["fused"] + result["reduce"] - result["plain"], 3)
   result["boundary"] = round(result["split"] - result["plain"], 3)
   result["row_floats"] = layout.row_size
   trainer.close()
   if masked is not None:
     masked.close()
   return result
-
-
-def _undonated(layout: step_lib.Layout, optimizer: optax.GradientTransformation) -> Callable:
-  """The reduction program's body, without donating the state (timed repeatedly)."""
-
-  def program(state, world):
-    n = layout.row_size
-    total = jnp.sum(world[:, :n], axis=0)
-    return step_lib._update(optimizer, state, total, layout, jnp.bool_(False)), world[:, n:]
-
-  return program
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -162,15 +168,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   source = data_lib.load("digits")
   print(f"hetjax step phases (ms, each program alone, median of {args.repeats}); "
         f"{jax.devices()[0].platform}, jax {jax.__version__}")
-  print(f"{'model':>9} {'plain':>8} {'local':>8} {'masked':>8} {'update':>8} {'adam':>8} "
-        f"{'added':>8} {'split':>8} {'boundary':>8}")
+  print(f"{'model':>9} {'plain':>8} {'local':>8} {'fused':>8} {'masked':>8} {'reduce':>8} "
+        f"{'update':>8} {'adam':>8} {'added':>8} {'split':>8} {'boundary':>8}")
   rows = {}
   for name in models:
     r = rows[name] = measure(name, source, args.repeats)
     masked_ms = "-" if r["masked"] is None else f"{r['masked']:.2f}"
-    print(f"{name:>9} {r['plain']:>8.2f} {r['local']:>8.2f} {masked_ms:>8} {r['update']:>8.2f} "
-          f"{r['adam']:>8.2f} {r['added']:>8.2f} {r['split']:>8.2f} {r['boundary']:>8.2f}",
-          flush=True)
+    print(f"{name:>9} {r['plain']:>8.2f} {r['local']:>8.2f} {r['fused']:>8.2f} {masked_ms:>8} "
+          f"{r['reduce']:>8.2f} {r['update']:>8.2f} {r['adam']:>8.2f} {r['added']:>8.2f} "
+          f"{r['split']:>8.2f} {r['boundary']:>8.2f}", flush=True)
   print(json.dumps(rows))
   return rows
 

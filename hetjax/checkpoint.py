@@ -43,6 +43,7 @@ import time
 from typing import Any, Callable
 
 import jax
+from jax.sharding import Mesh
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
@@ -193,18 +194,21 @@ class Checkpointer:
       self._hand_over(step, state, meta)
       self.last_saved = step
 
-  def save_in_background(self, step: int, state: Any, meta: dict[str, Any]) -> None:
+  def save_in_background(self, step: int, state: Any, meta: dict[str, Any],
+                         hosts: Mesh | None = None) -> None:
     """Saves the state after `step` steps, blocking only for a snapshot of it.
 
     The snapshot (`hetjax.snapshot`) is the worker's to hand to orbax, so
-    the caller may donate `state` at once. Waits first for the previous
-    hand-over (it takes a fraction of a step; saves are many steps apart).
+    the caller may donate `state` at once. `state` may be replicated over
+    this host's devices only, with `hosts` a mesh over every host's. Waits
+    first for the previous hand-over (it takes a fraction of a step; saves
+    are many steps apart).
     """
     self._finish_hand_over()
     if step == self.last_saved:
       return
     t0 = time.perf_counter()
-    snapshot = self._snapshots.take(state)
+    snapshot = self._snapshots.take(state, hosts)
     self.snapshot_s.append(time.perf_counter() - t0)
     self.last_saved = step
     self._handing_over = self._worker.submit(

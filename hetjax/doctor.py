@@ -145,11 +145,12 @@ def build_local_step(model: str, batch: int, meshes: Meshes) -> Callable[[int], 
   task = hetjax_models.build(model, kind="image", num_classes=source.info.num_classes)
   per_device = -(-batch // meshes.local_devices)  # One micro-batch per step.
   example = source[np.arange(1)]
-  state = step_lib.init_state(task, optax.sgd(1e-2), meshes,
-                              next(step_lib.micro_batches(example, per_device)), 0)
-  local = step_lib.LocalProgram(task, meshes, per_device)
+  optimizer = optax.sgd(1e-2)
+  state = step_lib.to_local_tree(step_lib.init_state(
+      task, optimizer, meshes, next(step_lib.micro_batches(example, per_device)), 0), meshes)
+  local = step_lib.LocalProgram(task, optimizer, meshes, per_device)
   key, full = jax.random.key(0), source[np.arange(batch)]
-  run = lambda s: jax.block_until_ready(local(state.params, state.model_state, full, example, key, s))
+  run = lambda s: jax.block_until_ready(local(state, None, full, example, key, s).sums)
   run(0)  # Compiles here, on every host at once.
   return run
 

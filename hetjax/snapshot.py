@@ -76,13 +76,18 @@ class SnapshotTaker:
     self._force_copy = copy
     self._plans: dict[Any, _Plan] = {}  # per (tree structure, mesh)
 
-  def take(self, tree: PyTree) -> Snapshot:
-    """A snapshot of `tree` (every leaf replicated on one mesh), safe from later donation."""
+  def take(self, tree: PyTree, hosts: Mesh | None = None) -> Snapshot:
+    """A snapshot of `tree` (every leaf replicated on one mesh), safe from later donation.
+
+    `hosts`: a mesh over every host's devices, when the leaves live on this
+    host's devices only (the trainer's state); the global copy spans its
+    hosts. Default: the leaves' own mesh.
+    """
     leaves, treedef = jax.tree.flatten(tree)
-    key = (treedef, getattr(leaves[0].sharding, "mesh", None) if leaves else None)
+    key = (treedef, getattr(leaves[0].sharding, "mesh", None) if leaves else None, hosts)
     plan = self._plans.get(key)
     if plan is None:
-      plan = self._plans[key] = self._plan(leaves)
+      plan = self._plans[key] = self._plan(leaves, hosts)
     local = [x.addressable_data(0) for x in leaves]
     if plan.copy is not None:
       return Snapshot(treedef, plan.copy(local), plan.device, plan.sharding, [])
@@ -93,8 +98,9 @@ class SnapshotTaker:
              for x, v in zip(local, views)]
     return Snapshot(treedef, local, plan.device, plan.sharding, views)
 
-  def _plan(self, leaves: list[jax.Array]) -> _Plan:
-    firsts = _first_devices(_replicated_mesh(leaves))
+  def _plan(self, leaves: list[jax.Array], hosts: Mesh | None) -> _Plan:
+    mesh = _replicated_mesh(leaves)
+    firsts = _first_devices(mesh if hosts is None else hosts)
     device = firsts[jax.process_index()]
     if leaves[0].addressable_data(0).devices() != {device}:
       raise ValueError(f"the first local replica is on {leaves[0].addressable_data(0).devices()}, "

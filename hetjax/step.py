@@ -1,18 +1,23 @@
-"""The two compiled programs of one training step.
+"""The compiled programs of one training step.
 
-LOCAL (`LocalProgram`): `jit(shard_map)` over this host's own devices. The
-host's share, a whole number of blocks of `m` positions (`hetjax.blocks`),
-is fed as fixed-shape micro-batches of one block per device (the last ones
-padded and masked); each device keeps running sums of per-example gradients,
-losses, metrics, weights and the count of real examples. A block's PRNG key
-is `fold_in(fold_in(key(seed), step), block)`, whichever device runs it. No cross-host collective runs here,
-so hosts may run different numbers of micro-batches, and a new share changes
-only how often the same compiled program runs (invariant 4).
+LOCAL (`LocalProgram`): `jit(shard_map)` over this host's own devices, where
+the train state lives (replicated over them). The first micro-batch's
+program first applies the previous step's update (`apply_update`) from the
+summed row the reduction left, then every micro-batch adds its gradients.
+The host's share, a whole number of blocks of `m` positions
+(`hetjax.blocks`), is fed as fixed-shape micro-batches of one block per
+device (the last ones padded and masked); each device keeps running sums of
+per-example gradients, losses, metrics, weights and the count of real
+examples. A block's PRNG key is `fold_in(fold_in(key(seed), step), block)`,
+whichever device runs it. No cross-host collective runs here, so hosts may
+run different numbers of micro-batches, and a new share changes only how
+often the same compiled programs run (invariant 4).
 
-CROSS-HOST (`DeviceReduction` / `HostReduction`): the per-device sums are
-stitched, zero-copy, into global arrays of shape `[all devices, ...]`; one
-reduction gives `sum(grad sums) / sum(counts)` (invariant 2), then the optax
-update produces the next train state as global replicated arrays.
+CROSS-HOST (`DeviceReduction` / `HostReduction`): the per-device rows are
+stitched, zero-copy, into one global array of shape `[all devices, ...]`;
+one small program sums them (invariant 2: the update divides
+`sum(grad sums)` by `sum(counts)`) and computes the step's statistics. The
+summed row goes back to each host's devices as the next update.
 
 Every host contributes one row per local device, so hosts may even have
 different numbers of devices. The rows also carry a small host vector
@@ -20,17 +25,17 @@ different numbers of devices. The rows also carry a small host vector
 `h`'s values, so every host learns every host's values from the same
 collective (invariant 3).
 
-Per-step work does not grow with the number of parameter arrays (`Layout`):
-each device's sums are one float32 row, so they cross to the world mesh as
-one array, and the global program hands the local one its parameters packed
-into one buffer per dtype (`HostViews`). A step launches one program per
-micro-batch and one reduction, and re-wraps two arrays, for 6 leaves or
-600. What a step sends from the host beyond the user's arrays travels in one
-small int32 array per micro-batch (`_POSITION`): each device's step, block,
-number of real examples (its mask is built on the device) and the host
-vector, so a step makes as many transfers as a plain loop's batch has
-arrays. Under `precision` bf16 / fp16 the local program computes in the low
-type from float32 master parameters; sums and the reduction stay float32.
+Per-step work does not grow with the number of parameter arrays: each
+device's sums are one float32 row, so they cross to the world mesh as one
+array and come back as one; the state never leaves the host's devices. A
+step launches one program per micro-batch and one reduction, and re-wraps
+two arrays, for 6 leaves or 600. What a step sends from the host beyond the
+user's arrays travels in one small int32 array per micro-batch
+(`_POSITION`): each device's step, block, number of real examples (its mask
+is built on the device) and the host vector, so a step makes as many
+transfers as a plain loop's batch has arrays. Under `precision` bf16 / fp16
+the local program computes in the low type from float32 master parameters;
+sums, the reduction and the update stay float32.
 """
 
 from __future__ import annotations
@@ -51,7 +56,6 @@ from hetjax import precision as precision_lib
 from hetjax.task import MASK, Task, split_losses
 
 PyTree = Any
-LEARNING_RATE = "hetjax.lr"  # Stats entry: the update's learning rate, when the optimizer shows it.
 DEV = "dev"   # axis of the local mesh: this host's devices
 # Batch entry, one int32 row per device: step, block, first micro-batch?, real
 # examples, then the host vector's float32 bits (`_position_rows`).
@@ -61,7 +65,9 @@ ALL = "all"   # axis of the global mesh: every device of every host
 
 
 class TrainState(NamedTuple):
-  """Everything the optimizer carries, as global replicated arrays."""
+  """Everything the optimizer carries: replicated on this host's devices while
+  training (`to_local_tree`), as global replicated arrays where every host
+  holds one (`init_state`, checkpoints, `Trainer.state`)."""
 
   step: jax.Array
   params: PyTree
@@ -162,14 +168,14 @@ def rows_by_host(rows: np.ndarray, meshes: Meshes) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-  """How the step packs its arrays, fixed by the model's shapes.
+  """How one device's sums travel, fixed by the model's shapes.
 
-  `views`: parameters, model state and loss scale, as the local program reads
-  them (one buffer per dtype); `sums`: one device's `Sums`, as one float32
-  row, so a step's sums cross to the world mesh as one array.
+  A device's row is `[sums | loss scale | host vector]`: its `Sums` packed
+  into float32 (`row_size` values, summed over devices), so a step's sums
+  cross to the world mesh as one array; then the loss scale the step ran
+  with and the host vector's `k` values, both set rather than summed.
   """
 
-  views: packing.Packer
   sums: packing.Packer
   precision: str
   grads_size: int   # the gradient sums come first in the row: `row[:grads_size]`
@@ -179,46 +185,32 @@ class Layout:
     return self.sums.sizes.get("float32", 0)
 
 
-class HostViews:
-  """This host's views of the parameters, reused from the program that made them.
+def to_local_tree(tree: PyTree, meshes: Meshes) -> PyTree:
+  """`to_local` on every leaf: a state made or restored as global arrays, once."""
+  return jax.tree.map(lambda x: to_local(x, meshes), tree)
 
-  The global program packs the new parameters and model state into one
-  buffer per dtype; re-wrapping those few buffers onto the local mesh costs
-  the same for 6 leaves or 600. Views of a state the global program did not
-  make (initial, restored) are packed by one small program.
-  """
 
-  def __init__(self, meshes: Meshes):
-    self.meshes = meshes
-    self._for: Any = None   # First parameter leaf of the state the views belong to.
-    self._views: dict[str, jax.Array] | None = None
-    self._pack = None
-
-  def put(self, params: PyTree, views: dict[str, jax.Array]) -> None:
-    self._for, self._views = jax.tree.leaves(params)[0], views
-
-  def get(self, layout: Layout, params: PyTree, model_state: PyTree,
-          scale: jax.Array) -> dict[str, jax.Array]:
-    if self._views is None or jax.tree.leaves(params)[0] is not self._for:
-      if self._pack is None:
-        self._pack = jax.jit(lambda *t: layout.views.pack(t), out_shardings=self.meshes.replicated)
-      self.put(params, self._pack(params, model_state, scale))
-    return {k: to_local(v, self.meshes) for k, v in self._views.items()}
+def to_global_tree(tree: PyTree, meshes: Meshes) -> PyTree:
+  """Local replicated arrays re-wrapped, zero-copy, as global replicated ones (orbax's form)."""
+  def wrap(x):
+    shards = [s.data for s in x.addressable_shards]
+    return jax.make_array_from_single_device_arrays(x.shape, meshes.replicated, shards)
+  return jax.tree.map(wrap, tree)
 
 
 @jax.tree_util.register_pytree_node_class
 class LocalSums:
-  """The local program's output: one `[local devices, row + k]` float32 array.
+  """The local program's output: one `[local devices, row + 1 + k]` float32 array.
 
-  Each device's row is its packed `Sums` followed by the host vector (`k`
-  values, the same on every device of the host).
+  Each device's row is its packed `Sums`, the loss scale, then the host
+  vector (`k` values, the same on every device of the host): `Layout`.
   """
 
-  def __init__(self, flat: jax.Array, layout: Layout, views: HostViews):
-    self.flat, self.layout, self.views = flat, layout, views
+  def __init__(self, flat: jax.Array, layout: Layout):
+    self.flat, self.layout = flat, layout
 
   def tree_flatten(self):
-    return (self.flat,), (self.layout, self.views)
+    return (self.flat,), (self.layout,)
 
   @classmethod
   def tree_unflatten(cls, aux, children):
@@ -231,7 +223,8 @@ class LocalSums:
 
   def host_values(self) -> np.ndarray:
     """The host vector the sums carry (read from the first device): for tests and tools."""
-    return np.asarray(self.flat.addressable_data(0))[0, self.layout.row_size:]
+    return np.asarray(self.flat.addressable_data(0))[0, self.layout.row_size + 1:]
+
 
 
 def padded_chunks(batch: dict[str, np.ndarray],
@@ -320,11 +313,29 @@ def block_sums(task: Task, params: PyTree, model_state: PyTree, block: dict[str,
               model_state=jax.tree.map(lambda s: jnp.where(n > 0, s * n, 0.0), new_state))
 
 
-class LocalProgram:
-  """Accumulates this host's gradient sums over its micro-batches."""
+class Local(NamedTuple):
+  """One step's work on this host's devices."""
 
-  def __init__(self, task: Task, meshes: Meshes, microbatch_per_device: int,
-               precision: str = "fp32", blocks_full: bool = False):
+  state: TrainState                # this host's train state, the pending update applied
+  sums: LocalSums
+  learning_rate: jax.Array | None  # of the update applied (NaN if hidden); None: none was
+
+
+class LocalProgram:
+  """Applies the last step's update, then accumulates this host's gradient sums.
+
+  The train state lives on this host's devices. The update of step `s`
+  (`apply_update`, from the reduction's summed row) runs at the start of
+  step `s + 1`'s first micro-batch, in the same program: on XLA:CPU a
+  separate update program's hundreds of small kernels cannot overlap the
+  backward pass as they do inside one program, and nothing is re-wrapped
+  per leaf. Where no micro-batch follows (a share of 0, a checkpoint, the
+  end of `fit`), `update` applies it alone: the same function, and every
+  host applies every update, so the replicas stay equal.
+  """
+
+  def __init__(self, task: Task, optimizer: optax.GradientTransformation, meshes: Meshes,
+               microbatch_per_device: int, precision: str = "fp32", blocks_full: bool = False):
     """`blocks_full`: no block of the run is part padding (see `block_sums`)."""
     if microbatch_per_device < 1:
       raise ValueError(f"--microbatch must be >= 1, got {microbatch_per_device}.")
@@ -333,9 +344,8 @@ class LocalProgram:
     self.blocks_full = blocks_full
     self.micro = microbatch_per_device * meshes.local_devices
     self.precision = precision_lib.check(precision)
-    self.views = HostViews(meshes)
     self.layout: Layout | None = None
-    self._task = task
+    self._task, self._optimizer = task, optimizer
     self._key = None
     # Sums buffers recycled from two steps back: the last step's may still be
     # read (by its reduction, or the thread that times it) while this one runs.
@@ -343,63 +353,90 @@ class LocalProgram:
     self._calls = 0
     self._host_width: int | None = None  # k: the host vector's length, fixed by the first call.
 
-  def _build(self, params, model_state, example, rng, host_width: int) -> None:
-    """Fixes the packing layout and compiles the programs, once."""
-    per_device = {k: v[:self.per_device] for k, v in example.items()}
-    _, metrics, new_state = jax.eval_shape(self._task.loss, params, model_state, per_device, rng)
+  def _build(self, state: TrainState, example: dict[str, np.ndarray], rng: jax.Array,
+             host_width: int) -> None:
+    """Fixes the row layout and compiles the programs, once."""
+    per_device = {k: v[:self.per_device] for k, v in
+                  next(micro_batches(example, self.micro)).items()}
+    _, metrics, new_state = jax.eval_shape(self._task.loss, state.params, state.model_state,
+                                           per_device, rng)
     scalar = jax.ShapeDtypeStruct((), jnp.float32)
     shapes = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
-    sums_like = Sums(shapes(params), scalar, scalar, scalar, {k: scalar for k in metrics},
+    sums_like = Sums(shapes(state.params), scalar, scalar, scalar, {k: scalar for k in metrics},
                      shapes(new_state))
-    layout = self.layout = Layout(packing.Packer((shapes(params), shapes(model_state), scalar)),
-                                  packing.Packer(sums_like, dtype=jnp.float32), self.precision,
-                                  sum(x.size for x in jax.tree.leaves(params)))
-    task, n, m = self._task, layout.row_size, self.per_device
+    layout = self.layout = Layout(packing.Packer(sums_like, dtype=jnp.float32), self.precision,
+                                  sum(x.size for x in jax.tree.leaves(state.params)))
+    task, optimizer, n, m = self._task, self._optimizer, layout.row_size, self.per_device
 
-    def per_device(views, sums, batch, key):
-      params, model_state, scale = layout.views.unpack(views)
+    def grad_row(state, sums, batch, key):
       # Without the cast, grad of a replicated input would already be summed
       # over the local devices; per-device sums let one reduction do it all.
-      params = jax.lax.pcast(params, DEV, to="varying")
+      params = jax.lax.pcast(state.params, DEV, to="varying")
       batch = dict(batch)
       position = batch.pop(_POSITION)[0]
       step, block, first, real = (position[i] for i in range(_POSITION_FIELDS))
       host = jax.lax.bitcast_convert_type(position[_POSITION_FIELDS:], jnp.float32)
       batch[MASK] = (jnp.arange(m) < real).astype(jnp.float32)
       rng = jax.random.fold_in(jax.random.fold_in(key, step), block)
-      row = layout.sums.pack(block_sums(task, params, model_state, batch, rng, scale,
+      scale = state.loss_scale.scale
+      row = layout.sums.pack(block_sums(task, params, state.model_state, batch, rng, scale,
                                         self.precision, self.blocks_full))["float32"]
       # The first micro-batch of a step starts from zero in a recycled buffer;
-      # the host vector is set, not summed. One elementwise pass, in place.
-      keep = (first == 0) & (jnp.arange(n + host.size) < n)
-      return jnp.where(keep[None], sums, 0.0) + jnp.concatenate([row, host])[None]
+      # the scale and host vector are set, not summed. One elementwise pass, in place.
+      keep = (first == 0) & (jnp.arange(n + 1 + host.size) < n)
+      return jnp.where(keep[None], sums, 0.0) + jnp.concatenate([row, scale[None], host])[None]
 
-    self._accumulate = jax.jit(
-        jax.shard_map(per_device, mesh=self.meshes.local,
-                      in_specs=(P(), P(DEV), P(DEV), P()), out_specs=P(DEV)),
-        donate_argnums=(1,))
-    # Compiled now, so that a first share of 0 later on compiles nothing.
-    d, k = self.meshes.local_devices, host_width
+    def update_then_grad(state, total, sums, batch, key):
+      state, lr = apply_update(optimizer, state, total, layout)
+      return state, lr, grad_row(state, sums, batch, key)
+
+    local, d, k = self.meshes.local, self.meshes.local_devices, host_width
     self._host_width = k
+    like = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+    micro = dict(next(padded_chunks(example, self.micro))[0])
+    micro[_POSITION] = _position_rows(0, 0, True, 0, m, d, np.zeros(k, np.float32))
+    self._abstract = (jax.tree.map(like, jax.device_put(micro, self.meshes.local_by_device)),
+                      jax.ShapeDtypeStruct((d, n + 1 + k), jnp.float32,
+                                           sharding=self.meshes.local_by_device),
+                      jax.ShapeDtypeStruct((n + 1,), jnp.float32,
+                                           sharding=self.meshes.local_replicated))
+    micro_like, sums_like, total_like = self._abstract
+    # Every program is compiled at a step every host reaches, whatever its
+    # share: the first call (and, for the update, the first with one pending).
+    # A new share then compiles nothing on any host (invariant 4).
+    self._grad = jax.jit(
+        jax.shard_map(grad_row, mesh=local, in_specs=(P(), P(DEV), P(DEV), P()),
+                      out_specs=P(DEV)),
+        donate_argnums=(1,)).lower(state, sums_like, micro_like, rng).compile()
+    self._fused_program = jax.jit(
+        jax.shard_map(update_then_grad, mesh=local, in_specs=(P(), P(), P(DEV), P(DEV), P()),
+                      out_specs=(P(), P(), P(DEV))),
+        donate_argnums=(0, 2))
+    self._update_then_grad = None
+    self._update_alone = jax.jit(
+        jax.shard_map(lambda state, total: apply_update(optimizer, state, total, layout),
+                      mesh=local, in_specs=(P(), P()), out_specs=(P(), P())),
+        donate_argnums=(0,)).lower(state, total_like).compile()
     self._zeros = jax.jit(
-        lambda host: jnp.broadcast_to(jnp.concatenate([jnp.zeros(n, jnp.float32), host]), (d, n + k)),
+        lambda scale, host: jnp.broadcast_to(
+            jnp.concatenate([jnp.zeros(n, jnp.float32), scale[None], host]), (d, n + 1 + k)),
         in_shardings=self.meshes.local_replicated,
         out_shardings=self.meshes.local_by_device).lower(
-            jax.ShapeDtypeStruct((k,), jnp.float32)).compile()
+            scalar, jax.ShapeDtypeStruct((k,), jnp.float32)).compile()
 
-  def __call__(self, params: PyTree, model_state: PyTree, batch: dict[str, np.ndarray],
+  def __call__(self, state: TrainState, pending: jax.Array | None, batch: dict[str, np.ndarray],
                example: dict[str, np.ndarray], key: jax.Array, step: int,
-               first_block: int = 0, loss_scale: jax.Array | None = None,
-               host_values: np.ndarray | None = None) -> LocalSums:
-    """Runs the host's share `batch` (possibly empty) through the local program.
+               first_block: int = 0, host_values: np.ndarray | None = None) -> Local:
+    """Applies `pending`, then runs the host's share `batch` (possibly empty).
 
-    `example` is one record of the dataset; it fixes the micro-batch shapes
-    even when this host's share is 0. `key` is the run's base PRNG key; the
-    step and each device's global block index (from `first_block`, the
-    host's first block) are folded in on the devices. `loss_scale` (fp16)
-    multiplies the loss before differentiation; the sums come back unscaled.
-    `host_values` (float32, the same length every call) ride along in the
-    sums to the reduction, which gathers every host's.
+    `state` is this host's train state (replicated over its devices:
+    `to_local_tree`); it is donated when `pending` (the last reduction's
+    `Reduced.total`, or None) is applied. `example` is one record of the
+    dataset; it fixes the micro-batch shapes even when this host's share is
+    0. `key` is the run's base PRNG key; the step and each device's global
+    block index (from `first_block`, the host's first block) are folded in
+    on the devices. `host_values` (float32, the same length every call)
+    ride along in the sums to the reduction, which gathers every host's.
     """
     host = np.zeros(0, np.float32) if host_values is None else (
         np.asarray(host_values, np.float32).ravel())
@@ -409,30 +446,39 @@ class LocalProgram:
     if self._key is None or self._key[0] is not key:
       self._key = (key, jax.device_put(key, self.meshes.local_replicated))
     local_key = self._key[1]
-    if loss_scale is None:
-      loss_scale = jnp.float32(1.0)
     if self.layout is None:
-      local = lambda t: jax.tree.map(lambda x: to_local(x, self.meshes), t)
-      self._build(local(params), local(model_state),
-                  next(micro_batches(example, self.micro)), local_key, host.size)
-    views = self.views.get(self.layout, params, model_state, loss_scale)
+      self._build(state, example, local_key, host.size)
+    if pending is not None and self._update_then_grad is None:
+      micro_like, sums_like, total_like = self._abstract
+      self._update_then_grad = self._fused_program.lower(
+          state, total_like, sums_like, micro_like, local_key).compile()
     slot = self._calls % 2
-    sums, first = self._ring[slot], True
+    sums, first, lr = self._ring[slot], True, None
     if sums is None or sums.is_deleted():
-      sums = self._zeros(host)
+      sums = self._zeros(state.loss_scale.scale, host)
     d = self.meshes.local_devices
     for i, (micro, real) in enumerate(padded_chunks(batch, self.micro)):
       # Position, mask and host vector ride in the batch's one transfer.
       micro[_POSITION] = _position_rows(step, first_block + i * d, first, real, self.per_device,
                                         d, host)
       micro = jax.device_put(micro, self.meshes.local_by_device)
-      sums = self._accumulate(views, sums, micro, local_key)
+      if pending is not None:
+        state, lr, sums = self._update_then_grad(state, pending, sums, micro, local_key)
+        pending = None
+      else:
+        sums = self._grad(state, sums, micro, local_key)
       first = False
+    if pending is not None:  # No micro-batch: the update alone.
+      state, lr = self.update(state, pending)
     if first:  # No micro-batch: the recycled buffer still holds old sums.
-      sums = self._zeros(host)
+      sums = self._zeros(state.loss_scale.scale, host)
     self._ring[slot] = sums
     self._calls += 1
-    return LocalSums(sums, self.layout, self.views)
+    return Local(state, LocalSums(sums, self.layout), lr)
+
+  def update(self, state: TrainState, pending: jax.Array) -> tuple[TrainState, jax.Array]:
+    """Applies a pending update alone: (the new state, its learning rate or NaN); donates `state`."""
+    return self._update_alone(state, pending)
 
 
 # ---- Cross-host reduction and update ------------------------------------
@@ -451,24 +497,25 @@ def init_state(task: Task, optimizer: optax.GradientTransformation, meshes: Mesh
   return jax.jit(init, out_shardings=meshes.replicated)(np.int32(seed), example_batch)
 
 
-def _update(optimizer: optax.GradientTransformation, state: TrainState, total: jax.Array,
-            layout: Layout, overflow: jax.Array) -> tuple[TrainState, dict[str, jax.Array], dict]:
+def apply_update(optimizer: optax.GradientTransformation, state: TrainState, total: jax.Array,
+                 layout: Layout) -> tuple[TrainState, jax.Array]:
   """`sum(grad sums) / sum(weights)`, the optax update, the weighted model state.
 
-  `total` is the sums row added over every device. Also returns the new
-  state's packed views for the local program. On an fp16 overflow (some
-  host's sums not finite) the update is skipped and the loss scale halved,
-  the same on every host.
+  `total` is the sums row added over every device, then the overflow flag
+  (`Reduced.total`). On an fp16 overflow (some host's sums not finite) the
+  update is skipped and the loss scale halved, the same on every host. Also
+  returns the update's learning rate (NaN when the optimizer hides it).
   """
-  totals = layout.sums.unpack({"float32": total})
+  n, g = layout.row_size, layout.grads_size
+  overflow = total[n] > 0
+  totals = layout.sums.unpack({"float32": total[:n]})
   count = totals.count
   # count == 0 is reported by the trainer as an error; a zero total weight
   # leaves the gradient zero rather than NaN.
   norm = jnp.where(totals.weight != 0, totals.weight, 1.0)
   # One division over the row's gradient segment: per leaf it was a kernel
   # each (0.1 ms of resnet18's update on XLA:CPU); the same float32 values.
-  g = layout.grads_size
-  normalized = layout.sums.unpack({"float32": jnp.concatenate([total[:g] / norm, total[g:]])})
+  normalized = layout.sums.unpack({"float32": jnp.concatenate([total[:g] / norm, total[g:n]])})
   grads = jax.tree.map(lambda g, p: g.astype(p.dtype), normalized.grads, state.params)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
@@ -476,42 +523,50 @@ def _update(optimizer: optax.GradientTransformation, state: TrainState, total: j
   model_state = jax.tree.map(
       lambda old, s: jnp.where(count > 0, s / safe, old).astype(old.dtype),
       state.model_state, totals.model_state)
-  stats = {"count": count, "loss": totals.loss / norm}
-  stats.update({k: v / norm for k, v in totals.metrics.items()})
   if precision_lib.uses_loss_scale(layout.precision):
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(overflow, b, a), new, old)
     params, opt_state, model_state = keep(
         (params, opt_state, model_state), (state.params, state.opt_state, state.model_state))
-    stats.update(loss_scale=state.loss_scale.scale, skipped=overflow.astype(jnp.float32))
   lr = optimizers_lib.find_learning_rate(opt_state)
-  if lr is not None:
-    stats[LEARNING_RATE] = jnp.asarray(lr, jnp.float32)
+  lr = jnp.float32(jnp.nan) if lr is None else jnp.asarray(lr, jnp.float32)
   loss_scale = precision_lib.next_scale(state.loss_scale, overflow, layout.precision)
-  new = TrainState(state.step + 1, params, opt_state, model_state, loss_scale)
-  return new, stats, layout.views.pack((params, model_state, loss_scale.scale))
+  return TrainState(state.step + 1, params, opt_state, model_state, loss_scale), lr
+
+
+def step_stats(total: jax.Array, scale: jax.Array, layout: Layout) -> dict[str, jax.Array]:
+  """A step's global statistics from `total` (as `apply_update` takes it) and its loss scale."""
+  n = layout.row_size
+  totals = layout.sums.unpack({"float32": total[:n]})
+  norm = jnp.where(totals.weight != 0, totals.weight, 1.0)
+  stats = {"count": totals.count, "loss": totals.loss / norm}
+  stats.update({k: v / norm for k, v in totals.metrics.items()})
+  if precision_lib.uses_loss_scale(layout.precision):
+    stats.update(loss_scale=scale, skipped=(total[n] > 0).astype(jnp.float32))
+  return stats
 
 
 class Reduced(NamedTuple):
-  """A dispatched reduction's step statistics and host rows, still on the devices.
+  """A dispatched reduction: the summed row for the next update, and what to fetch.
 
-  Fetching them is the step's only wait for the devices; the trainer does it
-  after dispatching the next step, so the devices never idle while Python
-  prepares it (a plain JAX loop reads its loss one step late for the same
-  reason).
+  Fetching the statistics and host rows is the step's only wait for the
+  devices; the trainer does it after dispatching the next step, so the
+  devices never idle while Python prepares it (a plain JAX loop reads its
+  loss one step late for the same reason).
   """
 
   stats: dict[str, jax.Array]
-  rows: Any               # [all devices, k] on the world mesh, or [hosts, k] numpy
+  rows: Any               # [all devices, k + 1] on the world mesh, or [hosts, k + 1] numpy
   meshes: Meshes | None   # None when `rows` are already one per host
+  total: jax.Array        # `[row + 1]` on this host's devices: the update to apply next
 
   def fetch(self) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """(the step's global statistics, every host's row `[hosts, k]`); waits."""
+    """(the step's global statistics, every host's row `[hosts, k + 1]`); waits."""
     stats, rows = jax.device_get((self.stats, self.rows))  # One host sync for both.
     return stats, rows if self.meshes is None else rows_by_host(rows, self.meshes)
 
 
 class DeviceReduction:
-  """One fused global program over every device: NCCL on GPU, gloo on CPU.
+  """One small global program over every device: NCCL on GPU, gloo on CPU.
 
   The fastest choice when every host's accelerators can join one collective
   (one GPU vendor and a working NCCL/RCCL across the job).
@@ -519,37 +574,35 @@ class DeviceReduction:
 
   name = "device"
 
-  def __init__(self, optimizer: optax.GradientTransformation, meshes: Meshes):
+  def __init__(self, meshes: Meshes):
     self.meshes = meshes
-    self._optimizer = optimizer
     self._program = None
 
   def _build(self, layout: Layout) -> None:
     scaled = precision_lib.uses_loss_scale(layout.precision)
     n = layout.row_size
 
-    def program(state, world):
-      sums, rows = world[:, :n], world[:, n:]
+    def program(world):
+      sums, scale, rows = world[:, :n], world[0, n], world[:, n + 1:]
       # Each row's overflow flag (fp16): any of that device's sums not finite.
       bad = (~jnp.all(jnp.isfinite(sums), axis=1) if scaled
              else jnp.zeros(sums.shape[0], bool))
-      new_state, stats, views = _update(self._optimizer, state, jnp.sum(sums, axis=0), layout,
-                                        jnp.any(bad))
-      return new_state, stats, jnp.concatenate([rows, bad[:, None].astype(rows.dtype)], 1), views
+      total = jnp.concatenate([jnp.sum(sums, axis=0), jnp.any(bad)[None].astype(jnp.float32)])
+      return (total, step_stats(total, scale, layout),
+              jnp.concatenate([rows, bad[:, None].astype(rows.dtype)], 1))
 
-    self._program = jax.jit(program, out_shardings=self.meshes.replicated, donate_argnums=(0,))
+    self._program = jax.jit(program, out_shardings=self.meshes.replicated)
 
-  def __call__(self, state: TrainState, sums: LocalSums) -> tuple[TrainState, "Reduced"]:
-    """Reduces and updates, without waiting: the new state and what to fetch later.
+  def __call__(self, sums: LocalSums) -> Reduced:
+    """Reduces, without waiting: the summed row and what to fetch later.
 
     The rows are every device's host vector, with a last column: 1 where that
     host's sums overflowed (fp16).
     """
     if self._program is None:
       self._build(sums.layout)
-    state, stats, rows, views = self._program(state, to_world(sums.flat, self.meshes))
-    sums.views.put(state.params, views)
-    return state, Reduced(stats, rows, self.meshes)
+    total, stats, rows = self._program(to_world(sums.flat, self.meshes))
+    return Reduced(stats, rows, self.meshes, to_local(total, self.meshes))
 
 
 class HostReduction:
@@ -564,16 +617,14 @@ class HostReduction:
 
   name = "host"
 
-  def __init__(self, optimizer: optax.GradientTransformation, meshes: Meshes):
+  def __init__(self, meshes: Meshes):
     self.meshes = meshes
-    self._optimizer = optimizer
     cpus = sorted(jax.devices("cpu"), key=lambda d: (d.process_index, d.id))
     firsts = [next(d for d in cpus if d.process_index == h) for h in range(meshes.num_hosts)]
     self._cpu_mesh = Mesh(np.array(firsts), ("host",))
     self._by_host = NamedSharding(self._cpu_mesh, P("host"))
     self._gather = jax.jit(lambda x: x, out_shardings=NamedSharding(self._cpu_mesh, P()))
     self._device_sum = None
-    self._update = None
     # gloo sets up a communicator for a new set of devices on its first
     # collective and gives up if a peer is not there within 30 s (fixed in
     # XLA), so a host that compiles much later (a slower or busier machine)
@@ -584,52 +635,51 @@ class HostReduction:
     gather = self._gather.lower(probe).compile()
     gather_host_values(np.zeros(1), meshes)
     gather(probe).block_until_ready()
+
   def _build(self, layout: Layout) -> None:
     n = layout.row_size
-    # The host's sums over its devices, then its host vector (every device holds it).
+    # The host's sums over its devices, then its scale and host vector (every device holds them).
     self._device_sum = jax.jit(lambda x: jnp.concatenate([jnp.sum(x[:, :n], axis=0), x[0, n:]]),
                                out_shardings=self.meshes.local_replicated)
 
-    def reduce(x):  # [hosts, n + k] -> (the sum of the sums, every host's values)
+    def reduce(x):  # [hosts, n + 1 + k + 1] -> (the sum of the sums, every host's values)
       return jnp.sum(x[:, :n], axis=0), x[:, n:]
 
     self._reduce = jax.jit(reduce, out_shardings=NamedSharding(self._cpu_mesh, P()))
+    self._stats = jax.jit(lambda total, scale: step_stats(total, scale, layout),
+                          out_shardings=self.meshes.local_replicated)
 
-    def update(state, total, overflow):
-      return _update(self._optimizer, state, total, layout, overflow)
-
-    self._update = jax.jit(update, out_shardings=self.meshes.replicated, donate_argnums=(0,))
-
-  def __call__(self, state: TrainState, sums: LocalSums) -> tuple[TrainState, "Reduced"]:
-    """Reduces on the CPUs, updates on the devices; same contract as `DeviceReduction`.
+  def __call__(self, sums: LocalSums) -> Reduced:
+    """Reduces on the CPUs; same contract as `DeviceReduction`.
 
     The CPU collective needs this host's sums in host memory, so this
-    backend waits for the local programs; the update is not waited for.
+    backend waits for the local programs.
     """
     layout = sums.layout
-    if self._update is None:
+    if self._device_sum is None:
       self._build(layout)
     # Summed over this host's devices on the devices; then one device-to-host copy.
     mine = np.asarray(self._device_sum(sums.flat).addressable_data(0))
     finite = np.all(np.isfinite(mine[:layout.row_size]))
     bad = float(precision_lib.uses_loss_scale(layout.precision) and not finite)
     values = np.concatenate([mine, [bad]])
-    total, rows = jax.device_get(self._reduce(
+    summed, rows = jax.device_get(self._reduce(
         jax.make_array_from_process_local_data(self._by_host, values[None].astype(np.float32))))
-    total = jax.make_array_from_process_local_data(self.meshes.replicated, total)
-    state, stats, views = self._update(state, total, np.bool_(rows[:, -1].max() > 0))
-    sums.views.put(state.params, views)
-    return state, Reduced(stats, rows, None)
+    total = np.concatenate([summed, [float(rows[:, -1].max() > 0)]]).astype(np.float32)
+    total = jax.device_put(total, self.meshes.local_replicated)
+    # rows: [hosts, scale, host vector..., overflow]; every host ran with host 0's scale.
+    return Reduced(self._stats(total, rows[0, 0]), rows[:, 1:], None, total)
 
 
 REDUCTIONS = {"device": DeviceReduction, "host": HostReduction}
 
 
-def make_reduction(name: str, optimizer: optax.GradientTransformation, meshes: Meshes):
+def make_reduction(name: str, meshes: Meshes):
   """The cross-host reduction backend called `name` ('device' or 'host')."""
   if name not in REDUCTIONS:
     raise ValueError(f"unknown reduction backend {name!r}; choose 'device' or 'host'.")
-  return REDUCTIONS[name](optimizer, meshes)
+  return REDUCTIONS[name](meshes)
+
 
 
 @functools.lru_cache(maxsize=None)

@@ -181,13 +181,19 @@ class Trainer:
     # Records that disagree with one another fail here, not mid-run.
     sources_lib.check_records(source, sources_lib.record_spec(source))
     init_batch = next(step_lib.micro_batches(self._example, config.microbatch))
+    # The train state lives on this host's devices; the last step's update is
+    # applied by the next step's first program (`hetjax.step.LocalProgram`).
+    self._live: step_lib.TrainState
+    self._pending: tuple[int, jax.Array] | None = None  # (step, its summed row) not yet applied
+    self._global: tuple[step_lib.TrainState, step_lib.TrainState] | None = None
+    self._late_lr: dict[int, jax.Array] = {}  # step -> its update's learning rate, not yet read
     self.state = step_lib.init_state(task, optimizer, self.meshes, init_batch, config.seed,
                                      config.precision)
     self._check_contract(init_batch)
     self.local = step_lib.LocalProgram(
-        task, self.meshes, config.microbatch, config.precision,
+        task, optimizer, self.meshes, config.microbatch, config.precision,
         blocks_lib.every_block_whole(config.global_batch, config.microbatch))
-    self.reduction = step_lib.make_reduction(config.reduction, optimizer, self.meshes)
+    self.reduction = step_lib.make_reduction(config.reduction, self.meshes)
     self.history = History()
     # XLA:CPU's "devices" are the loop's own cores: stamped where the loop looks.
     self._clock = readiness.ReadyClock(
@@ -215,6 +221,58 @@ class Trainer:
       self.checkpointer = ckpt_lib.Checkpointer(checkpoint, self._all_hosts_agree)
       if checkpoint.resume:
         self._resume()
+
+  @property
+  def state(self) -> step_lib.TrainState:
+    """The train state after every dispatched step, as global replicated arrays.
+
+    What orbax saves and what a user may inspect or replace. Applies a
+    pending update first (`local_state`) and re-wraps every leaf (zero-copy,
+    ~15 us a leaf), so the step loop never reads it.
+    """
+    live = self.local_state
+    if self._global is None or self._global[0] is not live:
+      self._global = (live, step_lib.to_global_tree(live, self.meshes))
+    return self._global[1]
+
+  @state.setter
+  def state(self, state: step_lib.TrainState) -> None:
+    """Replaces the train state (given as global replicated arrays, as `state` returns it)."""
+    self._live, self._pending, self._global = step_lib.to_local_tree(state, self.meshes), None, None
+
+  @property
+  def local_state(self) -> step_lib.TrainState:
+    """This host's replica of the train state, on its own devices, every update applied.
+
+    The last step's update waits for the next step's first program; reading
+    the state applies it alone, with the same function (every host applies
+    every update, so the replicas stay equal).
+    """
+    if self._pending is not None:
+      step, total = self._pending
+      self._live, self._late_lr[step] = self.local.update(self._live, total)
+      self._pending = None
+    return self._live
+
+  def _read_learning_rates(self, before: int | None = None) -> None:
+    """Records the learning rate of every applied update of a step before `before`.
+
+    Read here, not from the step's statistics: an update runs in the next
+    step's program. Called when those programs are done, so it waits for nothing.
+    """
+    due = [s for s in self._late_lr if before is None or s < before]
+    if not due:
+      return
+    values = jax.device_get([self._late_lr.pop(s) for s in due])
+    for s, lr in zip(due, values):
+      index = s - self._start_step
+      if not np.isnan(lr) and index >= self.history.dropped:
+        self.history.lr[index] = float(lr)
+
+  def _settle_update(self) -> None:
+    """Applies the last update and reads every learning rate due: every host, same step."""
+    self.local_state  # noqa: B018 (applies the pending update)
+    self._read_learning_rates()
 
   def _default_balancer(self, start_step: int) -> balancer_lib.Balancer:
     """The configured policy, deciding in blocks (one device round = granularity)."""
@@ -284,8 +342,8 @@ class Trainer:
     Raises:
       agreement.HostsDisagree: naming the hosts whose replicas differ.
     """
-    local = jax.tree.map(lambda x: step_lib.to_local(x, self.meshes), self.state.params)
-    rows = step_lib.gather_host_values(agreement.params_fingerprint(local), self.meshes)
+    params = self.local_state.params
+    rows = step_lib.gather_host_values(agreement.params_fingerprint(params), self.meshes)
     agreement.check_fingerprints(self.step, rows)
 
   @property
@@ -325,9 +383,12 @@ class Trainer:
     timed = self._timings.pop(step - 2, (0.0, 0.0))
     host_values = np.array([*timed, signals.REQUESTS.code, *shares], np.float32)
     self._look_at_last_step()
-    sums = self.local(self.state.params, self.state.model_state, batch, self._example,
-                      self._base_key, step, blocks_lib.first_block(shares, self.host_id, block),
-                      self.state.loss_scale.scale, host_values)
+    applied, pending = self._pending or (None, None)
+    local = self.local(self._live, pending, batch, self._example, self._base_key, step,
+                       blocks_lib.first_block(shares, self.host_id, block), host_values)
+    self._live, self._pending, sums = local.state, None, local.sums
+    if applied is not None:
+      self._late_lr[applied] = local.learning_rate
     paced = None
     if self.pace is not None:
       jax.block_until_ready(sums)
@@ -335,7 +396,8 @@ class Trainer:
       # Paced steps are finished one by one: the devices were idle at t0.
       paced = self.pace(time.perf_counter() - t0, step, -(-shares[self.host_id] // unit) * unit)
     t1 = time.perf_counter()
-    self.state, reduced = self.reduction(self.state, sums)
+    reduced = self.reduction(sums)
+    self._pending = (step, reduced.total)
     ready = None
     if self.pace is None:
       ready = self._clock.defer(sums, reduced.stats)
@@ -377,9 +439,7 @@ class Trainer:
         h.wait_s.append([float(r) for r in rows[:, 1]])
       self._observations.append((step, timed, rows[:, 0].tolist()))
     h.step_s.append(fetched - flight.t0)
-    lr = stats.pop(step_lib.LEARNING_RATE, None)
-    if lr is not None:
-      h.lr[h.steps - 1] = float(lr)
+    self._read_learning_rates(before=step)
     metrics = {k: float(v) for k, v in stats.items() if k != "count"}
     h.loss.append(metrics["loss"])
     h.metrics.append(metrics)
@@ -481,6 +541,7 @@ class Trainer:
         except Exception:
           self._settle_after_error()
           raise
+      self._settle_update()  # The last step's update and learning rate, for what follows.
       # Also when nothing was left to run (a finished job started again).
       if eval_source is not None and (self.history.steps - 1) not in self.history.evals:
         self._evaluate_into_history(eval_source)
@@ -511,6 +572,7 @@ class Trainer:
   def _stop(self, stream: metrics_lib.RecordStream | None, out: str | None) -> None:
     """Every host got the stop flag in the same step: save, write what is known, raise."""
     code, self._stop_code, self._stop_at = self._stop_code, 0.0, None
+    self._settle_update()
     run_common.stop_run(code, self.step, self.checkpointer, lambda: self.save_checkpoint(wait=True),
                         self.summary, stream.pop if stream else lambda: None, out, self.host_id)
 
@@ -524,7 +586,7 @@ class Trainer:
     Found in an `optax.inject_hyperparams` state (the command line builds its
     optimizers that way); None for an optimizer that hides it.
     """
-    lr = optimizers_lib.find_learning_rate(self.state.opt_state)
+    lr = optimizers_lib.find_learning_rate(self.local_state.opt_state)
     return None if lr is None else float(np.asarray(lr.addressable_data(0)))
 
   def write_summary(self, out: str, summary: dict[str, Any]) -> None:
@@ -554,11 +616,13 @@ class Trainer:
       if wait:
         self.checkpointer.wait()
     else:  # A device copy; a worker thread hands it to orbax while training goes on.
-      self.checkpointer.save_in_background(self.step, self.state, self._checkpoint_meta())
+      self.checkpointer.save_in_background(self.step, self.local_state, self._checkpoint_meta(),
+                                           self.meshes.world)
 
   def _final_waits(self) -> None:
     """The compute and wait seconds no step's rows carried yet travel in one small collective."""
     self._drain()
+    self._settle_update()
     h = self.history
     missing = range(h.dropped + len(h.compute_s), h.steps)  # At most the last two steps.
     if missing:  # Every host misses the same steps.
@@ -600,7 +664,7 @@ class Trainer:
 
   def params(self) -> PyTree:
     """The current parameters as host numpy arrays (this host's replica)."""
-    return run_common.host_copy(self.state.params)
+    return run_common.host_copy(self.local_state.params)
 
   def evaluate(self, source: data_lib.ArraySource, batch_size: int = 256) -> dict[str, float]:
     """Mean loss and metrics over all of `source`; every host must call it.
@@ -611,7 +675,8 @@ class Trainer:
     """
     self._evaluator = run_common.evaluator_for(self._evaluator, self.task, self.meshes, batch_size)
     weights = self.history.shares[-1] if self.history.shares else [1] * self.num_hosts
-    return self._evaluator.evaluate(self.state.params, self.state.model_state, source, weights)
+    state = self.local_state
+    return self._evaluator.evaluate(state.params, state.model_state, source, weights)
 
   def _last_eval(self) -> dict[str, Any] | None:
     return run_common.last_eval(self.history.evals, self._start_step)

@@ -97,11 +97,11 @@ def _per_step_counts(num_leaves: int, reduction: str) -> dict[str, float]:
                            hetjax.TrainConfig(global_batch=16, microbatch=8, reduction=reduction))
   for _ in range(2):  # Compilation and first transfers.
     trainer.train_step()
-  jax.block_until_ready(trainer.state)
+  jax.block_until_ready(trainer.local_state)
   with counting() as counts:
     for _ in range(STEPS):
       trainer.train_step()
-    jax.block_until_ready(trainer.state)
+    jax.block_until_ready(trainer.local_state)
   trainer.close()
   return {k: v / STEPS for k, v in counts.items()}
 

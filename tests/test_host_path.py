@@ -100,21 +100,24 @@ def test_the_sums_carry_the_host_vector_and_the_mask_built_on_the_device():
 
   task = hetjax.from_functions(lambda rng, batch: {"w": jnp.ones(())}, loss)
   source = {"x": np.arange(1, 8, dtype=np.float32)[:, None]}  # 7 rows: one micro-batch of 4 padded.
-  state = step.init_state(task, optax.sgd(0.1), meshes,
-                          next(step.micro_batches({k: v[:1] for k, v in source.items()}, 4)), 0)
-  local = step.LocalProgram(task, meshes, 4)
+  optimizer = optax.sgd(0.1)
+  state = step.to_local_tree(step.init_state(
+      task, optimizer, meshes,
+      next(step.micro_batches({k: v[:1] for k, v in source.items()}, 4)), 0), meshes)
+  local = step.LocalProgram(task, optimizer, meshes, 4)
   host = np.array([1.5, 2.5], np.float32)
-  sums = local(state.params, state.model_state, source, {k: v[:1] for k, v in source.items()},
-               jax.random.key(0), 0, host_values=host)
+  sums = local(state, None, source, {k: v[:1] for k, v in source.items()},
+               jax.random.key(0), 0, host_values=host).sums
   totals = sums.totals()
   assert float(totals.count) == 7 and float(totals.loss) == 28.0  # 1 + ... + 7, padding masked.
   np.testing.assert_array_equal(sums.host_values(), host)
-  empty = local(state.params, state.model_state, {k: v[:0] for k, v in source.items()},
-                {k: v[:1] for k, v in source.items()}, jax.random.key(0), 1, host_values=host * 2)
+  empty = local(state, None, {k: v[:0] for k, v in source.items()},
+                {k: v[:1] for k, v in source.items()}, jax.random.key(0), 1,
+                host_values=host * 2).sums
   assert float(empty.totals().count) == 0
   np.testing.assert_array_equal(empty.host_values(), host * 2)
   with pytest.raises(ValueError, match="host_values has 3 values; this program was built for 2"):
-    local(state.params, state.model_state, source, {k: v[:1] for k, v in source.items()},
+    local(state, None, source, {k: v[:1] for k, v in source.items()},
           jax.random.key(0), 2, host_values=np.zeros(3))
 
 
