@@ -1,30 +1,27 @@
-"""What moving the update into the next step's local program would save (an upper bound).
+"""hetjax's step against the bare bound of its design: what its bookkeeping costs.
 
 Run from the repository root (a minute or two a model):
 
   python bench/fused_update.py [--models resnet18,resnet50] [--repeats 31]
 
-hetjax's step runs two programs: the local one (gradient sums) and, after
-the cross-host reduction, the update (adam, the model state's mean, the
-parameter views). On XLA:CPU the update's many small kernels cannot overlap
-the backward pass as they do in one program. This script times, on 1 host x
-1 device, interleaved in one run (medians of the per-repeat step times, and
-of the paired differences against plain):
+This script first bounded what moving the update into the next step's local
+program would save (the design hetjax now runs: `hetjax.step.LocalProgram`).
+It times, on 1 host x 1 device, interleaved in one run (medians of the
+per-repeat step times, and of the paired differences against plain):
 
   plain   the hand-written one-program loop (`overhead.PlainLoop`);
   split   the same cut into gradient and update programs;
-  hetjax  hetjax's local program and reduction driven by a bare loop (no
-          `Trainer` bookkeeping: what the two programs cost);
-  fused   a sketch of the alternative: a tiny reduction program (the row
-          summed over devices), then ONE program that applies the previous
-          step's update from that row and runs this step's forward and
-          backward, the train state kept on the host's own devices, so no
-          views either.
+  hetjax  hetjax's local programs and reduction driven by a bare loop, as
+          `Trainer.fit` drives them (statistics fetched one step late), with
+          no other `Trainer` bookkeeping;
+  fused   the bare sketch of the same design: a tiny reduction program (the
+          row summed), then ONE program that applies the previous step's
+          update from that row and runs this step's forward and backward,
+          with nothing fetched, no host vector and no shard_map.
 
-`fused` is a bound, not a design: it skips what a real one needs (a host
-with no micro-batch still applying the update, the state materialised for
-checkpoints and evaluation, the balancer's timing of a program that now
-holds a fixed update).
+`fused` stays a bound: it skips what the real step must do (the host
+vector and statistics every step, a host with no micro-batch, the state
+read for checkpoints and evaluation).
 """
 
 from __future__ import annotations
@@ -61,8 +58,8 @@ class HetjaxPrograms:
     t = self.trainer
     for _ in range(steps):
       batch = self.source[self.sampler.indices(self.step)]
-      total = None if self.pending is None else self.pending.total
-      local = t.local(self.state, total, batch, t._example, t._base_key, self.step, 0,
+      update = None if self.pending is None else self.pending.total
+      local = t.local(self.state, update, batch, t._example, t._base_key, self.step, 0,
                       self.host_values)
       self.state, reduced = local.state, t.reduction(local.sums)
       if self.pending is not None:
@@ -70,10 +67,8 @@ class HetjaxPrograms:
       self.pending, self.step = reduced, self.step + 1
 
   def wait(self) -> None:
-    if self.pending is not None:  # The last update, applied alone as `fit` does at its end.
-      self.state, _ = self.trainer.local.update(self.state, self.pending.total)
-      self.pending = None
-    jax.block_until_ready(self.state)
+    # The last update waits for the next run's first program, as after `fit`.
+    jax.block_until_ready((self.state, self.pending.total if self.pending else None))
 
 
 class FusedSketch:

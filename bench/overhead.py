@@ -228,8 +228,9 @@ class HetjaxLoop:
     self.trainer.fit(steps)
 
   def wait(self) -> None:
-    # This host's replica: `Trainer.state` would re-wrap every leaf as a global array.
-    jax.block_until_ready(self.trainer.local_state)
+    # Not `Trainer.state`: reading it applies the last update alone, where the
+    # next `fit` applies it inside its first program.
+    self.trainer.block_until_ready()
 
 
 def seconds(loop: PlainLoop | HetjaxLoop, steps: int) -> float:

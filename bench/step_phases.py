@@ -110,7 +110,7 @@ def measure(name: str, source: data_lib.ArraySource, repeats: int) -> dict[str, 
   reduction = trainer.reduction
   total = reduction(step_lib.LocalSums(box["sums"], layout)).total
   adam = jax.jit(lambda st, row: optimizer.update(
-      layout.sums.unpack({"float32": row[:layout.row_size]}).grads, st.opt_state, st.params))
+      layout.sums.unpack({"float32": row}).grads, st.opt_state, st.params))
 
   def run_plain():
     out = plain._step(*box["plain"], plain_batch, rng)
@@ -127,9 +127,8 @@ def measure(name: str, source: data_lib.ArraySource, repeats: int) -> dict[str, 
     return box["sums"]
 
   def run_fused():
-    box["fused"], lr, box["sums"] = local._update_then_grad(box["fused"], total, box["sums"],
-                                                            micro, key)
-    return box["sums"]
+    box["fused"], lr, row = local._update_then_grad(box["fused"], total, micro, key)
+    return row
 
   def run_update():
     box["alone"], lr = local.update(box["alone"], total)

@@ -383,24 +383,30 @@ class LocalProgram:
                                         self.precision, self.blocks_full))["float32"]
       # The first micro-batch of a step starts from zero in a recycled buffer;
       # the scale and host vector are set, not summed. One elementwise pass, in place.
+      row = jnp.concatenate([row, scale[None], host])[None]
+      if sums is None:
+        return row
       keep = (first == 0) & (jnp.arange(n + 1 + host.size) < n)
-      return jnp.where(keep[None], sums, 0.0) + jnp.concatenate([row, scale[None], host])[None]
+      return jnp.where(keep[None], sums, 0.0) + row
 
-    def update_then_grad(state, total, sums, batch, key):
+    def update_then_grad(state, total, batch, key):
+      # Always a step's first micro-batch: its row starts the sums, so the
+      # recycled buffer is neither read nor cleared (a pass over the row saved).
       state, lr = apply_update(optimizer, state, total, layout)
-      return state, lr, grad_row(state, sums, batch, key)
+      return state, lr, grad_row(state, None, batch, key)
 
     local, d, k = self.meshes.local, self.meshes.local_devices, host_width
     self._host_width = k
     like = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
     micro = dict(next(padded_chunks(example, self.micro))[0])
     micro[_POSITION] = _position_rows(0, 0, True, 0, m, d, np.zeros(k, np.float32))
+    replicated = lambda shape, dtype: jax.ShapeDtypeStruct(
+        shape, dtype, sharding=self.meshes.local_replicated)
     self._abstract = (jax.tree.map(like, jax.device_put(micro, self.meshes.local_by_device)),
-                      jax.ShapeDtypeStruct((d, n + 1 + k), jnp.float32,
-                                           sharding=self.meshes.local_by_device),
-                      jax.ShapeDtypeStruct((n + 1,), jnp.float32,
-                                           sharding=self.meshes.local_replicated))
-    micro_like, sums_like, total_like = self._abstract
+                      replicated((n,), jnp.float32))
+    micro_like, total_like = self._abstract
+    sums_like = jax.ShapeDtypeStruct((d, n + 1 + k), jnp.float32,
+                                     sharding=self.meshes.local_by_device)
     # Every program is compiled at a step every host reaches, whatever its
     # share: the first call (and, for the update, the first with one pending).
     # A new share then compiles nothing on any host (invariant 4).
@@ -409,9 +415,9 @@ class LocalProgram:
                       out_specs=P(DEV)),
         donate_argnums=(1,)).lower(state, sums_like, micro_like, rng).compile()
     self._fused_program = jax.jit(
-        jax.shard_map(update_then_grad, mesh=local, in_specs=(P(), P(), P(DEV), P(DEV), P()),
+        jax.shard_map(update_then_grad, mesh=local, in_specs=(P(), P(), P(DEV), P()),
                       out_specs=(P(), P(), P(DEV))),
-        donate_argnums=(0, 2))
+        donate_argnums=(0,))
     self._update_then_grad = None
     self._update_alone = jax.jit(
         jax.shard_map(lambda state, total: apply_update(optimizer, state, total, layout),
@@ -449,13 +455,11 @@ class LocalProgram:
     if self.layout is None:
       self._build(state, example, local_key, host.size)
     if pending is not None and self._update_then_grad is None:
-      micro_like, sums_like, total_like = self._abstract
+      micro_like, total_like = self._abstract
       self._update_then_grad = self._fused_program.lower(
-          state, total_like, sums_like, micro_like, local_key).compile()
+          state, total_like, micro_like, local_key).compile()
     slot = self._calls % 2
     sums, first, lr = self._ring[slot], True, None
-    if sums is None or sums.is_deleted():
-      sums = self._zeros(state.loss_scale.scale, host)
     d = self.meshes.local_devices
     for i, (micro, real) in enumerate(padded_chunks(batch, self.micro)):
       # Position, mask and host vector ride in the batch's one transfer.
@@ -463,9 +467,11 @@ class LocalProgram:
                                         d, host)
       micro = jax.device_put(micro, self.meshes.local_by_device)
       if pending is not None:
-        state, lr, sums = self._update_then_grad(state, pending, sums, micro, local_key)
+        state, lr, sums = self._update_then_grad(state, pending, micro, local_key)
         pending = None
       else:
+        if sums is None or sums.is_deleted():
+          sums = self._zeros(state.loss_scale.scale, host)
         sums = self._grad(state, sums, micro, local_key)
       first = False
     if pending is not None:  # No micro-batch: the update alone.
@@ -501,22 +507,20 @@ def apply_update(optimizer: optax.GradientTransformation, state: TrainState, tot
                  layout: Layout) -> tuple[TrainState, jax.Array]:
   """`sum(grad sums) / sum(weights)`, the optax update, the weighted model state.
 
-  `total` is the sums row added over every device, then the overflow flag
-  (`Reduced.total`). On an fp16 overflow (some host's sums not finite) the
-  update is skipped and the loss scale halved, the same on every host. Also
-  returns the update's learning rate (NaN when the optimizer hides it).
+  `total` is the sums row added over every device (`Reduced.total`). On an
+  fp16 overflow (`overflowed`) the update is skipped and the loss scale
+  halved, the same on every host. Also returns the update's learning rate
+  (NaN when the optimizer hides it).
   """
-  n, g = layout.row_size, layout.grads_size
-  overflow = total[n] > 0
-  totals = layout.sums.unpack({"float32": total[:n]})
+  overflow = overflowed(total, layout)
+  totals = layout.sums.unpack({"float32": total})
   count = totals.count
   # count == 0 is reported by the trainer as an error; a zero total weight
   # leaves the gradient zero rather than NaN.
   norm = jnp.where(totals.weight != 0, totals.weight, 1.0)
-  # One division over the row's gradient segment: per leaf it was a kernel
-  # each (0.1 ms of resnet18's update on XLA:CPU); the same float32 values.
-  normalized = layout.sums.unpack({"float32": jnp.concatenate([total[:g] / norm, total[g:n]])})
-  grads = jax.tree.map(lambda g, p: g.astype(p.dtype), normalized.grads, state.params)
+  # Divided leaf by leaf: XLA fuses each division into the optimizer's first
+  # pass over that leaf, where dividing the packed row was a pass of its own.
+  grads = jax.tree.map(lambda g, p: (g / norm).astype(p.dtype), totals.grads, state.params)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   safe = jnp.maximum(count, 1.0)
@@ -533,15 +537,22 @@ def apply_update(optimizer: optax.GradientTransformation, state: TrainState, tot
   return TrainState(state.step + 1, params, opt_state, model_state, loss_scale), lr
 
 
+def overflowed(total: jax.Array, layout: Layout) -> jax.Array:
+  """fp16: some sum is not finite (a host's, or the sum of all: the same step skipped
+  everywhere); always False when the loss is not scaled."""
+  if not precision_lib.uses_loss_scale(layout.precision):
+    return jnp.bool_(False)
+  return ~jnp.all(jnp.isfinite(total))
+
+
 def step_stats(total: jax.Array, scale: jax.Array, layout: Layout) -> dict[str, jax.Array]:
-  """A step's global statistics from `total` (as `apply_update` takes it) and its loss scale."""
-  n = layout.row_size
-  totals = layout.sums.unpack({"float32": total[:n]})
+  """A step's global statistics from `total` and the loss scale it ran with."""
+  totals = layout.sums.unpack({"float32": total})
   norm = jnp.where(totals.weight != 0, totals.weight, 1.0)
   stats = {"count": totals.count, "loss": totals.loss / norm}
   stats.update({k: v / norm for k, v in totals.metrics.items()})
   if precision_lib.uses_loss_scale(layout.precision):
-    stats.update(loss_scale=scale, skipped=(total[n] > 0).astype(jnp.float32))
+    stats.update(loss_scale=scale, skipped=overflowed(total, layout).astype(jnp.float32))
   return stats
 
 
@@ -555,12 +566,12 @@ class Reduced(NamedTuple):
   """
 
   stats: dict[str, jax.Array]
-  rows: Any               # [all devices, k + 1] on the world mesh, or [hosts, k + 1] numpy
+  rows: Any               # [all devices, k] on the world mesh, or [hosts, k] numpy
   meshes: Meshes | None   # None when `rows` are already one per host
-  total: jax.Array        # `[row + 1]` on this host's devices: the update to apply next
+  total: jax.Array        # the summed row, on this host's devices: the next program applies it
 
   def fetch(self) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """(the step's global statistics, every host's row `[hosts, k + 1]`); waits."""
+    """(the step's global statistics, every host's row `[hosts, k]`); waits."""
     stats, rows = jax.device_get((self.stats, self.rows))  # One host sync for both.
     return stats, rows if self.meshes is None else rows_by_host(rows, self.meshes)
 
@@ -579,26 +590,18 @@ class DeviceReduction:
     self._program = None
 
   def _build(self, layout: Layout) -> None:
-    scaled = precision_lib.uses_loss_scale(layout.precision)
     n = layout.row_size
 
     def program(world):
       sums, scale, rows = world[:, :n], world[0, n], world[:, n + 1:]
-      # Each row's overflow flag (fp16): any of that device's sums not finite.
-      bad = (~jnp.all(jnp.isfinite(sums), axis=1) if scaled
-             else jnp.zeros(sums.shape[0], bool))
-      total = jnp.concatenate([jnp.sum(sums, axis=0), jnp.any(bad)[None].astype(jnp.float32)])
-      return (total, step_stats(total, scale, layout),
-              jnp.concatenate([rows, bad[:, None].astype(rows.dtype)], 1))
+      total = jnp.sum(sums, axis=0)
+      return total, step_stats(total, scale, layout), rows
 
     self._program = jax.jit(program, out_shardings=self.meshes.replicated)
 
   def __call__(self, sums: LocalSums) -> Reduced:
-    """Reduces, without waiting: the summed row and what to fetch later.
-
-    The rows are every device's host vector, with a last column: 1 where that
-    host's sums overflowed (fp16).
-    """
+    """Reduces, without waiting: the summed row and what to fetch later (every
+    device's host vector)."""
     if self._program is None:
       self._build(sums.layout)
     total, stats, rows = self._program(to_world(sums.flat, self.meshes))
@@ -642,7 +645,7 @@ class HostReduction:
     self._device_sum = jax.jit(lambda x: jnp.concatenate([jnp.sum(x[:, :n], axis=0), x[0, n:]]),
                                out_shardings=self.meshes.local_replicated)
 
-    def reduce(x):  # [hosts, n + 1 + k + 1] -> (the sum of the sums, every host's values)
+    def reduce(x):  # [hosts, n + 1 + k] -> (the sum of the sums, every host's values)
       return jnp.sum(x[:, :n], axis=0), x[:, n:]
 
     self._reduce = jax.jit(reduce, out_shardings=NamedSharding(self._cpu_mesh, P()))
@@ -660,14 +663,10 @@ class HostReduction:
       self._build(layout)
     # Summed over this host's devices on the devices; then one device-to-host copy.
     mine = np.asarray(self._device_sum(sums.flat).addressable_data(0))
-    finite = np.all(np.isfinite(mine[:layout.row_size]))
-    bad = float(precision_lib.uses_loss_scale(layout.precision) and not finite)
-    values = np.concatenate([mine, [bad]])
     summed, rows = jax.device_get(self._reduce(
-        jax.make_array_from_process_local_data(self._by_host, values[None].astype(np.float32))))
-    total = np.concatenate([summed, [float(rows[:, -1].max() > 0)]]).astype(np.float32)
-    total = jax.device_put(total, self.meshes.local_replicated)
-    # rows: [hosts, scale, host vector..., overflow]; every host ran with host 0's scale.
+        jax.make_array_from_process_local_data(self._by_host, mine[None])))
+    total = jax.device_put(summed, self.meshes.local_replicated)
+    # rows: [hosts, scale and host vector]; every host ran with host 0's scale.
     return Reduced(self._stats(total, rows[0, 0]), rows[:, 1:], None, total)
 
 

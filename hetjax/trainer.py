@@ -190,6 +190,7 @@ class Trainer:
     self.state = step_lib.init_state(task, optimizer, self.meshes, init_batch, config.seed,
                                      config.precision)
     self._check_contract(init_batch)
+    self._shows_learning_rate = optimizers_lib.find_learning_rate(self._live.opt_state) is not None
     self.local = step_lib.LocalProgram(
         task, optimizer, self.meshes, config.microbatch, config.precision,
         blocks_lib.every_block_whole(config.global_batch, config.microbatch))
@@ -250,9 +251,20 @@ class Trainer:
     """
     if self._pending is not None:
       step, total = self._pending
-      self._live, self._late_lr[step] = self.local.update(self._live, total)
+      self._live, lr = self.local.update(self._live, total)
       self._pending = None
+      if self._shows_learning_rate:
+        self._late_lr[step] = lr
     return self._live
+
+  def block_until_ready(self) -> "Trainer":
+    """Waits until every dispatched step's work on this host's devices is done.
+
+    For timing: unlike reading `state`, it does not apply the last step's
+    update, which waits for the next step's first program (`local_state`).
+    """
+    jax.block_until_ready((self._live, self._pending))
+    return self
 
   def _read_learning_rates(self, before: int | None = None) -> None:
     """Records the learning rate of every applied update of a step before `before`.
@@ -266,7 +278,7 @@ class Trainer:
     values = jax.device_get([self._late_lr.pop(s) for s in due])
     for s, lr in zip(due, values):
       index = s - self._start_step
-      if not np.isnan(lr) and index >= self.history.dropped:
+      if index >= self.history.dropped:
         self.history.lr[index] = float(lr)
 
   def _settle_update(self) -> None:
@@ -387,7 +399,7 @@ class Trainer:
     local = self.local(self._live, pending, batch, self._example, self._base_key, step,
                        blocks_lib.first_block(shares, self.host_id, block), host_values)
     self._live, self._pending, sums = local.state, None, local.sums
-    if applied is not None:
+    if applied is not None and self._shows_learning_rate:
       self._late_lr[applied] = local.learning_rate
     paced = None
     if self.pace is not None:
@@ -444,7 +456,7 @@ class Trainer:
     h.loss.append(metrics["loss"])
     h.metrics.append(metrics)
     # Checked once recorded: the update has happened, whatever the check says.
-    agreement.check_shares(step, rows[:, 3:3 + self.num_hosts])  # The reduction appends an overflow column.
+    agreement.check_shares(step, rows[:, 3:3 + self.num_hosts])
     if stats["count"] <= 0:
       raise RuntimeError(f"step {step}: the hosts processed 0 examples in total; the "
                          f"assignment {shares} must give the global batch at least one sample.")
@@ -541,7 +553,8 @@ class Trainer:
         except Exception:
           self._settle_after_error()
           raise
-      self._settle_update()  # The last step's update and learning rate, for what follows.
+      if stream is not None and self._shows_learning_rate:
+        self._settle_update()  # The last records carry the last update's learning rate.
       # Also when nothing was left to run (a finished job started again).
       if eval_source is not None and (self.history.steps - 1) not in self.history.evals:
         self._evaluate_into_history(eval_source)
@@ -622,7 +635,6 @@ class Trainer:
   def _final_waits(self) -> None:
     """The compute and wait seconds no step's rows carried yet travel in one small collective."""
     self._drain()
-    self._settle_update()
     h = self.history
     missing = range(h.dropped + len(h.compute_s), h.steps)  # At most the last two steps.
     if missing:  # Every host misses the same steps.

@@ -7,6 +7,8 @@ import io
 import json
 import os
 
+import jax
+
 from hetjax import doctor
 
 
@@ -16,7 +18,9 @@ def doctor_on_every_host(json_path: str, steps: int = 6, expect_devices: str | N
   with contextlib.redirect_stdout(printed):
     code = doctor.main(["--steps", str(steps), "--batch", "128", "--json", json_path, *extra])
   report = None
-  if os.path.exists(json_path):
+  # Only process 0 writes the report; another host reading it could catch
+  # the file half written.
+  if jax.process_index() == 0 and os.path.exists(json_path):
     with open(json_path) as f:
       report = json.load(f)
   return code, printed.getvalue(), report

@@ -67,13 +67,15 @@ def test_updates_applied_alone_give_the_same_bits_as_updates_in_the_next_step(mi
 
 def test_every_update_records_its_learning_rate_whichever_program_ran_it():
   overlapped, stepped = _trainer(8), _trainer(8)
-  overlapped.fit(6)
-  for _ in range(6):
-    stepped.train_step()  # Each update waits for the next step; the last for the summary.
-  stepped.summary()
-  expected = {i: pytest.approx(float(SCHEDULE(i)), rel=1e-6) for i in range(6)}
-  assert overlapped.history.lr == expected
-  assert stepped.history.lr == expected
+  records = {"overlapped": [], "stepped": []}
+  overlapped.fit(6, sinks=[records["overlapped"].append])
+  # A callback finishes every step at once; reading the state then applies
+  # each update alone.
+  stepped.fit(6, sinks=[records["stepped"].append], on_step=lambda t, m: t.local_state)
+  expected = [pytest.approx(float(SCHEDULE(i)), rel=1e-6) for i in range(6)]
+  for name, got in records.items():
+    assert [r["step"] for r in got] == list(range(6)), name
+    assert [r["lr"] for r in got] == expected, name
   assert overlapped.learning_rate() == pytest.approx(float(SCHEDULE(5)), rel=1e-6)
   for t in (overlapped, stepped):
     t.close()

@@ -130,8 +130,8 @@ def test_a_step_transfers_one_array_per_micro_batch_besides_the_models():
   """Positions, mask and host vector ride in the micro-batch's transfer (issue 13).
 
   The batch here is {x, y}: with the position array, one batched transfer
-  per micro-batch; re-wrapped per step: the views onto the local mesh and
-  the sums onto the world mesh, nothing made from host data.
+  per micro-batch; re-wrapped per step: the sums onto the world mesh and
+  the summed row back onto the local mesh, nothing made from host data.
   """
   counts = _per_step_counts(2, "device")
   assert counts["transfers"] == 2  # Two micro-batches of 8 per step.
