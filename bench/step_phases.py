@@ -145,7 +145,7 @@ def measure(name: str, source: data_lib.ArraySource, repeats: int) -> dict[str, 
 
     runs["masked"] = run_masked
   result = _median_ms({
-      **runs, "reduce": lambda: reduction(step_lib.LocalSums(box["sums"], layout)).stats,
+      **runs, "reduce": lambda: reduction(step_lib.LocalSums(box["sums"], layout)).report,
       "update": run_update, "adam": lambda: adam(state, total), "split": run_split}, repeats)
   result.setdefault("masked", None)
   result["added"] = round(result["fused"] + result["reduce"] - result["plain"], 3)

@@ -556,24 +556,42 @@ def step_stats(total: jax.Array, scale: jax.Array, layout: Layout) -> dict[str, 
   return stats
 
 
+def stat_names(layout: Layout) -> tuple[str, ...]:
+  """The names of `step_stats`, in the order a `Reduced.report` holds them."""
+  total = jax.ShapeDtypeStruct((layout.row_size,), jnp.float32)
+  return tuple(jax.eval_shape(lambda t: step_stats(t, jnp.float32(1.0), layout), total))
+
+
+def _report(stats: dict[str, jax.Array], names: tuple[str, ...], rows: jax.Array | None = None):
+  """The statistics, then the rows, as one float32 vector: the step's one fetch."""
+  values = jnp.stack([stats[k].astype(jnp.float32) for k in names])
+  return values if rows is None else jnp.concatenate([values, rows.ravel()])
+
+
 class Reduced(NamedTuple):
   """A dispatched reduction: the summed row for the next update, and what to fetch.
 
-  Fetching the statistics and host rows is the step's only wait for the
-  devices; the trainer does it after dispatching the next step, so the
-  devices never idle while Python prepares it (a plain JAX loop reads its
-  loss one step late for the same reason).
+  Fetching the report is the step's only wait for the devices; the trainer
+  does it after dispatching the next step, so the devices never idle while
+  Python prepares it (a plain JAX loop reads its loss one step late for the
+  same reason). One array: each fetch of a not-yet-ready array costs the
+  waiting thread CPU that, on XLA:CPU, the step's own threads want.
   """
 
-  stats: dict[str, jax.Array]
-  rows: Any               # [all devices, k] on the world mesh, or [hosts, k] numpy
-  meshes: Meshes | None   # None when `rows` are already one per host
-  total: jax.Array        # the summed row, on this host's devices: the next program applies it
+  report: jax.Array        # `names`' values, then (device backend) every device's host vector
+  names: tuple[str, ...]
+  rows: np.ndarray | None  # every host's vector `[hosts, k]`, when already in host memory
+  meshes: Meshes          # picks each host's first row out of the report's `[all devices, k]`
+  total: jax.Array         # the summed row, on this host's devices: the next program applies it
 
   def fetch(self) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """(the step's global statistics, every host's row `[hosts, k]`); waits."""
-    stats, rows = jax.device_get((self.stats, self.rows))  # One host sync for both.
-    return stats, rows if self.meshes is None else rows_by_host(rows, self.meshes)
+    values = np.asarray(self.report)
+    m = len(self.names)
+    stats = dict(zip(self.names, values[:m]))
+    if self.rows is not None:
+      return stats, self.rows
+    return stats, rows_by_host(values[m:].reshape(self.meshes.world.devices.size, -1), self.meshes)
 
 
 class DeviceReduction:
@@ -592,10 +610,12 @@ class DeviceReduction:
   def _build(self, layout: Layout) -> None:
     n = layout.row_size
 
+    self._names = names = stat_names(layout)
+
     def program(world):
       sums, scale, rows = world[:, :n], world[0, n], world[:, n + 1:]
       total = jnp.sum(sums, axis=0)
-      return total, step_stats(total, scale, layout), rows
+      return total, _report(step_stats(total, scale, layout), names, rows)
 
     self._program = jax.jit(program, out_shardings=self.meshes.replicated)
 
@@ -604,8 +624,8 @@ class DeviceReduction:
     device's host vector)."""
     if self._program is None:
       self._build(sums.layout)
-    total, stats, rows = self._program(to_world(sums.flat, self.meshes))
-    return Reduced(stats, rows, self.meshes, to_local(total, self.meshes))
+    total, report = self._program(to_world(sums.flat, self.meshes))
+    return Reduced(report, self._names, None, self.meshes, to_local(total, self.meshes))
 
 
 class HostReduction:
@@ -649,7 +669,8 @@ class HostReduction:
       return jnp.sum(x[:, :n], axis=0), x[:, n:]
 
     self._reduce = jax.jit(reduce, out_shardings=NamedSharding(self._cpu_mesh, P()))
-    self._stats = jax.jit(lambda total, scale: step_stats(total, scale, layout),
+    self._names = names = stat_names(layout)
+    self._stats = jax.jit(lambda total, scale: _report(step_stats(total, scale, layout), names),
                           out_shardings=self.meshes.local_replicated)
 
   def __call__(self, sums: LocalSums) -> Reduced:
@@ -667,7 +688,7 @@ class HostReduction:
         jax.make_array_from_process_local_data(self._by_host, mine[None])))
     total = jax.device_put(summed, self.meshes.local_replicated)
     # rows: [hosts, scale and host vector]; every host ran with host 0's scale.
-    return Reduced(self._stats(total, rows[0, 0]), rows[:, 1:], None, total)
+    return Reduced(self._stats(total, rows[0, 0]), self._names, rows[:, 1:], self.meshes, total)
 
 
 REDUCTIONS = {"device": DeviceReduction, "host": HostReduction}

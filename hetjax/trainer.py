@@ -412,7 +412,7 @@ class Trainer:
     self._pending = (step, reduced.total)
     ready = None
     if self.pace is None:
-      ready = self._clock.defer(sums, reduced.stats)
+      ready = self._clock.defer(sums, reduced.report)
       # The step before first, so that stamps taken on the loop never run backwards.
       self._look_at_last_step()
       ready.look()
