@@ -35,6 +35,10 @@ def test_a_host_with_share_zero_joins_and_changes_nothing(three_hosts):
   for params, summary in results:
     _close(params, ref)
     assert summary["per_host"][0]["batch"] == [0] * 10
+  # Host 0 applies every update alone (no micro-batch), hosts 1 and 2 in
+  # their next step's first program: the same bits.
+  for params, _ in results[1:]:
+    jax.tree.map(np.testing.assert_array_equal, params, results[0][0])
 
 
 def test_moving_shares_never_recompiles(three_hosts):
@@ -43,6 +47,8 @@ def test_moving_shares_never_recompiles(three_hosts):
     assert r["after_warmup"] == 0
     assert r["shares"][2:] == [(4, 0, 60), (64, 0, 0), (4, 24, 36), (32, 0, 32), (4, 0, 60), (64, 0, 0)]
   _close(results[0]["params"], results[2]["params"])
+  for r in results[1:]:  # Hosts took the update-alone path at different steps.
+    jax.tree.map(np.testing.assert_array_equal, r["params"], results[0]["params"])
 
 
 def test_hosts_with_different_configurations_refuse_to_train(three_hosts):
