@@ -249,13 +249,17 @@ class Trainer:
     the state applies it alone, with the same function (every host applies
     every update, so the replicas stay equal).
     """
+    self._apply_pending()
+    return self._live
+
+  def _apply_pending(self) -> None:
+    """Applies the last step's update alone, if it still waits for a program."""
     if self._pending is not None:
       step, total = self._pending
       self._live, lr = self.local.update(self._live, total)
       self._pending = None
       if self._shows_learning_rate:
         self._late_lr[step] = lr
-    return self._live
 
   def block_until_ready(self) -> "Trainer":
     """Waits until every dispatched step's work on this host's devices is done.
@@ -283,7 +287,7 @@ class Trainer:
 
   def _settle_update(self) -> None:
     """Applies the last update and reads every learning rate due: every host, same step."""
-    self.local_state  # noqa: B018 (applies the pending update)
+    self._apply_pending()
     self._read_learning_rates()
 
   def _default_balancer(self, start_step: int) -> balancer_lib.Balancer:
