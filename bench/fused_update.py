@@ -79,7 +79,8 @@ class FusedSketch:
     self.mask = np.ones(batch, np.float32)
     example = {**source[sampler.indices(0)], MASK: self.mask}
     params, model_state = jax.jit(task.init)(jax.random.key(overhead.SEED), example)
-    first = jnp.zeros(layout.row_size, jnp.float32).at[layout.grads_size].set(1.0)  # weight 1, count 0
+    weight_at = sum(x.size for x in jax.tree.leaves(params))  # The row: gradients, then weight.
+    first = jnp.zeros(layout.row_size, jnp.float32).at[weight_at].set(1.0)  # weight 1, count 0
     self.state = [params, jax.jit(optimizer.init)(params), model_state, first[None]]
     self.key, self.step = jax.random.key(overhead.SEED), 0
 

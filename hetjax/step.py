@@ -140,18 +140,20 @@ class Meshes:
     return NamedSharding(self.local, P(DEV))
 
 
+def _rewrap(x: jax.Array, shape: tuple[int, ...], sharding: NamedSharding) -> jax.Array:
+  """This host's buffers of `x` as an array of `shape` and `sharding`, zero-copy."""
+  return jax.make_array_from_single_device_arrays(
+      shape, sharding, [s.data for s in x.addressable_shards])
+
+
 def to_local(x: jax.Array, meshes: Meshes) -> jax.Array:
   """Re-wraps a global replicated array onto the local mesh, zero-copy."""
-  shards = [s.data for s in x.addressable_shards]
-  return jax.make_array_from_single_device_arrays(
-      x.shape, meshes.local_replicated, shards)
+  return _rewrap(x, x.shape, meshes.local_replicated)
 
 
 def to_world(x: jax.Array, meshes: Meshes) -> jax.Array:
   """Stitches a local `[local devices, ...]` array into `[all devices, ...]`, zero-copy."""
-  shape = (meshes.world.devices.size,) + x.shape[1:]
-  return jax.make_array_from_single_device_arrays(
-      shape, meshes.by_device, [s.data for s in x.addressable_shards])
+  return _rewrap(x, (meshes.world.devices.size,) + x.shape[1:], meshes.by_device)
 
 
 def host_rows(values: np.ndarray, meshes: Meshes) -> jax.Array:
@@ -178,7 +180,6 @@ class Layout:
 
   sums: packing.Packer
   precision: str
-  grads_size: int   # the gradient sums come first in the row: `row[:grads_size]`
 
   @property
   def row_size(self) -> int:
@@ -192,10 +193,7 @@ def to_local_tree(tree: PyTree, meshes: Meshes) -> PyTree:
 
 def to_global_tree(tree: PyTree, meshes: Meshes) -> PyTree:
   """Local replicated arrays re-wrapped, zero-copy, as global replicated ones (orbax's form)."""
-  def wrap(x):
-    shards = [s.data for s in x.addressable_shards]
-    return jax.make_array_from_single_device_arrays(x.shape, meshes.replicated, shards)
-  return jax.tree.map(wrap, tree)
+  return jax.tree.map(lambda x: _rewrap(x, x.shape, meshes.replicated), tree)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -224,7 +222,6 @@ class LocalSums:
   def host_values(self) -> np.ndarray:
     """The host vector the sums carry (read from the first device): for tests and tools."""
     return np.asarray(self.flat.addressable_data(0))[0, self.layout.row_size + 1:]
-
 
 
 def padded_chunks(batch: dict[str, np.ndarray],
@@ -364,8 +361,7 @@ class LocalProgram:
     shapes = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
     sums_like = Sums(shapes(state.params), scalar, scalar, scalar, {k: scalar for k in metrics},
                      shapes(new_state))
-    layout = self.layout = Layout(packing.Packer(sums_like, dtype=jnp.float32), self.precision,
-                                  sum(x.size for x in jax.tree.leaves(state.params)))
+    layout = self.layout = Layout(packing.Packer(sums_like, dtype=jnp.float32), self.precision)
     task, optimizer, n, m = self._task, self._optimizer, layout.row_size, self.per_device
 
     def grad_row(state, sums, batch, key):
