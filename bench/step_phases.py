@@ -108,9 +108,11 @@ def measure(name: str, source: data_lib.ArraySource, repeats: int) -> dict[str, 
          # Each program's own copy of the state: the fused and update programs donate theirs.
          "fused": jax.tree.map(jnp.copy, state), "alone": jax.tree.map(jnp.copy, state)}
   reduction = trainer.reduction
-  total = reduction(step_lib.LocalSums(box["sums"], layout)).total
-  adam = jax.jit(lambda st, row: optimizer.update(
-      layout.sums.unpack({"float32": row}).grads, st.opt_state, st.params))
+  # A copy: in this one-device world the total is the sums row, which run_local donates.
+  total = jnp.copy(reduction(step_lib.LocalSums(box["sums"], layout)).total)
+  adam = jax.jit(lambda st, total: optimizer.update(
+      layout.sums.unpack({"float32": step_lib.summed_row(total, layout)}).grads, st.opt_state,
+      st.params))
 
   def run_plain():
     out = plain._step(*box["plain"], plain_batch, rng)
