@@ -14,7 +14,7 @@ import _precision_entries as entries
 @pytest.fixture(scope="module")
 def three_hosts():
   """One 3-host cluster runs both multi-host tests' training: starting it is a large part."""
-  return run_hosts("_precision_entries:accuracy_and_overflow", hosts=3, args=(300,),
+  return run_hosts("_precision_entries:accuracy_and_overflow", hosts=3, args=(150,),
                    timeout_s=900)
 
 
