@@ -592,7 +592,8 @@ class Reduced(NamedTuple):
   meshes: Meshes          # picks each host's first row out of the report's `[all devices, k]`
   # The summed row, on this host's devices: the next step's program applies it.
   # A one-device world's is its local sums array `[1, n + 1 + k]` as it is:
-  # summing over one device would only copy the row (0.4 ms for ResNet-18).
+  # summing over one device would only copy the row (ResNet-18's reduction
+  # alone: 0.86 -> 0.29 ms).
   total: jax.Array
 
   def fetch(self) -> tuple[dict[str, np.ndarray], np.ndarray]:

@@ -3,8 +3,9 @@
 Four models that a split could change if blocks were not the unit: ResNet-18
 (BatchNorm; sgd), the transformer with dropout (adam), an NNX model and a
 linen model (using `deterministic`) each with BatchNorm and Dropout. Each is
-trained `STEPS` steps with both reduction backends; hosts return their final
-parameters, model state and the shares every step used.
+trained `STEPS` steps with the reduction backends asked for (both by
+default); hosts return their final parameters, model state and the shares
+every step used.
 """
 
 from __future__ import annotations
