@@ -71,7 +71,9 @@ def measure(model: str, async_save: bool, steps: int, every: int, global_batch: 
         t1 = time.perf_counter()
         # The step's own update, which otherwise runs in the next step's first
         # program: a save needs it applied first. Timed apart from the save.
-        jax.block_until_ready(tr.local_state)
+        # (The trainer's own read: `local_state` would lend the state to this
+        # script, and the next step would copy it before donating.)
+        jax.block_until_ready(tr._settled_state())
         t2 = time.perf_counter()
         tr.save_checkpoint(wait=not async_save)
         blocking.append(time.perf_counter() - t2)

@@ -84,16 +84,20 @@ def host_main(runs: list, global_batch: int, microbatch: int, target: float,
       tr = trainer.Trainer(task, inner, source, config)
       seconds = lambda: tr.history.step_s
       samples = lambda: global_batch * len(tr.history.step_s)
+      # The trainer's own read: `state` would lend it to this script, and the
+      # next step would copy it before donating (time no other mode pays).
+      read_state = tr._global_state
     else:
       config = trainer.TrainConfig(global_batch=global_batch, microbatch=microbatch, seed=seed)
       tr = RoundsTrainer(task, inner, source, config, RoundsConfig(mode=kind, **settings))
       seconds = lambda: tr.history.round_s
       samples = lambda: int(sum(sum(s) for s in tr.history.samples))
+      read_state = lambda: tr.state
     curve = []  # (clock seconds, samples, accuracy), evaluation off the clock
 
     def evaluate(tr_, metrics):
       del metrics
-      state = tr_.state
+      state = read_state()
       acc = float(accuracy(jax.tree.map(lambda x: x.addressable_data(0), state.params),
                            jax.tree.map(lambda x: x.addressable_data(0), state.model_state)))
       curve.append((float(np.sum(seconds()[1:])), samples(), acc))  # Step 0 compiles.

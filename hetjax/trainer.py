@@ -16,6 +16,7 @@ import time
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -94,6 +95,10 @@ class TrainConfig:
     if self.check_every < 0:
       raise ValueError(f"check_every must be >= 0 steps (0: only at checkpoints), got "
                        f"{self.check_every}.")
+
+
+# One program for the whole tree: copied op by op, each leaf shape would compile its own.
+_copy_tree = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
 
 
 def params_digest(params: PyTree) -> str:
@@ -186,9 +191,13 @@ class Trainer:
     self._live: step_lib.TrainState
     self._pending: tuple[int, jax.Array] | None = None  # (step, its summed row) not yet applied
     self._global: tuple[step_lib.TrainState, step_lib.TrainState] | None = None
+    # The replica whose buffers `state` / `local_state` handed out (or the
+    # setter took in): the next step donates a copy instead, so what a user
+    # holds is never deleted under them.
+    self._lent: step_lib.TrainState | None = None
     self._late_lr: dict[int, jax.Array] = {}  # step -> its update's learning rate, not yet read
-    self.state = step_lib.init_state(task, optimizer, self.meshes, init_batch, config.seed,
-                                     config.precision)
+    self._replace_state(step_lib.init_state(task, optimizer, self.meshes, init_batch,
+                                            config.seed, config.precision))
     self._check_contract(init_batch)
     self._shows_learning_rate = optimizers_lib.find_learning_rate(self._live.opt_state) is not None
     self.local = step_lib.LocalProgram(
@@ -210,11 +219,11 @@ class Trainer:
     self._stop_at: int | None = None  # The step boundary where every host acts on it.
     self._evaluator: evaluate_lib.Evaluator | None = None
     self.resumed_from: int | None = None
-    self.job = ckpt_lib.describe_job(self.state, {
+    self.job = ckpt_lib.describe_job(self._global_state(), {
         "global_batch": config.global_batch, "seed": config.seed,
         "dataset": repr(source.info), "num_records": len(source), "identity": identity})
     # The model and optimizer too: a stale checkout with the same command line differs here.
-    self._agree_on(ckpt_lib.describe_job(self.state, {}), what="model or optimizer",
+    self._agree_on(ckpt_lib.describe_job(self._global_state(), {}), what="model or optimizer",
                    fix="parameter shapes or optimizer state structure differ; every host must "
                    "run the same code (check each host's checkout and installed packages).")
     self.checkpointer = None
@@ -227,19 +236,24 @@ class Trainer:
   def state(self) -> step_lib.TrainState:
     """The train state after every dispatched step, as global replicated arrays.
 
-    What orbax saves and what a user may inspect or replace. Applies a
+    What orbax saves and what a user may inspect, keep or replace. Applies a
     pending update first (`local_state`) and re-wraps every leaf (zero-copy,
-    ~15 us a leaf), so the step loop never reads it.
+    ~15 us a leaf), so the step loop never reads it. The arrays stay valid
+    after later steps: the next step copies the state once before donating
+    it (`block_until_ready` waits without that).
     """
-    live = self.local_state
-    if self._global is None or self._global[0] is not live:
-      self._global = (live, step_lib.to_global_tree(live, self.meshes))
-    return self._global[1]
+    view = self._global_state()
+    self._lent = self._live
+    return view
 
   @state.setter
   def state(self, state: step_lib.TrainState) -> None:
-    """Replaces the train state (given as global replicated arrays, as `state` returns it)."""
-    self._live, self._pending, self._global = step_lib.to_local_tree(state, self.meshes), None, None
+    """Replaces the train state (given as global replicated arrays, as `state` returns it).
+
+    The arrays stay the caller's: the next step donates a copy of them.
+    """
+    self._replace_state(state)
+    self._lent = self._live
 
   @property
   def local_state(self) -> step_lib.TrainState:
@@ -247,10 +261,27 @@ class Trainer:
 
     The last step's update waits for the next step's first program; reading
     the state applies it alone, with the same function (every host applies
-    every update, so the replicas stay equal).
+    every update, so the replicas stay equal). Valid after later steps, as
+    `state` is.
     """
+    live = self._settled_state()
+    self._lent = live
+    return live
+
+  def _settled_state(self) -> step_lib.TrainState:
+    """`local_state` for the trainer's own reads, which keep nothing past the next step."""
     self._apply_pending()
     return self._live
+
+  def _global_state(self) -> step_lib.TrainState:
+    """`state` for the trainer's own reads (orbax, the job's description); cached per step."""
+    live = self._settled_state()
+    if self._global is None or self._global[0] is not live:
+      self._global = (live, step_lib.to_global_tree(live, self.meshes))
+    return self._global[1]
+
+  def _replace_state(self, state: step_lib.TrainState) -> None:
+    self._live, self._pending, self._global = step_lib.to_local_tree(state, self.meshes), None, None
 
   def _apply_pending(self) -> None:
     """Applies the last step's update alone, if it still waits for a program."""
@@ -303,7 +334,8 @@ class Trainer:
   def _check_contract(self, block: dict[str, np.ndarray]) -> None:
     """Per-example losses and metrics, checked abstractly before anything runs."""
     rng = jax.random.key(0)
-    args = (self.state.params, self.state.model_state, block, rng)
+    state = self._global_state()
+    args = (state.params, state.model_state, block, rng)
     task_lib.check_contract(self.task.loss, *args)
     if self.task.eval_loss is not None:
       task_lib.check_contract(self.task.eval_loss, *args, what="the task's evaluation loss")
@@ -322,10 +354,11 @@ class Trainer:
 
   def _resume(self) -> None:
     """Continues from the newest complete checkpoint, if the folder has one."""
-    restored = self.checkpointer.restore_latest(self.state, self.job)
+    restored = self.checkpointer.restore_latest(self._global_state(), self.job)
     if restored is None:
       return
-    self.state, meta = restored
+    state, meta = restored
+    self._replace_state(state)
     step = self.sampler.restore(meta["data"])
     self._start_step = self.resumed_from = step
     try:
@@ -358,7 +391,7 @@ class Trainer:
     Raises:
       agreement.HostsDisagree: naming the hosts whose replicas differ.
     """
-    params = self.local_state.params
+    params = self._settled_state().params
     rows = step_lib.gather_host_values(agreement.params_fingerprint(params), self.meshes)
     agreement.check_fingerprints(self.step, rows)
 
@@ -400,6 +433,9 @@ class Trainer:
     host_values = np.array([*timed, signals.REQUESTS.code, *shares], np.float32)
     self._look_at_last_step()
     applied, pending = self._pending or (None, None)
+    if self._lent is not None and self._lent is self._live:
+      self._live = _copy_tree(self._live)  # Donated below; the lent one stays.
+    self._lent = None
     local = self.local(self._live, pending, batch, self._example, self._base_key, step,
                        blocks_lib.first_block(shares, self.host_id, block), host_values)
     self._live, self._pending, sums = local.state, None, local.sums
@@ -603,7 +639,7 @@ class Trainer:
     Found in an `optax.inject_hyperparams` state (the command line builds its
     optimizers that way); None for an optimizer that hides it.
     """
-    lr = optimizers_lib.find_learning_rate(self.local_state.opt_state)
+    lr = optimizers_lib.find_learning_rate(self._settled_state().opt_state)
     return None if lr is None else float(np.asarray(lr.addressable_data(0)))
 
   def write_summary(self, out: str, summary: dict[str, Any]) -> None:
@@ -629,12 +665,12 @@ class Trainer:
     if self.checkpointer.last_saved != self.step:
       self.check_params_agree()
     if wait or not self.checkpointer.config.async_save:
-      self.checkpointer.save(self.step, self.state, self._checkpoint_meta())
+      self.checkpointer.save(self.step, self._global_state(), self._checkpoint_meta())
       if wait:
         self.checkpointer.wait()
     else:  # A device copy; a worker thread hands it to orbax while training goes on.
-      self.checkpointer.save_in_background(self.step, self.local_state, self._checkpoint_meta(),
-                                           self.meshes.world)
+      self.checkpointer.save_in_background(self.step, self._settled_state(),
+                                           self._checkpoint_meta(), self.meshes.world)
 
   def _final_waits(self) -> None:
     """The compute and wait seconds no step's rows carried yet travel in one small collective."""
@@ -680,7 +716,7 @@ class Trainer:
 
   def params(self) -> PyTree:
     """The current parameters as host numpy arrays (this host's replica)."""
-    return run_common.host_copy(self.local_state.params)
+    return run_common.host_copy(self._settled_state().params)
 
   def evaluate(self, source: data_lib.ArraySource, batch_size: int = 256) -> dict[str, float]:
     """Mean loss and metrics over all of `source`; every host must call it.
@@ -691,7 +727,7 @@ class Trainer:
     """
     self._evaluator = run_common.evaluator_for(self._evaluator, self.task, self.meshes, batch_size)
     weights = self.history.shares[-1] if self.history.shares else [1] * self.num_hosts
-    state = self.local_state
+    state = self._settled_state()
     return self._evaluator.evaluate(state.params, state.model_state, source, weights)
 
   def _last_eval(self) -> dict[str, Any] | None:

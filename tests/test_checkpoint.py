@@ -105,12 +105,19 @@ def test_a_background_save_hands_a_snapshot_to_a_worker_and_the_next_steps_may_d
     return real(self, step, state, meta)
 
   monkeypatch.setattr(checkpoint.Checkpointer, "_hand_over", held)
-  states, donated = {}, []
+  # The arrays each save is called with (read from the trainer, `Trainer.state`
+  # would be lent to the caller and never donated).
+  saved, donated, real_save = {}, [], checkpoint.Checkpointer.save_in_background
+
+  def recording(self, step, state, *args):
+    saved[step] = state
+    return real_save(self, step, state, *args)
+
+  monkeypatch.setattr(checkpoint.Checkpointer, "save_in_background", recording)
 
   def after(tr, metrics):
-    states[tr.step] = tr.state  # on_step runs before the step's save.
     if tr.step == 8:
-      donated.append(all(x.is_deleted() for x in jax.tree.leaves(states[6].params)))
+      donated.append(all(x.is_deleted() for x in jax.tree.leaves(saved[6].params)))
       release.set()
 
   tr = _trainer(tmp_path)

@@ -98,3 +98,36 @@ def test_the_state_has_every_dispatched_update_and_can_be_replaced():
   moved = np.asarray(jax.tree.leaves(trainer.state.params)[0].addressable_data(0))
   assert not np.array_equal(moved, first)
   trainer.close()
+
+
+def test_a_state_read_between_steps_stays_valid_after_later_steps():
+  """Later steps donate a copy of what `state`, `local_state` or the setter lent, not it."""
+  trainer = _trainer(8)
+  trainer.fit(2)
+  held, held_local = trainer.state, trainer.local_state
+  # Copies, not `device_get`: on CPU its zero-copy views would keep the
+  # runtime from donating the buffers at all, and the test from failing.
+  host_copy = lambda tree: jax.tree.map(lambda x: np.array(x, copy=True), tree)
+  before = host_copy(held.params)
+  trainer.fit(2)
+  assert not any(x.is_deleted() for x in jax.tree.leaves((held, held_local)))
+  assert jax.tree.all(jax.tree.map(np.array_equal, host_copy(held.params), before))
+  assert jax.tree.all(jax.tree.map(np.array_equal, host_copy(held_local.params), before))
+  moved = host_copy(trainer.state.params)
+  assert not jax.tree.all(jax.tree.map(np.array_equal, moved, before))  # It trained on.
+
+  given = jax.tree.map(jnp.copy, trainer.state)
+  trainer.state = given
+  trainer.fit(1)
+  assert not any(x.is_deleted() for x in jax.tree.leaves(given))
+  assert jax.tree.all(jax.tree.map(np.array_equal, host_copy(given.params), moved))
+
+
+def test_steps_that_nobody_read_between_donate_the_state_without_a_copy():
+  """The copy is paid only after a read: a plain `fit` donates the live state."""
+  trainer = _trainer(8)
+  trainer.fit(2)
+  trainer.block_until_ready()  # Waits without lending the state.
+  live = trainer._live
+  trainer.fit(1)
+  assert all(x.is_deleted() for x in jax.tree.leaves(live.params))
