@@ -29,7 +29,7 @@ Per-step work does not grow with the number of parameter arrays: each
 device's sums are one float32 row, so they cross to the world mesh as one
 array and come back as one; the state never leaves the host's devices. A
 step launches one program per micro-batch and one reduction, and re-wraps
-two arrays, for 6 leaves or 600. What a step sends from the host beyond the
+at most two arrays (none in a one-device world), for 6 leaves or 600. What a step sends from the host beyond the
 user's arrays travels in one small int32 array per micro-batch
 (`_POSITION`): each device's step, block, number of real examples (its mask
 is built on the device) and the host vector, so a step makes as many
@@ -406,9 +406,8 @@ class LocalProgram:
     sums_like = jax.ShapeDtypeStruct((d, n + 1 + k), jnp.float32,
                                      sharding=self.meshes.local_by_device)
     total_like = sums_like if self.meshes.one_device else replicated((n,), jnp.float32)
-    self._abstract = (jax.tree.map(like, jax.device_put(micro, self.meshes.local_by_device)),
-                      total_like)
-    micro_like, total_like = self._abstract
+    micro_like = jax.tree.map(like, jax.device_put(micro, self.meshes.local_by_device))
+    self._abstract = (micro_like, total_like)
     # Every program is compiled at a step every host reaches, whatever its
     # share: the first call (and, for the update, the first with one pending).
     # A new share then compiles nothing on any host (invariant 4).
@@ -716,7 +715,6 @@ def make_reduction(name: str, meshes: Meshes):
   if name not in REDUCTIONS:
     raise ValueError(f"unknown reduction backend {name!r}; choose 'device' or 'host'.")
   return REDUCTIONS[name](meshes)
-
 
 
 @functools.lru_cache(maxsize=None)

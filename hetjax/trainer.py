@@ -433,7 +433,7 @@ class Trainer:
     host_values = np.array([*timed, signals.REQUESTS.code, *shares], np.float32)
     self._look_at_last_step()
     applied, pending = self._pending or (None, None)
-    if self._lent is not None and self._lent is self._live:
+    if self._lent is self._live:
       self._live = _copy_tree(self._live)  # Donated below; the lent one stays.
     self._lent = None
     local = self.local(self._live, pending, batch, self._example, self._base_key, step,
