@@ -29,11 +29,12 @@ Per-step work does not grow with the number of parameter arrays: each
 device's sums are one float32 row, so they cross to the world mesh as one
 array and come back as one; the state never leaves the host's devices. A
 step launches one program per micro-batch and one reduction, and re-wraps
-at most two arrays (none in a one-device world), for 6 leaves or 600. What a step sends from the host beyond the
-user's arrays travels in one small int32 array per micro-batch
-(`_POSITION`): each device's step, block, number of real examples (its mask
-is built on the device) and the host vector, so a step makes as many
-transfers as a plain loop's batch has arrays. Under `precision` bf16 / fp16
+at most two arrays (none in a one-device world), for 6 leaves or 600. What
+a step sends from the host beyond the user's arrays travels in one small
+int32 array per micro-batch (`_POSITION`): each device's step, block,
+number of real examples (its mask is built on the device) and the host
+vector, so a step makes as many transfers as a plain loop's batch has
+arrays. Under `precision` bf16 / fp16
 the local program computes in the low type from float32 master parameters;
 sums, the reduction and the update stay float32.
 """
