@@ -41,12 +41,13 @@ def host_main(mode: str, global_batch: int, microbatch: int, steps: int,
   """One host's run (called by hetjax.testing.run_hosts in each host process)."""
   import optax  # pylint: disable=g-import-not-at-top
   import hetjax  # pylint: disable=g-import-not-at-top
-  import hetjax_models  # pylint: disable=g-import-not-at-top
-  from hetjax import balancer, data, trainer  # pylint: disable=g-import-not-at-top
+  from hetjax import models as zoo
+  from hetjax import balancer, trainer  # pylint: disable=g-import-not-at-top
+  from hetjax.input import data
 
   hetjax.initialize()
   source = data.load("digits")
-  task = hetjax_models.build("cnn", kind="image", num_classes=10)
+  task = zoo.build("cnn", kind="image", num_classes=10)
   config = trainer.TrainConfig(global_batch=global_batch, microbatch=microbatch, balancer=mode)
   custom = None
   if mode in ("static", "dynamic") and balancer_options:

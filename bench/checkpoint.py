@@ -33,8 +33,10 @@ import jax
 import optax
 
 import hetjax
-import hetjax_models
-from hetjax import checkpoint, data, trainer
+from hetjax import models as zoo
+from hetjax import trainer
+from hetjax.checkpoint import manager as checkpoint
+from hetjax.input import data
 
 MODELS = {
     "resnet18": ("synthetic", {}),
@@ -45,7 +47,7 @@ MODELS = {
 def _trainer(model: str, directory: str, async_save: bool, global_batch: int) -> trainer.Trainer:
   dataset, overrides = MODELS[model]
   source = data.load(dataset)
-  task = hetjax_models.build(model, kind=source.info.kind, num_classes=source.info.num_classes,
+  task = zoo.build(model, kind=source.info.kind, num_classes=source.info.num_classes,
                              vocab_size=source.info.vocab_size, **overrides)
   config = trainer.TrainConfig(global_batch=global_batch, microbatch=global_batch)
   ckpt = checkpoint.CheckpointConfig(directory, every=10 ** 9, keep=2, resume=False,

@@ -27,16 +27,17 @@ def host_main(betas: list, rounds: int, every: int, optimizer: str, lr: float,
   import numpy as np  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
   import hetjax  # pylint: disable=g-import-not-at-top
-  import hetjax_models  # pylint: disable=g-import-not-at-top
-  from hetjax import data, trainer  # pylint: disable=g-import-not-at-top
+  from hetjax import models as zoo
+  from hetjax import trainer  # pylint: disable=g-import-not-at-top
+  from hetjax.input import data
   from hetjax.modes import RoundsConfig  # pylint: disable=g-import-not-at-top
-  from hetjax.modes.trainer import RoundsTrainer  # pylint: disable=g-import-not-at-top
+  from hetjax.modes.rounds_trainer import RoundsTrainer  # pylint: disable=g-import-not-at-top
 
   hetjax.initialize()
   source, test = data.load("digits"), data.load("digits", "test")
   results = []
   for beta in betas:
-    task = hetjax_models.build("mlp", kind="image", num_classes=10)
+    task = zoo.build("mlp", kind="image", num_classes=10)
     inner = optax.adam(lr) if optimizer == "adam" else optax.sgd(lr, momentum=momentum)
     tr = RoundsTrainer(task, inner, source,
                        trainer.TrainConfig(global_batch=48, microbatch=8, seed=0),

@@ -37,10 +37,10 @@ import numpy as np
 import optax
 
 import hetjax
-from hetjax import data as data_lib
+from hetjax.input import data as data_lib
 from hetjax import step as step_lib
 from hetjax.task import MASK
-import hetjax_models
+from hetjax import models as zoo
 import overhead
 
 
@@ -117,7 +117,7 @@ def measure(name: str, source: data_lib.ArraySource, repeats: int) -> dict[str, 
   """The four loops of one model, interleaved; ms per step and paired ms against plain."""
   setting = overhead.SETTINGS[name]
   batch = setting.global_batch
-  task = hetjax_models.build(name, kind=source.info.kind, num_classes=source.info.num_classes,
+  task = zoo.build(name, kind=source.info.kind, num_classes=source.info.num_classes,
                              **setting.overrides)
   optimizer = optax.adam(overhead.LEARNING_RATE)
   trainer = hetjax.Trainer(task, optimizer, source, hetjax.TrainConfig(

@@ -9,7 +9,7 @@ Run from the repository root:
 For each dataset, one host's `HostLoader` delivers `--batch` records per step
 in the trainer's pattern (`get(s)`, then `prefetch(s + 1)` with the same
 shares) as fast as it can; a plain `jax.jit` CNN train step
-(`hetjax_models.build("cnn", ...)`, adam, mean loss, device-resident batch,
+(`zoo.build("cnn", ...)`, adam, mean loss, device-resident batch,
 blocking on the loss) consumes batches of the same size and shape. Each
 repeat times both back to back; the ratio pipeline / consumption is the median
 of the per-repeat ratios and must be >= 2 for "digits" and "synthetic_big".
@@ -42,8 +42,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-import hetjax_models
-from hetjax import augment, data, loader, tfds_data
+from hetjax import models as zoo
+from hetjax.input import augment
+from hetjax.input import data
+from hetjax.input import loader
+from hetjax.input import tfds_data
 
 REQUIRED = ("digits", "synthetic_big")
 TARGET = 2.0
@@ -52,7 +55,7 @@ SEED = 0
 
 def _consumer(source: data.Source, batch: int, model: str = "cnn") -> Callable[[], None]:
   """One plain jitted train step of `model` on a fixed device batch, per call."""
-  task = hetjax_models.build(model, kind="image", num_classes=source.info.num_classes)
+  task = zoo.build(model, kind="image", num_classes=source.info.num_classes)
   host = source[np.arange(batch) % len(source)]
   device = jax.device_put({"x": host["x"], "y": host["y"], "mask": np.ones(batch, np.float32)})
   key = jax.random.key(SEED)

@@ -57,10 +57,11 @@ def host_main(runs: list, global_batch: int, microbatch: int, target: float,
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
   import hetjax  # pylint: disable=g-import-not-at-top
-  import hetjax_models  # pylint: disable=g-import-not-at-top
-  from hetjax import data, task as task_lib, trainer  # pylint: disable=g-import-not-at-top
+  from hetjax import models as zoo
+  from hetjax import task as task_lib, trainer  # pylint: disable=g-import-not-at-top
+  from hetjax.input import data
   from hetjax.modes import RoundsConfig  # pylint: disable=g-import-not-at-top
-  from hetjax.modes.trainer import RoundsTrainer  # pylint: disable=g-import-not-at-top
+  from hetjax.modes.rounds_trainer import RoundsTrainer  # pylint: disable=g-import-not-at-top
 
   hetjax.initialize()
   source, test = data.load("digits"), data.load("digits", "test")
@@ -69,7 +70,7 @@ def host_main(runs: list, global_batch: int, microbatch: int, target: float,
   results = []
   for name, seed, lr in runs:
     kind, settings, momentum, _ = MODES[name]
-    task = hetjax_models.build("cnn", kind="image", num_classes=10)
+    task = zoo.build("cnn", kind="image", num_classes=10)
     loss_fn = task.evaluation_loss()
 
     @jax.jit
@@ -153,7 +154,7 @@ def main(argv=None) -> dict:
   if unknown:
     raise SystemExit(f"unknown mode(s) {unknown}; choose from {', '.join(MODES)}.")
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-  from hetjax import data  # pylint: disable=g-import-not-at-top
+  from hetjax.input import data  # pylint: disable=g-import-not-at-top
   from hetjax.testing import run_hosts  # pylint: disable=g-import-not-at-top
 
   max_samples = int(args.max_epochs * len(data.load("digits")))

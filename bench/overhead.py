@@ -5,7 +5,7 @@ Run from the repository root (all four models in one run, a few minutes):
   python bench/overhead.py [--models mlp,cnn,resnet18,resnet50] \
       [--precision fp32|bf16|fp16] [--repeats 21] [--steps N] [--microbatch M]
 
-All three loops train the same model (`hetjax_models.build`) on sklearn digits with
+All three loops train the same model (`zoo.build`) on sklearn digits with
 `optax.adam(1e-3)`, on 1 host x 1 CPU device (no emulation, no HETJAX_*
 variables), fed the same global batches (`GlobalSampler(...).indices(step)`,
 a numpy gather, then a host-to-device transfer every step):
@@ -54,9 +54,9 @@ import numpy as np
 import optax
 
 import hetjax
-from hetjax import data as data_lib
+from hetjax.input import data as data_lib
 from hetjax.task import Task
-import hetjax_models
+from hetjax import models as zoo
 
 Batch = dict[str, np.ndarray]
 TARGET = 0.95
@@ -253,7 +253,7 @@ def measure_model(name: str, args: argparse.Namespace, source: data_lib.ArraySou
   setting = SETTINGS[name]
   batch, steps = setting.global_batch, args.steps or setting.steps
   microbatch = args.microbatch or batch
-  task = hetjax_models.build(name, kind=source.info.kind,
+  task = zoo.build(name, kind=source.info.kind,
                              num_classes=source.info.num_classes, **setting.overrides)
   optimizer = optax.adam(LEARNING_RATE)
   plain = PlainLoop(task, optimizer, source, batch, args.precision)

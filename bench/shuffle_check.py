@@ -6,7 +6,7 @@ Run from the repository root (needs grain: `pip install -e ".[bench]"`):
 
 For each dataset size it maps stream positions 0..2047 of one epoch through
 grain's `index_shuffle` (what `grain.MapDataset.shuffle` calls per element)
-and through `hetjax.shuffle.permute`, and prints how many sixteenths of the
+and through `hetjax.input.shuffle.permute`, and prints how many sixteenths of the
 range they land in (a good shuffle: all 16) and how many distinct indices
 come out (a permutation: all 2048). It also times 4096 positions of an
 ImageNet-size epoch (1,281,167 records) both ways, side by side.
@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from hetjax import shuffle
+from hetjax.input import shuffle
 
 try:
   from grain._src.python.experimental.index_shuffle.python import index_shuffle_module as grain_shuffle

@@ -2,11 +2,11 @@
 
 Run: `.venv/bin/python bench/simulate.py` (about 3 minutes on 2 shared cores;
 `--quick` for a smaller grid). Nothing here runs on a GPU: the cluster is
-`hetjax.sim` (GPU speed ratios, per-class fixed costs, noise, persistent slow
+`hetjax.sim.sync` (GPU speed ratios, per-class fixed costs, noise, persistent slow
 hosts, slow spells, hierarchical all-reduce) driving the real
 `hetjax.balancer`. Every figure is SIMULATED; the assumptions are printed
 first, as one table. Prints, per size: the speedup table; simulated hybrid
-rounds (`hetjax.sim_rounds`, H = 4 and 8) next to the synchronous rows at
+rounds (`hetjax.sim.rounds`, H = 4 and 8) next to the synchronous rows at
 16 and 1024 hosts, against EDDIS's figures (throughput only, not
 statistical efficiency); the breakdown
 ideal -> minus communication -> minus noise -> minus stragglers; curves over
@@ -24,7 +24,9 @@ import time
 
 import numpy as np
 
-from hetjax import balancer, sim, sim_rounds
+from hetjax import balancer
+from hetjax.sim import sync as sim
+from hetjax.sim import rounds as sim_rounds
 
 HOSTS = (1, 2, 4, 8, 16, 64, 256, 1024)
 MODES = ("equal", "static", "dynamic")
@@ -223,7 +225,7 @@ def main(argv=None) -> dict:
   seeds = tuple(range(args.seeds))
   hosts = (16, 1024) if args.quick else HOSTS
   t0 = time.time()
-  print("SIMULATED cluster (hetjax.sim driving hetjax.balancer). Assumptions:")
+  print("SIMULATED cluster (hetjax.sim.sync driving hetjax.balancer). Assumptions:")
   print(f"  {'what':<30} {'value':<70} source")
   for what, value, source in sim.ASSUMPTIONS + sim_rounds.ASSUMPTIONS:
     print(f"  {what:<30} {value:<70} {source}")

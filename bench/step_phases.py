@@ -50,9 +50,9 @@ import numpy as np
 import optax
 
 import hetjax
-from hetjax import data as data_lib
+from hetjax.input import data as data_lib
 from hetjax import step as step_lib
-import hetjax_models
+from hetjax import models as zoo
 import overhead
 
 
@@ -72,7 +72,7 @@ def _median_ms(runs: dict[str, Callable[[], Any]], repeats: int) -> dict[str, fl
 def measure(name: str, source: data_lib.ArraySource, repeats: int) -> dict[str, float]:
   """The programs of one model, timed alone."""
   setting = overhead.SETTINGS[name]
-  task = hetjax_models.build(name, kind=source.info.kind, num_classes=source.info.num_classes,
+  task = zoo.build(name, kind=source.info.kind, num_classes=source.info.num_classes,
                              **setting.overrides)
   optimizer = optax.adam(overhead.LEARNING_RATE)
   plain = overhead.PlainLoop(task, optimizer, source, setting.global_batch, "fp32")

@@ -1,4 +1,4 @@
-"""Validation of hetjax.sim: replay the EMULATED 3-host cluster of bench/balance.py.
+"""Validation of hetjax.sim.sync: replay the EMULATED 3-host cluster of bench/balance.py.
 
 Run: `.venv/bin/python bench/validate_sim.py` (about 5 minutes on 2 cores).
 
@@ -10,7 +10,7 @@ One invocation measures and predicts side by side:
 2. Calibration from the `equal` run ONLY: each host's real per-step overhead
    (its measured compute minus the emulated device time it was paced for),
    the reduction time and the timing noise.
-3. PREDICTED: `hetjax.sim` with those values and the real balancer predicts
+3. PREDICTED: `hetjax.sim.sync` with those values and the real balancer predicts
    the other three runs, which it never saw: static / equal and dynamic /
    equal speedups, and the steps to recover from the slowdown.
 The emulator paces the device part exactly as the simulator's cost model
@@ -32,7 +32,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import balance  # noqa: E402  (bench/balance.py: the measured side)
 
-from hetjax import balancer, sim  # noqa: E402
+from hetjax import balancer  # noqa: E402
+from hetjax.sim import sync as sim
 
 
 def calibrate(run: dict, sample_ms: float, speeds) -> dict:
@@ -109,7 +110,7 @@ def main(argv=None) -> dict:
   predicted_recovery = predict(calib, "dynamic", args, speeds, args.recovery_steps, slow_at)
 
   print(f"EMULATED 3-host cluster (speeds {speeds}, device {args.sample_ms:g} ms/sample) MEASURED, "
-        f"next to hetjax.sim's SIMULATED prediction calibrated on the equal run only:")
+        f"next to hetjax.sim.sync's SIMULATED prediction calibrated on the equal run only:")
   print(f"  calibration: host overhead {[round(v * 1e3, 1) for v in calib['overhead_s']]} ms, "
         f"reduction {calib['reduction_s'] * 1e3:.1f} ms, noise {calib['noise']:.1%}")
   rows = {}

@@ -9,8 +9,8 @@ import importlib as _importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "initialize": "hetjax.runtime",
-    "topology": "hetjax.runtime",
+    "initialize": "hetjax.cluster.runtime",
+    "topology": "hetjax.cluster.runtime",
     "Task": "hetjax.task",
     "from_functions": "hetjax.task",
     "from_linen": "hetjax.task",
@@ -21,20 +21,30 @@ _EXPORTS = {
     "TrainConfig": "hetjax.trainer",
     "train": "hetjax.trainer",
     "params_digest": "hetjax.trainer",
-    "RoundsTrainer": "hetjax.modes.trainer",
+    "RoundsTrainer": "hetjax.modes.rounds_trainer",
     "RoundsConfig": "hetjax.modes.options",
-    "Preempted": "hetjax.signals",
-    "Interrupted": "hetjax.signals",
-    "Stopped": "hetjax.signals",
-    "HostsDisagree": "hetjax.agreement",
-    "CheckpointConfig": "hetjax.checkpoint",
-    "ArraySource": "hetjax.data",
-    "DatasetInfo": "hetjax.data",
+    "Preempted": "hetjax.cluster.signals",
+    "Interrupted": "hetjax.cluster.signals",
+    "Stopped": "hetjax.cluster.signals",
+    "HostsDisagree": "hetjax.training.agreement",
+    "CheckpointConfig": "hetjax.checkpoint.manager",
+    "ArraySource": "hetjax.input.data",
+    "DatasetInfo": "hetjax.input.data",
 }
 
-# Submodules the README uses as `hetjax.NAME.thing` after a plain `import hetjax`.
-_SUBMODULES = ("testing", "metrics", "report", "progress", "checkpoint", "data", "optimizers",
-               "signals")
+# Submodules the README uses as `hetjax.NAME.thing` after a plain `import hetjax`,
+# by the family folder each lives in.
+_SUBMODULES = {
+    "testing": "hetjax.testing",
+    "metrics": "hetjax.observe.metrics",
+    "report": "hetjax.observe.report",
+    "progress": "hetjax.observe.progress",
+    "checkpoint": "hetjax.checkpoint",
+    "data": "hetjax.input.data",
+    "optimizers": "hetjax.optimizers",
+    "signals": "hetjax.cluster.signals",
+    "models": "hetjax.models",
+}
 
 __all__ = sorted(_EXPORTS)
 
@@ -43,7 +53,7 @@ def __getattr__(name: str):
   if name in _EXPORTS:
     return getattr(_importlib.import_module(_EXPORTS[name]), name)
   if name in _SUBMODULES:
-    return _importlib.import_module(f"hetjax.{name}")
+    return _importlib.import_module(_SUBMODULES[name])
   raise AttributeError(f"module 'hetjax' has no attribute {name!r}")
 
 

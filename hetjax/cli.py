@@ -96,7 +96,8 @@ def _parser() -> argparse.ArgumentParser:
                  help="start afresh even if --ckpt-dir holds a checkpoint")
   c.add_argument("--sync-save", dest="async_save", action="store_false",
                  help="block training while a checkpoint is written (default: background)")
-  from hetjax import doctor, report  # Neither imports JAX at module level.
+  from hetjax.cluster import doctor  # Neither imports JAX at module level.
+  from hetjax.observe import report
   report.add_arguments(sub.add_parser("report", help="draw and summarise a run folder"))
   doctor.add_arguments(sub.add_parser(
       "doctor", help="check the cluster and measure every host (run it on every host)"))
@@ -105,17 +106,18 @@ def _parser() -> argparse.ArgumentParser:
 
 def _check_args(args: argparse.Namespace) -> None:
   """Everything that can be checked before JAX starts; raises ValueError."""
-  import hetjax_models
-  from hetjax import balancer, data
+  from hetjax import models as zoo
+  from hetjax import balancer
+  from hetjax.input import data
 
-  if args.model not in hetjax_models.MODEL_NAMES:
-    raise ValueError(f"unknown model {args.model!r}; choose one of {', '.join(hetjax_models.MODEL_NAMES)}.")
+  if args.model not in zoo.MODEL_NAMES:
+    raise ValueError(f"unknown model {args.model!r}; choose one of {', '.join(zoo.MODEL_NAMES)}.")
   data.check_dataset_name(args.dataset, args.data_dir)
-  from hetjax import augment
+  from hetjax.input import augment
   augment.parse(args.augment)
   data.check_image_size(args.dataset, args.image_size)
   if args.image_size is not None:
-    from hetjax import images
+    from hetjax.input import images
     images.recipe_from_augment(args.image_size, 3, args.augment)
   if args.data_workers is not None and args.data_workers < 0:
     raise ValueError(f"--data-workers must be >= 0 (0 reads in threads), got {args.data_workers}.")
@@ -149,14 +151,14 @@ def _check_args(args: argparse.Namespace) -> None:
   if args.dropout is not None:
     if not 0 <= args.dropout < 1:
       raise ValueError(f"--dropout must be in [0, 1), got {args.dropout}.")
-    if "dropout" not in hetjax_models.default_config(args.model):
-      has = [m for m in hetjax_models.MODEL_NAMES if "dropout" in hetjax_models.default_config(m)]
+    if "dropout" not in zoo.default_config(args.model):
+      has = [m for m in zoo.MODEL_NAMES if "dropout" in zoo.default_config(m)]
       raise ValueError(f"model {args.model!r} has no dropout; --dropout applies to "
                        f"{', '.join(has)}.")
 
 
 def _checkpoint_config(args: argparse.Namespace):
-  from hetjax import checkpoint
+  from hetjax.checkpoint import manager as checkpoint
   return checkpoint.CheckpointConfig(args.ckpt_dir, every=args.ckpt_every, keep=args.ckpt_keep,
                                      resume=args.resume, async_save=args.async_save)
 
@@ -176,15 +178,19 @@ def train(args: argparse.Namespace) -> dict:
   """Runs one host's part of the job; returns the summary."""
   _check_args(args)
   import numpy as np
-  import hetjax_models
-  from hetjax import data, loader, progress, runtime, trainer
+  from hetjax import models as zoo
+  from hetjax import trainer
+  from hetjax.input import data
+  from hetjax.input import loader
+  from hetjax.observe import progress
+  from hetjax.cluster import runtime
 
   topo = runtime.initialize(timeout_s=args.init_timeout)
   images = {"image_size": args.image_size} if args.image_size is not None else {}
   source = data.load(args.dataset, "train", data_dir=args.data_dir, augment=args.augment, **images)
   test_source, test_split = None, data.evaluation_split(args.dataset, args.data_dir)
   if source.info.kind == "image" and test_split is not None:
-    from hetjax import sources
+    from hetjax.input import sources
     test_source = data.load(args.dataset, test_split, data_dir=args.data_dir, **images)
     sources.check_records(test_source, sources.record_spec(source))  # Before, not after, training.
   if args.eval_every and test_source is None:
@@ -193,7 +199,7 @@ def train(args: argparse.Namespace) -> dict:
   overrides = {} if args.model_width is None else {"width": args.model_width}
   if args.dropout is not None:
     overrides["dropout"] = args.dropout
-  task = hetjax_models.build(args.model, kind=source.info.kind, num_classes=source.info.num_classes,
+  task = zoo.build(args.model, kind=source.info.kind, num_classes=source.info.num_classes,
                              vocab_size=source.info.vocab_size, **overrides)
   config = trainer.TrainConfig(global_batch=args.global_batch, microbatch=args.microbatch,
                                seed=args.seed, assignment=args.assignment, reduction=args.reduction,
@@ -209,7 +215,7 @@ def train(args: argparse.Namespace) -> dict:
                          data_workers=args.data_workers if args.data_workers is not None else
                          (loader.default_workers() if images else 0))
   else:  # --mode hybrid / elastic: --steps counts rounds, --optimizer is the inner one.
-    from hetjax.modes.trainer import RoundsTrainer
+    from hetjax.modes.rounds_trainer import RoundsTrainer
     tr = RoundsTrainer(task, _optimizer(args), source, config, rounds, identity=identity,
                        checkpoint=ckpt)
   bar = progress.Progress(args.steps, host_id=topo.host_id, every=max(args.log_every, 1))
@@ -259,12 +265,13 @@ def _exit_now(code: int) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
   args = _parser().parse_args(argv)
   if args.command in ("report", "doctor"):
-    from hetjax import doctor, report
+    from hetjax.cluster import doctor
+    from hetjax.observe import report
     return {"report": report, "doctor": doctor}[args.command].run(args)
   # Read when needed, not up front: joining a cluster found from SLURM or
-  # Open MPI writes HETJAX_NUM_HOSTS / HETJAX_HOST_ID (hetjax.runtime).
+  # Open MPI writes HETJAX_NUM_HOSTS / HETJAX_HOST_ID (hetjax.cluster.runtime).
   multi_host = lambda: int(os.environ.get("HETJAX_NUM_HOSTS", "1")) > 1
-  from hetjax import signals  # Stdlib only: bad arguments still fail before JAX loads.
+  from hetjax.cluster import signals  # Stdlib only: bad arguments still fail before JAX loads.
   try:
     # Caught from the start: a signal while joining or compiling stops this host
     # at once (exit 75 / 130) instead of being swallowed by JAX's SIGTERM handler;

@@ -20,31 +20,31 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from hetjax import agreement
-from hetjax import augment as augment_lib
+from hetjax.training import agreement
+from hetjax.input import augment as augment_lib
 from hetjax import balancer as balancer_lib
 from hetjax import blocks as blocks_lib
-from hetjax import checkpoint as ckpt_lib
-from hetjax import data as data_lib
-from hetjax import evaluate as evaluate_lib
-from hetjax import loader as loader_lib
-from hetjax import metrics as metrics_lib
+from hetjax.checkpoint import manager as ckpt_lib
+from hetjax.input import data as data_lib
+from hetjax.training import evaluate as evaluate_lib
+from hetjax.input import loader as loader_lib
+from hetjax.observe import metrics as metrics_lib
 from hetjax import optimizers as optimizers_lib
 from hetjax import precision as precision_lib
-from hetjax import readiness
-from hetjax import run_common
-from hetjax import runtime
-from hetjax import signals
-from hetjax import sources as sources_lib
+from hetjax.training import readiness
+from hetjax.training import lifecycle as run_common
+from hetjax.cluster import runtime
+from hetjax.cluster import signals
+from hetjax.input import sources as sources_lib
 from hetjax import step as step_lib
 from hetjax import task as task_lib
-from hetjax.history import History
-from hetjax.signals import Interrupted, Preempted, Stopped  # noqa: F401 (public names)
+from hetjax.observe.history import History
+from hetjax.cluster.signals import Interrupted, Preempted, Stopped  # noqa: F401 (public names)
 from hetjax.task import Task
 
 PyTree = Any
 WARMUP_STEPS = 2  # Steps excluded from throughput: compilation and first transfers.
-# Set by the launchers' emulation flags; named here so that `hetjax.emulate`
+# Set by the launchers' emulation flags; named here so that `hetjax.cluster.emulate`
 # is imported only when something is emulated.
 _EMULATION_ENV = ("HETJAX_SPEED", "HETJAX_SLOWDOWN", "HETJAX_DEVICE_SAMPLE_MS")
 
@@ -65,7 +65,7 @@ class TrainConfig:
     balancer: None (follow `assignment`), 'equal', 'static' (profile a short
       warm-up, then fix the split) or 'dynamic' (keep re-sizing shares from
       the measured step times).
-    augment: per-example augmentation, e.g. 'crop,flip' (see hetjax.augment);
+    augment: per-example augmentation, e.g. 'crop,flip' (see hetjax.input.augment);
       its randomness follows the example's global index, not the host.
     check_every: compare every host's parameter fingerprint every this many
       steps and at every checkpoint (0: only at checkpoints).
@@ -157,7 +157,7 @@ class Trainer:
         continues from the newest complete checkpoint there, also when it was
         written by another number of hosts.
       data_workers: input worker processes on this host (0: threads); may
-        differ between hosts (see `hetjax.loader`).
+        differ between hosts (see `hetjax.input.loader`).
     """
     if int(os.environ.get(runtime.ENV_NUM_HOSTS, "1")) > 1 and not runtime.is_initialized():
       raise RuntimeError(f"{runtime.ENV_NUM_HOSTS} asks for several hosts but the cluster is not joined: "
@@ -175,7 +175,7 @@ class Trainer:
     self._check_hosts_agree(f"{identity}|{checkpoint!r}")
     self.emulated = pace is not None or any(k in os.environ for k in _EMULATION_ENV)
     if pace is None and self.emulated:
-      from hetjax import emulate  # Emulation stays off the real path.
+      from hetjax.cluster import emulate  # Emulation stays off the real path.
       pace = emulate.pacing_from_env(self.host_id)
     self.pace = pace
     self.loader = loader_lib.HostLoader(source, self.sampler, self.host_id, workers=data_workers,
@@ -215,7 +215,7 @@ class Trainer:
     self._last_update_ready: float | None = None
     self._start_step = 0
     self._base_key = jax.random.key(config.seed)
-    self._stop_code = 0.0  # The largest stop signal any host sent (hetjax.signals).
+    self._stop_code = 0.0  # The largest stop signal any host sent (hetjax.cluster.signals).
     self._stop_at: int | None = None  # The step boundary where every host acts on it.
     self._evaluator: evaluate_lib.Evaluator | None = None
     self.resumed_from: int | None = None
@@ -539,7 +539,7 @@ class Trainer:
       log: where log lines go.
       on_step: called after every step with the trainer and the step's
         metrics (the loop then finishes every step before the next).
-      sinks: fed one complete per-step record each (`hetjax.metrics` schema),
+      sinks: fed one complete per-step record each (`hetjax.observe.metrics` schema),
         e.g. `MetricsWriter.write` or `Progress.update`; a step's record
         comes two steps late, when its wait seconds are known.
       eval_every: evaluate on `eval_source` every this many steps (0: only
@@ -689,7 +689,7 @@ class Trainer:
     """The figures of the run so far; identical on every host.
 
     Aggregates cover the whole run; the per-host lists (`batch`, `compute_s`,
-    `wait_s`) only the recent steps the history keeps (`hetjax.history.WINDOW`):
+    `wait_s`) only the recent steps the history keeps (`hetjax.observe.history.WINDOW`):
     every step is in metrics.jsonl.
 
     Args:

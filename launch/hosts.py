@@ -34,7 +34,7 @@ outlives the connection, so a host that is saving never fails on a write to
 a dead terminal, and it never sees a terminal, so progress lines stay plain
 lines. `ServerAliveInterval` ends an ssh whose peer stopped answering. The
 remote hosts need bash. `--max-restarts` / `--max-preemptions` restart all
-hosts as `launch/local.py` does (see `hetjax.procs.supervise`).
+hosts as `launch/local.py` does (see `hetjax.cluster.procs.supervise`).
 """
 
 from __future__ import annotations
@@ -48,10 +48,10 @@ import sys
 from typing import Callable, Mapping, Sequence
 
 try:
-  from hetjax import procs
+  from hetjax.cluster import procs
 except ImportError:  # Run from a checkout without installing hetjax.
   sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  from hetjax import procs
+  from hetjax.cluster import procs
 
 DEFAULT_PORT = 29517
 # -tt: a remote terminal, so the remote side is hung up with the connection.

@@ -15,12 +15,12 @@ also die when the launcher itself is killed, even by SIGKILL.
 Supervised restarts: with `--max-restarts K`, a failed job (a host exits
 non-zero or is killed) is started again, all hosts, with the same command and
 a new coordinator port, at most K times; the command resumes from its own
-checkpoint folder. A host exiting 75 (`hetjax.procs.PREEMPTED_EXIT`) was
+checkpoint folder. A host exiting 75 (`hetjax.cluster.procs.PREEMPTED_EXIT`) was
 preempted and saved: such restarts have their own budget, `--max-preemptions`
 (default 20 with --max-restarts, else 0, so that a preempted run exits 75 for
 an outer scheduler to requeue). Each host sees HETJAX_RESTART_COUNT.
 
-The mechanism lives in `hetjax.procs`; this file only parses the command line.
+The mechanism lives in `hetjax.cluster.procs`; this file only parses the command line.
 """
 
 from __future__ import annotations
@@ -31,10 +31,12 @@ import sys
 from typing import Sequence
 
 try:
-  from hetjax import emulate, procs
+  from hetjax.cluster import emulate
+  from hetjax.cluster import procs
 except ImportError:  # Run from a checkout without installing hetjax.
   sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  from hetjax import emulate, procs
+  from hetjax.cluster import emulate
+  from hetjax.cluster import procs
 
 
 def _parser() -> argparse.ArgumentParser:

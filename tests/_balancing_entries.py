@@ -6,8 +6,9 @@ import jax
 import optax
 
 import hetjax
-import hetjax_models
-from hetjax import data, trainer
+from hetjax import models as zoo
+from hetjax import trainer
+from hetjax.input import data
 
 PER_SAMPLE_S = 1e-3
 
@@ -29,7 +30,7 @@ def dynamic_balancing_on_recorded_timings(steps: int, slow_host: int, factor: fl
     slow = host == slow_host and step >= from_step
     return samples * PER_SAMPLE_S * (factor if slow else 1.0)
 
-  task = hetjax_models.build("mlp", kind="image", num_classes=10)
+  task = zoo.build("mlp", kind="image", num_classes=10)
   config = trainer.TrainConfig(global_batch=256, microbatch=16, balancer="dynamic")
   tr = trainer.Trainer(task, optax.adam(1e-3), data.load("digits"), config, pace=recorded)
   summary = tr.fit(steps)

@@ -8,7 +8,8 @@ import numpy as np
 import optax
 
 import hetjax
-from hetjax import data, trainer
+from hetjax import trainer
+from hetjax.input import data
 
 RECORDS, FEATURES, BATCH, BLOCK, SEED = 64, 32, 62, 4, 7
 

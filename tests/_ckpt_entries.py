@@ -12,14 +12,16 @@ import optax
 from jax.experimental import multihost_utils
 
 import hetjax
-import hetjax_models
-from hetjax import checkpoint, data, trainer
+from hetjax import models as zoo
+from hetjax import trainer
+from hetjax.checkpoint import manager as checkpoint
+from hetjax.input import data
 
 
 def _trainer(directory: str | None, assignment="equal") -> trainer.Trainer:
   hetjax.initialize()
   source = data.load("digits")
-  task = hetjax_models.build("mlp", kind="image", num_classes=10, hidden=(32,))
+  task = zoo.build("mlp", kind="image", num_classes=10, hidden=(32,))
   ckpt = None if directory is None else checkpoint.CheckpointConfig(directory, every=3, keep=2)
   return trainer.Trainer(task, optax.adam(1e-3), source,
                          trainer.TrainConfig(global_batch=64, microbatch=4, assignment=assignment),

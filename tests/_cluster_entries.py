@@ -7,8 +7,9 @@ import numpy as np
 import optax
 
 import hetjax
-import hetjax_models
-from hetjax import balancer, data, trainer
+from hetjax import models as zoo
+from hetjax import balancer, trainer
+from hetjax.input import data
 
 EXACTNESS_STEPS = 10
 
@@ -16,7 +17,7 @@ EXACTNESS_STEPS = 10
 def _trainer(model: str, dataset: str, *, assignment="equal", reduction="device",
              global_batch=64, microbatch=4, balancer_=None, lr=1e-3, **overrides) -> trainer.Trainer:
   source = data.load(dataset)
-  task = hetjax_models.build(model, kind=source.info.kind, num_classes=source.info.num_classes,
+  task = zoo.build(model, kind=source.info.kind, num_classes=source.info.num_classes,
                              vocab_size=source.info.vocab_size, **overrides)
   config = trainer.TrainConfig(global_batch=global_batch, microbatch=microbatch,
                                assignment=assignment, reduction=reduction)
@@ -70,7 +71,7 @@ def mismatched_config():
   """Host 1 uses another seed: every host must refuse before training."""
   hetjax.initialize()
   source = data.load("digits")
-  task = hetjax_models.build("mlp", kind="image", num_classes=10)
+  task = zoo.build("mlp", kind="image", num_classes=10)
   seed = 1 if jax.process_index() == 1 else 0
   try:
     trainer.Trainer(task, optax.adam(1e-3), source, trainer.TrainConfig(global_batch=64, seed=seed))
@@ -83,7 +84,7 @@ def dynamic_balancing(steps: int = 36):
   """The dynamic balancer on a cluster where one host slows down mid-run."""
   hetjax.initialize()
   source = data.load("digits")
-  task = hetjax_models.build("mlp", kind="image", num_classes=10)
+  task = zoo.build("mlp", kind="image", num_classes=10)
   config = trainer.TrainConfig(global_batch=256, microbatch=16, balancer="dynamic")
   tr = trainer.Trainer(task, optax.adam(1e-3), source, config)
   summary = tr.fit(steps)
@@ -94,7 +95,7 @@ def dynamic_balancing(steps: int = 36):
 def one_host_reference(global_batch: int, microbatch: int, steps: int):
   hetjax.initialize()
   source = data.load("digits")
-  task = hetjax_models.build("mlp", kind="image", num_classes=10)
+  task = zoo.build("mlp", kind="image", num_classes=10)
   tr = trainer.Trainer(task, optax.adam(1e-3), source,
                        trainer.TrainConfig(global_batch=global_batch, microbatch=microbatch))
   tr.fit(steps)

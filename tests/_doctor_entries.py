@@ -9,7 +9,7 @@ import os
 
 import jax
 
-from hetjax import doctor
+from hetjax.cluster import doctor
 
 
 def doctor_on_every_host(json_path: str, steps: int = 6, expect_devices: str | None = None):

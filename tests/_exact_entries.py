@@ -17,8 +17,9 @@ import numpy as np
 import optax
 
 import hetjax
-import hetjax_models
-from hetjax import blocks, data, trainer
+from hetjax import models as zoo
+from hetjax import blocks, trainer
+from hetjax.input import data
 
 STEPS = 6
 GLOBAL_BATCH = 62   # Not a multiple of the block: the last block is partial.
@@ -82,11 +83,11 @@ def build(model: str):
     upscale = lambda x: np.repeat(np.repeat(x, 4, axis=1), 4, axis=2)
     source = data.ArraySource({"x": upscale(digits.arrays["x"]), "y": digits.arrays["y"]},
                               digits.info)
-    task = hetjax_models.build("resnet18", kind="image", num_classes=10, width=4)
+    task = zoo.build("resnet18", kind="image", num_classes=10, width=4)
     return source, task, optax.sgd(0.02)
   if model == "transformer":
     source = data.load("tokens")
-    task = hetjax_models.build("transformer", kind="tokens", vocab_size=source.info.vocab_size,
+    task = zoo.build("transformer", kind="tokens", vocab_size=source.info.vocab_size,
                                num_layers=1, d_model=32, dropout=0.1)
     return source, task, optax.adam(3e-3)
   if model == "linen":

@@ -7,17 +7,18 @@ import numpy as np
 import optax
 
 import hetjax
-import hetjax_models
-from hetjax import data, trainer
+from hetjax import models as zoo
+from hetjax import trainer
+from hetjax.input import data
 from hetjax import step as step_lib
 from hetjax.modes import RoundsConfig
-from hetjax.modes.trainer import RoundsTrainer
+from hetjax.modes.rounds_trainer import RoundsTrainer
 
 BLOCK = 8
 
 
 def _tiny():
-  return hetjax_models.build("mlp", kind="image", num_classes=10, hidden=(16,))
+  return zoo.build("mlp", kind="image", num_classes=10, hidden=(16,))
 
 
 def degenerate(steps: int, global_batch: int, lr: float) -> dict:
@@ -55,11 +56,11 @@ def accuracy(mode: str, rounds: int, local_steps: tuple, lr: float, momentum: fl
   keeps them until the next round starts from the centre), gathered, so
   the caller can check the recorded spread against them.
   """
-  from hetjax import runtime
+  from hetjax.cluster import runtime
   if not runtime.is_initialized():
     hetjax.initialize()
   source, test = data.load("digits"), data.load("digits", "test")
-  task = hetjax_models.build("mlp", kind="image", num_classes=10)
+  task = zoo.build("mlp", kind="image", num_classes=10)
   config = trainer.TrainConfig(global_batch=48, microbatch=BLOCK, seed=0)
   inner = optax.adam(lr) if adam else optax.sgd(lr, momentum=momentum)
   tr = RoundsTrainer(task, inner, source, config,
@@ -77,7 +78,7 @@ def accuracy(mode: str, rounds: int, local_steps: tuple, lr: float, momentum: fl
 
 def disagreeing_centre(rounds: int) -> str:
   """An elastic run whose host 1 gets another centre after `rounds`: the check's message."""
-  from hetjax import agreement
+  from hetjax.training import agreement
   source = data.load("digits")
   config = trainer.TrainConfig(global_batch=24, microbatch=BLOCK, check_every=1)
   tr = RoundsTrainer(_tiny(), optax.sgd(0.05), source, config,
@@ -107,7 +108,8 @@ def accuracies(specs: list, check_rounds: int = 0) -> dict:
 
 def resume(directory: str, mode: str, rounds: int, local_steps: tuple | None, stop_at: int) -> dict:
   """A run stopped at `stop_at` and resumed from its checkpoint; returns both digests."""
-  from hetjax import checkpoint, runtime
+  from hetjax.checkpoint import manager as checkpoint
+  from hetjax.cluster import runtime
   if not runtime.is_initialized():
     hetjax.initialize()
   source = data.load("digits")

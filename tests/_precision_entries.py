@@ -8,8 +8,9 @@ import numpy as np
 import optax
 
 import hetjax
-import hetjax_models
-from hetjax import data, trainer
+from hetjax import models as zoo
+from hetjax import trainer
+from hetjax.input import data
 
 OVERFLOW_STEP = 3
 SHARES = (4, 4, 8)  # Host 1 holds positions 4..7 of every global batch.
@@ -19,7 +20,7 @@ def digits_accuracy(steps: int):
   """Test accuracy of the digits CNN trained in bf16 and in fp16 (3 hosts, uneven)."""
   hetjax.initialize()
   source, test = data.load("digits"), data.load("digits", "test")
-  task = hetjax_models.build("cnn", kind="image", num_classes=10)
+  task = zoo.build("cnn", kind="image", num_classes=10)
   out = {}
   for precision in ("bf16", "fp16"):
     config = trainer.TrainConfig(global_batch=64, microbatch=8, assignment=(8, 24, 32),

@@ -15,14 +15,18 @@ import numpy as np
 import optax
 
 import hetjax
-import hetjax_models
-from hetjax import agreement, balancer, checkpoint, data, signals, trainer
+from hetjax import models as zoo
+from hetjax import balancer, trainer
+from hetjax.training import agreement
+from hetjax.checkpoint import manager as checkpoint
+from hetjax.input import data
+from hetjax.cluster import signals
 
 DIGITS = data.load("digits")
 
 
 def _trainer(directory=None, *, custom_balancer=None, check_every=100, hidden=(32,)):
-  task = hetjax_models.build("mlp", kind="image", num_classes=10, hidden=hidden)
+  task = zoo.build("mlp", kind="image", num_classes=10, hidden=hidden)
   ckpt = None if directory is None else checkpoint.CheckpointConfig(directory, every=100, keep=2)
   return trainer.Trainer(task, optax.adam(1e-3), DIGITS,
                          trainer.TrainConfig(global_batch=64, microbatch=4, check_every=check_every),
@@ -106,7 +110,7 @@ def stops_and_disagreements(ckpt_dir: str):
 def evaluation_over_hosts(tr):
   """Evaluation spread over two hosts, evenly, unevenly and all on one host."""
   test = data.load("digits", "test")
-  from hetjax import evaluate
+  from hetjax.training import evaluate
   ev = evaluate.Evaluator(tr.task, tr.meshes, 16)
   even = ev.evaluate(tr.state.params, tr.state.model_state, test, [1, 1])
   uneven = ev.evaluate(tr.state.params, tr.state.model_state, test, [5, 1])
@@ -118,7 +122,7 @@ def evaluation_over_hosts(tr):
 def reference_eval(params):
   """The same evaluation by plain numpy-fed jax on one process."""
   test = data.load("digits", "test")
-  task = hetjax_models.build("mlp", kind="image", num_classes=10, hidden=(32,))
+  task = zoo.build("mlp", kind="image", num_classes=10, hidden=(32,))
   batch = test[np.arange(len(test))]
   losses, metrics, _ = task.evaluation_loss()(params, {}, batch, jax.random.key(0))
   return {"loss": float(np.mean(losses)), **{k: float(np.mean(v)) for k, v in metrics.items()}}

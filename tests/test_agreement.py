@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from hetjax import agreement
+from hetjax.training import agreement
 
 
 def _params(seed=0):

@@ -12,8 +12,9 @@ from hypothesis import given, strategies as st
 
 import _block_entries as be
 import hetjax
-import hetjax_models
-from hetjax import blocks, cli, data, trainer
+from hetjax import models as zoo
+from hetjax import blocks, cli, trainer
+from hetjax.input import data
 from hetjax.task import MASK
 from hetjax.testing import run_hosts
 
@@ -239,7 +240,7 @@ def test_nnx_adapter_keeps_rng_variables_out_of_the_state_and_evaluates_in_eval_
 
 
 def test_built_in_models_take_dropout_and_evaluate_deterministically():
-  task = hetjax_models.build("cnn", kind="image", num_classes=10, dropout=0.5)
+  task = zoo.build("cnn", kind="image", num_classes=10, dropout=0.5)
   params, state = task.init(jax.random.key(0), _block())
   losses = [task.loss(params, state, _block(), jax.random.key(k))[0] for k in (1, 2)]
   assert not np.allclose(*losses)

@@ -18,8 +18,12 @@ import pytest
 from etils import epath
 
 import hetjax
-import hetjax_models
-from hetjax import checkpoint, cli, data, procs, snapshot, trainer
+from hetjax import models as zoo
+from hetjax import cli, trainer
+from hetjax.checkpoint import manager as checkpoint
+from hetjax.input import data
+from hetjax.cluster import procs
+from hetjax.checkpoint import snapshot
 from hetjax.testing import run_hosts
 
 DIGITS = data.load("digits")
@@ -29,7 +33,7 @@ def _trainer(directory, *, resume=True, every=3, width=None, optimizer=None, kee
              precision="fp32"):
   hetjax.initialize()
   overrides = {} if width is None else {"hidden": (width, width)}
-  task = hetjax_models.build("mlp", kind="image", num_classes=10, **overrides)
+  task = zoo.build("mlp", kind="image", num_classes=10, **overrides)
   return trainer.Trainer(
       task, optimizer or optax.adam(1e-3), DIGITS,
       trainer.TrainConfig(global_batch=64, microbatch=4, precision=precision),

@@ -3,7 +3,8 @@
 import jax
 import pytest
 
-from hetjax import cli, runtime
+from hetjax import cli
+from hetjax.cluster import runtime
 
 BASE = ["train", "--model", "mlp", "--dataset", "digits", "--steps", "2", "--out", "unused"]
 

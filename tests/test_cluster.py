@@ -145,7 +145,7 @@ def test_an_unknown_gloo_interface_is_refused_before_joining():
 
 
 def test_an_ipv6_coordinator_works():
-  from hetjax import procs
+  from hetjax.cluster import procs
   import socket
   with socket.socket(socket.AF_INET6) as sock:
     sock.bind(("::1", 0))  # This machine has an IPv6 loopback; a test machine without one fails here.

@@ -4,7 +4,7 @@ No cluster here, so each runs against stand-ins: SLURM's `scontrol` and
 `srun` as small scripts on PATH that behave as the real ones do (see
 tests/_slurm_standins.py; srun runs its tasks on this machine), ssh as a
 script that drops the host and runs the remote line with `bash -c`. What the
-hosts receive is then checked with `hetjax.runtime.resolve`, the function that
+hosts receive is then checked with `hetjax.cluster.runtime.resolve`, the function that
 reads it in a real job. Nothing here has run on a real cluster.
 """
 
@@ -23,7 +23,7 @@ import time
 import pytest
 
 import _slurm_standins
-from hetjax import procs
+from hetjax.cluster import procs
 from test_launcher import _assert_none_left, _marked, marker  # noqa: F401  (fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,12 +53,12 @@ def _script(path, text: str) -> str:
 
 
 def _runtime_spec(env: dict):
-  from hetjax import runtime  # Imports JAX: only here, once the launchers ran.
+  from hetjax.cluster import runtime  # Imports JAX: only here, once the launchers ran.
   return runtime.spec_from_env(env)
 
 
 def _runtime_resolve(env: dict):
-  from hetjax import runtime
+  from hetjax.cluster import runtime
   return runtime.resolve(env)
 
 

@@ -8,8 +8,9 @@ import pytest
 from flax import linen as nn
 
 import hetjax
-import hetjax_models
-from hetjax import balancer, data, step, trainer
+from hetjax import models as zoo
+from hetjax import balancer, step, trainer
+from hetjax.input import data
 from hetjax.task import MASK
 
 
@@ -64,7 +65,7 @@ def test_assignment_text_must_be_equal_or_integers():
 def _trainer(model="mlp", global_batch=12, microbatch=5, opt=None, **kw):
   hetjax.initialize()
   source = data.load("digits")
-  task = hetjax_models.build(model, kind="image", num_classes=10, **kw)
+  task = zoo.build(model, kind="image", num_classes=10, **kw)
   return trainer.Trainer(task, opt or optax.adam(1e-3), source,
                          trainer.TrainConfig(global_batch=global_batch, microbatch=microbatch))
 
@@ -182,7 +183,7 @@ def test_records_whose_shapes_disagree_are_refused_before_anything_compiles():
       n = len(indices)
       return {"x": np.zeros((n, side, side, 1), np.float32), "y": np.zeros(n, np.int32)}
 
-  task = hetjax_models.build("mlp", kind="image", num_classes=10)
+  task = zoo.build("mlp", kind="image", num_classes=10)
   with pytest.raises(ValueError, match="ragged"):
     hetjax.Trainer(task, optax.sgd(0.1), Ragged(), hetjax.TrainConfig(global_batch=16))
 

@@ -10,7 +10,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from hetjax import augment, data, loader, sources, tfds_data
+from hetjax.input import augment
+from hetjax.input import data
+from hetjax.input import loader
+from hetjax.input import sources
+from hetjax.input import tfds_data
 
 AUG = augment.parse("crop,flip")
 

@@ -16,7 +16,7 @@ import optax
 import pytest
 
 import hetjax
-from hetjax import data
+from hetjax.input import data
 
 
 class BatchNormMlp(nn.Module):

@@ -27,7 +27,7 @@ import optax
 import pytest
 
 import hetjax
-from hetjax import data
+from hetjax.input import data
 
 STEPS = 3
 _WRAPS = ("make_array_from_single_device_arrays", "make_array_from_process_local_data")

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from hetjax import doctor
+from hetjax.cluster import doctor
 from hetjax.testing import run_hosts
 
 SPEEDS = (1.0, 0.5, 0.25)

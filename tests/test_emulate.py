@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from hetjax import emulate
+from hetjax.cluster import emulate
 
 
 class FakeSleep:

@@ -9,8 +9,10 @@ import optax
 import pytest
 
 import hetjax
-import hetjax_models
-from hetjax import data, evaluate, step, trainer
+from hetjax import models as zoo
+from hetjax import step, trainer
+from hetjax.input import data
+from hetjax.training import evaluate
 
 
 @pytest.mark.parametrize("n, weights", [(10, [1, 1, 1]), (7, [0, 5, 1]), (100, [0, 0]), (3, [1, 1, 1, 1, 1])])
@@ -67,7 +69,7 @@ def test_a_ten_million_record_split_streams_in_flat_memory_and_gives_the_exact_m
 
 
 def test_evaluation_equals_the_plain_mean_and_compiles_once():
-  task = hetjax_models.build("mlp", kind="image", num_classes=10, hidden=(16,))
+  task = zoo.build("mlp", kind="image", num_classes=10, hidden=(16,))
   hetjax.initialize()
   tr = trainer.Trainer(task, optax.adam(1e-2), data.load("digits"),
                        trainer.TrainConfig(global_batch=32, microbatch=8))
@@ -91,7 +93,7 @@ def test_evaluation_equals_the_plain_mean_and_compiles_once():
 
 def test_the_progress_line_shows_an_evaluation_even_between_its_scheduled_lines():
   import io
-  from hetjax import progress
+  from hetjax.observe import progress
   out = io.StringIO()
   bar = progress.Progress(100, host_id=0, stream=out, every=10, tty=False)
   base = {"loss": 1.0, "samples_per_sec": 10.0, "step_s": 0.1, "shares": [2, 2], "emulated": False}

@@ -23,7 +23,7 @@ import optax
 import pytest
 
 import _exact_entries as ex
-from hetjax import data
+from hetjax.input import data
 from hetjax.task import MASK, split_losses
 from hetjax.testing import run_hosts
 

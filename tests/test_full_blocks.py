@@ -17,7 +17,7 @@ import pytest
 
 import _exact_entries as ex
 import hetjax
-from hetjax import data
+from hetjax.input import data
 from hetjax.task import MASK
 from test_exactness import assert_close, oracle
 

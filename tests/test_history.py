@@ -5,8 +5,11 @@ import optax
 import pytest
 
 import hetjax
-import hetjax_models
-from hetjax import data, history, metrics, trainer
+from hetjax import models as zoo
+from hetjax import trainer
+from hetjax.input import data
+from hetjax.observe import history
+from hetjax.observe import metrics
 
 
 def test_a_long_run_keeps_a_window_and_exact_totals():
@@ -47,7 +50,7 @@ def test_a_trainer_with_a_small_window_writes_every_record_and_summarises_the_wh
     tmp_path, monkeypatch):
   monkeypatch.setattr(history, "WINDOW", 4)
   hetjax.initialize()
-  task = hetjax_models.build("mlp", kind="image", num_classes=10, hidden=(8,))
+  task = zoo.build("mlp", kind="image", num_classes=10, hidden=(8,))
   tr = trainer.Trainer(task, optax.sgd(0.1), data.load("digits"),
                        trainer.TrainConfig(global_batch=16, microbatch=8))
   summary = tr.fit(20, out=str(tmp_path))

@@ -14,7 +14,11 @@ import optax
 import pytest
 
 import hetjax
-from hetjax import data, loader, readiness, sources, step
+from hetjax import step
+from hetjax.input import data
+from hetjax.input import loader
+from hetjax.training import readiness
+from hetjax.input import sources
 from hetjax.task import MASK
 
 

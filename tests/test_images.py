@@ -10,7 +10,11 @@ import sys
 import numpy as np
 import pytest
 
-from hetjax import augment, data, images, loader, tfds_data
+from hetjax.input import augment
+from hetjax.input import data
+from hetjax.input import images
+from hetjax.input import loader
+from hetjax.input import tfds_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZE = 16
@@ -178,9 +182,9 @@ def test_image_sources_and_augmentations_pickle_for_worker_processes(jpeg_digits
 
 def test_uint8_pixels_are_scaled_on_the_device_exactly_as_floats_would_be():
   import jax
-  import hetjax_models
+  from hetjax import models as zoo
 
-  task = hetjax_models.build("mlp", kind="image", num_classes=10, hidden=(8,))
+  task = zoo.build("mlp", kind="image", num_classes=10, hidden=(8,))
   pixels = np.random.default_rng(0).integers(0, 256, (4, 6, 6, 1), dtype=np.uint8)
   batch = {"x": pixels, "y": np.arange(4, dtype=np.int32), "mask": np.ones(4, np.float32)}
   params, state = task.init(jax.random.key(0), batch)
@@ -253,7 +257,8 @@ def test_imagenet_style_datasets_evaluate_on_their_validation_split(tmp_path):
 
 _KILLED_HOST = """
 import os, signal, sys
-from hetjax import data, loader
+from hetjax.input import data
+from hetjax.input import loader
 if __name__ == "__main__":
   source = data.load("digits")
   reader = loader.HostLoader(source, data.GlobalSampler(len(source), 64, 0), 0, workers=2)

@@ -5,7 +5,7 @@ JobSet pool's Job template) are checked against Kubernetes' own schemas in
 strict mode (kubernetes-validate: an unknown field is an error, where a real
 API server would drop it silently); the JobSet itself against the JobSet
 CRD's schema (tests/data, from kubernetes-sigs/jobset), made strict the same
-way. Then what the pods would see is checked with `hetjax.runtime.resolve`,
+way. Then what the pods would see is checked with `hetjax.cluster.runtime.resolve`,
 the function that reads it in a real pod; the container's own shell line
 computes each pod's host id here. Nothing here has run on a real cluster.
 """
@@ -28,7 +28,7 @@ JOBSET = os.path.join(ROOT, "launch", "k8s", "jobset.yaml")
 INDEXED_JOB = os.path.join(ROOT, "launch", "k8s", "hetjax-job.yaml")
 JOBSET_SCHEMA = os.path.join(ROOT, "tests", "data", "jobset-v1alpha2-schema.json")
 K8S_VERSION = "1.31"  # Indexed Jobs with pod failure policies are GA since 1.31.
-PREEMPTED_EXIT = 75  # hetjax.procs.PREEMPTED_EXIT
+PREEMPTED_EXIT = 75  # hetjax.cluster.procs.PREEMPTED_EXIT
 
 
 def _docs(path: str) -> dict:
@@ -155,7 +155,7 @@ def test_each_pod_computes_its_host_id_and_the_runtime_reads_it(pool_index, comp
                          "import json, os; print(json.dumps(dict(os.environ)))"],
                         env=env, capture_output=True, text=True, timeout=60, check=True)
   pod_env = json.loads(seen.stdout)
-  from hetjax import runtime
+  from hetjax.cluster import runtime
   spec = runtime.resolve(pod_env)
   offset = int(_env(container)["HETJAX_HOST_OFFSET"])
   assert (spec.coordinator, spec.num_hosts, spec.host_id) == (

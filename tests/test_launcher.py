@@ -323,7 +323,7 @@ def test_the_host_that_ended_first_is_blamed_not_its_peer(tmp_path, marker, how_
 
 
 def test_first_failure_ranks_an_outside_kill_then_the_earliest_exit():
-  from hetjax import procs
+  from hetjax.cluster import procs
   # Host 1 SIGKILLed; host 0 died of it a moment later, or was even recorded first.
   assert procs.first_failure([1, -signal.SIGKILL], [2.0, 2.001]) == 1
   assert procs.first_failure([1, -signal.SIGKILL], [2.001, 2.0]) == 1
@@ -337,7 +337,7 @@ def test_first_failure_ranks_an_outside_kill_then_the_earliest_exit():
 
 
 def test_output_lines_end_at_carriage_returns_too():
-  from hetjax import procs
+  from hetjax.cluster import procs
   chunks = [b"a\nb\r\nc\rd", b"\r", b"\ne\r\rf\n\ng", b"\r\n\rstep 1\rstep 2\r", b"\xff"]
   assert list(procs.split_lines(chunks)) == ["a", "b", "c", "d", "e", "f", "", "g", "step 1",
                                              "step 2", "\ufffd"]
@@ -406,7 +406,7 @@ def test_command_that_cannot_start(tmp_path):
 
 
 def test_launcher_modules_import_no_jax():
-  code = ("import sys; import hetjax.procs, hetjax.emulate, hetjax.testing; "
+  code = ("import sys; import hetjax.cluster.procs, hetjax.cluster.emulate, hetjax.testing; "
           "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'numpy')); "
           "assert not heavy, heavy")
   root = os.path.dirname(os.path.dirname(LAUNCHER))
@@ -516,7 +516,7 @@ def test_preemption_restarts_are_bounded(tmp_path, marker):
 
 
 def test_a_failure_outranks_a_preemption_seen_at_the_same_time():
-  from hetjax import procs
+  from hetjax.cluster import procs
   assert procs.first_failure([None, 0, None]) is None
   assert procs.first_failure([75, None, 3]) == 2
   assert procs.first_failure([75, 75]) == 0
@@ -524,7 +524,7 @@ def test_a_failure_outranks_a_preemption_seen_at_the_same_time():
 
 
 def test_supervise_counts_failures_and_preemptions_apart(capsys):
-  from hetjax import procs
+  from hetjax.cluster import procs
   ends = {"ok": 0, "fail": 3, "preempted": procs.PREEMPTED_EXIT, "killed": -signal.SIGKILL}
 
   def run(script, **budgets):

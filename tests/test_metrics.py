@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import _metrics_fixture as fixture
-from hetjax import metrics, progress
+from hetjax.observe import metrics
+from hetjax.observe import progress
 from hetjax.trainer import History
 
 
@@ -204,5 +205,6 @@ def test_eta_forgets_the_compilation_steps():
 
 
 def test_the_report_skips_the_same_warm_up_as_the_trainer():
-  from hetjax import report, trainer
+  from hetjax import trainer
+  from hetjax.observe import report
   assert report.WARMUP_STEPS == trainer.WARMUP_STEPS

@@ -15,8 +15,8 @@ import numpy as np
 import optax
 import pytest
 
-import hetjax_models
-from hetjax_models import losses
+from hetjax import models as zoo
+from hetjax.models import losses
 from hetjax.task import MASK
 
 NUM_CLASSES = 5
@@ -82,7 +82,7 @@ def _batch(name, seed=0):
 @functools.cache
 def _setup(name):
   """(task, jitted loss, params, model state) for tiny `name`, built once."""
-  task = hetjax_models.build(
+  task = zoo.build(
       name, kind=_kind(name), num_classes=NUM_CLASSES, vocab_size=VOCAB,
       **TINY[name])
   params, state = _jit(task.init)(_key(0), _batch(name))
@@ -94,7 +94,7 @@ def _max_diff(a, b):
              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-@pytest.mark.parametrize("name", hetjax_models.MODEL_NAMES)
+@pytest.mark.parametrize("name", zoo.MODEL_NAMES)
 def test_losses_and_metrics_are_per_example_and_finite(name):
   _, loss_fn, params, state = _setup(name)
   loss, metrics, new_state = loss_fn(params, state, _batch(name), _key(1))
@@ -120,7 +120,7 @@ def test_changing_one_example_changes_only_its_loss(name):
 
 
 def test_transformer_is_causal():
-  model = hetjax_models.TransformerLM(vocab_size=VOCAB, **TINY["transformer"])
+  model = zoo.TransformerLM(vocab_size=VOCAB, **TINY["transformer"])
   _, _, params, _ = _setup("transformer")
   apply = _jit(lambda x: model.apply({"params": params}, x))
   tokens = _batch("transformer")["x"]
@@ -165,7 +165,7 @@ def test_resnet_batch_norm_ignores_padded_examples():
   # The stem is a bias-free 3x3 "SAME" conv; its mean over real examples:
   stem = sum(np.einsum("bhwc,cf->bhwf", x[:, i:i + 8, j:j + 8], kernel[i, j])
              for i in range(3) for j in range(3))
-  momentum = hetjax_models.default_config("resnet18")["momentum"]
+  momentum = zoo.default_config("resnet18")["momentum"]
   old_mean = state["batch_stats"]["stem_norm"]["mean"]
   expected = momentum * old_mean + (1 - momentum) * stem.mean(axis=(0, 1, 2))
   np.testing.assert_allclose(
@@ -189,7 +189,7 @@ def test_resnet_all_padding_keeps_stats_and_stays_finite():
 
 
 def test_resnet_eval_uses_running_averages():
-  model = hetjax_models.ResNet(num_classes=NUM_CLASSES, **TINY["resnet18"])
+  model = zoo.ResNet(num_classes=NUM_CLASSES, **TINY["resnet18"])
   _, _, params, state = _setup("resnet18")
   apply = _jit(
       lambda x: model.apply({"params": params, **state}, x, train=False))
@@ -222,10 +222,10 @@ def test_cnn_adam_steps_reduce_loss():
   assert losses_seen[-1] < 0.5 * losses_seen[0]
 
 
-@pytest.mark.parametrize("name", hetjax_models.MODEL_NAMES)
+@pytest.mark.parametrize("name", zoo.MODEL_NAMES)
 def test_default_configs_build(name):
   """Full-size defaults trace (shapes only, nothing computed)."""
-  task = hetjax_models.build(
+  task = zoo.build(
       name, kind=_kind(name), num_classes=10, vocab_size=VOCAB)
   batch = _batch(name)
   params, _ = jax.eval_shape(task.init, _key(0), batch)
@@ -239,7 +239,7 @@ def test_default_configs_build(name):
 
 
 def test_overrides_reach_the_module():
-  task = hetjax_models.build("resnet18", kind="image", num_classes=3, width=8)
+  task = zoo.build("resnet18", kind="image", num_classes=3, width=8)
   params, _ = jax.eval_shape(task.init, _key(0), _batch("resnet18"))
   assert params["stem_conv"]["kernel"].shape == (3, 3, 1, 8)
   assert params["head"]["kernel"].shape == (64, 3)
@@ -247,7 +247,7 @@ def test_overrides_reach_the_module():
 
 
 def test_resnet50_bottlenecks_and_overrides():
-  task = hetjax_models.build("resnet50", kind="image", num_classes=3, width=8)
+  task = zoo.build("resnet50", kind="image", num_classes=3, width=8)
   params, state = jax.eval_shape(task.init, _key(0), _batch("resnet50"))
   block = params["stage2_block1"]
   # 1x1 reduce to 2 * 8, 3x3, 1x1 expand to 4 * 16; projected shortcut.
@@ -277,4 +277,4 @@ def test_resnet50_bottlenecks_and_overrides():
 ])
 def test_registry_errors(kwargs, message):
   with pytest.raises(ValueError, match=message):
-    hetjax_models.build(**kwargs)
+    zoo.build(**kwargs)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import _modes_entries  # noqa: F401  (importable by the hosts)
-from hetjax import report
+from hetjax.observe import report
 from hetjax.modes import options, rounds
 from hetjax.testing import run_hosts
 
@@ -177,14 +177,15 @@ def test_spread_is_each_hosts_distance_to_the_hosts_mean_in_both_modes():
 def test_bf16_and_fp16_local_steps_train_and_fp16_skips_a_hosts_overflowing_step():
   import optax
   import hetjax
-  import hetjax_models
-  from hetjax import data, precision as precision_lib, trainer
+  from hetjax import models as zoo
+  from hetjax import precision as precision_lib, trainer
+  from hetjax.input import data
   from hetjax.modes import RoundsConfig
-  from hetjax.modes.trainer import RoundsTrainer
+  from hetjax.modes.rounds_trainer import RoundsTrainer
 
   hetjax.initialize()
   source = data.load("digits")
-  task = hetjax_models.build("mlp", kind="image", num_classes=10, hidden=(16,))
+  task = zoo.build("mlp", kind="image", num_classes=10, hidden=(16,))
   settings = RoundsConfig(mode="hybrid", local_steps=(2,), outer_optimizer="sgd", outer_lr=1.0,
                           outer_momentum=0.0)
   runs, big = {}, 2.0 ** 20  # Large enough that the first local step's fp16 gradients overflow.

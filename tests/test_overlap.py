@@ -16,7 +16,7 @@ import numpy as np
 import optax
 
 import hetjax
-from hetjax import data
+from hetjax.input import data
 from hetjax import step as step_lib
 
 

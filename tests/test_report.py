@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import _metrics_fixture as fixture
-from hetjax import metrics, report
+from hetjax.observe import metrics
+from hetjax.observe import report
 
 
 def _run_folder(path, records, summary=True):
@@ -87,11 +88,12 @@ def test_a_folder_without_metrics_says_what_to_run(tmp_path, capsys, setup, mess
 
 def test_an_api_run_with_fit_out_writes_what_the_cli_writes_and_its_report_has_the_eval_panel(tmp_path):
   import hetjax
-  import hetjax_models
-  from hetjax import data, optimizers, trainer
+  from hetjax import models as zoo
+  from hetjax import optimizers, trainer
+  from hetjax.input import data
 
   hetjax.initialize()
-  task = hetjax_models.build("mlp", kind="image", num_classes=10, hidden=(16,))
+  task = zoo.build("mlp", kind="image", num_classes=10, hidden=(16,))
   opt = optimizers.make("adam", 1e-2, schedule="cosine", warmup_steps=2, total_steps=6, clip_norm=1.0)
   tr = trainer.Trainer(task, opt, data.load("digits"), trainer.TrainConfig(global_batch=32, microbatch=8))
   out = tmp_path / "api"
@@ -164,7 +166,7 @@ def test_a_rounds_run_is_reported_in_rounds_with_taus_reduction_and_spread(tmp_p
   assert (out / "report.png").stat().st_size > 10_000
   # The same figures reach TensorBoard and the progress line.
   assert metrics.scalars_of(records[-1])["metrics/spread/2"] == pytest.approx(0.3 / 12)
-  from hetjax import progress
+  from hetjax.observe import progress
   line = progress.format_line(records[-1], 12, 1.0)
   assert line.startswith("round 12/12  loss 1.0000")
   assert f"taus 4/2/1  samples 64/32/16  spread max {0.3 / 12:.3g}  reduction 5 ms" in line

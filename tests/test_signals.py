@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import hetjax
-from hetjax import procs, signals
+from hetjax.cluster import procs
+from hetjax.cluster import signals
 from hetjax.testing import run_hosts
 
 

@@ -5,7 +5,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from hetjax import sim
+from hetjax.sim import sync as sim
 
 QUIET = dict(noise=0.01, straggler_rate=0.0, persistent_fraction=0.0)
 

@@ -5,7 +5,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from hetjax import sim, sim_rounds
+from hetjax.sim import sync as sim
+from hetjax.sim import rounds as sim_rounds
 
 QUIET = dict(noise=0.0, straggler_rate=0.0, persistent_fraction=0.0)
 

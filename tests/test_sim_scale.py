@@ -10,7 +10,7 @@ import functools
 import numpy as np
 import pytest
 
-from hetjax import sim
+from hetjax.sim import sync as sim
 
 HOSTS = (16, 256, 1024)
 RATES = (0.0, 1e-3, 1e-2)

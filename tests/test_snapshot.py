@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from hetjax import snapshot
+from hetjax.checkpoint import snapshot
 
 
 def _replicated_tree():

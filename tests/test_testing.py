@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hetjax import procs
-from hetjax import testing
+from hetjax.cluster import procs
+from hetjax.cluster import testing
 
 # `_mh_entries` is importable as a top-level module when tests/ is a plain
 # directory and as `tests._mh_entries` if it ever becomes a package.

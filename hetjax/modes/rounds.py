@@ -117,8 +117,8 @@ class RoundData:
 
 
 def read(source: Any, sampler: Any, positions: np.ndarray, augment: Callable | None) -> dict:
-  """Records at stream `positions`, augmented by record (as `hetjax.loader` does)."""
-  from hetjax import augment as augment_lib
+  """Records at stream `positions`, augmented by record (as `hetjax.input.loader` does)."""
+  from hetjax.input import augment as augment_lib
   indices = sampler.at(positions)
   batch = source[indices]
   if augment is not None:

@@ -36,7 +36,7 @@ RECORD_KEYS = {
     "shares": "host_ints",    # samples per host; they sum to global_batch
     "compute_s": "host_floats",
     "wait_s": "host_floats",
-    "emulated": "bool",       # host speeds were emulated (hetjax.emulate)
+    "emulated": "bool",       # host speeds were emulated (hetjax.cluster.emulate)
 }
 # Keys a record has only sometimes: the learning rate when the optimizer
 # exposes it (optax.inject_hyperparams), the evaluation figures on the steps
@@ -99,7 +99,7 @@ def validate_record(record: dict[str, Any]) -> dict[str, Any]:
   unknown = sorted(set(record) - set(RECORD_KEYS) - set(OPTIONAL_KEYS))
   if missing or unknown:
     raise ValueError(f"{where}: missing key(s) {missing}, unknown key(s) {unknown}; the schema "
-                     "is hetjax.metrics.RECORD_KEYS (change it there and in its readers together).")
+                     "is hetjax.observe.metrics.RECORD_KEYS (change it there and in its readers together).")
   out: dict[str, Any] = {}
   for key, kind in RECORD_KEYS.items():
     check, convert, want = _KINDS[kind]
@@ -170,7 +170,7 @@ class RecordStream:
     self._global_batch, self._emulated, self._first_step = global_batch, emulated, first_step
     # Records complete before this stream began were someone else's to emit
     # (an earlier `fit` call); the clock keeps running from them.
-    # A bounded history (hetjax.history) drops old steps: index i is entry i - dropped.
+    # A bounded history (hetjax.observe.history) drops old steps: index i is entry i - dropped.
     self._next = self._ready()
     kept = self._next - self._dropped()
     folded = getattr(getattr(history, "folded", None), "time_s", 0.0)

@@ -17,7 +17,7 @@ through a collective, so no host loads one the others skip.
 
 An asynchronous save stalls the loop only for a snapshot:
 `save_in_background` takes one replica of the state per host
-(`hetjax.snapshot`: numpy views of the buffers on CPU, which JAX then does
+(`hetjax.checkpoint.snapshot`: numpy views of the buffers on CPU, which JAX then does
 not donate; elsewhere one asynchronous copy into pinned host memory), and a
 worker thread hands it to orbax (per-array bookkeeping, thread start-up:
 100-300 ms for a ResNet-18's 230 arrays on this shared CPU), then orbax
@@ -48,7 +48,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from hetjax import snapshot as snapshot_lib
+from hetjax.checkpoint import snapshot as snapshot_lib
 
 PyTree = Any
 FORMAT = 1
@@ -198,7 +198,7 @@ class Checkpointer:
                          hosts: Mesh | None = None) -> None:
     """Saves the state after `step` steps, blocking only for a snapshot of it.
 
-    The snapshot (`hetjax.snapshot`) is the worker's to hand to orbax, so
+    The snapshot (`hetjax.checkpoint.snapshot`) is the worker's to hand to orbax, so
     the caller may donate `state` at once. `state` may be replicated over
     this host's devices only, with `hosts` a mesh over every host's. Waits
     first for the previous hand-over (it takes a fraction of a step; saves

@@ -1,7 +1,7 @@
 """Running N host processes: spawn, prefix output, stop trees, restart.
 
 Shared by `launch/local.py`, `launch/hosts.py` (whose processes are the ssh
-clients) and `hetjax.testing`, so the launchers that people use and the
+clients) and `hetjax.cluster.testing`, so the launchers that people use and the
 harness that tests use stop processes in exactly the same way. `supervise`
 restarts a whole group after a failure or a preemption (PREEMPTED_EXIT).
 
@@ -12,7 +12,7 @@ then SIGKILL to the group, so descendants that ignore SIGTERM die too. A
 descendant that leaves the group on purpose (`setsid`) escapes; nothing
 stdlib-only and portable can follow it.
 
-Every host starts under `hetjax.hostguard`, which kills the host's group when
+Every host starts under `hetjax.cluster.hostguard`, which kills the host's group when
 the launcher dies, even by SIGKILL, so no host trains on as an orphan.
 
 A launcher that is told to stop passes the signal on: Ctrl-C (SIGINT) reaches
@@ -45,9 +45,9 @@ import threading
 import time
 from typing import IO, Callable, Iterable, Iterator, Mapping, Sequence
 
-from hetjax import emulate
+from hetjax.cluster import emulate
 
-# Mirrors hetjax.runtime, which cannot be imported here without JAX.
+# Mirrors hetjax.cluster.runtime, which cannot be imported here without JAX.
 ENV_COORDINATOR = "HETJAX_COORDINATOR"
 ENV_NUM_HOSTS = "HETJAX_NUM_HOSTS"
 ENV_HOST_ID = "HETJAX_HOST_ID"
@@ -114,7 +114,7 @@ def cluster_envs(hosts: int, devices_per_host: int, *, speeds: Sequence[float] |
                  init_timeout_s: float | None = None, base: Mapping[str, str] | None = None,
                  coordinator: str | None = None, slowdown: str | None = None,
                  device_sample_ms: float | None = None) -> list[dict[str, str]]:
-  """One environment per host, as `hetjax.runtime.initialize()` reads it.
+  """One environment per host, as `hetjax.cluster.runtime.initialize()` reads it.
 
   Args:
     hosts: number of host processes.
@@ -214,7 +214,7 @@ class HostGroup:
       sink: where prefixed output lines go (None: only kept as tails).
       tail_lines: how many last output lines to keep per host.
       cwd: the hosts' working folder (default: ours).
-      guard: start each host under `hetjax.hostguard`, so it dies with this
+      guard: start each host under `hetjax.cluster.hostguard`, so it dies with this
         process. Its parent-death signal fires when the *thread* that called
         `start` ends: call `start` from a thread that outlives the hosts.
     """

@@ -1,8 +1,8 @@
 """Starts one host command so that it, and all it starts, die with the launcher.
 
-    python -I hetjax/hostguard.py LAUNCHER_PID -- COMMAND ...
+    python -I hetjax/cluster/hostguard.py LAUNCHER_PID -- COMMAND ...
 
-`hetjax.procs` starts every host through this guard, in a session (and so a
+`hetjax.cluster.procs` starts every host through this guard, in a session (and so a
 process group) of its own. The guard
   1. leaves behind a watcher, a detached process in the same group that
      waits for the launcher to end (a pidfd, or polling where there is none)
@@ -88,7 +88,7 @@ def _die_with_parent() -> None:
 
 def main(argv: list[str]) -> int:
   if len(argv) < 3 or argv[1] != "--" or not argv[0].isdigit():
-    print("usage: python -I hetjax/hostguard.py LAUNCHER_PID -- COMMAND ...", file=sys.stderr)
+    print("usage: python -I hetjax/cluster/hostguard.py LAUNCHER_PID -- COMMAND ...", file=sys.stderr)
     return 2
   launcher_pid, command = int(argv[0]), argv[2:]
   if os.getppid() != launcher_pid:

@@ -15,10 +15,10 @@ from typing import Any, Callable, NoReturn, Sequence
 import jax
 import numpy as np
 
-from hetjax import data as data_lib
-from hetjax import evaluate as evaluate_lib
-from hetjax import metrics as metrics_lib
-from hetjax import signals
+from hetjax.input import data as data_lib
+from hetjax.training import evaluate as evaluate_lib
+from hetjax.observe import metrics as metrics_lib
+from hetjax.cluster import signals
 from hetjax import step as step_lib
 from hetjax.task import Task
 

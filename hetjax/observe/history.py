@@ -2,7 +2,7 @@
 
 A million-step run must not keep a million per-host rows in memory: the
 complete per-step records go to metrics.jsonl as they complete (one step
-late, see `hetjax.metrics.RecordStream`); here only the last steps stay, for
+late, see `hetjax.observe.metrics.RecordStream`); here only the last steps stay, for
 the progress line, tests and the summary, and what the summary needs of the
 older steps is folded into running totals (`Folded`) as they are dropped.
 

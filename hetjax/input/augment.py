@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from hetjax import shuffle
+from hetjax.input import shuffle
 
 Batch = dict[str, np.ndarray]
 Augment = Callable[[Batch, np.ndarray], Batch]

@@ -21,7 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
-from hetjax import sim
+from hetjax.sim import sync as sim
 
 SPEED_WINDOW = 8  # Rounds of local step times whose median sets tau (as hetjax.modes.rounds).
 

@@ -34,7 +34,7 @@ import os
 import sys
 from typing import Any, Sequence
 
-from hetjax import metrics as metrics_lib
+from hetjax.observe import metrics as metrics_lib
 
 WARMUP_STEPS = 2  # As hetjax.trainer.WARMUP_STEPS, which this must not import (it pulls in JAX).
 SUMMARY_FILE = metrics_lib.SUMMARY_FILE

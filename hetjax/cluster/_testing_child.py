@@ -1,6 +1,6 @@
-"""One host of `hetjax.testing.run_hosts`: join the cluster, call, pickle the result.
+"""One host of `hetjax.cluster.testing.run_hosts`: join the cluster, call, pickle the result.
 
-    python -m hetjax._testing_child CALL_PICKLE RESULT_PICKLE
+    python -m hetjax.cluster._testing_child CALL_PICKLE RESULT_PICKLE
 
 The result file holds `("ok", value)` or `("error", traceback_text)`.
 
@@ -71,7 +71,7 @@ def main(argv: list[str]) -> int:
   try:
     with open(call_path, "rb") as f:
       module, function, args, kwargs = pickle.load(f)
-    from hetjax import runtime  # pylint: disable=g-import-not-at-top
+    from hetjax.cluster import runtime  # pylint: disable=g-import-not-at-top
     _cache_programs_on_every_host()
     runtime.initialize()
     value = getattr(importlib.import_module(module), function)(*args, **kwargs)

@@ -47,9 +47,9 @@ from typing import Sequence
 
 import numpy as np
 
-from hetjax import augment as augment_lib
-from hetjax import data as data_lib
-from hetjax.sources import Batch, Source
+from hetjax.input import augment as augment_lib
+from hetjax.input import data as data_lib
+from hetjax.input.sources import Batch, Source
 
 
 @dataclasses.dataclass
@@ -130,7 +130,7 @@ class HostLoader:
       threads: background reader threads when `workers` is 0.
       workers: worker processes (0: read in threads); the slice is split
         among them. Decoding images needs processes to use the host's cores.
-      augment: per-example augmentation (see `hetjax.augment`), or None.
+      augment: per-example augmentation (see `hetjax.input.augment`), or None.
       min_chunk: do not split a read into pieces smaller than this (default
         64 records for threads, 1 for worker processes).
       inline_below_s: with threads, read a slice on the calling thread when

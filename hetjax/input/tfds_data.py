@@ -7,7 +7,7 @@ run time. `build_from_arrays` prepares such a dataset offline from numpy
 arrays, with the same layout `tfds build --file_format=array_record` writes,
 so a dataset made here and a catalog dataset go through one path.
 Image datasets whose images vary in size (ImageNet) are read with their
-images still encoded (`EncodedImages`) and decoded by `hetjax.images` on the
+images still encoded (`EncodedImages`) and decoded by `hetjax.input.images` on the
 loader's workers (`tfds_source(..., image_size=S)`).
 
 `check` reads only `dataset_info.json`, so the command line can refuse a
@@ -25,7 +25,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from hetjax.sources import Batch, DatasetInfo, Source
+from hetjax.input.sources import Batch, DatasetInfo, Source
 
 READABLE_FORMATS = ("array_record", "parquet")  # What tfds.data_source can open.
 _VERSION = re.compile(r"^\d+\.\d+\.\d+$")
@@ -67,7 +67,7 @@ def find_prepared(spec: str, data_dir: str | None = None) -> pathlib.Path:
                    f"{str(base)}/{version or '<version>'}/dataset_info.json; that folder holds "
                    f"{found or 'no datasets'}). Prepare it there first, on a machine with network "
                    f"(`tfds build {name} --data_dir {root} --file_format array_record`) or from "
-                   "local arrays (`hetjax.tfds_data.build_from_arrays`).")
+                   "local arrays (`hetjax.input.tfds_data.build_from_arrays`).")
 
 
 def check(spec: str, split: str = "train", data_dir: str | None = None) -> dict[str, Any]:
@@ -111,7 +111,7 @@ class TfdsSource:
   go to the device as they are and are scaled there; a channel axis is added
   to 2-D images), `y` int32. Any other dataset keeps its feature names and
   dtypes (kind "custom"). Images of varying size go through
-  `hetjax.images.ImageSource` instead (`tfds_source(..., image_size=S)`).
+  `hetjax.input.images.ImageSource` instead (`tfds_source(..., image_size=S)`).
   """
 
   def __init__(self, data_source: Any, spec: str):
@@ -124,7 +124,7 @@ class TfdsSource:
       if any(d is None for d in shape):
         hint = ("pass --image-size S (Python: image_size=S) to decode, crop and resize them to "
                 "S x S" if isinstance(feature, _tfds().features.Image) else
-                "resize them offline into a new dataset (hetjax.tfds_data.build_from_arrays)")
+                "resize them offline into a new dataset (hetjax.input.tfds_data.build_from_arrays)")
         raise ValueError(f"TFDS dataset {spec!r}: feature {key!r} has shape {shape}, so its records "
                          f"differ in shape and cannot form fixed-shape batches; {hint}.")
       self._raw[key] = (shape, np.dtype(feature.np_dtype))
@@ -152,7 +152,7 @@ class EncodedImages:
   """A TFDS image-classification split with its images left encoded (JPEG/PNG bytes).
 
   `source[indices] -> {"image": object array of bytes, "label": int32}`;
-  decoding, cropping and resizing happen in `hetjax.images.ImageSource`, on
+  decoding, cropping and resizing happen in `hetjax.input.images.ImageSource`, on
   the loader's workers. Pickles small (the files are reopened by path), so
   worker processes can open it.
   """
@@ -188,7 +188,7 @@ def tfds_source(spec: str, split: str = "train", data_dir: str | None = None, *,
     split: a split name; TFDS slices such as 'train[:90%]' work too.
     data_dir: the folder it was prepared in (default: TFDS's default).
     image_size: decode, crop and resize the images to this square size
-      (`hetjax.images`); needed for images of varying size (ImageNet).
+      (`hetjax.input.images`); needed for images of varying size (ImageNet).
     augment: with `image_size`, the training randomness: 'none', 'crop'
       (random resized crop), 'flip' or 'crop,flip'.
   """
@@ -197,7 +197,7 @@ def tfds_source(spec: str, split: str = "train", data_dir: str | None = None, *,
   folder = data_dir or default_data_dir()
   if image_size is None:
     return TfdsSource(tfds.data_source(spec, split=split, data_dir=folder, download=False), spec)
-  from hetjax import images
+  from hetjax.input import images
 
   builder = tfds.builder(spec, data_dir=folder)
   keys = _image_and_label(builder.info.features)

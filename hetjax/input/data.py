@@ -2,13 +2,13 @@
 
 docs/design.md invariant 1: the samples of step `s` depend only on (dataset, seed,
 step). The sampler enumerates one global stream of record indices, epoch
-after epoch, each epoch a fresh keyed permutation (`hetjax/shuffle.py`, O(1)
+after epoch, each epoch a fresh keyed permutation (`hetjax/input/shuffle.py`, O(1)
 memory); step `s` takes stream positions `[s*B, (s+1)*B)`, so batches may
 cross epoch boundaries. Host `i` then takes the contiguous slice
 `[o_i, o_i + b_i)` of the step's `B` indices.
 
-Sources live in `hetjax/sources.py` (memory, synthetic),
-`hetjax/tfds_data.py` (TFDS on disk) and `hetjax/images.py` (encoded images
+Sources live in `hetjax/input/sources.py` (memory, synthetic),
+`hetjax/input/tfds_data.py` (TFDS on disk) and `hetjax/input/images.py` (encoded images
 decoded and cropped to a fixed size); the names below are re-exported here.
 """
 
@@ -18,8 +18,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from hetjax import shuffle
-from hetjax.sources import (ArraySource, Batch, DatasetInfo, Source, SyntheticSource,  # noqa: F401
+from hetjax.input import shuffle
+from hetjax.input.sources import (ArraySource, Batch, DatasetInfo, Source, SyntheticSource,  # noqa: F401
                             check_records, digits, record_spec, synthetic_images,
                             synthetic_tokens)
 
@@ -131,7 +131,7 @@ def check_dataset_name(name: str, data_dir: str | None = None, split: str = "tra
   datasets read no folder, so `data_dir` is ignored for them).
   """
   if name.startswith(TFDS_PREFIX):
-    from hetjax import tfds_data
+    from hetjax.input import tfds_data
     tfds_data.check(name[len(TFDS_PREFIX):], split, data_dir)
     return
   if name not in DATASETS:
@@ -145,7 +145,7 @@ def evaluation_split(name: str, data_dir: str | None = None) -> str | None:
   """The split to evaluate on: 'test', else 'validation' (ImageNet has no test labels), else None."""
   if not name.startswith(TFDS_PREFIX):
     return "test"
-  from hetjax import tfds_data
+  from hetjax.input import tfds_data
   info = tfds_data.check(name[len(TFDS_PREFIX):], "train", data_dir)
   splits = [s["name"] for s in info.get("splits", [])]
   return next((s for s in ("test", "validation") if s in splits), None)
@@ -158,7 +158,7 @@ def check_image_size(name: str, image_size: int | None) -> None:
   if not name.startswith(TFDS_PREFIX):
     raise ValueError(f"--image-size applies to TFDS image datasets (tfds:NAME); the built-in "
                      f"dataset {name!r} has fixed-size records: drop --image-size.")
-  from hetjax import images
+  from hetjax.input import images
   images.ImageRecipe(image_size)  # Raises on a size out of range.
 
 
@@ -171,7 +171,7 @@ def load(name: str, split: str = "train", data_dir: str | None = None, *,
     split: 'train', 'test', or for TFDS any split (slice) it has.
     data_dir: the TFDS data folder.
     image_size: TFDS images only: decode, crop and resize to this square
-      size on the loader's workers (`hetjax.images`), as ImageNet needs.
+      size on the loader's workers (`hetjax.input.images`), as ImageNet needs.
     augment: with `image_size`: the training crop and flip ('crop,flip').
 
   Raises:
@@ -181,7 +181,7 @@ def load(name: str, split: str = "train", data_dir: str | None = None, *,
   """
   check_dataset_name(name, data_dir, split)
   if name.startswith(TFDS_PREFIX):
-    from hetjax import tfds_data
+    from hetjax.input import tfds_data
     return tfds_data.tfds_source(name[len(TFDS_PREFIX):], split, data_dir,
                                  image_size=image_size, augment=augment)
   check_image_size(name, image_size)

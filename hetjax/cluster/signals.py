@@ -21,7 +21,7 @@ import sys
 import threading
 from typing import Iterator
 
-from hetjax import procs
+from hetjax.cluster import procs
 
 # The codes travel as float32 in the timing rows; the largest over the hosts
 # wins, so a user's stop is not mistaken for a preemption.
@@ -57,7 +57,7 @@ class Stopped(RuntimeError):
 class Preempted(Stopped):
   """SIGTERM reached a host: every host saved (when it can) and must now exit.
 
-  The command line exits with `exit_code` (`hetjax.procs.PREEMPTED_EXIT`),
+  The command line exits with `exit_code` (`hetjax.cluster.procs.PREEMPTED_EXIT`),
   which the launchers read as "restart me": the restarted job resumes from
   the checkpoint.
   """

@@ -6,7 +6,7 @@ host sees the same records, so one host speaking for all loses nothing.
 
 Example:
   >>> progress = Progress(total_steps=1000, host_id=jax.process_index())
-  >>> progress.update(record)   # a hetjax.metrics record, once per step
+  >>> progress.update(record)   # a hetjax.observe.metrics record, once per step
   >>> progress.close()
 """
 

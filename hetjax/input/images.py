@@ -7,11 +7,11 @@ here, the way the Flax ImageNet example and big_vision prepare them:
   aspect 3/4-4/3) to `size x size`, a random left-right flip;
 - evaluation: decode, resize the shorter side to `size / 0.875`, centre crop.
 
-Every draw is a hash of the example's key (`hetjax.augment.example_keys`:
+Every draw is a hash of the example's key (`hetjax.input.augment.example_keys`:
 seed, epoch, global record index), so a record is cropped and flipped the
 same way on any host and under any split (docs/design.md invariant 1). Pixels
 stay uint8 (a quarter of float32's bytes on the way to the device); the
-models scale them on the device (`hetjax_models.preprocess`).
+models scale them on the device (`zoo.preprocess`).
 
 JPEGs are decoded at a reduced scale when the crop allows it (PIL's
 `draft`, the DCT scaling libjpeg offers), so a 500-pixel photo cropped to
@@ -33,8 +33,8 @@ from typing import Callable
 
 import numpy as np
 
-from hetjax import shuffle
-from hetjax.sources import Batch, DatasetInfo, Source
+from hetjax.input import shuffle
+from hetjax.input.sources import Batch, DatasetInfo, Source
 
 EVAL_CROP_FRACTION = 0.875  # Resize to size / 0.875, keep the central size x size.
 CROP_AREA = (0.08, 1.0)  # Inception / torchvision RandomResizedCrop defaults.

@@ -23,13 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from hetjax import agreement
-from hetjax import augment as augment_lib
-from hetjax import checkpoint as ckpt_lib
-from hetjax import data as data_lib
-from hetjax import run_common
-from hetjax import runtime
-from hetjax import signals
+from hetjax.training import agreement
+from hetjax.input import augment as augment_lib
+from hetjax.checkpoint import manager as ckpt_lib
+from hetjax.input import data as data_lib
+from hetjax.training import lifecycle as run_common
+from hetjax.cluster import runtime
+from hetjax.cluster import signals
 from hetjax import step as step_lib
 from hetjax import task as task_lib
 from hetjax.modes import elastic as elastic_lib
@@ -129,7 +129,7 @@ class RoundsTrainer:
                               "every host must run the same command and arguments.")
     self.emulated = pace is not None or any(k in os.environ for k in _EMULATION_ENV)
     if pace is None and self.emulated:
-      from hetjax import emulate  # Emulation stays off the real path.
+      from hetjax.cluster import emulate  # Emulation stays off the real path.
       pace = emulate.pacing_from_env(self.host_id)
     self.pace = pace
     self.augment = augment_lib.parse(config.augment)
@@ -157,7 +157,7 @@ class RoundsTrainer:
     self._start_round = 0
     self._base_key = jax.random.key(config.seed)
     self._last_wait = self._last_spread = 0.0
-    self._stop_code = 0.0  # The largest stop signal any host sent (hetjax.signals).
+    self._stop_code = 0.0  # The largest stop signal any host sent (hetjax.cluster.signals).
     self._evaluator = None
     self.resumed_from: int | None = None
     self.job = ckpt_lib.describe_job(self.centre, {
@@ -242,7 +242,7 @@ class RoundsTrainer:
   # ---- records ------------------------------------------------------------
 
   def _record(self, i: int, time_s: float) -> dict[str, Any]:
-    """Round `i` of this run (0-based in history) in the `hetjax.metrics` schema.
+    """Round `i` of this run (0-based in history) in the `hetjax.observe.metrics` schema.
 
     A round is a "step" of the schema: shares are the samples each host
     processed, and the round's figures (tau, distance to the hosts' mean,

@@ -68,7 +68,7 @@ def _collectives() -> str:
 
 
 def _coordinator() -> str | None:
-  from hetjax import runtime
+  from hetjax.cluster import runtime
   if os.environ.get(runtime.ENV_COORDINATOR):
     return os.environ[runtime.ENV_COORDINATOR]
   from jax._src import distributed  # No public accessor in JAX 0.10.
@@ -79,7 +79,7 @@ def _pacing(host_id: int) -> tuple[Callable[[float, int], float] | None, float, 
   """The emulation hook, the emulated speed and whether anything is emulated."""
   if not any(k in os.environ for k in ("HETJAX_SPEED", "HETJAX_SLOWDOWN")):
     return None, 1.0, False
-  from hetjax import emulate  # Emulation stays off the real path.
+  from hetjax.cluster import emulate  # Emulation stays off the real path.
   return emulate.pacing_from_env(host_id), emulate.speed_from_env(), True
 
 
@@ -137,12 +137,12 @@ def build_local_step(model: str, batch: int, meshes: Meshes) -> Callable[[int], 
   """
   import jax
   import optax
-  import hetjax_models
-  from hetjax import data
+  from hetjax import models as zoo
+  from hetjax.input import data
   from hetjax import step as step_lib
 
   source = data.synthetic_images(size=batch)
-  task = hetjax_models.build(model, kind="image", num_classes=source.info.num_classes)
+  task = zoo.build(model, kind="image", num_classes=source.info.num_classes)
   per_device = -(-batch // meshes.local_devices)  # One micro-batch per step.
   example = source[np.arange(1)]
   optimizer = optax.sgd(1e-2)
@@ -256,7 +256,7 @@ def device_verdicts(per_host: Sequence[int], expected: Sequence[int] | None,
 
 def check_port_free(address: str) -> None:
   """On host 0, before joining: raises ValueError when the coordinator's port is taken here."""
-  from hetjax import runtime
+  from hetjax.cluster import runtime
   host, port = runtime.split_address(address)
   family = socket.AF_INET6 if ":" in host else socket.AF_INET
   with socket.socket(family, socket.SOCK_STREAM) as probe:
@@ -385,7 +385,7 @@ def run(args: argparse.Namespace) -> int:
   multi_host = int(os.environ.get("HETJAX_NUM_HOSTS", "1")) > 1
   try:
     _check(args)
-    from hetjax import runtime
+    from hetjax.cluster import runtime
     if args.gloo_interface:
       os.environ[runtime.ENV_GLOO_INTERFACE] = args.gloo_interface  # Host 0's report shows it.
     spec = runtime.resolve(os.environ, timeout_s=args.init_timeout)

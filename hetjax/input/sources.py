@@ -4,7 +4,7 @@ A source is anything with `len(source)`, `source.info` (a `DatasetInfo`) and
 `source[indices] -> {name: array[len(indices), ...]}` that returns record `i`
 the same way whatever else is in `indices`: every host then reads exactly the
 records of its slice and nothing else (docs/design.md invariant 1). TFDS sources
-on disk live in `hetjax/tfds_data.py`.
+on disk live in `hetjax/input/tfds_data.py`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Mapping, Protocol, Sequence
 
 import numpy as np
 
-from hetjax import shuffle
+from hetjax.input import shuffle
 
 Batch = dict[str, np.ndarray]
 # name -> (shape of one record, dtype); a None dimension matches any size.

@@ -1,0 +1,11 @@
+"""Checkpoints: orbax saves of everything a run needs to continue exactly
+(`manager`), and the pinned-host snapshot that lets a save overlap training
+(`snapshot`)."""
+
+import importlib as _importlib
+
+
+def __getattr__(name: str):
+  # `hetjax.checkpoint.CheckpointConfig` and friends, loaded only when asked
+  # for: the manager imports orbax.
+  return getattr(_importlib.import_module("hetjax.checkpoint.manager"), name)
