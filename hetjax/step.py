@@ -1,4 +1,4 @@
-"""The compiled programs of one training step.
+"""The compiled programs of one training step (where arrays live: `hetjax.mesh`).
 
 LOCAL (`LocalProgram`): `jit(shard_map)` over this host's own devices, where
 the train state lives (replicated over them). The first micro-batch's
@@ -42,8 +42,7 @@ sums, the reduction and the update stay float32.
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -54,15 +53,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from hetjax import optimizers as optimizers_lib
 from hetjax import packing
 from hetjax import precision as precision_lib
+from hetjax.mesh import DEV, Meshes, gather_host_values, rows_by_host, to_local, to_world
 from hetjax.task import MASK, Task, split_losses
 
 PyTree = Any
-DEV = "dev"   # axis of the local mesh: this host's devices
 # Batch entry, one int32 row per device: step, block, first micro-batch?, real
 # examples, then the host vector's float32 bits (`_position_rows`).
 _POSITION = "hetjax.position"
 _POSITION_FIELDS = 4
-ALL = "all"   # axis of the global mesh: every device of every host
 
 
 class TrainState(NamedTuple):
@@ -89,92 +87,6 @@ class Sums(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class Meshes:
-  """This host's mesh and the mesh of every device, in (host, device) order."""
-
-  local: Mesh
-  world: Mesh
-  num_hosts: int
-  host_id: int
-
-  @classmethod
-  def create(cls) -> "Meshes":
-    world = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-    local = [d for d in world if d.process_index == jax.process_index()]
-    return cls(Mesh(np.array(local), (DEV,)), Mesh(np.array(world), (ALL,)),
-               jax.process_count(), jax.process_index())
-
-  @property
-  def local_devices(self) -> int:
-    return self.local.devices.size
-
-  @property
-  def one_device(self) -> bool:
-    """A world of one device: its sums row is the total as it is (`Reduced.total`)."""
-    return self.world.devices.size == 1
-
-  def devices_per_host(self) -> tuple[int, ...]:
-    """How many devices each host brings (hosts may differ)."""
-    hosts = self.row_hosts()
-    return tuple(int(np.sum(hosts == h)) for h in range(self.num_hosts))
-
-  def row_hosts(self) -> np.ndarray:
-    """The host of each row of a world-sharded `[all devices, ...]` array."""
-    return np.array([d.process_index for d in self.world.devices.flat])
-
-  @functools.cached_property
-  def first_rows(self) -> np.ndarray:
-    """The index of each host's first row, in host order: read every step, built once."""
-    hosts = self.row_hosts()
-    return np.array([np.argmax(hosts == h) for h in range(self.num_hosts)])
-
-  # Shardings are built once: making one costs ~0.1 ms, paid per leaf per step.
-  @functools.cached_property
-  def replicated(self) -> NamedSharding:
-    return NamedSharding(self.world, P())
-
-  @functools.cached_property
-  def by_device(self) -> NamedSharding:
-    return NamedSharding(self.world, P(ALL))
-
-  @functools.cached_property
-  def local_replicated(self) -> NamedSharding:
-    return NamedSharding(self.local, P())
-
-  @functools.cached_property
-  def local_by_device(self) -> NamedSharding:
-    return NamedSharding(self.local, P(DEV))
-
-
-def _rewrap(x: jax.Array, shape: tuple[int, ...], sharding: NamedSharding) -> jax.Array:
-  """This host's buffers of `x` as an array of `shape` and `sharding`, zero-copy."""
-  return jax.make_array_from_single_device_arrays(
-      shape, sharding, [s.data for s in x.addressable_shards])
-
-
-def to_local(x: jax.Array, meshes: Meshes) -> jax.Array:
-  """Re-wraps a global replicated array onto the local mesh, zero-copy."""
-  return _rewrap(x, x.shape, meshes.local_replicated)
-
-
-def to_world(x: jax.Array, meshes: Meshes) -> jax.Array:
-  """Stitches a local `[local devices, ...]` array into `[all devices, ...]`, zero-copy."""
-  return _rewrap(x, (meshes.world.devices.size,) + x.shape[1:], meshes.by_device)
-
-
-def host_rows(values: np.ndarray, meshes: Meshes) -> jax.Array:
-  """This host's vector as its rows of a world-sharded `[all devices, k]` array."""
-  values = np.asarray(values, np.float32).reshape(1, -1)
-  local = np.repeat(values, meshes.local_devices, axis=0)
-  return jax.make_array_from_process_local_data(meshes.by_device, local)
-
-
-def rows_by_host(rows: np.ndarray, meshes: Meshes) -> np.ndarray:
-  """The first row of each host from a gathered `[all devices, k]` array."""
-  return np.asarray(rows)[meshes.first_rows]
-
-
-@dataclasses.dataclass(frozen=True)
 class Layout:
   """How one device's sums travel, fixed by the model's shapes.
 
@@ -190,16 +102,6 @@ class Layout:
   @property
   def row_size(self) -> int:
     return self.sums.sizes.get("float32", 0)
-
-
-def to_local_tree(tree: PyTree, meshes: Meshes) -> PyTree:
-  """`to_local` on every leaf: a state made or restored as global arrays, once."""
-  return jax.tree.map(lambda x: to_local(x, meshes), tree)
-
-
-def to_global_tree(tree: PyTree, meshes: Meshes) -> PyTree:
-  """Local replicated arrays re-wrapped, zero-copy, as global replicated ones (orbax's form)."""
-  return jax.tree.map(lambda x: _rewrap(x, x.shape, meshes.replicated), tree)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -716,14 +618,3 @@ def make_reduction(name: str, meshes: Meshes):
   if name not in REDUCTIONS:
     raise ValueError(f"unknown reduction backend {name!r}; choose 'device' or 'host'.")
   return REDUCTIONS[name](meshes)
-
-
-@functools.lru_cache(maxsize=None)
-def _all_gather(meshes: Meshes) -> Callable[[jax.Array], jax.Array]:
-  return jax.jit(lambda x: x, out_shardings=meshes.replicated)
-
-
-def gather_host_values(values: np.ndarray, meshes: Meshes) -> np.ndarray:
-  """Every host's `values` vector, `[hosts, k]`, from one small collective."""
-  rows = _all_gather(meshes)(host_rows(values, meshes))
-  return rows_by_host(np.asarray(rows), meshes)

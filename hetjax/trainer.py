@@ -36,6 +36,7 @@ from hetjax.training import lifecycle as run_common
 from hetjax.cluster import runtime
 from hetjax.cluster import signals
 from hetjax.input import sources as sources_lib
+from hetjax import mesh as mesh_lib
 from hetjax import step as step_lib
 from hetjax import task as task_lib
 from hetjax.observe.history import History
@@ -166,7 +167,7 @@ class Trainer:
     if checkpoint is not None:
       checkpoint.validate()  # An unwritable folder fails before anything compiles.
     self.task, self.optimizer, self.source, self.config = task, optimizer, source, config
-    self.meshes = step_lib.Meshes.create()
+    self.meshes = mesh_lib.Meshes.create()
     self.host_id, self.num_hosts = self.meshes.host_id, self.meshes.num_hosts
     self._custom_balancer = balancer is not None
     self.balancer = balancer or self._default_balancer(start_step=0)
@@ -277,11 +278,11 @@ class Trainer:
     """`state` for the trainer's own reads (orbax, the job's description); cached per step."""
     live = self._settled_state()
     if self._global is None or self._global[0] is not live:
-      self._global = (live, step_lib.to_global_tree(live, self.meshes))
+      self._global = (live, mesh_lib.to_global_tree(live, self.meshes))
     return self._global[1]
 
   def _replace_state(self, state: step_lib.TrainState) -> None:
-    self._live, self._pending, self._global = step_lib.to_local_tree(state, self.meshes), None, None
+    self._live, self._pending, self._global = mesh_lib.to_local_tree(state, self.meshes), None, None
 
   def _apply_pending(self) -> None:
     """Applies the last step's update alone, if it still waits for a program."""
@@ -381,7 +382,7 @@ class Trainer:
                    fix="(config hash mismatch): every host must run the same command and arguments.")
 
   def _agree_on(self, description: Any, *, what: str, fix: str) -> None:
-    everyone = step_lib.gather_host_values(
+    everyone = mesh_lib.gather_host_values(
         agreement.text_fingerprint(repr(description)), self.meshes)
     agreement.check_all_equal(everyone, what=what, fix=fix)
 
@@ -392,7 +393,7 @@ class Trainer:
       agreement.HostsDisagree: naming the hosts whose replicas differ.
     """
     params = self._settled_state().params
-    rows = step_lib.gather_host_values(agreement.params_fingerprint(params), self.meshes)
+    rows = mesh_lib.gather_host_values(agreement.params_fingerprint(params), self.meshes)
     agreement.check_fingerprints(self.step, rows)
 
   @property
@@ -680,7 +681,7 @@ class Trainer:
     if missing:  # Every host misses the same steps.
       mine = [x for i in missing for x in self._timings.get(self._start_step + i, (0.0, 0.0))]
       # Always four values: one compiled gather, however many steps are missing.
-      rows = step_lib.gather_host_values(np.array(mine + [0.0] * (4 - len(mine))), self.meshes)
+      rows = mesh_lib.gather_host_values(np.array(mine + [0.0] * (4 - len(mine))), self.meshes)
       for k in range(len(missing)):
         h.compute_s.append([float(r) for r in rows[:, 2 * k]])
         h.wait_s.append([float(r) for r in rows[:, 2 * k + 1]])

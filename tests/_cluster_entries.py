@@ -111,10 +111,10 @@ def visible_devices():
 
 def cross_host_sum():
   """A cross-host sum through the CPU collectives (gloo): host ids + 1, summed."""
-  from hetjax import step as step_lib
+  from hetjax import mesh as mesh_lib
   hetjax.initialize()
-  meshes = step_lib.Meshes.create()
-  rows = step_lib.gather_host_values(np.array([jax.process_index() + 1.0]), meshes)
+  meshes = mesh_lib.Meshes.create()
+  rows = mesh_lib.gather_host_values(np.array([jax.process_index() + 1.0]), meshes)
   return float(rows.sum())
 
 

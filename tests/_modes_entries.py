@@ -10,7 +10,7 @@ import hetjax
 from hetjax import models as zoo
 from hetjax import trainer
 from hetjax.input import data
-from hetjax import step as step_lib
+from hetjax import mesh as mesh_lib
 from hetjax.modes import RoundsConfig
 from hetjax.modes.rounds_trainer import RoundsTrainer
 
@@ -68,7 +68,7 @@ def accuracy(mode: str, rounds: int, local_steps: tuple, lr: float, momentum: fl
   summary = tr.fit(until=rounds, out=out, eval_every=rounds // 2 if out else 0,
                    eval_source=test if out else None)
   mine = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tr.host_params)
-  hosts = step_lib.gather_host_values(_flat(mine), tr.meshes)
+  hosts = mesh_lib.gather_host_values(_flat(mine), tr.meshes)
   tr.close()
   return {"accuracy": tr.evaluate(test)["accuracy"], "taus": [h["tau"][-1] for h in summary["per_host"]],
           "samples": [h["batch"][-1] for h in summary["per_host"]],

@@ -144,11 +144,11 @@ def test_spread_is_each_hosts_distance_to_the_hosts_mean_in_both_modes():
   """Three hosts' known parameters of a tiny two-leaf model, summed as each mode's reduction sums them."""
   import optax
   import hetjax
-  from hetjax import step as step_lib
+  from hetjax import mesh as mesh_lib
   from hetjax.modes import elastic, hybrid
 
   hetjax.initialize()
-  meshes = step_lib.Meshes.create()
+  meshes = mesh_lib.Meshes.create()
   rng = np.random.default_rng(0)
   tree = lambda: {"b": rng.normal(size=2).astype(np.float32),
                   "w": rng.normal(size=(3, 2)).astype(np.float32)}

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 
 if TYPE_CHECKING:  # JAX loads only once the arguments are checked, so errors come fast.
-  from hetjax.step import Meshes
+  from hetjax.mesh import Meshes
 
 TEXT_BYTES = 64  # Each text field travels as this many byte codes (exact in float32).
 _TEXTS = ("hostname", "jax_version", "collectives", "platform", "address", "gloo_interface")
@@ -105,17 +105,17 @@ def gather_identity(meshes: Meshes, settings: str) -> list[dict[str, Any]]:
 
 
 def _gather(vector: np.ndarray, meshes: Meshes) -> np.ndarray:
-  from hetjax import step as step_lib
-  return step_lib.gather_host_values(vector, meshes)
+  from hetjax import mesh as mesh_lib
+  return mesh_lib.gather_host_values(vector, meshes)
 
 
 def check_reduction(meshes: Meshes, repeats: int = 5) -> dict[str, Any]:
   """A cross-host sum with a known answer, and its median latency."""
   import jax
   import jax.numpy as jnp
-  from hetjax import step as step_lib
+  from hetjax import mesh as mesh_lib
 
-  rows = step_lib.host_rows(np.array([meshes.host_id + 1.0]), meshes)
+  rows = mesh_lib.host_rows(np.array([meshes.host_id + 1.0]), meshes)
   total = jax.jit(lambda x: jnp.sum(x[:, 0]), out_shardings=meshes.replicated)
   got = float(np.asarray(total(rows)))  # The first call compiles.
   times = []
@@ -139,6 +139,7 @@ def build_local_step(model: str, batch: int, meshes: Meshes) -> Callable[[int], 
   import optax
   from hetjax import models as zoo
   from hetjax.input import data
+  from hetjax import mesh as mesh_lib
   from hetjax import step as step_lib
 
   source = data.synthetic_images(size=batch)
@@ -146,7 +147,7 @@ def build_local_step(model: str, batch: int, meshes: Meshes) -> Callable[[int], 
   per_device = -(-batch // meshes.local_devices)  # One micro-batch per step.
   example = source[np.arange(1)]
   optimizer = optax.sgd(1e-2)
-  state = step_lib.to_local_tree(step_lib.init_state(
+  state = mesh_lib.to_local_tree(step_lib.init_state(
       task, optimizer, meshes, next(step_lib.micro_batches(example, per_device)), 0), meshes)
   local = step_lib.LocalProgram(task, optimizer, meshes, per_device)
   key, full = jax.random.key(0), source[np.arange(batch)]
@@ -274,9 +275,9 @@ def diagnose(*, model: str = "mlp", batch: int = 256, steps: int = 10,
              expect_devices: str | None = None) -> dict[str, Any]:
   """Runs every check on this host (call it on every host); same result everywhere."""
   import jax
-  from hetjax import step as step_lib
+  from hetjax import mesh as mesh_lib
 
-  meshes = step_lib.Meshes.create()
+  meshes = mesh_lib.Meshes.create()
   settings = f"{model}|{batch}|{steps}"
   hosts = gather_identity(meshes, settings)
   problems = []

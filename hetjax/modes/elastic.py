@@ -18,10 +18,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from hetjax import step as step_lib
+from hetjax import mesh as mesh_lib
 from hetjax.modes import rounds as rounds_lib
 from hetjax.modes.hybrid import Centre
-from hetjax.step import Meshes
+from hetjax.mesh import Meshes
 
 PyTree = Any
 
@@ -58,7 +58,7 @@ class Elastic:
             ) -> tuple[PyTree, PyTree]:
     """A host keeps its own parameters; the first round starts them at the centre."""
     if host_params is None:
-      local = lambda t: jax.tree.map(lambda x: jnp.copy(step_lib.to_local(x, self.meshes)), t)
+      local = lambda t: jax.tree.map(lambda x: jnp.copy(mesh_lib.to_local(x, self.meshes)), t)
       return local(centre.params), local(centre.model_state)
     return host_params, host_model_state
 
@@ -68,7 +68,7 @@ class Elastic:
   def contribution(self, centre: Centre, params: PyTree, model_state: PyTree, n: int,
                    total_n: int) -> dict:
     """`[d_i, n_i * model_state_i]` on this host's devices."""
-    centre_params = jax.tree.map(lambda x: step_lib.to_local(x, self.meshes), centre.params)
+    centre_params = jax.tree.map(lambda x: mesh_lib.to_local(x, self.meshes), centre.params)
     alpha = jnp.float32(self.alpha(n, total_n))
     tree = self._contribution(centre_params, params, model_state, jnp.float32(n), alpha)
     self._last_d = tree["d"]

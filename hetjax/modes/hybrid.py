@@ -22,9 +22,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from hetjax import step as step_lib
+from hetjax import mesh as mesh_lib
 from hetjax.modes import rounds as rounds_lib
-from hetjax.step import Meshes
+from hetjax.mesh import Meshes
 
 PyTree = Any
 
@@ -80,14 +80,14 @@ class Hybrid:
             ) -> tuple[PyTree, PyTree]:
     """Every round starts from the centre (the inner optimizer state is kept)."""
     del host_params, host_model_state
-    local = lambda t: jax.tree.map(lambda x: jnp.copy(step_lib.to_local(x, self.meshes)), t)
+    local = lambda t: jax.tree.map(lambda x: jnp.copy(mesh_lib.to_local(x, self.meshes)), t)
     return local(centre.params), local(centre.model_state)
 
   def contribution(self, centre: Centre, params: PyTree, model_state: PyTree, n: int,
                    total_n: int) -> dict:
     """`[n_i * delta_i, n_i * model_state_i]` on this host's devices."""
     del total_n
-    centre_params = jax.tree.map(lambda x: step_lib.to_local(x, self.meshes), centre.params)
+    centre_params = jax.tree.map(lambda x: mesh_lib.to_local(x, self.meshes), centre.params)
     return self._contribution(centre_params, params, model_state, jnp.float32(n))
 
   def spread(self, mine: dict, totals: dict, n: int, total_n: int) -> jax.Array:

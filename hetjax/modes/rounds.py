@@ -29,8 +29,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from hetjax import blocks as blocks_lib
 from hetjax import precision as precision_lib
+from hetjax import mesh as mesh_lib
 from hetjax import step as step_lib
-from hetjax.step import DEV, Meshes
+from hetjax.mesh import DEV, Meshes
 from hetjax.task import MASK, Task
 
 PyTree = Any
@@ -263,13 +264,13 @@ def spread(mine: PyTree, my_weight: float, totals: PyTree, total_weight: float,
   mean minus `c`, while `mine / my_weight` is `x_i - c`: the difference is
   this host's distance to the mean, and no second full-size sum is needed.
   """
-  local = jax.tree.map(lambda x: step_lib.to_local(x, meshes), totals)
+  local = jax.tree.map(lambda x: mesh_lib.to_local(x, meshes), totals)
   return _distance(mine, jnp.float32(my_weight), local, jnp.float32(total_weight))
 
 
 def to_host_mesh(tree: PyTree, meshes: Meshes) -> PyTree:
   """A copy of global replicated arrays on this host's devices (local mesh)."""
-  return jax.tree.map(lambda x: jnp.copy(step_lib.to_local(x, meshes)), tree)
+  return jax.tree.map(lambda x: jnp.copy(mesh_lib.to_local(x, meshes)), tree)
 
 
 # ---- 4. The one cross-host reduction of a round ------------------------------
@@ -307,16 +308,16 @@ class RoundReduction:
       # the hosts up first (see hetjax.step.HostReduction).
       probe = jax.make_array_from_process_local_data(self._by_host, np.zeros((1, 1), np.float32))
       compiled = self._sum_hosts.lower(probe).compile()
-      step_lib.gather_host_values(np.zeros(1), meshes)
+      mesh_lib.gather_host_values(np.zeros(1), meshes)
       compiled(probe).block_until_ready()
 
   def __call__(self, tree: PyTree, host_values: np.ndarray) -> tuple[PyTree, np.ndarray]:
     """`(sum over hosts of tree, as global replicated arrays; [hosts, k] values)`."""
     meshes = self.meshes
     if self.backend == "device":
-      world = jax.tree.map(lambda x: step_lib.to_world(x, meshes), self._spread(tree))
-      totals, rows = self._sum_world(world, step_lib.host_rows(host_values, meshes))
-      return totals, step_lib.rows_by_host(np.asarray(rows), meshes)
+      world = jax.tree.map(lambda x: mesh_lib.to_world(x, meshes), self._spread(tree))
+      totals, rows = self._sum_world(world, mesh_lib.host_rows(host_values, meshes))
+      return totals, mesh_lib.rows_by_host(np.asarray(rows), meshes)
     mine = jax.tree.map(lambda x: np.asarray(x.addressable_data(0))[None], tree)
     mine["hetjax.host_values"] = np.asarray(host_values, np.float32).reshape(1, 1, -1)
     to_cpu = lambda x: jax.make_array_from_process_local_data(self._by_host, x)

@@ -30,6 +30,7 @@ from hetjax.input import data as data_lib
 from hetjax.training import lifecycle as run_common
 from hetjax.cluster import runtime
 from hetjax.cluster import signals
+from hetjax import mesh as mesh_lib
 from hetjax import step as step_lib
 from hetjax import task as task_lib
 from hetjax.modes import elastic as elastic_lib
@@ -114,7 +115,7 @@ class RoundsTrainer:
     if config.balancer is not None or config.assignment != "equal":
       raise ValueError(f"--mode {rounds.mode} sizes the hosts' work by local steps; the "
                        "assignment and balancer settings do not apply (use --local-steps).")
-    self.meshes = step_lib.Meshes.create()
+    self.meshes = mesh_lib.Meshes.create()
     self.host_id, self.num_hosts = self.meshes.host_id, self.meshes.num_hosts
     rounds.validate(self.num_hosts, config.global_batch)
     if checkpoint is not None:
@@ -124,7 +125,7 @@ class RoundsTrainer:
     self.sampler = data_lib.GlobalSampler(len(source), config.global_batch, config.seed,
                                           name=source.info.name)
     mine = f"{config!r}|{rounds!r}|{source.info!r}|{len(source)}|{identity}|{checkpoint!r}"
-    everyone = step_lib.gather_host_values(agreement.text_fingerprint(mine), self.meshes)
+    everyone = mesh_lib.gather_host_values(agreement.text_fingerprint(mine), self.meshes)
     agreement.check_all_equal(everyone, what="configuration", fix="(config hash mismatch): "
                               "every host must run the same command and arguments.")
     self.emulated = pace is not None or any(k in os.environ for k in _EMULATION_ENV)
@@ -267,7 +268,7 @@ class RoundsTrainer:
   def _final_waits(self) -> None:
     """The last round's reduction seconds and spreads travel in one extra small collective."""
     if len(self.history.wait_s) < len(self.history.taus):
-      rows = step_lib.gather_host_values(np.array([self._last_wait, self._last_spread]),
+      rows = mesh_lib.gather_host_values(np.array([self._last_wait, self._last_spread]),
                                          self.meshes)
       self.history.wait_s.append([float(r) for r in rows[:, 0]])
       self.history.spread.append([float(r) for r in rows[:, 1]])
@@ -392,8 +393,8 @@ class RoundsTrainer:
     Raises:
       agreement.HostsDisagree: naming the hosts whose centre differs.
     """
-    local = jax.tree.map(lambda x: step_lib.to_local(x, self.meshes), self.centre)
-    rows = step_lib.gather_host_values(agreement.params_fingerprint(local), self.meshes)
+    local = jax.tree.map(lambda x: mesh_lib.to_local(x, self.meshes), self.centre)
+    rows = mesh_lib.gather_host_values(agreement.params_fingerprint(local), self.meshes)
     agreement.check_fingerprints(self.round, rows, what="centres (parameters, outer state)")
 
   def _all_hosts_agree(self, flag: bool) -> bool:
@@ -407,7 +408,7 @@ class RoundsTrainer:
     d = self.meshes.local_devices
     spread = jax.jit(lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (d,) + x.shape), t),
                      out_shardings=self.meshes.local_by_device)
-    return jax.tree.map(lambda x: step_lib.to_world(x, self.meshes), spread(tree))
+    return jax.tree.map(lambda x: mesh_lib.to_world(x, self.meshes), spread(tree))
 
   def _saved(self) -> Saved:
     params, model_state = self.mode.start(self.centre, self.host_params, self.host_model_state)

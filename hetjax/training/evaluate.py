@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from hetjax import mesh as mesh_lib
 from hetjax import step as step_lib
 from hetjax.task import MASK, Task, split_losses
 
@@ -53,7 +54,7 @@ class Evaluator:
     batch_per_device: records per device per call (fixes the compiled shape).
   """
 
-  def __init__(self, task: Task, meshes: step_lib.Meshes, batch_per_device: int):
+  def __init__(self, task: Task, meshes: mesh_lib.Meshes, batch_per_device: int):
     if batch_per_device < 1:
       raise ValueError(f"evaluation batch per device must be >= 1, got {batch_per_device}.")
     self.meshes = meshes
@@ -73,8 +74,8 @@ class Evaluator:
       return {k: v[None] for k, v in sums.items()}
 
     self._sums = jax.jit(jax.shard_map(
-        per_device, mesh=meshes.local, in_specs=(P(), P(), P(step_lib.DEV)),
-        out_specs=P(step_lib.DEV)))
+        per_device, mesh=meshes.local, in_specs=(P(), P(), P(mesh_lib.DEV)),
+        out_specs=P(mesh_lib.DEV)))
     self._names: list[str] | None = None
 
   def _metric_names(self, params, model_state, example) -> list[str]:
@@ -94,7 +95,7 @@ class Evaluator:
 
     `params` and `model_state` are global replicated arrays.
     """
-    local = lambda tree: jax.tree.map(lambda x: step_lib.to_local(x, self.meshes), tree)
+    local = lambda tree: jax.tree.map(lambda x: mesh_lib.to_local(x, self.meshes), tree)
     params, model_state = local(params), local(model_state)
     example = {**source[np.arange(1)], MASK: np.ones(1, np.float32)}
     names = self._metric_names(params, model_state, example)
@@ -121,7 +122,7 @@ class Evaluator:
     start, stop = ranges[self.meshes.host_id]
     mine = self.local_sums(params, model_state, source, start, stop)
     # float32 rows hold counts exactly up to 2^24 records per host.
-    rows = step_lib.gather_host_values(mine, self.meshes).astype(np.float64)
+    rows = mesh_lib.gather_host_values(mine, self.meshes).astype(np.float64)
     totals = dict(zip(self._names, rows.sum(axis=0)))
     count = totals.pop(COUNT)
     if count <= 0:

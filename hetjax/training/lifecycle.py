@@ -19,7 +19,7 @@ from hetjax.input import data as data_lib
 from hetjax.training import evaluate as evaluate_lib
 from hetjax.observe import metrics as metrics_lib
 from hetjax.cluster import signals
-from hetjax import step as step_lib
+from hetjax import mesh as mesh_lib
 from hetjax.task import Task
 
 PyTree = Any
@@ -81,13 +81,13 @@ def write_summary(out: str, summary: dict[str, Any], host_id: int) -> None:
     metrics_lib.write_summary(out, summary)
 
 
-def all_hosts_agree(flag: bool, meshes: step_lib.Meshes) -> bool:
+def all_hosts_agree(flag: bool, meshes: mesh_lib.Meshes) -> bool:
   """True when every host says yes (the checkpointer's vote)."""
-  flags = step_lib.gather_host_values(np.array([float(flag)]), meshes)
+  flags = mesh_lib.gather_host_values(np.array([float(flag)]), meshes)
   return bool(np.all(flags > 0))
 
 
-def layout(meshes: step_lib.Meshes, microbatch: int) -> dict[str, Any]:
+def layout(meshes: mesh_lib.Meshes, microbatch: int) -> dict[str, Any]:
   """The host layout a checkpoint records; a resume compares it with its own."""
   return {"hosts": meshes.num_hosts, "devices_per_host": list(meshes.devices_per_host()),
           "microbatch": microbatch}
@@ -98,7 +98,7 @@ def host_copy(params: PyTree) -> PyTree:
   return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), params)
 
 
-def evaluator_for(current: evaluate_lib.Evaluator | None, task: Task, meshes: step_lib.Meshes,
+def evaluator_for(current: evaluate_lib.Evaluator | None, task: Task, meshes: mesh_lib.Meshes,
                   batch_size: int) -> evaluate_lib.Evaluator:
   """`current` if it evaluates `batch_size` per device, else a new one (compiled once per size)."""
   if current is None or current.batch != batch_size * meshes.local_devices:
@@ -115,7 +115,7 @@ def last_eval(evals: dict[int, dict[str, float]], first_step: int) -> dict[str, 
 
 
 def summary_fields(*, steps: int, last_step: int, resumed_from: int | None, config: Any,
-                   meshes: step_lib.Meshes, balancer_mode: str, balancer_decisions: list,
+                   meshes: mesh_lib.Meshes, balancer_mode: str, balancer_decisions: list,
                    samples_per_sec: float, losses: Sequence[float],
                    metrics: Sequence[dict[str, float]], params_digest: str | None,
                    evaluation: dict[str, Any] | None, emulated: bool,
