@@ -620,3 +620,16 @@ def make_balancer(assignment: str | Sequence[int], global_batch: int, num_hosts:
   if mode == "equal" or assignment == "equal":
     return FixedBalancer(equal_split(global_batch, num_hosts), name="equal")
   return FixedBalancer(validate_shares(np.asarray(assignment).tolist(), global_batch, num_hosts))
+
+
+def taus_from_speeds(round_steps: int, step_s: Sequence[float]) -> tuple[int, ...]:
+  """Local steps per round of the rounds modes: `tau_i = max(1, round(H * v_i / v_max))`.
+
+  `v_i = 1 / step_s[i]` is host i's local steps per second; the fastest host
+  runs `round_steps` (H). Shared by the trainer and the simulator.
+  """
+  step_s = np.asarray(step_s, np.float64)
+  if not np.all(step_s > 0):
+    raise ValueError(f"local step seconds must be > 0, got {step_s.tolist()}.")
+  v = 1.0 / step_s
+  return tuple(int(max(1, np.floor(round_steps * x / v.max() + 0.5))) for x in v)

@@ -15,7 +15,10 @@ import sys
 import traceback
 from typing import Sequence
 
+from hetjax.config import Env
+from hetjax import config as config_lib  # No JAX: the configs and their checks.
 from hetjax import optimizers  # Imports nothing heavy at module level.
+from hetjax.config import check_at_least
 
 OPTIMIZERS = optimizers.OPTIMIZERS
 
@@ -107,14 +110,11 @@ def _parser() -> argparse.ArgumentParser:
 def _check_args(args: argparse.Namespace) -> None:
   """Everything that can be checked before JAX starts; raises ValueError."""
   from hetjax import models as zoo
-  from hetjax import balancer
   from hetjax.input import data
 
   if args.model not in zoo.MODEL_NAMES:
     raise ValueError(f"unknown model {args.model!r}; choose one of {', '.join(zoo.MODEL_NAMES)}.")
   data.check_dataset_name(args.dataset, args.data_dir)
-  from hetjax.input import augment
-  augment.parse(args.augment)
   data.check_image_size(args.dataset, args.image_size)
   if args.image_size is not None:
     from hetjax.input import images
@@ -127,27 +127,14 @@ def _check_args(args: argparse.Namespace) -> None:
   if args.eval_every < 0:
     raise ValueError(f"--eval-every must be >= 0 steps (0: evaluate only at the end), got "
                      f"{args.eval_every}.")
-  if args.global_batch < 1:
-    raise ValueError(f"--global-batch must be >= 1, got {args.global_batch}.")
-  if args.microbatch < 1:
-    raise ValueError(f"--microbatch must be >= 1, got {args.microbatch}.")
-  if args.steps < 1:
-    raise ValueError(f"--steps must be >= 1 (the total, a resumed run does what is left), "
-                     f"got {args.steps}.")
+  check_at_least("--steps", args.steps, 1, " (the total, a resumed run does what is left)")
+  hosts = os.environ.get(Env.NUM_HOSTS)  # Unset before joining under some launchers.
+  hosts = int(hosts) if hosts else None
+  _train_config(args).validate(hosts or 1)
   if args.ckpt_dir is not None:
     _checkpoint_config(args).validate()
-  assignment = balancer.parse_assignment(args.assignment)
-  if args.balancer in ("static", "dynamic") and assignment != "equal":
-    raise ValueError(f"--balancer {args.balancer} sizes the shares itself; drop --assignment "
-                     f"{args.assignment} (or use --balancer equal).")
-  if assignment != "equal":
-    hosts = int(os.environ.get("HETJAX_NUM_HOSTS", "1"))
-    from hetjax import blocks
-    blocks.check_aligned(balancer.validate_shares(assignment, args.global_batch, hosts),
-                         args.global_batch, args.microbatch)
   from hetjax.modes import options as mode_options
-  hosts = os.environ.get("HETJAX_NUM_HOSTS")  # Unset before joining under some launchers.
-  mode_options.from_args(args, int(hosts) if hosts else None)
+  mode_options.from_args(args, hosts)
   if args.dropout is not None:
     if not 0 <= args.dropout < 1:
       raise ValueError(f"--dropout must be in [0, 1), got {args.dropout}.")
@@ -157,10 +144,19 @@ def _check_args(args: argparse.Namespace) -> None:
                        f"{', '.join(has)}.")
 
 
-def _checkpoint_config(args: argparse.Namespace):
-  from hetjax.checkpoint import manager as checkpoint
-  return checkpoint.CheckpointConfig(args.ckpt_dir, every=args.ckpt_every, keep=args.ckpt_keep,
+def _checkpoint_config(args: argparse.Namespace) -> config_lib.CheckpointConfig:
+  return config_lib.CheckpointConfig(args.ckpt_dir, every=args.ckpt_every, keep=args.ckpt_keep,
                                      resume=args.resume, async_save=args.async_save)
+
+
+def _train_config(args: argparse.Namespace) -> config_lib.TrainConfig:
+  from hetjax import balancer
+  assignment = balancer.parse_assignment(args.assignment)
+  return config_lib.TrainConfig(
+      global_batch=args.global_batch, microbatch=args.microbatch, seed=args.seed,
+      assignment=assignment, reduction=args.reduction, balancer=args.balancer,
+      precision=args.precision,
+      augment="none" if args.image_size is not None else args.augment)  # Else the recipe's.
 
 
 def _optimizer(args: argparse.Namespace):
@@ -201,10 +197,7 @@ def train(args: argparse.Namespace) -> dict:
     overrides["dropout"] = args.dropout
   task = zoo.build(args.model, kind=source.info.kind, num_classes=source.info.num_classes,
                              vocab_size=source.info.vocab_size, **overrides)
-  config = trainer.TrainConfig(global_batch=args.global_batch, microbatch=args.microbatch,
-                               seed=args.seed, assignment=args.assignment, reduction=args.reduction,
-                               balancer=args.balancer, precision=args.precision,
-                               augment="none" if images else args.augment)  # Else the recipe's.
+  config = _train_config(args)
   identity = f"{args.model}|{_optimizer_identity(args)}|{args.model_width}|{args.dropout}"
   identity += f"|{args.image_size}|{args.augment}" if images else ""
   ckpt = None if args.ckpt_dir is None else _checkpoint_config(args)
@@ -270,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return {"report": report, "doctor": doctor}[args.command].run(args)
   # Read when needed, not up front: joining a cluster found from SLURM or
   # Open MPI writes HETJAX_NUM_HOSTS / HETJAX_HOST_ID (hetjax.cluster.runtime).
-  multi_host = lambda: int(os.environ.get("HETJAX_NUM_HOSTS", "1")) > 1
+  multi_host = lambda: config_lib.num_hosts_from_env() > 1
   from hetjax.cluster import signals  # Stdlib only: bad arguments still fail before JAX loads.
   try:
     # Caught from the start: a signal while joining or compiling stops this host
@@ -298,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       raise
     traceback.print_exc()
     _exit_now(1)
-  if summary and int(os.environ.get("HETJAX_HOST_ID", "0")) == 0:
+  if summary and config_lib.host_id_from_env() == 0:
     _print_summary(summary)
   return 0
 

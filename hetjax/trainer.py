@@ -9,7 +9,6 @@ cross-host reduction, which also carries every host's timings -> balancer.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import os
 import time
@@ -20,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from hetjax import config as config_lib
+from hetjax.config import TrainConfig  # noqa: F401 (public name)
 from hetjax.training import agreement
 from hetjax.input import augment as augment_lib
 from hetjax import balancer as balancer_lib
@@ -30,7 +31,6 @@ from hetjax.training import evaluate as evaluate_lib
 from hetjax.input import loader as loader_lib
 from hetjax.observe import metrics as metrics_lib
 from hetjax import optimizers as optimizers_lib
-from hetjax import precision as precision_lib
 from hetjax.training import readiness
 from hetjax.training import lifecycle as run_common
 from hetjax.cluster import runtime
@@ -47,55 +47,6 @@ PyTree = Any
 WARMUP_STEPS = 2  # Steps excluded from throughput: compilation and first transfers.
 # Set by the launchers' emulation flags; named here so that `hetjax.cluster.emulate`
 # is imported only when something is emulated.
-_EMULATION_ENV = ("HETJAX_SPEED", "HETJAX_SLOWDOWN", "HETJAX_DEVICE_SAMPLE_MS")
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-  """What every host must agree on (compared by hash before training).
-
-  Attributes:
-    global_batch: samples per step over all hosts; fixed for the whole run.
-    microbatch: samples per device per micro-batch, `m`: the global batch is
-      cut into blocks of `m` positions, each run whole by one device, so a
-      host's share is a whole number of blocks (`hetjax.blocks`).
-    seed: seeds the parameters and the data order.
-    assignment: 'equal' (in blocks) or explicit per-host shares in samples
-      whose boundaries fall on blocks, e.g. (4, 24, 36) with microbatch 4.
-    reduction: cross-host reduction backend, 'device' or 'host'.
-    balancer: None (follow `assignment`), 'equal', 'static' (profile a short
-      warm-up, then fix the split) or 'dynamic' (keep re-sizing shares from
-      the measured step times).
-    augment: per-example augmentation, e.g. 'crop,flip' (see hetjax.input.augment);
-      its randomness follows the example's global index, not the host.
-    check_every: compare every host's parameter fingerprint every this many
-      steps and at every checkpoint (0: only at checkpoints).
-  """
-
-  global_batch: int
-  microbatch: int = 16
-  seed: int = 0
-  assignment: str | tuple[int, ...] = "equal"
-  reduction: str = "device"
-  balancer: str | None = None
-  augment: str = "none"
-  check_every: int = 100
-  precision: str = "fp32"
-
-  def validate(self) -> None:
-    if self.global_batch < 1:
-      raise ValueError(f"global batch must be >= 1, got {self.global_batch}.")
-    if self.microbatch < 1:
-      raise ValueError(f"micro-batch must be >= 1, got {self.microbatch}.")
-    if self.reduction not in step_lib.REDUCTIONS:
-      raise ValueError(f"unknown reduction backend {self.reduction!r}; choose 'device' or 'host'.")
-    augment_lib.parse(self.augment)  # Raises on an unknown augmentation.
-    precision_lib.check(self.precision)
-    if not isinstance(self.assignment, str):
-      blocks_lib.check_aligned(self.assignment, self.global_batch, self.microbatch)
-    if self.check_every < 0:
-      raise ValueError(f"check_every must be >= 0 steps (0: only at checkpoints), got "
-                       f"{self.check_every}.")
 
 
 # One program for the whole tree: copied op by op, each leaf shape would compile its own.
@@ -108,9 +59,6 @@ def params_digest(params: PyTree) -> str:
   for leaf in jax.tree.leaves(params):
     h.update(np.ascontiguousarray(np.asarray(leaf, dtype=np.float32)).tobytes())
   return h.hexdigest()
-
-
-_fingerprint = agreement.text_fingerprint
 
 
 class _InFlight(NamedTuple):
@@ -160,8 +108,8 @@ class Trainer:
       data_workers: input worker processes on this host (0: threads); may
         differ between hosts (see `hetjax.input.loader`).
     """
-    if int(os.environ.get(runtime.ENV_NUM_HOSTS, "1")) > 1 and not runtime.is_initialized():
-      raise RuntimeError(f"{runtime.ENV_NUM_HOSTS} asks for several hosts but the cluster is not joined: "
+    if int(os.environ.get(config_lib.Env.NUM_HOSTS, "1")) > 1 and not runtime.is_initialized():
+      raise RuntimeError(f"{config_lib.Env.NUM_HOSTS} asks for several hosts but the cluster is not joined: "
                          "call hetjax.initialize() before building a Trainer.")
     config.validate()
     if checkpoint is not None:
@@ -174,7 +122,7 @@ class Trainer:
     self.sampler = data_lib.GlobalSampler(len(source), config.global_batch, config.seed,
                                           name=source.info.name)
     self._check_hosts_agree(f"{identity}|{checkpoint!r}")
-    self.emulated = pace is not None or any(k in os.environ for k in _EMULATION_ENV)
+    self.emulated = pace is not None or config_lib.emulated_from_env()
     if pace is None and self.emulated:
       from hetjax.cluster import emulate  # Emulation stays off the real path.
       pace = emulate.pacing_from_env(self.host_id)

@@ -52,6 +52,7 @@ try:
 except ImportError:  # Run from a checkout without installing hetjax.
   sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   from hetjax.cluster import procs
+from hetjax.config import Env
 
 DEFAULT_PORT = 29517
 # -tt: a remote terminal, so the remote side is hung up with the connection.
@@ -61,8 +62,7 @@ DEFAULT_PORT = 29517
 DEFAULT_SSH = "ssh -tt -o BatchMode=yes -o ServerAliveInterval=15 -o ServerAliveCountMax=4"
 _ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Set by the launcher from the host file; an --env that names one would break the cluster.
-_RESERVED = (procs.ENV_COORDINATOR, procs.ENV_NUM_HOSTS, procs.ENV_HOST_ID,
-             procs.ENV_RESTART_COUNT)
+_RESERVED = (Env.COORDINATOR, Env.NUM_HOSTS, Env.HOST_ID, Env.RESTART_COUNT)
 # Runs on the remote host under bash: the host in the background (job control
 # on while it starts, so it keeps SIGINT; SIGHUP ignored), its output through
 # a relay that survives the connection, and hang-up or SIGTERM to the wrapper
@@ -172,11 +172,11 @@ def host_commands(hosts: Sequence[Host], command: Sequence[str], *, coordinator:
     raise ValueError("--ssh is empty; give the ssh program, e.g. --ssh 'ssh -p 2222'.")
   commands = []
   for i, host in enumerate(hosts):
-    host_env = {procs.ENV_COORDINATOR: coordinator, procs.ENV_NUM_HOSTS: str(len(hosts)),
-                procs.ENV_HOST_ID: str(i), procs.ENV_RESTART_COUNT: str(restart_count),
+    host_env = {Env.COORDINATOR: coordinator, Env.NUM_HOSTS: str(len(hosts)),
+                Env.HOST_ID: str(i), Env.RESTART_COUNT: str(restart_count),
                 "PYTHONUNBUFFERED": "1"}
     if init_timeout_s is not None:
-      host_env[procs.ENV_INIT_TIMEOUT] = f"{init_timeout_s:g}"
+      host_env[Env.INIT_TIMEOUT] = f"{init_timeout_s:g}"
     host_env.update(env or {})
     host_env.update(host.env)
     commands.append([*ssh_argv, host.address,

@@ -43,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog="launch/local.py",
       usage="%(prog)s --hosts N [--devices-per-host D] [--speeds 1,0.5,...] "
-            "[--device-sample-ms MS] [--slowdown H:F@S] [--init-timeout S] [--max-restarts K] -- COMMAND ...",
+            "[--device-sample-ms MS] [--slowdown H:F@S] [--host-env H:K=V] [--init-timeout S] [--max-restarts K] -- COMMAND ...",
       description="Run COMMAND as N hetjax hosts on localhost (CPU emulation).")
   parser.add_argument("--hosts", type=int, required=True, help="number of host processes")
   parser.add_argument("--devices-per-host", type=int, default=1,
@@ -55,6 +55,10 @@ def _parser() -> argparse.ArgumentParser:
                            "step takes its real compute plus samples x ms / speed")
   parser.add_argument("--slowdown", type=str, default=None,
                       help="emulated stragglers, HOST:FACTOR@STEP[,...], e.g. 2:3@50")
+  parser.add_argument("--host-env", action="append", default=[], metavar="HOST:KEY=VALUE",
+                      help="an environment variable for one host only, e.g. "
+                           "1:XLA_FLAGS=--xla_backend_optimization_level=0 (emulates hosts that "
+                           "compile differently); repeatable")
   parser.add_argument("--init-timeout", type=float, default=None,
                       help="seconds a host may take to join the cluster")
   parser.add_argument("--grace", type=float, default=procs.DEFAULT_GRACE_S,
@@ -77,6 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                               speeds=speeds, init_timeout_s=args.init_timeout,
                               grace_s=args.grace, slowdown=args.slowdown,
                               device_sample_ms=args.device_sample_ms,
+                              host_env=emulate.parse_host_env(args.host_env, args.hosts),
                               max_restarts=args.max_restarts, max_preemptions=args.max_preemptions)
   except ValueError as e:
     parser.error(str(e))  # Exits 2 with the usage line.

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 
+from hetjax.config import Env
+
 
 def topology_and_sum(scale: float = 1.0) -> tuple[int, int, int, float, str | None]:
   """Returns where this host sits and a cross-host sum that only gloo can compute.
@@ -25,7 +27,7 @@ def topology_and_sum(scale: float = 1.0) -> tuple[int, int, int, float, str | No
   global_array = jax.make_array_from_process_local_data(NamedSharding(mesh, P("hosts")), local)
   total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))(global_array)
   return (jax.process_index(), jax.process_count(), jax.local_device_count(), float(total),
-          os.environ.get("HETJAX_SPEED"))
+          os.environ.get(Env.SPEED))
 
 
 def fail_on_host(host: int) -> int:
@@ -35,3 +37,8 @@ def fail_on_host(host: int) -> int:
     raise ValueError(f"deliberate failure on host {host}")
   topology_and_sum()
   return jax.process_index()
+
+
+def read_env(name: str) -> str | None:
+  """This host's value of environment variable `name`."""
+  return os.environ.get(name)

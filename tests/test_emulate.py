@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from hetjax.config import Env
 from hetjax.cluster import emulate
 
 
@@ -146,6 +147,25 @@ def test_device_pacing_adds_time_proportional_to_samples_and_1_over_speed():
 
 
 def test_the_trainer_knows_every_emulation_variable():
-  from hetjax import trainer
-  assert set(trainer._EMULATION_ENV) == {emulate.ENV_SPEED, emulate.ENV_SLOWDOWN,
-                                         emulate.ENV_DEVICE_SAMPLE_MS}
+  """Every variable the emulation reads marks a run as emulated (`config.emulated_from_env`)."""
+  import re
+  read = set(re.findall(r"\bEnv\.([A-Z_]+)", open(emulate.__file__).read()))
+  assert {getattr(Env, name) for name in read} == set(Env.EMULATION)
+
+
+def test_host_env_entries_name_one_host_each_and_bad_ones_say_the_form():
+  got = emulate.parse_host_env(["1:XLA_FLAGS=--xla_backend_optimization_level=0", "1:A=b=c",
+                                "0:B="], hosts=2)
+  assert got == {1: {"XLA_FLAGS": "--xla_backend_optimization_level=0", "A": "b=c"}, 0: {"B": ""}}
+  with pytest.raises(ValueError, match="must be HOST:KEY=VALUE"):
+    emulate.parse_host_env(["XLA_FLAGS=x"], hosts=2)
+  with pytest.raises(ValueError, match="names host 2 but there are 2 hosts"):
+    emulate.parse_host_env(["2:A=1"], hosts=2)
+  with pytest.raises(ValueError, match="sets the HETJAX_\\* variables itself"):
+    emulate.parse_host_env(["0:HETJAX_SPEED=0.5"], hosts=2)
+
+
+def test_host_env_reaches_only_its_host():
+  from hetjax.cluster import procs
+  envs = procs.cluster_envs(2, 1, base={}, host_env={1: {"XLA_FLAGS": "--foo"}})
+  assert "XLA_FLAGS" not in envs[0] and envs[1]["XLA_FLAGS"] == "--foo"

@@ -89,3 +89,9 @@ def test_kill_a_host_mid_run_says_it_needs_proc_before_starting_anything(monkeyp
   monkeypatch.setattr(testing.subprocess, "Popen", _must_not_run)
   with pytest.raises(RuntimeError, match="finds the host processes in /proc"):
     testing.kill_a_host_mid_run(["--ckpt-dir", str(tmp_path)], tmp_path, hosts=2)
+
+
+def test_run_hosts_gives_each_host_its_own_environment():
+  got = testing.run_hosts("_mh_entries:read_env", hosts=2, args=("HETJAX_TEST_MARK",),
+                          host_env={1: {"HETJAX_TEST_MARK": "host-one"}})
+  assert got == [None, "host-one"]

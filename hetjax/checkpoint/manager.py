@@ -35,10 +35,7 @@ barriers match.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import logging
-import os
-import tempfile
 import time
 from typing import Any, Callable
 
@@ -49,6 +46,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from hetjax.checkpoint import snapshot as snapshot_lib
+from hetjax.config import CheckpointConfig, resolve  # noqa: F401 (public names)
 
 PyTree = Any
 FORMAT = 1
@@ -58,68 +56,6 @@ FORMAT = 1
 ADDED_FIELDS = ("loss_scale",)
 _COMMIT_MARKER = "commit_success.txt"  # Written by orbax when a step folder is complete.
 log = logging.getLogger("hetjax.checkpoint")
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointConfig:
-  """Where and how often to checkpoint.
-
-  Attributes:
-    directory: the checkpoint folder (shared by all hosts): a local path or
-      a URL orbax reaches through `etils.epath` (gs://bucket/run, ...).
-    every: save every this many steps (and always at the end of `fit`).
-    keep: keep the newest this many checkpoints.
-    resume: continue from the newest complete checkpoint in `directory`.
-    async_save: write in the background while training goes on.
-  """
-
-  directory: str
-  every: int = 100
-  keep: int = 3
-  resume: bool = True
-  async_save: bool = True
-
-  def validate(self) -> None:
-    if self.every < 1:
-      raise ValueError(f"checkpoint interval (--ckpt-every) must be >= 1 step, got {self.every}.")
-    if self.keep < 1:
-      raise ValueError(f"checkpoints to keep (--ckpt-keep) must be >= 1, got {self.keep}.")
-    check_writable(self.directory)
-
-
-def is_remote(directory: str) -> bool:
-  """A URL (gs://, s3://, ...) that orbax reaches through etils.epath, not a local path."""
-  return "://" in str(directory)
-
-
-def resolve(directory: str) -> str:
-  """The folder as messages name it: local paths absolute, URLs unchanged."""
-  return str(directory) if is_remote(directory) else os.path.abspath(directory)
-
-
-def check_writable(directory: str) -> None:
-  """Fails now, not after hours of training, if a local `directory` cannot take checkpoints.
-
-  A URL is left to orbax: probing a bucket from every host would cost a
-  request each and prove little (permissions may differ per object).
-  """
-  if is_remote(directory):
-    return
-  path = os.path.abspath(directory)
-  blocker = path
-  while blocker and not os.path.exists(blocker):
-    blocker = os.path.dirname(blocker)
-  if os.path.exists(blocker) and not os.path.isdir(blocker):
-    where = "is a file" if blocker == path else f"lies under {blocker}, which is a file"
-    raise ValueError(f"checkpoint folder {path} {where}, not a folder; choose another "
-                     "--ckpt-dir.")
-  try:
-    os.makedirs(path, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path, prefix=".hetjax-write-probe-"):
-      pass
-  except OSError as e:
-    raise ValueError(f"checkpoint folder {path} is not writable ({e.strerror or e}); choose "
-                     "another --ckpt-dir or fix its permissions.") from None
 
 
 def describe_job(state: Any, job: dict[str, Any]) -> dict[str, Any]:

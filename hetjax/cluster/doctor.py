@@ -27,7 +27,6 @@ the same exit code, 0 when every check passed.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import socket
@@ -38,6 +37,8 @@ import traceback
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
+
+from hetjax import config as config_lib
 
 if TYPE_CHECKING:  # JAX loads only once the arguments are checked, so errors come fast.
   from hetjax.mesh import Meshes
@@ -57,11 +58,6 @@ def decode_text(codes: np.ndarray) -> str:
   return bytes(np.asarray(codes, np.float32).astype(np.uint8)).rstrip(b"\0").decode(errors="replace")
 
 
-def _fingerprint(text: str) -> np.ndarray:
-  """A hash as 16-bit chunks, exact in float32."""
-  return np.frombuffer(hashlib.sha256(text.encode()).digest()[:8], np.uint16).astype(np.float32)
-
-
 def _collectives() -> str:
   import jax
   return str(jax.config.jax_cpu_collectives_implementation)
@@ -69,15 +65,15 @@ def _collectives() -> str:
 
 def _coordinator() -> str | None:
   from hetjax.cluster import runtime
-  if os.environ.get(runtime.ENV_COORDINATOR):
-    return os.environ[runtime.ENV_COORDINATOR]
+  if os.environ.get(config_lib.Env.COORDINATOR):
+    return os.environ[config_lib.Env.COORDINATOR]
   from jax._src import distributed  # No public accessor in JAX 0.10.
   return distributed.global_state.coordinator_address
 
 
 def _pacing(host_id: int) -> tuple[Callable[[float, int], float] | None, float, bool]:
   """The emulation hook, the emulated speed and whether anything is emulated."""
-  if not any(k in os.environ for k in ("HETJAX_SPEED", "HETJAX_SLOWDOWN")):
+  if not config_lib.emulated_from_env():
     return None, 1.0, False
   from hetjax.cluster import emulate  # Emulation stays off the real path.
   return emulate.pacing_from_env(host_id), emulate.speed_from_env(), True
@@ -90,9 +86,9 @@ def gather_identity(meshes: Meshes, settings: str) -> list[dict[str, Any]]:
   texts = {"hostname": socket.gethostname(), "jax_version": jax.__version__,
            "collectives": _collectives(), "platform": jax.devices()[0].platform,
            "address": resolve_hostname(socket.gethostname()) or "",
-           "gloo_interface": os.environ.get("HETJAX_GLOO_INTERFACE", "")}
+           "gloo_interface": os.environ.get(config_lib.Env.GLOO_INTERFACE, "")}
   head = np.array([meshes.host_id, meshes.local_devices, speed, float(emulated)], np.float32)
-  vector = np.concatenate([head, _fingerprint(settings)] + [encode_text(texts[k]) for k in _TEXTS])
+  vector = np.concatenate([head, config_lib.fingerprint(settings)] + [encode_text(texts[k]) for k in _TEXTS])
   rows = _gather(vector, meshes)
   hosts = []
   for h, row in enumerate(rows):
@@ -383,12 +379,12 @@ def _check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
   """`hetjax doctor` on this host; 0 when every check passed, 1 if not, 2 on bad input."""
-  multi_host = int(os.environ.get("HETJAX_NUM_HOSTS", "1")) > 1
+  multi_host = int(os.environ.get(config_lib.Env.NUM_HOSTS, "1")) > 1
   try:
     _check(args)
     from hetjax.cluster import runtime
     if args.gloo_interface:
-      os.environ[runtime.ENV_GLOO_INTERFACE] = args.gloo_interface  # Host 0's report shows it.
+      os.environ[config_lib.Env.GLOO_INTERFACE] = args.gloo_interface  # Host 0's report shows it.
     spec = runtime.resolve(os.environ, timeout_s=args.init_timeout)
     multi_host = spec.num_hosts != 1  # Also a srun step or Open MPI, not only HETJAX_*.
     if spec.num_hosts is not None:

@@ -17,15 +17,14 @@ import os
 import time
 from typing import Callable, Mapping, Sequence
 
-ENV_SPEED = "HETJAX_SPEED"
-ENV_SLOWDOWN = "HETJAX_SLOWDOWN"
+from hetjax.config import Env
+
 # Milliseconds per sample of the fastest EMULATED device. With it, a host's
 # local step takes its real compute plus `samples * ms / speed` of emulated
 # device time: the device part is proportional to the work and to 1 / speed,
 # while the host's own overhead (Python, dispatch) stays real and unscaled, as
 # on a GPU server. Benchmarks use it so that the local compute, not this
 # CPU's reduction, dominates a step.
-ENV_DEVICE_SAMPLE_MS = "HETJAX_DEVICE_SAMPLE_MS"
 
 
 def check_speed(speed: float, *, name: str = "speed") -> float:
@@ -69,15 +68,15 @@ def parse_speeds(text: str) -> list[float]:
 
 def speed_from_env(env: Mapping[str, str] = os.environ) -> float:
   """This host's emulated relative speed from HETJAX_SPEED (1.0 when unset)."""
-  raw = env.get(ENV_SPEED)
+  raw = env.get(Env.SPEED)
   if raw is None or not raw.strip():
     return 1.0
   try:
     value = float(raw)
   except ValueError:
-    raise ValueError(f"{ENV_SPEED}={raw!r} is not a number; set it to a speed in (0, 1] "
+    raise ValueError(f"{Env.SPEED}={raw!r} is not a number; set it to a speed in (0, 1] "
                      "or unset it.") from None
-  return check_speed(value, name=ENV_SPEED)
+  return check_speed(value, name=Env.SPEED)
 
 
 class Pacer:
@@ -178,7 +177,7 @@ class DevicePacer:
 
 def sample_ms_from_env(env: Mapping[str, str] = os.environ) -> float | None:
   """HETJAX_DEVICE_SAMPLE_MS as milliseconds, or None when unset."""
-  raw = env.get(ENV_DEVICE_SAMPLE_MS, "").strip()
+  raw = env.get(Env.DEVICE_SAMPLE_MS, "").strip()
   if not raw:
     return None
   try:
@@ -186,7 +185,7 @@ def sample_ms_from_env(env: Mapping[str, str] = os.environ) -> float | None:
   except ValueError:
     value = float("nan")
   if not value > 0.0:
-    raise ValueError(f"{ENV_DEVICE_SAMPLE_MS}={raw!r} must be a number of milliseconds > 0 "
+    raise ValueError(f"{Env.DEVICE_SAMPLE_MS}={raw!r} must be a number of milliseconds > 0 "
                      "(per sample, on the fastest emulated device), or unset.")
   return value
 
@@ -199,11 +198,11 @@ def pacing_from_env(host: int, env: Mapping[str, str] = os.environ) -> Pace | No
 
   `None` when nothing is emulated. Without HETJAX_DEVICE_SAMPLE_MS the whole
   measured compute is stretched by `1 / speed`; with it, an emulated device
-  time proportional to `samples` is added (see `ENV_DEVICE_SAMPLE_MS`).
+  time proportional to `samples` is added (see `Env.DEVICE_SAMPLE_MS`).
   """
   speed = speed_from_env(env)
   sample_ms = sample_ms_from_env(env)
-  slowdowns = parse_slowdowns(env.get(ENV_SLOWDOWN, ""))
+  slowdowns = parse_slowdowns(env.get(Env.SLOWDOWN, ""))
   if speed == 1.0 and sample_ms is None and not any(s.host == host for s in slowdowns):
     return None
   if sample_ms is not None:
@@ -213,3 +212,28 @@ def pacing_from_env(host: int, env: Mapping[str, str] = os.environ) -> Pace | No
   pacer = Pacer(speed)
   return lambda compute_s, step, samples=0: pacer.pace(
       compute_s, slowdown_factor(slowdowns, host, step))
+
+
+def parse_host_env(entries: Sequence[str], hosts: int) -> dict[int, dict[str, str]]:
+  """`HOST:KEY=VALUE` entries as {host: {key: value}}: hosts that differ on purpose.
+
+  The emulation of a cluster whose hosts are not alike beyond their speed:
+  e.g. `1:XLA_FLAGS=--xla_backend_optimization_level=0` compiles host 1's
+  programs differently, as another GPU generation would.
+  """
+  found: dict[int, dict[str, str]] = {}
+  for entry in entries:
+    host, sep, assignment = entry.partition(":")
+    key, eq, value = assignment.partition("=")
+    if not (sep and eq and host.strip().isdigit() and key.strip()):
+      raise ValueError(f"--host-env {entry!r} must be HOST:KEY=VALUE, e.g. "
+                       "1:XLA_FLAGS=--xla_backend_optimization_level=0.")
+    h = int(host)
+    if h >= hosts:
+      raise ValueError(f"--host-env {entry!r} names host {h} but there are {hosts} hosts "
+                       f"(0..{hosts - 1}).")
+    if key.strip().startswith("HETJAX_"):
+      raise ValueError(f"--host-env {entry!r}: the launcher sets the HETJAX_* variables itself; "
+                       "use its own flags (--speeds, --slowdown, ...) for those.")
+    found.setdefault(h, {})[key.strip()] = value
+  return found

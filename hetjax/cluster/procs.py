@@ -45,16 +45,11 @@ import threading
 import time
 from typing import IO, Callable, Iterable, Iterator, Mapping, Sequence
 
+from hetjax.config import Env
 from hetjax.cluster import emulate
 
 # Mirrors hetjax.cluster.runtime, which cannot be imported here without JAX.
-ENV_COORDINATOR = "HETJAX_COORDINATOR"
-ENV_NUM_HOSTS = "HETJAX_NUM_HOSTS"
-ENV_HOST_ID = "HETJAX_HOST_ID"
-ENV_INIT_TIMEOUT = "HETJAX_INIT_TIMEOUT"
-ENV_CPU_DEVICES = "HETJAX_CPU_DEVICES"
 # How many times a launcher restarted the job before this attempt (for logs).
-ENV_RESTART_COUNT = "HETJAX_RESTART_COUNT"
 
 # A host that exits with this code was preempted and saved what it needs to
 # resume: "restart me", not "I failed" (EX_TEMPFAIL from sysexits.h, which
@@ -113,7 +108,8 @@ def validate_cluster(hosts: int, devices_per_host: int, speeds: Sequence[float] 
 def cluster_envs(hosts: int, devices_per_host: int, *, speeds: Sequence[float] | None = None,
                  init_timeout_s: float | None = None, base: Mapping[str, str] | None = None,
                  coordinator: str | None = None, slowdown: str | None = None,
-                 device_sample_ms: float | None = None) -> list[dict[str, str]]:
+                 device_sample_ms: float | None = None,
+                 host_env: Mapping[int, Mapping[str, str]] | None = None) -> list[dict[str, str]]:
   """One environment per host, as `hetjax.cluster.runtime.initialize()` reads it.
 
   Args:
@@ -126,30 +122,37 @@ def cluster_envs(hosts: int, devices_per_host: int, *, speeds: Sequence[float] |
     slowdown: optional emulated stragglers, `HOST:FACTOR@STEP,...` (HETJAX_SLOWDOWN).
     device_sample_ms: optional emulated device milliseconds per sample on the
       fastest host (HETJAX_DEVICE_SAMPLE_MS).
+    host_env: optional per-host variables, {host: {key: value}}, e.g. another
+      XLA_FLAGS on one host to emulate hosts that compile differently
+      (`emulate.parse_host_env`).
 
   Returns:
     A list of `hosts` complete environments.
   """
   speeds = validate_cluster(hosts, devices_per_host, speeds, init_timeout_s)
   if device_sample_ms is not None:
-    emulate.sample_ms_from_env({emulate.ENV_DEVICE_SAMPLE_MS: str(device_sample_ms)})
+    emulate.sample_ms_from_env({Env.DEVICE_SAMPLE_MS: str(device_sample_ms)})
   for s in emulate.parse_slowdowns(slowdown or ""):
     if s.host >= hosts:
       raise ValueError(f"--slowdown names host {s.host} but there are {hosts} hosts (0..{hosts - 1}).")
+  host_env = dict(host_env or {})
+  if any(not 0 <= h < hosts for h in host_env):
+    raise ValueError(f"host_env names host(s) {sorted(host_env)} but there are {hosts} hosts.")
   coordinator = coordinator or f"127.0.0.1:{free_port()}"
   envs = []
   for i in range(hosts):
     env = dict(os.environ if base is None else base)
-    env.update({ENV_COORDINATOR: coordinator, ENV_NUM_HOSTS: str(hosts), ENV_HOST_ID: str(i),
-                ENV_CPU_DEVICES: str(devices_per_host), "PYTHONUNBUFFERED": "1"})
+    env.update({Env.COORDINATOR: coordinator, Env.NUM_HOSTS: str(hosts), Env.HOST_ID: str(i),
+                Env.CPU_DEVICES: str(devices_per_host), "PYTHONUNBUFFERED": "1"})
     if init_timeout_s is not None:
-      env[ENV_INIT_TIMEOUT] = f"{init_timeout_s:g}"
+      env[Env.INIT_TIMEOUT] = f"{init_timeout_s:g}"
     if speeds is not None:
-      env[emulate.ENV_SPEED] = repr(speeds[i])
+      env[Env.SPEED] = repr(speeds[i])
     if slowdown:
-      env[emulate.ENV_SLOWDOWN] = slowdown
+      env[Env.SLOWDOWN] = slowdown
     if device_sample_ms is not None:
-      env[emulate.ENV_DEVICE_SAMPLE_MS] = repr(float(device_sample_ms))
+      env[Env.DEVICE_SAMPLE_MS] = repr(float(device_sample_ms))
+    env.update(host_env.get(i, {}))
     envs.append(env)
   return envs
 
@@ -554,7 +557,8 @@ def launch_local(command: Sequence[str], *, hosts: int, devices_per_host: int = 
                  grace_s: float = DEFAULT_GRACE_S, sink: IO[str] | None = None,
                  slowdown: str | None = None, max_restarts: int = 0,
                  max_preemptions: int | None = None,
-                 device_sample_ms: float | None = None) -> int:
+                 device_sample_ms: float | None = None,
+                 host_env: Mapping[int, Mapping[str, str]] | None = None) -> int:
   """Runs `command` as `hosts` hosts of a localhost cluster; returns the exit code.
 
   The code is 0 when every host exits 0, the last failing host's code when
@@ -569,16 +573,19 @@ def launch_local(command: Sequence[str], *, hosts: int, devices_per_host: int = 
     raise ValueError("no host command given; put it after '--', e.g. "
                      "`--hosts 2 -- hetjax train --model cnn`.")
   check_restarts(max_restarts, max_preemptions)
-  emulation = {"speeds": speeds, "slowdown": slowdown, "device_sample_ms": device_sample_ms}
+  emulation = {"speeds": speeds, "slowdown": slowdown, "device_sample_ms": device_sample_ms,
+               "host_env": host_env}
   cluster_envs(hosts, devices_per_host, init_timeout_s=init_timeout_s,
                **emulation)  # Validates everything before the first start.
 
   def attempt(restart_count: int) -> Outcome:
     envs = cluster_envs(hosts, devices_per_host, init_timeout_s=init_timeout_s, **emulation)
     for env in envs:
-      env[ENV_RESTART_COUNT] = str(restart_count)
+      env[Env.RESTART_COUNT] = str(restart_count)
     note(f"{hosts} host(s) x {devices_per_host} device(s), coordinator "
-         f"{envs[0][ENV_COORDINATOR]}: {' '.join(command)}")
+         f"{envs[0][Env.COORDINATOR]}: {' '.join(command)}")
+    for host, extra in sorted((host_env or {}).items()):
+      note(f"emulated: host {host} runs with " + " ".join(f"{k}={v}" for k, v in extra.items()))
     return run_group([command] * hosts, envs, sink=sink or sys.stdout, grace_s=grace_s,
                      handle_signals=True)
 

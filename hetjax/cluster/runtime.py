@@ -51,13 +51,8 @@ from typing import Mapping
 
 import jax
 
-ENV_COORDINATOR = "HETJAX_COORDINATOR"
-ENV_NUM_HOSTS = "HETJAX_NUM_HOSTS"
-ENV_HOST_ID = "HETJAX_HOST_ID"
-ENV_INIT_TIMEOUT = "HETJAX_INIT_TIMEOUT"
-ENV_CPU_DEVICES = "HETJAX_CPU_DEVICES"
-ENV_GLOO_INTERFACE = "HETJAX_GLOO_INTERFACE"
-ENV_PORT = "HETJAX_PORT"
+from hetjax.config import Env
+
 
 DEFAULT_TIMEOUT_S = 120.0
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -99,16 +94,16 @@ class Topology:
 
 def spec_from_env(env: Mapping[str, str] = os.environ) -> ClusterSpec | None:
   """Reads the HETJAX_* variables; `None` when they name no cluster."""
-  coordinator = env.get(ENV_COORDINATOR)
+  coordinator = env.get(Env.COORDINATOR)
   if not coordinator:
-    if env.get(ENV_NUM_HOSTS, "").strip() == "1":
-      return ClusterSpec(None, 1, 0, _env_timeout(env), source=f"{ENV_NUM_HOSTS}=1")
+    if env.get(Env.NUM_HOSTS, "").strip() == "1":
+      return ClusterSpec(None, 1, 0, _env_timeout(env), source=f"{Env.NUM_HOSTS}=1")
     return None
-  missing = [k for k in (ENV_NUM_HOSTS, ENV_HOST_ID) if not env.get(k)]
+  missing = [k for k in (Env.NUM_HOSTS, Env.HOST_ID) if not env.get(k)]
   if missing:
-    raise ValueError(f"{ENV_COORDINATOR}={coordinator!r} is set but {', '.join(missing)} "
+    raise ValueError(f"{Env.COORDINATOR}={coordinator!r} is set but {', '.join(missing)} "
                      "is not; set all three or none.")
-  return ClusterSpec(coordinator, _env_int(env, ENV_NUM_HOSTS), _env_int(env, ENV_HOST_ID),
+  return ClusterSpec(coordinator, _env_int(env, Env.NUM_HOSTS), _env_int(env, Env.HOST_ID),
                      _env_timeout(env), source="HETJAX_* variables")
 
 
@@ -120,11 +115,11 @@ def _env_int(env: Mapping[str, str], key: str) -> int:
 
 
 def _env_timeout(env: Mapping[str, str]) -> float:
-  raw = env.get(ENV_INIT_TIMEOUT)
+  raw = env.get(Env.INIT_TIMEOUT)
   try:
     return float(raw) if raw else DEFAULT_TIMEOUT_S
   except ValueError:
-    raise ValueError(f"{ENV_INIT_TIMEOUT}={raw!r} is not a number of seconds.") from None
+    raise ValueError(f"{Env.INIT_TIMEOUT}={raw!r} is not a number of seconds.") from None
 
 
 def first_slurm_node(nodelist: str) -> str:
@@ -160,7 +155,7 @@ def _slurm_spec(env: Mapping[str, str], timeout_s: float) -> ClusterSpec:
     why = "an srun step of one task" if tasks else "no srun step (salloc, or a batch script)"
     return ClusterSpec(None, 1, 0, timeout_s, source=f"SLURM job {job} with {why}: one host")
   nodes = int(env.get("SLURM_STEP_NUM_NODES") or tasks)
-  port = env.get(ENV_PORT) or env.get("JAX_COORDINATOR_PORT") or str(20000 + int(job) % 10000)
+  port = env.get(Env.PORT) or env.get("JAX_COORDINATOR_PORT") or str(20000 + int(job) % 10000)
   coordinator = f"{first_slurm_node(env['SLURM_STEP_NODELIST'])}:{port}"
   one_per_node = int(tasks) == nodes
   local = None if one_per_node else (int(env["SLURM_LOCALID"]),)
@@ -186,10 +181,10 @@ def _k8s_spec(env: Mapping[str, str], timeout_s: float) -> ClusterSpec:
   index = env["JOB_COMPLETION_INDEX"]
   if importlib.util.find_spec("kubernetes") is None:
     raise ValueError(
-        f"this pod is pod {index} of an Indexed Job, but {ENV_COORDINATOR} is not set and JAX "
+        f"this pod is pod {index} of an Indexed Job, but {Env.COORDINATOR} is not set and JAX "
         "cannot find the other pods without the `kubernetes` package. Set HETJAX_COORDINATOR, "
         "HETJAX_NUM_HOSTS and HETJAX_HOST_ID as launch/k8s/hetjax-job.yaml does (or "
-        f"{ENV_NUM_HOSTS}=1 for a job of one pod), or install jax[k8s] and give the pod's "
+        f"{Env.NUM_HOSTS}=1 for a job of one pod), or install jax[k8s] and give the pod's "
         "service account permission to read its Job.")
   return ClusterSpec(None, None, None, timeout_s, detect="auto",
                      source=f"Kubernetes Indexed Job (pod {index}), detected by JAX")
@@ -269,14 +264,14 @@ def wait_for_coordinator(address: str, timeout_s: float) -> None:
   raise ConnectionError(
       f"Could not reach the hetjax coordinator at {address} within {timeout_s:g} s "
       f"(last error: {last_error}). Check that host 0 is running and that the address "
-      f"and port are right, or raise the limit with {ENV_INIT_TIMEOUT} / --init-timeout.")
+      f"and port are right, or raise the limit with {Env.INIT_TIMEOUT} / --init-timeout.")
 
 
 def check_interface(name: str) -> None:
   """Raises ValueError unless `name` is a network interface of this machine."""
   names = sorted(n for _, n in socket.if_nameindex())
   if name not in names:
-    raise ValueError(f"{ENV_GLOO_INTERFACE}={name!r} is no network interface of this machine "
+    raise ValueError(f"{Env.GLOO_INTERFACE}={name!r} is no network interface of this machine "
                      f"({socket.gethostname()}); it has {', '.join(names)}.")
 
 
@@ -291,7 +286,7 @@ def _use_gloo_interface(interface: str) -> None:
   from jax._src import distributed, xla_bridge  # No public hook in JAX 0.10.
   from jax._src.lib import _jax
   if xla_bridge.backends_are_initialized():
-    raise RuntimeError(f"{ENV_GLOO_INTERFACE} must be set before JAX starts a backend.")
+    raise RuntimeError(f"{Env.GLOO_INTERFACE} must be set before JAX starts a backend.")
   collectives = _jax.make_gloo_tcp_collectives(distributed_client=distributed.global_state.client,
                                                interface=interface)
   xla_bridge.register_backend_factory(
@@ -335,11 +330,11 @@ def initialize(coordinator: str | None = None, num_hosts: int | None = None,
   Returns:
     The `Topology` of this process.
   """
-  env_devices = os.environ.get(ENV_CPU_DEVICES)
+  env_devices = os.environ.get(Env.CPU_DEVICES)
   configure_cpu(cpu_devices if cpu_devices is not None else
                 (int(env_devices) if env_devices else None))
   spec = resolve(os.environ, coordinator, num_hosts, host_id, timeout_s)
-  interface = gloo_interface or os.environ.get(ENV_GLOO_INTERFACE) or None
+  interface = gloo_interface or os.environ.get(Env.GLOO_INTERFACE) or None
   if interface:
     check_interface(interface)
   if spec.num_hosts == 1 or is_initialized():
@@ -372,8 +367,8 @@ def initialize(coordinator: str | None = None, num_hosts: int | None = None,
     _say(f"joined as host {jax.process_index()} of {jax.process_count()}")
   # Found from SLURM, Open MPI or JAX: written down as a launcher would have, so
   # code that reads the HETJAX_* variables sees the same cluster.
-  os.environ.setdefault(ENV_NUM_HOSTS, str(jax.process_count()))
-  os.environ.setdefault(ENV_HOST_ID, str(jax.process_index()))
+  os.environ.setdefault(Env.NUM_HOSTS, str(jax.process_count()))
+  os.environ.setdefault(Env.HOST_ID, str(jax.process_index()))
   return topology()
 
 

@@ -47,7 +47,8 @@ _ENTRY_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 
 def run_hosts(entry: str, *, hosts: int, devices_per_host: int = 1, args: tuple = (),
               kwargs: dict | None = None, speeds: Sequence[float] | None = None,
-              timeout_s: float = 300, env: Mapping[str, str] | None = None) -> list[Any]:
+              timeout_s: float = 300, env: Mapping[str, str] | None = None,
+              host_env: Mapping[int, Mapping[str, str]] | None = None) -> list[Any]:
   """Calls `module:function` on every host of a localhost cluster.
 
   Args:
@@ -60,6 +61,9 @@ def run_hosts(entry: str, *, hosts: int, devices_per_host: int = 1, args: tuple 
     speeds: optional emulated relative host speeds (HETJAX_SPEED).
     timeout_s: deadline for the whole run, joining the cluster included.
     env: extra environment variables for every host.
+    host_env: extra variables per host, {host: {key: value}}: emulates hosts
+      that differ, e.g. `{1: {"XLA_FLAGS": "--xla_backend_optimization_level=0"}}`
+      compiles host 1's programs differently.
 
   Returns:
     The function's return value on each host, in host order.
@@ -78,7 +82,7 @@ def run_hosts(entry: str, *, hosts: int, devices_per_host: int = 1, args: tuple 
   # that pytest made importable by editing sys.path.
   base["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
   envs = procs.cluster_envs(hosts, devices_per_host, speeds=speeds, base=base,
-                            init_timeout_s=min(timeout_s, 120.0))
+                            init_timeout_s=min(timeout_s, 120.0), host_env=host_env)
   with tempfile.TemporaryDirectory(prefix="hetjax-run-hosts-") as tmp:
     call_path = os.path.join(tmp, "call.pkl")
     with open(call_path, "wb") as f:

@@ -1,4 +1,4 @@
-"""The settings of the rounds modes and their command-line flags (no JAX here).
+"""The rounds modes' command-line flags (no JAX here); `RoundsConfig` lives in hetjax.config.
 
 Every bad value is refused here, before JAX starts, with the value, the
 limit and the fix. A flag that does not apply to the chosen mode is an
@@ -8,10 +8,8 @@ error too: a silently ignored `--elastic-beta` is a wrong experiment.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
-MODES = ("sync", "hybrid", "elastic")
-OUTER_OPTIMIZERS = ("sgd", "nesterov")
+from hetjax.config import MODES, RoundsConfig  # noqa: F401 (the flags' choices and target)
 
 # flag -> the modes it applies to
 _APPLIES = {
@@ -23,71 +21,6 @@ _APPLIES = {
     "outer_momentum": ("hybrid",),
     "elastic_beta": ("elastic",),
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class RoundsConfig:
-  """What a hybrid or elastic run adds to `TrainConfig`.
-
-  Attributes:
-    mode: 'hybrid' or 'elastic'.
-    round_steps: H, local steps of the fastest host per round; host i runs
-      `tau_i = max(1, round(H * v_i / v_max))` with v its measured local
-      steps per second.
-    local_steps: fixed per-host local steps per round (overrides the speeds);
-      reproducible, so resumed runs continue exactly.
-    local_batch: samples of one local step of one host; None = global batch
-      / hosts.
-    outer_optimizer: hybrid's outer optax optimizer, 'sgd' or 'nesterov'.
-    outer_lr, outer_momentum: its learning rate and momentum (DiLoCo's 0.7
-      and 0.9 by default; momentum 0 = plain SGD).
-    elastic_beta: EASGD's moving rate; host i moves `beta * n_i / sum n` of
-      the way to the centre each round.
-  """
-
-  mode: str = "hybrid"
-  round_steps: int = 4
-  local_steps: tuple[int, ...] | None = None
-  local_batch: int | None = None
-  outer_optimizer: str = "nesterov"
-  outer_lr: float = 0.7
-  outer_momentum: float = 0.9
-  elastic_beta: float = 0.9
-
-  def validate(self, num_hosts: int | None = None, global_batch: int | None = None) -> None:
-    if self.mode not in MODES[1:]:
-      raise ValueError(f"unknown rounds mode {self.mode!r}; choose 'hybrid' or 'elastic' "
-                       "('sync' is hetjax.Trainer).")
-    if self.round_steps < 1:
-      raise ValueError(f"--round-steps must be >= 1 local step of the fastest host per round, "
-                       f"got {self.round_steps}.")
-    if self.local_steps is not None:
-      if any(int(t) < 1 for t in self.local_steps):
-        raise ValueError(f"--local-steps {','.join(map(str, self.local_steps))}: every host "
-                         "needs >= 1 local step per round.")
-      if num_hosts is not None and len(self.local_steps) != num_hosts:
-        raise ValueError(f"--local-steps {','.join(map(str, self.local_steps))} gives "
-                         f"{len(self.local_steps)} count(s) for {num_hosts} host(s); give one "
-                         "per host, e.g. " + ",".join(["1"] * num_hosts) + ".")
-    if self.local_batch is not None and self.local_batch < 1:
-      raise ValueError(f"--local-batch must be >= 1 sample, got {self.local_batch}.")
-    if num_hosts is not None and global_batch is not None and self.local_batch is None \
-        and global_batch < num_hosts:
-      raise ValueError(f"--global-batch {global_batch} gives each of {num_hosts} hosts less "
-                       f"than one sample per local step; raise it or set --local-batch.")
-    if self.outer_optimizer not in OUTER_OPTIMIZERS:
-      raise ValueError(f"unknown --outer-optimizer {self.outer_optimizer!r}; choose "
-                       f"{' or '.join(OUTER_OPTIMIZERS)}.")
-    if not self.outer_lr > 0:
-      raise ValueError(f"--outer-lr must be > 0, got {self.outer_lr}.")
-    if not 0 <= self.outer_momentum < 1:
-      raise ValueError(f"--outer-momentum must be in [0, 1), got {self.outer_momentum}.")
-    if not 0 < self.elastic_beta <= 1:
-      raise ValueError(f"--elastic-beta must be in (0, 1], got {self.elastic_beta}: it is "
-                       "the share of the way to the centre the hosts move each round.")
-
-  def local_batch_for(self, global_batch: int, num_hosts: int) -> int:
-    return self.local_batch if self.local_batch is not None else global_batch // num_hosts
 
 
 def parse_local_steps(text: str) -> tuple[int, ...]:

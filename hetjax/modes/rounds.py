@@ -28,6 +28,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from hetjax import blocks as blocks_lib
+from hetjax.balancer import taus_from_speeds  # noqa: F401 (numpy only, shared with the simulator)
 from hetjax import precision as precision_lib
 from hetjax import mesh as mesh_lib
 from hetjax import step as step_lib
@@ -40,15 +41,6 @@ SPEED_WINDOW = 8    # Rounds of local step times whose median sets the speeds.
 
 
 # ---- 1. Local steps per host ---------------------------------------------
-
-
-def taus_from_speeds(round_steps: int, step_s: Sequence[float]) -> tuple[int, ...]:
-  """`tau_i = max(1, round(H * v_i / v_max))`, `v_i = 1 / step_s[i]` (local steps per second)."""
-  step_s = np.asarray(step_s, np.float64)
-  if not np.all(step_s > 0):
-    raise ValueError(f"local step seconds must be > 0, got {step_s.tolist()}.")
-  v = 1.0 / step_s
-  return tuple(int(max(1, np.floor(round_steps * x / v.max() + 0.5))) for x in v)
 
 
 class TauPolicy:

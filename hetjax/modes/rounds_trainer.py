@@ -23,6 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from hetjax.config import Env
+from hetjax import config as config_lib
 from hetjax.training import agreement
 from hetjax.input import augment as augment_lib
 from hetjax.checkpoint import manager as ckpt_lib
@@ -41,7 +43,6 @@ from hetjax.task import Task
 
 PyTree = Any
 WARMUP_ROUNDS = rounds_lib.WARMUP_ROUNDS
-_EMULATION_ENV = ("HETJAX_SPEED", "HETJAX_SLOWDOWN", "HETJAX_DEVICE_SAMPLE_MS")
 # The host vector of the reduction: seconds per local step, the round's
 # local compute seconds, and, of the round before (known only after its
 # reduction), the reduction's seconds and the host's distance to the hosts'
@@ -108,8 +109,8 @@ class RoundsTrainer:
       identity: extra text the hosts must agree on.
       checkpoint: where and how often (in rounds) to save; resumes by default.
     """
-    if int(os.environ.get(runtime.ENV_NUM_HOSTS, "1")) > 1 and not runtime.is_initialized():
-      raise RuntimeError(f"{runtime.ENV_NUM_HOSTS} asks for several hosts but the cluster is not "
+    if int(os.environ.get(Env.NUM_HOSTS, "1")) > 1 and not runtime.is_initialized():
+      raise RuntimeError(f"{Env.NUM_HOSTS} asks for several hosts but the cluster is not "
                          "joined: call hetjax.initialize() before building a trainer.")
     config.validate()
     if config.balancer is not None or config.assignment != "equal":
@@ -128,7 +129,7 @@ class RoundsTrainer:
     everyone = mesh_lib.gather_host_values(agreement.text_fingerprint(mine), self.meshes)
     agreement.check_all_equal(everyone, what="configuration", fix="(config hash mismatch): "
                               "every host must run the same command and arguments.")
-    self.emulated = pace is not None or any(k in os.environ for k in _EMULATION_ENV)
+    self.emulated = pace is not None or config_lib.emulated_from_env()
     if pace is None and self.emulated:
       from hetjax.cluster import emulate  # Emulation stays off the real path.
       pace = emulate.pacing_from_env(self.host_id)

@@ -17,10 +17,10 @@ Everything here is SIMULATED.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
 
 import numpy as np
 
+from hetjax.balancer import taus_from_speeds  # noqa: F401 (the trainer's own formula)
 from hetjax.sim import sync as sim
 
 SPEED_WINDOW = 8  # Rounds of local step times whose median sets tau (as hetjax.modes.rounds).
@@ -32,19 +32,6 @@ ASSUMPTIONS = (
     ("noise", "3 % per local step", "as hetjax.sim, per step"),
     ("slow spells", "as frequent and as long in simulated seconds as in the sync runs (rate and length rescaled from a balanced sync step to a slot, one local step of the fastest host); a host's k-th of tau steps falls in slot k H / tau", "assumed: spells happen in wall time"),
 )
-
-
-def taus_from_speeds(round_steps: int, step_s: Sequence[float]) -> tuple[int, ...]:
-  """`tau_i = max(1, round(H * v_i / v_max))`, `v_i = 1 / step_s[i]`.
-
-  The formula of `hetjax.modes.rounds.taus_from_speeds` (a test holds them
-  equal), repeated here so the simulator stays free of JAX.
-  """
-  step_s = np.asarray(step_s, np.float64)
-  if not np.all(step_s > 0):
-    raise ValueError(f"local step seconds must be > 0, got {step_s.tolist()}.")
-  v = 1.0 / step_s
-  return tuple(int(max(1, np.floor(round_steps * x / v.max() + 0.5))) for x in v)
 
 
 @dataclasses.dataclass

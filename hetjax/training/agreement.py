@@ -19,12 +19,13 @@ which float32 holds exactly.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from hetjax.config import fingerprint as text_fingerprint  # noqa: F401 (JAX-free, shared with the doctor)
 
 PyTree = Any
 FINGERPRINT_WIDTH = 4  # float32 values per parameter fingerprint (2 x uint32).
@@ -32,12 +33,6 @@ FINGERPRINT_WIDTH = 4  # float32 values per parameter fingerprint (2 x uint32).
 
 class HostsDisagree(RuntimeError):
   """Hosts that must hold the same values do not; every host raises it at the same step."""
-
-
-def text_fingerprint(text: str) -> np.ndarray:
-  """A hash of `text` as four 16-bit chunks, exact in the float32 rows of a collective."""
-  digest = hashlib.sha256(text.encode()).digest()[:8]
-  return np.frombuffer(digest, dtype=np.uint16).astype(np.float32)
 
 
 def _odd_weights(n: int, multiplier: int) -> jax.Array:

@@ -1,0 +1,270 @@
+"""What a run is told: its configs and the environment's names, with no JAX.
+
+The command line builds these and calls their `validate()` before JAX loads,
+so a bad value fails in a second, with the value, the limit and the fix,
+never after a cluster joined and compiled. The trainers call the same
+`validate()`: one check, one wording, wherever a config comes from.
+Imports here are the standard library, plus JAX-free hetjax modules inside
+the checks that need them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+
+
+class Env:
+  """The `HETJAX_*` environment variables, in one table.
+
+  Launchers write the cluster's names for every host; the emulation's names
+  (speed, slowdown, per-sample time) exist only in emulated runs.
+  """
+
+  COORDINATOR = "HETJAX_COORDINATOR"      # host:port of process 0's coordinator
+  NUM_HOSTS = "HETJAX_NUM_HOSTS"
+  HOST_ID = "HETJAX_HOST_ID"
+  INIT_TIMEOUT = "HETJAX_INIT_TIMEOUT"    # seconds to reach the coordinator
+  CPU_DEVICES = "HETJAX_CPU_DEVICES"      # emulated CPU devices per host
+  GLOO_INTERFACE = "HETJAX_GLOO_INTERFACE"
+  PORT = "HETJAX_PORT"                    # the coordinator's port under SLURM
+  RESTART_COUNT = "HETJAX_RESTART_COUNT"  # which attempt this is, under --max-restarts
+  SPEED = "HETJAX_SPEED"                  # emulated relative speed of this host
+  SLOWDOWN = "HETJAX_SLOWDOWN"            # emulated stragglers, HOST:FACTOR@STEP,...
+  DEVICE_SAMPLE_MS = "HETJAX_DEVICE_SAMPLE_MS"  # emulated device time per sample
+
+  EMULATION = (SPEED, SLOWDOWN, DEVICE_SAMPLE_MS)
+
+
+def num_hosts_from_env(default: int = 1) -> int:
+  """HETJAX_NUM_HOSTS, or `default` where a launcher has not set it (yet)."""
+  return int(os.environ.get(Env.NUM_HOSTS) or default)
+
+
+def host_id_from_env() -> int:
+  return int(os.environ.get(Env.HOST_ID) or 0)
+
+
+def emulated_from_env() -> bool:
+  """Whether this process runs with emulated speeds or stragglers."""
+  return any(k in os.environ for k in Env.EMULATION)
+
+
+REDUCTIONS = ("device", "host")
+BALANCERS = ("equal", "static", "dynamic")
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def check_at_least(name: str, value: int, least: int, meaning: str = "") -> None:
+  """The one wording of "must be >= N" used by every config."""
+  if value < least:
+    raise ValueError(f"{name} must be >= {least}{meaning}, got {value}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """What every host must agree on (compared by hash before training).
+
+  Attributes:
+    global_batch: samples per step over all hosts; fixed for the whole run.
+    microbatch: samples per device per micro-batch, `m`: the global batch is
+      cut into blocks of `m` positions, each run whole by one device, so a
+      host's share is a whole number of blocks (`hetjax.blocks`).
+    seed: seeds the parameters and the data order.
+    assignment: 'equal' (in blocks) or explicit per-host shares in samples
+      whose boundaries fall on blocks, e.g. (4, 24, 36) with microbatch 4.
+    reduction: cross-host reduction backend, 'device' or 'host'.
+    balancer: None (follow `assignment`), 'equal', 'static' (profile a short
+      warm-up, then fix the split) or 'dynamic' (keep re-sizing shares from
+      the measured step times).
+    augment: per-example augmentation, e.g. 'crop,flip' (see
+      hetjax.input.augment); its randomness follows the example's global
+      index, not the host.
+    check_every: compare every host's parameter fingerprint every this many
+      steps and at every checkpoint (0: only at checkpoints).
+    precision: compute type, 'fp32', 'bf16' or 'fp16' (loss scaling).
+  """
+
+  global_batch: int
+  microbatch: int = 16
+  seed: int = 0
+  assignment: str | tuple[int, ...] = "equal"
+  reduction: str = "device"
+  balancer: str | None = None
+  augment: str = "none"
+  check_every: int = 100
+  precision: str = "fp32"
+
+  def validate(self, num_hosts: int | None = None) -> None:
+    """Raises ValueError naming the value, the limit and the fix.
+
+    `num_hosts`, where known, also checks an explicit assignment's length.
+    """
+    from hetjax import balancer as balancer_lib  # numpy only
+    from hetjax import blocks as blocks_lib
+    from hetjax.input import augment as augment_lib
+
+    check_at_least("--global-batch", self.global_batch, 1)
+    check_at_least("--microbatch", self.microbatch, 1)
+    if self.reduction not in REDUCTIONS:
+      raise ValueError(f"unknown reduction backend {self.reduction!r}; choose "
+                       f"{' or '.join(map(repr, REDUCTIONS))}.")
+    if self.balancer is not None and self.balancer not in BALANCERS:
+      raise ValueError(f"unknown balancer {self.balancer!r}; choose one of {', '.join(BALANCERS)} "
+                       "(or None to follow the assignment).")
+    if self.precision not in PRECISIONS:
+      raise ValueError(f"unknown precision {self.precision!r}; choose one of "
+                       f"{', '.join(PRECISIONS)}.")
+    augment_lib.parse(self.augment)  # Raises on an unknown augmentation.
+    assignment = (balancer_lib.parse_assignment(self.assignment)
+                  if isinstance(self.assignment, str) else tuple(self.assignment))
+    if self.balancer in ("static", "dynamic") and assignment != "equal":
+      raise ValueError(f"balancer {self.balancer!r} sizes the shares itself; drop the explicit "
+                       f"assignment {self.assignment} (or use the 'equal' balancer).")
+    if assignment != "equal":
+      if num_hosts is not None:
+        balancer_lib.validate_shares(assignment, self.global_batch, num_hosts)
+      blocks_lib.check_aligned(assignment, self.global_batch, self.microbatch)
+    check_at_least("check_every", self.check_every, 0, " steps (0: only at checkpoints)")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  """Where and how often to checkpoint.
+
+  Attributes:
+    directory: the checkpoint folder (shared by all hosts): a local path or
+      a URL orbax reaches through `etils.epath` (gs://bucket/run, ...).
+    every: save every this many steps (and always at the end of `fit`).
+    keep: keep the newest this many checkpoints.
+    resume: continue from the newest complete checkpoint in `directory`.
+    async_save: write in the background while training goes on.
+  """
+
+  directory: str
+  every: int = 100
+  keep: int = 3
+  resume: bool = True
+  async_save: bool = True
+
+  def validate(self) -> None:
+    check_at_least("--ckpt-every", self.every, 1, " step")
+    check_at_least("--ckpt-keep", self.keep, 1, " checkpoint")
+    check_writable(self.directory)
+
+
+def is_remote(directory: str) -> bool:
+  """A URL (gs://, s3://, ...) that orbax reaches through etils.epath, not a local path."""
+  return "://" in str(directory)
+
+
+def resolve(directory: str) -> str:
+  """The folder as messages name it: local paths absolute, URLs unchanged."""
+  return str(directory) if is_remote(directory) else os.path.abspath(directory)
+
+
+def check_writable(directory: str) -> None:
+  """Fails now, not after hours of training, if a local `directory` cannot take checkpoints.
+
+  A URL is left to orbax: probing a bucket from every host would cost a
+  request each and prove little (permissions may differ per object).
+  """
+  if is_remote(directory):
+    return
+  path = os.path.abspath(directory)
+  blocker = path
+  while blocker and not os.path.exists(blocker):
+    blocker = os.path.dirname(blocker)
+  if os.path.exists(blocker) and not os.path.isdir(blocker):
+    where = "is a file" if blocker == path else f"lies under {blocker}, which is a file"
+    raise ValueError(f"checkpoint folder {path} {where}, not a folder; choose another "
+                     "--ckpt-dir.")
+  try:
+    os.makedirs(path, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path, prefix=".hetjax-write-probe-"):
+      pass
+  except OSError as e:
+    raise ValueError(f"checkpoint folder {path} is not writable ({e.strerror or e}); choose "
+                     "another --ckpt-dir or fix its permissions.") from None
+
+
+MODES = ("sync", "hybrid", "elastic")
+OUTER_OPTIMIZERS = ("sgd", "nesterov")
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundsConfig:
+  """What a hybrid or elastic run adds to `TrainConfig`.
+
+  Attributes:
+    mode: 'hybrid' or 'elastic'.
+    round_steps: H, local steps of the fastest host per round; host i runs
+      `tau_i = max(1, round(H * v_i / v_max))` with v its measured local
+      steps per second.
+    local_steps: fixed per-host local steps per round (overrides the speeds);
+      reproducible, so resumed runs continue exactly.
+    local_batch: samples of one local step of one host; None = global batch
+      / hosts.
+    outer_optimizer: hybrid's outer optax optimizer, 'sgd' or 'nesterov'.
+    outer_lr, outer_momentum: its learning rate and momentum (DiLoCo's 0.7
+      and 0.9 by default; momentum 0 = plain SGD).
+    elastic_beta: EASGD's moving rate; host i moves `beta * n_i / sum n` of
+      the way to the centre each round.
+  """
+
+  mode: str = "hybrid"
+  round_steps: int = 4
+  local_steps: tuple[int, ...] | None = None
+  local_batch: int | None = None
+  outer_optimizer: str = "nesterov"
+  outer_lr: float = 0.7
+  outer_momentum: float = 0.9
+  elastic_beta: float = 0.9
+
+  def validate(self, num_hosts: int | None = None, global_batch: int | None = None) -> None:
+    if self.mode not in MODES[1:]:
+      raise ValueError(f"unknown rounds mode {self.mode!r}; choose 'hybrid' or 'elastic' "
+                       "('sync' is hetjax.Trainer).")
+    check_at_least("--round-steps", self.round_steps, 1,
+                   " local step of the fastest host per round")
+    if self.local_steps is not None:
+      if any(int(t) < 1 for t in self.local_steps):
+        raise ValueError(f"--local-steps {','.join(map(str, self.local_steps))}: every host "
+                         "needs >= 1 local step per round.")
+      if num_hosts is not None and len(self.local_steps) != num_hosts:
+        raise ValueError(f"--local-steps {','.join(map(str, self.local_steps))} gives "
+                         f"{len(self.local_steps)} count(s) for {num_hosts} host(s); give one "
+                         "per host, e.g. " + ",".join(["1"] * num_hosts) + ".")
+    if self.local_batch is not None:
+      check_at_least("--local-batch", self.local_batch, 1, " sample")
+    if num_hosts is not None and global_batch is not None and self.local_batch is None \
+        and global_batch < num_hosts:
+      raise ValueError(f"--global-batch {global_batch} gives each of {num_hosts} hosts less "
+                       f"than one sample per local step; raise it or set --local-batch.")
+    if self.outer_optimizer not in OUTER_OPTIMIZERS:
+      raise ValueError(f"unknown --outer-optimizer {self.outer_optimizer!r}; choose "
+                       f"{' or '.join(OUTER_OPTIMIZERS)}.")
+    if not self.outer_lr > 0:
+      raise ValueError(f"--outer-lr must be > 0, got {self.outer_lr}.")
+    if not 0 <= self.outer_momentum < 1:
+      raise ValueError(f"--outer-momentum must be in [0, 1), got {self.outer_momentum}.")
+    if not 0 < self.elastic_beta <= 1:
+      raise ValueError(f"--elastic-beta must be in (0, 1], got {self.elastic_beta}: it is "
+                       "the share of the way to the centre the hosts move each round.")
+
+  def local_batch_for(self, global_batch: int, num_hosts: int) -> int:
+    return self.local_batch if self.local_batch is not None else global_batch // num_hosts
+
+
+def fingerprint(text: str):
+  """A hash of `text` as four 16-bit chunks (float32 numpy), exact in a collective's rows.
+
+  How hosts compare what they were told (configs, identities, versions)
+  through one small collective.
+  """
+  import hashlib
+
+  import numpy as np
+  digest = hashlib.sha256(text.encode()).digest()[:8]
+  return np.frombuffer(digest, dtype=np.uint16).astype(np.float32)
