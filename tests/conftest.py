@@ -25,3 +25,14 @@ if os.environ.get("HETJAX_TEST_FULL_OPT") != "1":
   _named = {flag.split("=")[0] for flag in _flags}
   os.environ["XLA_FLAGS"] = " ".join(
       _flags + [flag for flag in _CHEAP_PASSES if flag.split("=")[0] not in _named])
+
+# Property tests draw the same examples in every run (derandomize): a CI
+# failure replays on any machine, and a pass is not luck of the draw. No
+# example database (CI starts from a fresh clone) and no deadline (a shared
+# machine's load would turn a slow example into a failure).
+# HYPOTHESIS_PROFILE=explore draws fresh random examples, for a local hunt.
+from hypothesis import settings as _hypothesis_settings  # noqa: E402
+
+_hypothesis_settings.register_profile("ci", derandomize=True, database=None, deadline=None)
+_hypothesis_settings.register_profile("explore", derandomize=False, deadline=None)
+_hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
