@@ -48,7 +48,7 @@ def _linear_task():
 
 def _params(task):
   hetjax.initialize()
-  meshes = step.Meshes.create()
+  meshes = mesh.Meshes.create()
   state = step.init_state(task, optax.sgd(0.1), meshes, {"x": np.zeros(4, np.float32)}, 0)
   return meshes, state
 

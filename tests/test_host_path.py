@@ -14,7 +14,7 @@ import optax
 import pytest
 
 import hetjax
-from hetjax import step
+from hetjax import mesh, step
 from hetjax.input import data
 from hetjax.input import loader
 from hetjax.training import readiness
@@ -96,7 +96,7 @@ def test_position_rows_give_each_device_its_block_its_real_count_and_the_host_ve
 
 def test_the_sums_carry_the_host_vector_and_the_mask_built_on_the_device():
   """A masked sum over a padded micro-batch equals the sum over its real rows."""
-  meshes = step.Meshes.create()
+  meshes = mesh.Meshes.create()
 
   def loss(params, batch, rng):
     del rng
@@ -105,7 +105,7 @@ def test_the_sums_carry_the_host_vector_and_the_mask_built_on_the_device():
   task = hetjax.from_functions(lambda rng, batch: {"w": jnp.ones(())}, loss)
   source = {"x": np.arange(1, 8, dtype=np.float32)[:, None]}  # 7 rows: one micro-batch of 4 padded.
   optimizer = optax.sgd(0.1)
-  state = step.to_local_tree(step.init_state(
+  state = mesh.to_local_tree(step.init_state(
       task, optimizer, meshes,
       next(step.micro_batches({k: v[:1] for k, v in source.items()}, 4)), 0), meshes)
   local = step.LocalProgram(task, optimizer, meshes, 4)
