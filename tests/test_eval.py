@@ -10,7 +10,7 @@ import pytest
 
 import hetjax
 from hetjax import models as zoo
-from hetjax import step, trainer
+from hetjax import mesh, step, trainer
 from hetjax.input import data
 from hetjax.training import evaluate
 
