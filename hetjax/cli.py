@@ -38,12 +38,23 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
   p = _Parser(prog="hetjax", description=__doc__.splitlines()[0])
   sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-  t = sub.add_parser("train", help="train a built-in model on a built-in dataset")
-  t.add_argument("--model", default="cnn", help="mlp, cnn, resnet18, resnet50 or transformer")
+  t = sub.add_parser("train", help="train a built-in model, or your own, on a dataset")
+  t.add_argument("--config", default=None, metavar="FILE.yaml",
+                 help="read flags from a YAML file (keys: the long flag names, e.g. "
+                      "'global-batch: 64'); flags on the command line override it; every run "
+                      "writes its resolved OUT/config.yaml, which re-runs the job")
+  t.add_argument("--print-config", action="store_true",
+                 help="print the resolved configuration as YAML and exit")
+  t.add_argument("--model", default="cnn",
+                 help="mlp, cnn, resnet18, resnet50, transformer, or package.module:factory, a "
+                      "function returning a hetjax.Task (it gets the keywords it names among "
+                      "num_classes, vocab_size, kind, width (--model-width), dropout (--dropout))")
   t.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
                  help="compute type; parameters and gradient sums stay float32 (fp16: loss scaling)")
   t.add_argument("--dataset", default="digits",
-                 help="digits, synthetic, synthetic_big, tokens, or tfds:NAME (prepared in --data-dir)")
+                 help="digits, synthetic, synthetic_big, tokens, tfds:NAME (prepared in "
+                      "--data-dir), or package.module:factory, a function returning "
+                      "(train_source, eval_source or None), each with .info (hetjax.DatasetInfo)")
   t.add_argument("--data-dir", default=None, help="TFDS data folder for --dataset tfds:NAME")
   t.add_argument("--augment", default="none", help="none, crop, flip or crop,flip (images)")
   t.add_argument("--image-size", type=int, default=None, metavar="S",
@@ -110,12 +121,22 @@ def _parser() -> argparse.ArgumentParser:
 def _check_args(args: argparse.Namespace) -> None:
   """Everything that can be checked before JAX starts; raises ValueError."""
   from hetjax import models as zoo
+  from hetjax import user_code
   from hetjax.input import data
 
-  if args.model not in zoo.MODEL_NAMES:
-    raise ValueError(f"unknown model {args.model!r}; choose one of {', '.join(zoo.MODEL_NAMES)}.")
-  data.check_dataset_name(args.dataset, args.data_dir)
-  data.check_image_size(args.dataset, args.image_size)
+  if user_code.is_factory(args.model):
+    user_code.check_model(args.model, _model_overrides(args))
+  elif args.model not in zoo.MODEL_NAMES:
+    raise ValueError(f"unknown model {args.model!r}; choose one of {', '.join(zoo.MODEL_NAMES)}, "
+                     "or name your own as package.module:factory.")
+  if user_code.is_factory(args.dataset):
+    user_code.load(args.dataset, "--dataset")
+    if args.image_size is not None:
+      raise ValueError(f"--image-size decodes TFDS images; --dataset {args.dataset} gives its "
+                       "own records, so drop --image-size.")
+  else:
+    data.check_dataset_name(args.dataset, args.data_dir)
+    data.check_image_size(args.dataset, args.image_size)
   if args.image_size is not None:
     from hetjax.input import images
     images.recipe_from_augment(args.image_size, 3, args.augment)
@@ -138,10 +159,39 @@ def _check_args(args: argparse.Namespace) -> None:
   if args.dropout is not None:
     if not 0 <= args.dropout < 1:
       raise ValueError(f"--dropout must be in [0, 1), got {args.dropout}.")
-    if "dropout" not in zoo.default_config(args.model):
-      has = [m for m in zoo.MODEL_NAMES if "dropout" in zoo.default_config(m)]
+    if not user_code.is_factory(args.model) and "dropout" not in zoo.OPTIONS[args.model]:
+      has = zoo.catalog.with_option("dropout")
       raise ValueError(f"model {args.model!r} has no dropout; --dropout applies to "
                        f"{', '.join(has)}.")
+
+
+def _model_overrides(args: argparse.Namespace) -> dict:
+  """--model-width and --dropout, where given, as the model's keywords."""
+  given = {"width": args.model_width, "dropout": args.dropout}
+  return {k: v for k, v in given.items() if v is not None}
+
+
+def _load_data(args: argparse.Namespace):
+  """(training source, evaluation source or None) of --dataset."""
+  from hetjax import user_code
+  from hetjax.input import data
+  if user_code.is_factory(args.dataset):
+    return user_code.load_dataset(args.dataset)
+  images = {"image_size": args.image_size} if args.image_size is not None else {}
+  source = data.load(args.dataset, "train", data_dir=args.data_dir, augment=args.augment, **images)
+  test_source, test_split = None, data.evaluation_split(args.dataset, args.data_dir)
+  if source.info.kind == "image" and test_split is not None:
+    test_source = data.load(args.dataset, test_split, data_dir=args.data_dir, **images)
+  return source, test_source
+
+
+def _build_task(args: argparse.Namespace, info):
+  from hetjax import models as zoo
+  from hetjax import user_code
+  if user_code.is_factory(args.model):
+    return user_code.build_task(args.model, info, _model_overrides(args))
+  return zoo.build(args.model, kind=info.kind, num_classes=info.num_classes,
+                   vocab_size=info.vocab_size, **_model_overrides(args))
 
 
 def _checkpoint_config(args: argparse.Namespace) -> config_lib.CheckpointConfig:
@@ -174,29 +224,23 @@ def train(args: argparse.Namespace) -> dict:
   """Runs one host's part of the job; returns the summary."""
   _check_args(args)
   import numpy as np
-  from hetjax import models as zoo
   from hetjax import trainer
-  from hetjax.input import data
   from hetjax.input import loader
   from hetjax.observe import progress
   from hetjax.cluster import runtime
 
   topo = runtime.initialize(timeout_s=args.init_timeout)
+  if topo.host_id == 0:
+    _write_config(args)
   images = {"image_size": args.image_size} if args.image_size is not None else {}
-  source = data.load(args.dataset, "train", data_dir=args.data_dir, augment=args.augment, **images)
-  test_source, test_split = None, data.evaluation_split(args.dataset, args.data_dir)
-  if source.info.kind == "image" and test_split is not None:
+  source, test_source = _load_data(args)
+  if test_source is not None:
     from hetjax.input import sources
-    test_source = data.load(args.dataset, test_split, data_dir=args.data_dir, **images)
     sources.check_records(test_source, sources.record_spec(source))  # Before, not after, training.
   if args.eval_every and test_source is None:
     raise ValueError(f"--eval-every evaluates on the test split of image datasets; dataset "
                      f"{args.dataset!r} has none here, so drop --eval-every.")
-  overrides = {} if args.model_width is None else {"width": args.model_width}
-  if args.dropout is not None:
-    overrides["dropout"] = args.dropout
-  task = zoo.build(args.model, kind=source.info.kind, num_classes=source.info.num_classes,
-                             vocab_size=source.info.vocab_size, **overrides)
+  task = _build_task(args, source.info)
   config = _train_config(args)
   identity = f"{args.model}|{_optimizer_identity(args)}|{args.model_width}|{args.dropout}"
   identity += f"|{args.image_size}|{args.augment}" if images else ""
@@ -236,6 +280,45 @@ def train(args: argparse.Namespace) -> dict:
   return summary
 
 
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+  """The command line, with `train --config FILE` read in first so that flags override it.
+
+  A bad config file is a usage error (exit 2) worded as a bad flag is.
+  """
+  parser = _parser()
+  argv = list(sys.argv[1:] if argv is None else argv)
+  args = parser.parse_args(argv)
+  if args.command == "train" and args.config:
+    from hetjax import config_file
+    train_parser = _train_parser(parser)
+    try:
+      from_file = config_file.to_argv(args.config, train_parser)
+    except ValueError as e:
+      train_parser.error(str(e))
+    at = argv.index("train") + 1
+    args = parser.parse_args(argv[:at] + from_file + argv[at:])
+  return args
+
+
+def _train_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+  sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # pylint: disable=protected-access
+  return sub.choices["train"]
+
+
+def resolved_config(args: argparse.Namespace) -> dict:
+  """Every `hetjax train` flag's value, as OUT/config.yaml holds it."""
+  from hetjax import config_file
+  return config_file.resolved(args, _train_parser(_parser()))
+
+
+def _write_config(args: argparse.Namespace) -> None:
+  """OUT/config.yaml: `hetjax train --config OUT/config.yaml` runs this job again."""
+  from hetjax import config_file
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, config_file.CONFIG_FILE), "w") as f:
+    f.write(config_file.dump(resolved_config(args), head=True))
+
+
 def _print_summary(summary: dict) -> None:
   keys = ("steps", "global_batch", "hosts", "samples_per_sec", "final_loss", "test_accuracy",
           "params_digest")
@@ -248,6 +331,14 @@ def _print_summary(summary: dict) -> None:
           f"wait {sum(w) / len(w) * 1e3:7.1f} ms" + ("  (emulated speeds)" if summary["emulated_speeds"] else ""))
 
 
+def _check_args_or_exit(args: argparse.Namespace) -> None:
+  """--print-config shows only a configuration that would run."""
+  try:
+    _check_args(args)
+  except ValueError as e:
+    _train_parser(_parser()).error(str(e))
+
+
 def _exit_now(code: int) -> None:
   """Leaves at once: JAX's exit-time shutdown would wait for the other hosts."""
   sys.stdout.flush()
@@ -256,7 +347,12 @@ def _exit_now(code: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  args = _parser().parse_args(argv)
+  args = parse_args(argv)
+  if args.command == "train" and args.print_config:
+    from hetjax import config_file
+    _check_args_or_exit(args)
+    print(config_file.dump(resolved_config(args)), end="")
+    return 0
   if args.command in ("report", "doctor"):
     from hetjax.cluster import doctor
     from hetjax.observe import report
