@@ -87,6 +87,45 @@ def test_nnx_adapter_has_an_unmasked_loss():
       task.unmasked_loss(params, state, _batch(), jax.random.key(1))[0], 0.0)
 
 
+def test_nnx_adapter_keeps_junk_padding_out_of_batchnorm():
+  """A lost mask changes the result: a block of 3 real rows and 5 rows of large
+  noise gives the real rows the losses and the running statistics of those 3
+  rows alone (BatchNorm over a batch of 3, no padding at all)."""
+  from flax import nnx
+
+  class ConvBatchNorm(nnx.Module):
+    def __init__(self, rngs):
+      self.conv = nnx.Conv(1, 4, (3, 3), use_bias=False, rngs=rngs)
+      self.bn = nnx.BatchNorm(4, momentum=0.5, rngs=rngs)
+      self.head = nnx.Linear(4 * 64, 10, rngs=rngs)
+
+    def __call__(self, x, mask=None):
+      x = self.bn(self.conv(x), mask=None if mask is None else mask[:, None, None, None] > 0)
+      return self.head(jax.nn.relu(x).reshape(x.shape[0], -1))
+
+  def classify(logits, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), {}
+
+  task = hetjax.from_nnx(ConvBatchNorm(nnx.Rngs(0)), classify)
+  rng = np.random.default_rng(0)
+  real = {"x": rng.standard_normal((3, 8, 8, 1)).astype(np.float32),
+          "y": np.array([1, 2, 3], np.int32), MASK: np.ones(3, np.float32)}
+  padded = {"x": np.concatenate([real["x"], 1e3 * rng.standard_normal((5, 8, 8, 1))]).astype(
+                np.float32),
+            "y": np.concatenate([real["y"], np.zeros(5, np.int32)]),
+            MASK: (np.arange(8) < 3).astype(np.float32)}
+  params, state = task.init(jax.random.key(0), real)
+  loss = jax.jit(task.loss)
+  alone, _, alone_state = loss(params, state, real, jax.random.key(1))
+  mixed, _, mixed_state = loss(params, state, padded, jax.random.key(1))
+  np.testing.assert_allclose(mixed[:3], alone, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(mixed_state), jax.tree.leaves(alone_state), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  moved = [not np.allclose(a, b) for a, b in zip(jax.tree.leaves(alone_state),
+                                                   jax.tree.leaves(state))]
+  assert any(moved)  # The running statistics were updated, so comparing them meant something.
+
+
 @pytest.mark.parametrize("global_batch, masked", [(8, False), (6, True)])
 def test_the_trainer_drops_the_mask_only_when_every_block_is_whole(global_batch, masked):
   """8 = two whole blocks of 4; 6 ends with a partial block, which needs the mask."""

@@ -292,8 +292,11 @@ def _alive(pid: int) -> bool:
     os.kill(pid, 0)
   except ProcessLookupError:
     return False
-  with open(f"/proc/{pid}/stat") as f:  # A zombie waiting for init to reap it counts as gone.
-    return f.read().split(")")[-1].split()[0] != "Z"
+  try:
+    with open(f"/proc/{pid}/stat") as f:  # A zombie waiting for init to reap it counts as gone.
+      return f.read().split(")")[-1].split()[0] != "Z"
+  except FileNotFoundError:  # Reaped between the signal and the read.
+    return False
 
 
 def test_an_unreadable_image_names_its_record():

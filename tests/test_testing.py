@@ -95,3 +95,51 @@ def test_run_hosts_gives_each_host_its_own_environment():
   got = testing.run_hosts("_mh_entries:read_env", hosts=2, args=("HETJAX_TEST_MARK",),
                           host_env={1: {"HETJAX_TEST_MARK": "host-one"}})
   assert got == [None, "host-one"]
+
+
+class _FakeLauncher:
+  """A launcher process that never ends by itself (the kill decides)."""
+
+  def __init__(self, *args, **kwargs):
+    self.returncode = None
+
+  def poll(self):
+    return self.returncode
+
+  def communicate(self, timeout=None):
+    self.returncode = -9 if self.returncode is None else self.returncode
+    return "", "launcher stderr tail"
+
+  def kill(self):
+    self.returncode = -9
+
+
+def _kill_with_fakes(monkeypatch, tmp_path, kill, **kwargs):
+  (tmp_path / "20").mkdir(parents=True)                      # Committed: the announcement.
+  (tmp_path / "40.orbax-checkpoint-tmp-1").mkdir()  # Still being written: not one.
+  looked_up = []
+  monkeypatch.setattr(testing.subprocess, "Popen", _FakeLauncher)
+  monkeypatch.setattr(testing, "host_pid", lambda host, token: looked_up.append(host) or 4242)
+  monkeypatch.setattr(testing.os, "kill", kill)
+  run = testing.kill_a_host_mid_run(["--ckpt-dir", str(tmp_path)], tmp_path, hosts=5, **kwargs)
+  return run, looked_up
+
+
+def test_kill_a_host_mid_run_picks_the_same_victim_for_the_same_seed(monkeypatch, tmp_path):
+  killed = []
+  kill = lambda pid, sig: killed.append((pid, sig))
+  runs = [_kill_with_fakes(monkeypatch, tmp_path / str(i), kill, seed=seed)[0]
+          for i, seed in enumerate((0, 0, 7))]
+  assert runs[0].seed == 0 and runs[0].victim == runs[1].victim  # Replays.
+  assert [r.victim for r in runs] == [testing.random.Random(s).randrange(5) for s in (0, 0, 7)]
+  assert all(r.announced == 20 for r in runs)
+  assert killed == [(4242, testing.signal.SIGKILL)] * 3
+
+
+def test_a_host_that_exits_before_the_kill_is_reported_not_raised_as_lookup_error(
+    monkeypatch, tmp_path):
+  def gone(pid, sig):
+    raise ProcessLookupError(pid)
+  with pytest.raises(AssertionError, match=r"seed 3: host \d \(pid 4242\) exited before the kill "
+                                           r"after checkpoint 20.*launcher stderr tail"):
+    _kill_with_fakes(monkeypatch, tmp_path, gone, seed=3)

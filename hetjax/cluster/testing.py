@@ -14,8 +14,9 @@ environment the launcher gives, so tests exercise the real multi-process path:
 started, prefixed and stopped by `hetjax.cluster.procs`, exactly as the launcher does.
 
 `kill_a_host_mid_run` is the other half of fault-tolerance tests: it runs a
-launcher command, SIGKILLs one of its hosts after the first checkpoint and
-returns what the launcher said, so a test can check the restart.
+launcher command, SIGKILLs one of its hosts (drawn from a fixed seed) as soon
+as the first checkpoint is committed, and returns what the launcher said, so
+a test can check the restart; a failure replays with the same seed.
 
 This module imports no JAX; only the child processes do.
 """
@@ -107,30 +108,36 @@ def run_hosts(entry: str, *, hosts: int, devices_per_host: int = 1, args: tuple 
 @dataclasses.dataclass(frozen=True)
 class KilledRun:
   """What `kill_a_host_mid_run` did and what the launcher said."""
-  seed: int      # Of the victim and the delay: quote it in assertion messages.
+  seed: int      # Chose the victim: `seed=` replays the same kill; quote it in messages.
   victim: int    # The host that got SIGKILL.
+  announced: int  # The newest committed checkpoint when the kill was sent: a resume starts
+                  # there or later, never earlier.
   returncode: int
   stdout: str
   stderr: str
 
 
 def kill_a_host_mid_run(command: Sequence[str], ckpt_dir: str | os.PathLike, *, hosts: int,
-                        max_delay_s: float = 1.0, seed: int | None = None,
-                        timeout_s: float = 600) -> KilledRun:
-  """Runs a launcher `command`; SIGKILLs one host once a checkpoint exists; waits for the end.
+                        seed: int = 0, timeout_s: float = 600) -> KilledRun:
+  """Runs a launcher `command`; SIGKILLs one host once a checkpoint is committed; waits for the end.
 
-  The victim and a delay in [0, max_delay_s) after the first checkpoint
-  appears in `ckpt_dir` are drawn from `seed` (a fresh one if None), so a
-  failure can be replayed. The host is found in /proc by its
-  `HETJAX_HOST_ID` and by `ckpt_dir` in its command line, so `command` must
-  name the checkpoint folder and run `hetjax.cli` on every host (e.g.
-  `launch/local.py --max-restarts 2 -- python -m hetjax.cli train ...`).
+  The hosts announce a step by committing its checkpoint (orbax renames
+  the step's folder into place only when every host wrote it): the kill is
+  sent as soon as the first one appears in `ckpt_dir`, with no random
+  delay, so the run is killed between that checkpoint and the next one (a
+  few steps on), and `announced` says which. The victim is drawn from
+  `seed` (the same one in every run unless the caller passes another), so a
+  failure replays. The host is found in /proc by its `HETJAX_HOST_ID` and
+  by `ckpt_dir` in its command line, so `command` must name the checkpoint
+  folder and run `hetjax.cli` on every host (e.g. `launch/local.py
+  --max-restarts 2 -- python -m hetjax.cli train ...`).
 
   Raises:
     ValueError: `ckpt_dir` is not in `command`, before anything starts.
     RuntimeError: this machine has no /proc (Linux only), before anything starts.
     AssertionError: the run ends before the first checkpoint, or the host is
-      not found; the launcher's stderr tail and the seed are in the message.
+      not found or exits before the kill; the launcher's stderr tail and the
+      seed are in the message.
   """
   if not os.path.isdir("/proc"):
     raise RuntimeError("kill_a_host_mid_run finds the host processes in /proc, which this "
@@ -139,32 +146,45 @@ def kill_a_host_mid_run(command: Sequence[str], ckpt_dir: str | os.PathLike, *, 
   if not any(ckpt_dir in part for part in command):
     raise ValueError(f"the command must name the checkpoint folder {ckpt_dir!r} (it finds the "
                      "host processes by it); pass the same folder as --ckpt-dir.")
-  seed = random.randrange(1 << 30) if seed is None else seed
-  rng = random.Random(seed)
-  victim, delay = rng.randrange(hosts), rng.uniform(0.0, max_delay_s)
+  victim = random.Random(seed).randrange(hosts)
   proc = subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   try:
     deadline = time.monotonic() + timeout_s
-    while not (os.path.isdir(ckpt_dir) and any(p.isdigit() for p in os.listdir(ckpt_dir))):
+    while not (announced := _committed_steps(ckpt_dir)):
       if proc.poll() is not None or time.monotonic() > deadline:
         raise AssertionError(f"seed {seed}: the run ended or timed out before its first "
                              f"checkpoint: {proc.communicate()[1][-3000:]}")
-      time.sleep(0.05)
-    time.sleep(delay)
+      time.sleep(0.05)  # A poll: what it waits for is the checkpoint, not a time.
     pid = host_pid(victim, ckpt_dir)
     if pid is None:
-      raise AssertionError(f"seed {seed}: host {victim} not found in /proc")
-    os.kill(pid, signal.SIGKILL)
+      raise AssertionError(f"seed {seed}: host {victim} not found in /proc after checkpoint "
+                           f"{max(announced)}")
+    try:
+      os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:  # It exited between the lookup and the kill.
+      raise AssertionError(f"seed {seed}: host {victim} (pid {pid}) exited before the kill "
+                           f"after checkpoint {max(announced)}; the run was not killed mid-run "
+                           f"(it finished, or failed on its own): "
+                           f"{proc.communicate()[1][-3000:]}") from None
     out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
   finally:
     if proc.poll() is None:
       proc.kill()
       proc.communicate()
-  return KilledRun(seed, victim, proc.returncode, out, err)
+  return KilledRun(seed, victim, max(announced), proc.returncode, out, err)
+
+
+def _committed_steps(ckpt_dir: str) -> list[int]:
+  """Steps whose checkpoint orbax has committed (in-progress ones carry a suffix)."""
+  try:
+    return [int(p) for p in os.listdir(ckpt_dir) if p.isdigit()]
+  except FileNotFoundError:
+    return []
 
 
 def killed_and_uninterrupted(launch: Callable[..., Sequence[str]], folder: str | os.PathLike, *,
-                             hosts: int) -> tuple[KilledRun, dict[str, Any], dict[str, Any]]:
+                             hosts: int, seed: int = 0
+                             ) -> tuple[KilledRun, dict[str, Any], dict[str, Any]]:
   """The same training twice: uninterrupted, and with one host killed mid-run.
 
   `launch(ckpt, out, extra=())` is the launcher command of one run; the
@@ -185,7 +205,8 @@ def killed_and_uninterrupted(launch: Callable[..., Sequence[str]], folder: str |
         stdout=ref_log, stderr=subprocess.STDOUT)
     try:
       ckpt, out = os.path.join(folder, "ckpt"), os.path.join(folder, "run")
-      run = kill_a_host_mid_run(launch(ckpt, out, ("--max-restarts", "2")), ckpt, hosts=hosts)
+      run = kill_a_host_mid_run(launch(ckpt, out, ("--max-restarts", "2")), ckpt, hosts=hosts,
+                                seed=seed)
       assert run.returncode == 0, f"seed {run.seed}: {run.stderr[-3000:]}"
       assert f"restart 1/2 after host {run.victim} failed with signal SIGKILL" in run.stderr, (
           f"seed {run.seed}: {run.stderr[-3000:]}")
@@ -204,6 +225,10 @@ def killed_and_uninterrupted(launch: Callable[..., Sequence[str]], folder: str |
   for name in (out, os.path.join(folder, "ref")):
     with open(os.path.join(name, "summary.json")) as f:
       summaries.append(json.load(f))
+  resumed = summaries[0].get("resumed_from")
+  assert resumed is not None and resumed >= run.announced, (
+      f"seed {run.seed}: resumed from {resumed}, but checkpoint {run.announced} was committed "
+      f"before host {run.victim} was killed: {run.stderr[-3000:]}")
   return run, summaries[0], summaries[1]
 
 
