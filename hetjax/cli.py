@@ -95,6 +95,10 @@ def _parser() -> argparse.ArgumentParser:
                  help="progress line every N steps when not on a terminal (0: none)")
   t.add_argument("--init-timeout", type=float, default=None,
                  help="seconds to reach the coordinator (default HETJAX_INIT_TIMEOUT or 120)")
+  t.add_argument("--watchdog", type=float, default=None, metavar="S",
+                 help="stop the job (exit 69, restarted under --max-restarts) when no step "
+                      "completes for S seconds, naming the stuck host(s) and dumping every "
+                      "live host's stacks (default: max(20 x the median step, 300); 0: off)")
   t.add_argument("--model-width", type=int, default=None, help="override the model's width")
   t.add_argument("--dropout", type=float, default=None,
                  help="dropout rate of mlp, cnn and transformer (default 0); keyed per block, "
@@ -205,7 +209,7 @@ def _train_config(args: argparse.Namespace) -> config_lib.TrainConfig:
   return config_lib.TrainConfig(
       global_batch=args.global_batch, microbatch=args.microbatch, seed=args.seed,
       assignment=assignment, reduction=args.reduction, balancer=args.balancer,
-      precision=args.precision,
+      precision=args.precision, watchdog_s=args.watchdog,
       augment="none" if args.image_size is not None else args.augment)  # Else the recipe's.
 
 

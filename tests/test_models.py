@@ -278,3 +278,9 @@ def test_resnet50_bottlenecks_and_overrides():
 def test_registry_errors(kwargs, message):
   with pytest.raises(ValueError, match=message):
     zoo.build(**kwargs)
+
+
+@pytest.mark.parametrize("name", zoo.MODEL_NAMES)
+def test_the_jax_free_catalog_lists_each_models_options(name):
+  """The CLI checks options against the catalog before JAX loads; it must match the modules."""
+  assert zoo.OPTIONS[name] == tuple(zoo.default_config(name))

@@ -2,6 +2,8 @@
 
 `build(name, kind=..., ...)` turns a model name and the dataset's kind into a
 `hetjax.task.Task`, so the trainer never handles Flax modules or losses.
+The names and their options (`catalog`) load without JAX; the Flax modules
+(`registry`) load on first use.
 
 Example:
   >>> task = build("cnn", kind="image", num_classes=10)
@@ -9,115 +11,17 @@ Example:
   >>> task = build("transformer", kind="tokens", vocab_size=256, max_len=128)
 """
 
-from __future__ import annotations
+import importlib as _importlib
 
-import dataclasses
-from typing import Any, Callable
+from hetjax.models.catalog import KINDS, MODEL_NAMES, OPTIONS  # noqa: F401
 
-from hetjax import task as task_lib
+_FROM_REGISTRY = ("CNN", "MLP", "MaskedBatchNorm", "ResNet", "ResNet50", "TransformerLM",
+                  "build", "default_config", "losses", "preprocess")
 
-from . import losses, preprocess
-from .cnn import CNN
-from .mlp import MLP
-from .resnet import MaskedBatchNorm, ResNet, ResNet50
-from .transformer import TransformerLM
-
-MODEL_NAMES = ("mlp", "cnn", "resnet18", "transformer", "resnet50")
-KINDS = ("image", "tokens")
-_NOUNS = {"image": "image", "tokens": "token"}  # For error messages.
+__all__ = sorted(("KINDS", "MODEL_NAMES", "OPTIONS") + _FROM_REGISTRY)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Spec:
-  module: type
-  kind: str  # The dataset kind the model consumes.
-  size_arg: str  # The constructor argument the dataset determines.
-  loss: Callable
-
-
-_SPECS = {
-    "mlp": _Spec(MLP, "image", "num_classes", losses.classification),
-    "cnn": _Spec(CNN, "image", "num_classes", losses.classification),
-    "resnet18": _Spec(ResNet, "image", "num_classes", losses.classification),
-    "transformer": _Spec(
-        TransformerLM, "tokens", "vocab_size", losses.next_token),
-    "resnet50": _Spec(ResNet50, "image", "num_classes", losses.classification),
-}
-assert tuple(_SPECS) == MODEL_NAMES
-
-
-def _spec(name: str) -> _Spec:
-  if name not in _SPECS:
-    raise ValueError(
-        f"Unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)}.")
-  return _SPECS[name]
-
-
-def default_config(name: str) -> dict[str, Any]:
-  """The options `build(name, ...)` accepts as overrides, with their defaults.
-
-  The dataset decides `num_classes` / `vocab_size`, so they are not listed.
-  """
-  spec = _spec(name)
-  return {
-      f.name: f.default for f in dataclasses.fields(spec.module)
-      if f.init and f.name not in ("parent", "name", spec.size_arg)
-  }
-
-
-def build(
-    name: str,
-    *,
-    kind: str,
-    num_classes: int | None = None,
-    vocab_size: int | None = None,
-    **overrides: Any,
-) -> task_lib.Task:
-  """Builds the `Task` hetjax trains for model `name` on data of `kind`.
-
-  Args:
-    name: one of `MODEL_NAMES`.
-    kind: the dataset kind, "image" (`{"x": [b, H, W, C], "y": [b]}`) or
-      "tokens" (`{"x": int [b, T]}`).
-    num_classes: number of labels; required by image models.
-    vocab_size: number of token ids; required by token models.
-    **overrides: module configuration to change, e.g. `width=8` for
-      "resnet18"; see `default_config(name)`.
-
-  Returns:
-    A Task whose loss gives per-example cross-entropy and an "accuracy"
-    metric (for tokens: the fraction of correctly predicted next tokens).
-
-  Raises:
-    ValueError: unknown name, kind or override, a model/kind mismatch, or a
-      missing num_classes / vocab_size.
-  """
-  spec = _spec(name)
-  if kind not in KINDS:
-    raise ValueError(
-        f"Unknown dataset kind {kind!r}; choose one of {', '.join(KINDS)}.")
-  if kind != spec.kind:
-    fits = [n for n in MODEL_NAMES if _SPECS[n].kind == kind]
-    raise ValueError(
-        f"model {name!r} needs {_NOUNS[spec.kind]} data; "
-        f"dataset kind is {kind!r} "
-        f"(models for {kind} data: {', '.join(fits)}).")
-  size = {"num_classes": num_classes, "vocab_size": vocab_size}[spec.size_arg]
-  if size is None or size < 1:
-    raise ValueError(
-        f"model {name!r} needs {spec.size_arg} >= 1; got {size}.")
-  valid = default_config(name)
-  unknown = sorted(set(overrides) - set(valid))
-  if unknown:
-    raise ValueError(
-        f"Unknown option(s) {unknown} for model {name!r}; valid options: "
-        f"{', '.join(valid)}.")
-  module = spec.module(**{spec.size_arg: size}, **overrides)
-  task = task_lib.from_linen(module, spec.loss)
-  return preprocess.on_device_scaling(task) if kind == "image" else task
-
-
-__all__ = [
-    "CNN", "KINDS", "MLP", "MODEL_NAMES", "MaskedBatchNorm", "ResNet",
-    "ResNet50", "TransformerLM", "build", "default_config", "losses",
-]
+def __getattr__(name: str):
+  if name in _FROM_REGISTRY:
+    return getattr(_importlib.import_module("hetjax.models.registry"), name)
+  raise AttributeError(f"module 'hetjax.models' has no attribute {name!r}")
