@@ -248,42 +248,73 @@ def leaf_counts(trainer: hetjax.Trainer) -> tuple[int, int]:
   return params, params + len(jax.tree.leaves(state.model_state))
 
 
+LOOPS = ("plain", "split", "hetjax")
+
+
+def make_loops(task: Task, source: data_lib.ArraySource, global_batch: int, microbatch: int,
+               precision: str, labels: tuple[str, ...] = LOOPS) -> dict[str, Any]:
+  """The loops named in `labels` (from `LOOPS`), each training `task` with adam."""
+  optimizer = optax.adam(LEARNING_RATE)
+  loops: dict[str, Any] = {}
+  for label in labels:
+    if label in ("plain", "split"):
+      loops[label] = PlainLoop(task, optimizer, source, global_batch, precision,
+                               programs=1 if label == "plain" else 2)
+    elif label == "hetjax":
+      loops[label] = HetjaxLoop(hetjax.Trainer(task, optimizer, source, hetjax.TrainConfig(
+          global_batch=global_batch, microbatch=microbatch, seed=SEED, precision=precision)))
+    else:
+      raise ValueError(f"unknown loop {label!r}; choose from {', '.join(LOOPS)}.")
+  return loops
+
+
+def time_loops(loops: dict[str, Any], steps: int, repeats: int) -> dict[str, list[float]]:
+  """Per-repeat ms per step of each loop, after an untimed warm-up, interleaved.
+
+  Interleaving puts every loop under the same machine noise, so the paired
+  per-repeat ratios (`paired`) cancel most of it.
+  """
+  for loop in loops.values():
+    seconds(loop, WARMUP_STEPS)
+  ms: dict[str, list[float]] = {label: [] for label in loops}
+  for _ in range(repeats):
+    for label, loop in loops.items():
+      ms[label].append(seconds(loop, steps) / steps * 1e3)
+  return ms
+
+
+def paired(ms: dict[str, list[float]], base: str, other: str) -> dict[str, Any]:
+  """`other` against `base`: median throughput ratio, ms added, quartiles of the ms added."""
+  added = [y - x for x, y in zip(ms[base], ms[other])]
+  return {
+      "ratio": round(statistics.median(x / y for x, y in zip(ms[base], ms[other])), 4),
+      "added_ms": round(statistics.median(added), 3),
+      # The spread says how far one run's median can be trusted on a shared machine.
+      "added_ms_quartiles": ([round(q, 3) for q in statistics.quantiles(added, n=4)[::2]]
+                             if len(added) > 1 else None),
+  }
+
+
 def measure_model(name: str, args: argparse.Namespace, source: data_lib.ArraySource) -> dict:
   """Builds the three loops for `name`, times them interleaved, returns its figures."""
   setting = SETTINGS[name]
   batch, steps = setting.global_batch, args.steps or setting.steps
   microbatch = args.microbatch or batch
-  task = zoo.build(name, kind=source.info.kind,
-                             num_classes=source.info.num_classes, **setting.overrides)
-  optimizer = optax.adam(LEARNING_RATE)
-  plain = PlainLoop(task, optimizer, source, batch, args.precision)
-  split = PlainLoop(task, optimizer, source, batch, args.precision, programs=2)
-  config = {"precision": args.precision} if args.precision != "fp32" else {}
-  trainer = hetjax.Trainer(task, optimizer, source, hetjax.TrainConfig(
-      global_batch=batch, microbatch=microbatch, seed=SEED, **config))
-  het = HetjaxLoop(trainer)
-  loops = {"plain": plain, "split": split, "hetjax": het}
-  for loop in loops.values():
-    seconds(loop, WARMUP_STEPS)
-  ms: dict[str, list[float]] = {name: [] for name in loops}
-  for _ in range(args.repeats):
-    for label, loop in loops.items():
-      ms[label].append(seconds(loop, steps) / steps * 1e3)
+  task = zoo.build(name, kind=source.info.kind, num_classes=source.info.num_classes,
+                   **setting.overrides)
+  loops = make_loops(task, source, batch, microbatch, args.precision)
+  ms = time_loops(loops, steps, args.repeats)
+  trainer = loops["hetjax"].trainer
   params, leaves = leaf_counts(trainer)
   trainer.close()
-  ratio = lambda a, b: round(statistics.median(x / y for x, y in zip(ms[a], ms[b])), 4)
-  added = lambda a, b: round(statistics.median(y - x for x, y in zip(ms[a], ms[b])), 3)
-  # The spread says how far one run's median can be trusted on a shared machine.
-  quartiles = lambda a, b: [round(q, 3) for q in statistics.quantiles(
-      [y - x for x, y in zip(ms[a], ms[b])], n=4)[::2]] if args.repeats > 1 else None
+  split, vs_split = paired(ms, "plain", "split"), paired(ms, "split", "hetjax")
   return {
       "global_batch": batch, "microbatch": microbatch, "steps": steps,
       "overrides": setting.overrides, "param_leaves": params, "leaves": leaves,
       **{f"{label}_ms": round(statistics.median(v), 3) for label, v in ms.items()},
-      "ratio": ratio("plain", "hetjax"), "added_ms": added("plain", "hetjax"),
-      "added_ms_quartiles": quartiles("plain", "hetjax"),
-      "split_ratio": ratio("plain", "split"), "split_added_ms": added("plain", "split"),
-      "ratio_vs_split": ratio("split", "hetjax"), "added_vs_split_ms": added("split", "hetjax"),
+      **paired(ms, "plain", "hetjax"),
+      "split_ratio": split["ratio"], "split_added_ms": split["added_ms"],
+      "ratio_vs_split": vs_split["ratio"], "added_vs_split_ms": vs_split["added_ms"],
   }
 
 
