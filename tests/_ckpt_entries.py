@@ -18,19 +18,23 @@ from hetjax.checkpoint import manager as checkpoint
 from hetjax.input import data
 
 
-def _trainer(directory: str | None, assignment="equal") -> trainer.Trainer:
+def _trainer(directory: str | None, assignment="equal", sgd: bool = False) -> trainer.Trainer:
   hetjax.initialize()
   source = data.load("digits")
   task = zoo.build("mlp", kind="image", num_classes=10, hidden=(32,))
   ckpt = None if directory is None else checkpoint.CheckpointConfig(directory, every=3, keep=2)
-  return trainer.Trainer(task, optax.adam(1e-3), source,
+  return trainer.Trainer(task, optax.sgd(0.1) if sgd else optax.adam(1e-3), source,
                          trainer.TrainConfig(global_batch=64, microbatch=4, assignment=assignment),
                          checkpoint=ckpt)
 
 
-def train_until(directory: str | None, until: int, assignment="equal"):
-  """Trains (resuming from `directory` if it holds a checkpoint) up to step `until`."""
-  tr = _trainer(directory, assignment)
+def train_until(directory: str | None, until: int, assignment="equal", sgd: bool = True):
+  """Trains (resuming from `directory` if it holds a checkpoint) up to step `until`.
+
+  Plain SGD by default: runs on other layouts are compared with one host, and
+  SGD, unlike Adam, shows a normaliser off by a layout-dependent factor.
+  """
+  tr = _trainer(directory, assignment, sgd)
   tr.fit(until=until)
   return {"resumed_from": tr.resumed_from, "params": tr.params(),
           "shares": tr.history.shares}

@@ -12,26 +12,38 @@ from hetjax import balancer, trainer
 from hetjax.input import data
 
 EXACTNESS_STEPS = 10
+# Plain SGD moves the parameters by the gradient itself, so a normaliser off
+# by a layout-dependent factor (say, divided by the hosts instead of the
+# examples) changes the result; Adam divides most of such a factor out.
+SGD_LR = 0.1
+
+
+def optimizer(name: str, lr: float = 1e-3):
+  """`adam` at `lr`, or plain SGD at `SGD_LR` (see above)."""
+  return optax.sgd(SGD_LR) if name == "sgd" else optax.adam(lr)
 
 
 def _trainer(model: str, dataset: str, *, assignment="equal", reduction="device",
-             global_batch=64, microbatch=4, balancer_=None, lr=1e-3, **overrides) -> trainer.Trainer:
+             global_batch=64, microbatch=4, balancer_=None, lr=1e-3, optimizer_="adam",
+             **overrides) -> trainer.Trainer:
   source = data.load(dataset)
   task = zoo.build(model, kind=source.info.kind, num_classes=source.info.num_classes,
                              vocab_size=source.info.vocab_size, **overrides)
   config = trainer.TrainConfig(global_batch=global_batch, microbatch=microbatch,
                                assignment=assignment, reduction=reduction)
-  return trainer.Trainer(task, optax.adam(lr), source, config, balancer=balancer_)
+  return trainer.Trainer(task, optimizer(optimizer_, lr), source, config, balancer=balancer_)
 
 
 MODELS = {"mlp": ("digits", {}), "transformer": ("tokens", {"num_layers": 1})}
 
 
-def train_params(model: str, assignment, reduction: str, steps: int = EXACTNESS_STEPS):
+def train_params(model: str, assignment, reduction: str, steps: int = EXACTNESS_STEPS,
+                 optimizer_: str = "adam"):
   """Final parameters of a short run (host numpy), plus the per-step shares."""
   hetjax.initialize()
   dataset, overrides = MODELS[model]
-  tr = _trainer(model, dataset, assignment=assignment, reduction=reduction, **overrides)
+  tr = _trainer(model, dataset, assignment=assignment, reduction=reduction,
+                optimizer_=optimizer_, **overrides)
   summary = tr.fit(steps)
   return tr.params(), summary
 
@@ -92,11 +104,11 @@ def dynamic_balancing(steps: int = 36):
           "idle": [h["idle_fraction"] for h in summary["per_host"]]}
 
 
-def one_host_reference(global_batch: int, microbatch: int, steps: int):
+def one_host_reference(global_batch: int, microbatch: int, steps: int, optimizer_: str = "adam"):
   hetjax.initialize()
   source = data.load("digits")
   task = zoo.build("mlp", kind="image", num_classes=10)
-  tr = trainer.Trainer(task, optax.adam(1e-3), source,
+  tr = trainer.Trainer(task, optimizer(optimizer_), source,
                        trainer.TrainConfig(global_batch=global_batch, microbatch=microbatch))
   tr.fit(steps)
   return tr.params()
@@ -123,6 +135,6 @@ def share_zero_moving_shares_and_mismatch():
 
   The mismatch comes last: it leaves a trainer that refused to start.
   """
-  return {"share_zero": train_params("mlp", (0, 32, 32), "device"),
+  return {"share_zero": train_params("mlp", (0, 32, 32), "device", optimizer_="sgd"),
           "moving": compiles_while_shares_move(),
           "mismatch": mismatched_config()}

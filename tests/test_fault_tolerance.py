@@ -47,7 +47,8 @@ def _checkpoints(ckpt):
 def _launch(ckpt, out, extra=()):
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   return [sys.executable, os.path.join(root, "launch", "local.py"), "--hosts", "2", *extra, "--",
-          sys.executable, "-m", "hetjax.cli", "train", "--model", "mlp", "--global-batch", "32",
+          sys.executable, "-m", "hetjax.cli", "train", "--model", "mlp", "--optimizer", "sgd",
+          "--lr", "0.1", "--global-batch", "32",
           "--microbatch", "4", "--steps", "400", *_checkpoints(ckpt),
           "--out", str(out), "--log-every", "0"]
 
