@@ -1,9 +1,10 @@
 """Blocks: the unit that makes every model split-independent (DESIGN invariant 2).
 
 The global batch of a step is cut into blocks of `m` consecutive positions
-(`m` = the per-device micro-batch). A device always runs one whole block, a
-host's share is a whole number of blocks, and a block's randomness and its
-BatchNorm group belong to the block. So however the balancer splits the
+(`m` = the per-device micro-batch). A device runs whole blocks (one, or a
+device batch of `k` kept apart), a host's share is a whole number of
+blocks, and a block's randomness and its BatchNorm group belong to the
+block. So however the balancer splits the
 batch, every block is computed the same way, and BatchNorm, dropout or any
 other stochastic layer gives the same math on any host layout.
 
@@ -80,9 +81,11 @@ def first_block(shares: Sequence[int], host: int, block: int) -> int:
 class BlockBalancer:
   """Runs any balancer in blocks and hands the trainer sample shares.
 
-  The wrapped balancer sees a "global batch" of `num_blocks` units with a
-  granularity of one device round (`devices` blocks per host), so its cost
-  model and solver need no notion of blocks.
+  The wrapped balancer sees a "global batch" of `num_blocks` units and moves
+  single blocks; each host's ladder says what its share costs: device rounds
+  of `devices` blocks, run `k` rounds per program (a device batch of `k`
+  blocks) and the remainder through the smaller programs of the ladder. So
+  its cost model and solver need no notion of samples.
   """
 
   def __init__(self, inner: Any, global_batch: int, block: int):
@@ -109,15 +112,41 @@ class BlockBalancer:
     self.inner.load_state_dict(state["inner"])
 
 
+def ladders_of(devices_per_host: Sequence[int], device_batches: Sequence[int] | None = None,
+               program_s: Sequence[Sequence[float] | None] | None = None) -> list[balancer_lib.Ladder]:
+  """Every host's ladder in blocks: device rounds of `devices` blocks, device batches of `k`.
+
+  `device_batches[h]` is host h's `k` (blocks per device per program; 1
+  when not given); `program_s[h]` the measured seconds of one run of each
+  program of its ladder `k, k/2, ..., 1` (none: priced by size alone).
+  """
+  n = len(devices_per_host)
+  ks = [1] * n if device_batches is None else [int(k) for k in device_batches]
+  times = [None] * n if program_s is None else list(program_s)
+  if len(ks) != n or len(times) != n:
+    raise ValueError(f"device batches ({len(ks)}) and program times ({len(times)}) need one entry "
+                     f"per host ({n} hosts).")
+  return [balancer_lib.Ladder.of(int(d), k, t) for d, k, t in zip(devices_per_host, ks, times)]
+
+
 def make_block_balancer(assignment: str | Sequence[int], global_batch: int, block: int,
                         devices_per_host: Sequence[int], *, mode: str | None = None,
+                        device_batches: Sequence[int] | None = None,
+                        program_s: Sequence[Sequence[float] | None] | None = None,
                         **options: Any) -> BlockBalancer:
-  """`balancer.make_balancer`, in blocks; an explicit `assignment` (samples) must be aligned."""
+  """`balancer.make_balancer`, in blocks; an explicit `assignment` (samples) must be aligned.
+
+  `device_batches` and `program_s` (one entry per host, see `ladders_of`)
+  give a profiling balancer each host's micro-batch ladder; the fixed
+  policies need none (their split does not depend on cost).
+  """
   if isinstance(assignment, str):
     assignment = balancer_lib.parse_assignment(assignment)
   if assignment != "equal":
     shares = balancer_lib.validate_shares(assignment, global_batch, len(devices_per_host))
     assignment = to_blocks(check_aligned(shares, global_batch, block), global_batch, block)
+  if mode in ("static", "dynamic"):
+    options["ladders"] = ladders_of(devices_per_host, device_batches, program_s)
   inner = balancer_lib.make_balancer(
       assignment, num_blocks(global_batch, block), len(devices_per_host), mode=mode,
       granularity=list(devices_per_host), **options)

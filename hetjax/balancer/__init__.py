@@ -18,7 +18,8 @@ Every public name is re-exported here, so `from hetjax import balancer` and
 `balancer.X` are the whole interface.
 """
 
-from hetjax.balancer.cost import CostModel, CostParams, padded
+from hetjax.balancer.cost import CostModel, CostParams
+from hetjax.balancer.ladder import Ladder, Ladders, as_ladders, halving, padded
 from hetjax.balancer.policies import (MODES, Balancer, FixedBalancer,
                                       make_balancer, taus_from_speeds)
 from hetjax.balancer.profiling import ProfilingBalancer
@@ -26,6 +27,6 @@ from hetjax.balancer.solver import solve
 from hetjax.balancer.split import (equal_split, parse_assignment,
                                    validate_shares)
 
-__all__ = ["MODES", "Balancer", "CostModel", "CostParams", "FixedBalancer", "ProfilingBalancer",
-           "equal_split", "make_balancer", "padded", "parse_assignment", "solve",
+__all__ = ["MODES", "Balancer", "CostModel", "CostParams", "FixedBalancer", "Ladder", "Ladders",
+           "ProfilingBalancer", "as_ladders", "equal_split", "halving", "make_balancer", "padded", "parse_assignment", "solve",
            "taus_from_speeds", "validate_shares"]

@@ -11,32 +11,36 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from hetjax.balancer.ladder import Ladders, as_ladders, padded  # noqa: F401 (padded: re-exported)
+
 _MIN_PER_SAMPLE_S = 1e-12  # Keeps the solver's division finite for a degenerate fit.
-
-
-def padded(shares: Sequence[int] | np.ndarray, granularity: Sequence[int] | np.ndarray) -> np.ndarray:
-  """Samples a host really computes: whole micro-batches, the last one masked."""
-  b = np.asarray(shares, dtype=np.int64)
-  g = np.asarray(granularity, dtype=np.int64)
-  return -(-b // g) * g
 
 
 @dataclasses.dataclass(frozen=True)
 class CostParams:
-  """Per-host `t_i(b) = fixed_i + per_sample_i * ceil(b / g_i) * g_i`, and `t_i(0) = 0`.
+  """Per-host `t_i(b) = fixed_i + per_sample_i * work_i(b)`, and `t_i(0) = 0`.
 
-  A host with share 0 runs no micro-batch, so it costs nothing in the local
-  program (it still joins the collective, which is outside this model).
+  `work_i(b)` is the share's work units on host i's ladder (`ladder.py`):
+  with `k = 1` (no `ladders`) it is `ceil(b / g_i) * g_i`, whole device
+  rounds. A host with share 0 runs no program, so it costs nothing in the
+  local program (it still joins the collective, which is outside this model).
   """
 
   fixed_s: np.ndarray
   per_sample_s: np.ndarray
   granularity: np.ndarray
+  ladders: Ladders | None = None
+
+  def work(self, shares: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Work units of every host's share."""
+    if self.ladders is None:
+      return padded(shares, self.granularity)
+    return self.ladders.work(shares)
 
   def predict(self, shares: Sequence[int] | np.ndarray) -> np.ndarray:
     """Predicted local compute seconds of every host for `shares`."""
-    x = padded(shares, self.granularity)
-    return np.where(x > 0, self.fixed_s + self.per_sample_s * x, 0.0)
+    x = self.work(shares)
+    return np.where(np.asarray(shares) > 0, self.fixed_s + self.per_sample_s * x, 0.0)
 
 
 def _weighted_median(values: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -54,7 +58,8 @@ def _weighted_median(values: np.ndarray, weights: np.ndarray) -> tuple[np.ndarra
 class CostModel:
   """Fits every host's cost online from the timing vectors, robustly.
 
-  The model is `t_i(b) = a_i * (c_i + padded(b))`: `a_i` is seconds per sample
+  The model is `t_i(b) = a_i * (c_i + work_i(b))` (`work_i`: the share's work
+  units on the host's ladder; padded(b) with `k = 1`): `a_i` is seconds per unit
   (the level, which moves when a host changes speed) and `c_i` the fixed cost
   counted in samples (the shape, which a speed change scales with it).
   - shape `c_i`: the weighted median of the shapes that pairs of observations
@@ -76,10 +81,11 @@ class CostModel:
     about `half_life` steps.
   """
 
-  def __init__(self, num_hosts: int, granularity: Sequence[int], *, window: int = 32,
+  def __init__(self, num_hosts: int, granularity: Sequence[int] | None = None, *, window: int = 32,
                half_life: float = 3.0, prior_fixed_fraction: float = 0.1,
                min_spread: float = 0.25, max_fixed_ratio: float = 2.0,
-               typical_share: float | None = None, pair_steps: int = 6):
+               typical_share: float | None = None, pair_steps: int = 6,
+               ladders: Sequence[Any] | Ladders | None = None):
     if window < 2:
       raise ValueError(f"cost model window must be >= 2 observations, got {window}.")
     if not 0.0 <= prior_fixed_fraction < 1.0:
@@ -96,7 +102,8 @@ class CostModel:
     self.typical_share = float(typical_share) if typical_share else 0.0
     self.noise = 0.0  # Typical relative noise of one measured time (1.4826 MAD).
     self.num_hosts = num_hosts
-    self.granularity = np.asarray(granularity, dtype=np.int64)
+    self.ladders = as_ladders(num_hosts, granularity, ladders)
+    self.granularity = self.ladders.unit
     self.window, self.half_life = window, float(half_life)
     self.prior_fixed_fraction = prior_fixed_fraction
     self._x = np.zeros((0, num_hosts))
@@ -132,7 +139,8 @@ class CostModel:
     """The current per-host parameters; needs at least one observation."""
     if not len(self._x):
       raise ValueError("the cost model has no observations yet; call observe() first.")
-    x, y = self._x, self._y
+    # The window holds padded shares (the trust region reads them); the fit, their work.
+    x, y = self.ladders.work(self._x.astype(np.int64)).astype(np.float64), self._y
     n = len(x)
     w = 0.5 ** ((n - 1 - np.arange(n)) / self.half_life)
     valid = (x > 0) & np.isfinite(y) & (y > 0)
@@ -150,7 +158,8 @@ class CostModel:
     n_eff = np.where(sw > 0, sw ** 2 / np.maximum((wv ** 2).sum(axis=0), 1e-300), 1.0)
     # Relative standard error of each level (x1.25 for a median).
     self.level_error = float(np.median(1.25 * spread / np.sqrt(n_eff)))
-    return CostParams(fixed_s=level * self._shape, per_sample_s=level, granularity=self.granularity)
+    return CostParams(fixed_s=level * self._shape, per_sample_s=level, granularity=self.granularity,
+                      ladders=None if self.ladders.trivial else self.ladders)
 
   def _fit_level(self, x: np.ndarray, y: np.ndarray,
                  wv: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:

@@ -8,6 +8,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from hetjax.balancer.cost import CostModel, CostParams
+from hetjax.balancer.ladder import Ladders, as_ladders
 from hetjax.balancer.solver import solve
 from hetjax.balancer.split import check_state, equal_split, round_to_sum
 
@@ -34,6 +35,12 @@ class ProfilingBalancer:
   one slow warm-up step is a sixth of the evidence, and it must not send a
   host to share 0; later, the level median needs several slow steps.
 
+  Ladders (`ladders`, one `Ladder` per host; default `k = 1` over
+  `granularity`): the cost model prices each share by the programs its host
+  runs for it, the solver hands out shares that waste no micro-batch, and a
+  rate-limited move is the best split within the move limit rather than a
+  mix of two splits (a mix may land between a host's efficient shares).
+
   Every input is the timing vector that every host holds, and every
   computation is deterministic, so all hosts hold the same split
   (docs/design.md invariant 3). `decisions` logs each split with its predicted and
@@ -45,11 +52,14 @@ class ProfilingBalancer:
                every: int = 3, threshold: float = 0.05, max_move: float = 0.1,
                caps: Sequence[int] | None = None, window: int = 32, half_life: float = 3.0,
                prior_fixed_fraction: float = 0.1, start_step: int = 0, trust: float = 2.0,
-               min_spread: float = 0.25, max_fixed_ratio: float = 2.0):
+               min_spread: float = 0.25, max_fixed_ratio: float = 2.0,
+               ladders: Sequence[Any] | Ladders | None = None):
     if mode not in ("static", "dynamic"):
       raise ValueError(f"profiling mode must be 'static' or 'dynamic', got {mode!r}.")
     if global_batch < 1 or num_hosts < 1:
       raise ValueError(f"global batch and hosts must be >= 1, got {global_batch} and {num_hosts}.")
+    if granularity is None and ladders is not None:
+      granularity = [int(v) for v in as_ladders(num_hosts, None, ladders).unit]
     granularity = [1] * num_hosts if granularity is None else [int(g) for g in granularity]
     if len(granularity) != num_hosts or min(granularity) < 1:
       raise ValueError(f"granularity needs one value >= 1 per host ({num_hosts} hosts), "
@@ -67,6 +77,7 @@ class ProfilingBalancer:
     self.name, self.mode = mode, mode
     self.global_batch, self.num_hosts = global_batch, num_hosts
     self.granularity = np.asarray(granularity, np.int64)
+    self.ladders = as_ladders(num_hosts, granularity, ladders)
     self.caps = (np.full(num_hosts, global_batch, np.int64) if caps is None
                  else np.asarray(caps, np.int64))
     if len(self.caps) != num_hosts or int(np.minimum(self.caps, global_batch).sum()) < global_batch:
@@ -79,7 +90,7 @@ class ProfilingBalancer:
     self.model = CostModel(num_hosts, granularity, window=window, half_life=half_life,
                            prior_fixed_fraction=prior_fixed_fraction, min_spread=min_spread,
                            max_fixed_ratio=max_fixed_ratio,
-                           typical_share=global_batch / num_hosts)
+                           typical_share=global_batch / num_hosts, ladders=self.ladders)
     start = np.asarray(equal_split(global_batch, num_hosts))
     if (start > self.caps).any():
       start = round_to_sum(global_batch * self.caps / self.caps.sum(), global_batch, self.caps)
@@ -140,19 +151,28 @@ class ProfilingBalancer:
   def state_dict(self) -> dict[str, Any]:
     """Split, cost-model window and decision log: enough to continue identically."""
     return {"kind": self.mode, "global_batch": self.global_batch, "num_hosts": self.num_hosts,
-            "granularity": self.granularity.tolist(), "start_step": self.start_step,
+            "granularity": self.granularity.tolist(), **self._ladder_state(),
+            "start_step": self.start_step,
             "current": list(self._current), "model": self.model.state_dict(),
             "decisions": [dict(d, shares=list(d["shares"])) for d in self.decisions],
             "unmeasured": list(self._unmeasured)}
 
   def load_state_dict(self, state: dict[str, Any]) -> None:
     check_state(state, kind=self.mode, global_batch=self.global_batch,
-                 num_hosts=self.num_hosts, granularity=self.granularity.tolist())
+                 num_hosts=self.num_hosts, granularity=self.granularity.tolist(),
+                 **self._ladder_state())
     self.start_step = int(state["start_step"])
     self._current = tuple(int(v) for v in state["current"])
     self.model.load_state_dict(state["model"])
     self.decisions = [dict(d, shares=tuple(d["shares"])) for d in state["decisions"]]
     self._unmeasured = [int(i) for i in state["unmeasured"]]
+
+  def _ladder_state(self) -> dict[str, Any]:
+    """The ladders, in a checkpoint only where some host has k > 1 (older states stay valid)."""
+    if self.ladders.trivial:
+      return {}
+    return {"ladders": [{"unit": l.unit, "sizes": list(l.sizes), "work": list(l.work)}
+                        for l in self.ladders.items]}
 
   def trust_region(self, first: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Per-host `(floors, caps)` a solve may use now: near the shares each host ran.
@@ -166,7 +186,7 @@ class ProfilingBalancer:
     caps = np.minimum(self.caps, np.maximum(np.ceil(self.trust * ran.max(axis=0)),
                                             self.granularity)).astype(np.int64)
     # Whole micro-batches: half of one micro-batch costs as much as all of it.
-    whole = np.floor(ran.min(axis=0) / self.trust / self.granularity) * self.granularity
+    whole = self.ladders.round_down(np.floor(ran.min(axis=0) / self.trust))
     floors = np.minimum(whole if first else 0, caps).astype(np.int64)
     if int(caps.sum()) < self.global_batch or int(floors.sum()) > self.global_batch:
       return np.zeros(self.num_hosts, np.int64), self.caps  # Cannot hold B: no region.
@@ -175,7 +195,7 @@ class ProfilingBalancer:
   def _solve(self, params: CostParams, first: bool = False) -> tuple[int, ...]:
     floors, caps = self.trust_region(first)
     return solve(self.global_batch, params.fixed_s, params.per_sample_s, self.granularity,
-                 caps, floors)
+                 caps, floors, ladders=self.ladders)
 
   def _first_solve(self, step: int) -> None:
     params = self.model.fit()
@@ -205,8 +225,7 @@ class ProfilingBalancer:
     biggest = int(np.abs(tgt - cur).max())
     new, limited = tgt, False
     if biggest > limit:
-      mix = cur + (tgt - cur) * (limit / biggest)
-      new, limited = round_to_sum(mix, self.global_batch, self.caps), True
+      new, limited = self._limited_move(params, cur, tgt, limit), True
     predicted = float(params.predict(new).max())
     if predicted >= now:
       return
@@ -214,3 +233,21 @@ class ProfilingBalancer:
     self._log(step + 1, self._current, predicted,
               f"dynamic: predicted gain {gain:.1%} > dead band {band:.1%}"
               + (f", move limited to {limit} samples" if limited else ""))
+
+  def _limited_move(self, params: CostParams, cur: np.ndarray, tgt: np.ndarray,
+                    limit: int) -> np.ndarray:
+    """A split at most `limit` units from `cur` per host, toward `tgt`.
+
+    With `k = 1` a mix of the two splits (any share is as good as its
+    rounds). With ladders the best split within the limit: a mix may land
+    between a host's efficient shares.
+    """
+    if not self.ladders.trivial:
+      floors, caps = self.trust_region()
+      low = np.maximum(floors, cur - limit)
+      high = np.minimum(caps, cur + limit)
+      if (low <= high).all() and low.sum() <= self.global_batch <= high.sum():
+        return np.asarray(solve(self.global_batch, params.fixed_s, params.per_sample_s,
+                                self.granularity, high, low, ladders=self.ladders))
+    mix = cur + (tgt - cur) * (limit / int(np.abs(tgt - cur).max()))
+    return round_to_sum(mix, self.global_batch, self.caps)

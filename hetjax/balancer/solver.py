@@ -2,25 +2,37 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from hetjax.balancer.cost import _MIN_PER_SAMPLE_S
+from hetjax.balancer.ladder import Ladders, as_ladders
+
+_TIE = 1e-9  # In top programs: a level's exact cost counts as reaching it.
 
 
 def solve(global_batch: int, fixed_s: Sequence[float], per_sample_s: Sequence[float],
-          granularity: Sequence[int], caps: Sequence[int] | None = None,
-          floors: Sequence[int] | None = None) -> tuple[int, ...]:
+          granularity: Sequence[int] | None = None, caps: Sequence[int] | None = None,
+          floors: Sequence[int] | None = None, *,
+          ladders: Sequence[Any] | Ladders | None = None) -> tuple[int, ...]:
   """Integer shares `b_i`, `sum = B`, `floor_i <= b_i <= cap_i`, minimising `max_i t_i(b_i)`.
 
-  Exact for the step-function cost `t_i(b) = fixed_i + per_sample_i *
-  ceil(b / g_i) * g_i` (`t_i(0) = 0`): bisection over the time T finds the
-  smallest level at which the hosts' capacities (largest share each can run
-  within T) hold B; the samples beyond the level just below it go to the
-  hosts that reach the level, lowest host index first. A floor only raises
-  a host's capacity at every level, so the same bisection stays exact. O(N)
-  per bisection step, about 60 steps.
+  The cost is the step function `t_i(b) = fixed_i + per_sample_i *
+  work_i(b)` (`t_i(0) = 0`) of each host's ladder (`ladder.py`; without
+  `ladders`, `k = 1`: `work_i(b) = ceil(b / g_i) * g_i`). Bisection over the
+  time T finds the smallest level at which the hosts' capacities (largest
+  share each can run within T) hold B; the units beyond the level just below
+  it go to the hosts that reach the level, lowest host index first. A floor
+  only raises a host's capacity at every level, so the same bisection stays
+  exact. O(N k) per bisection step, about 60 steps.
+
+  With `k = 1` this is exact. A ladder's cost is not always rising (7 rounds
+  may take three programs where 8 take one), so the one host that takes a
+  part of its step may land on a share that costs more than the level; the
+  solver then moves that host to the nearest share within the level, below
+  or above, and places the difference on other hosts within the level. Only
+  if no host can take it does that share stay (a wasted ladder step).
 
   Example:
     >>> solve(10, [0, 0], [1.0, 3.0], [1, 1])
@@ -28,13 +40,16 @@ def solve(global_batch: int, fixed_s: Sequence[float], per_sample_s: Sequence[fl
   """
   f = np.maximum(np.asarray(fixed_s, dtype=np.float64), 0.0)
   p = np.maximum(np.asarray(per_sample_s, dtype=np.float64), _MIN_PER_SAMPLE_S)
-  g = np.asarray(granularity, dtype=np.int64)
   n = len(f)
+  g = np.asarray(granularity if granularity is not None else
+                 ([] if ladders is None else [getattr(l, "unit", 1) for l in
+                                              getattr(ladders, "items", ladders)]), dtype=np.int64)
   if not (len(p) == len(g) == n) or n < 1:
     raise ValueError(f"solve needs one fixed, per-sample and granularity value per host; got "
                      f"{len(f)}, {len(p)} and {len(g)}.")
   if (g < 1).any():
     raise ValueError(f"granularity must be >= 1 sample per micro-batch, got {g.tolist()}.")
+  lad = as_ladders(n, g.tolist(), ladders)
   if global_batch < 0:
     raise ValueError(f"global batch must be >= 0, got {global_batch}.")
   cap = np.full(n, global_batch, np.int64) if caps is None else np.asarray(caps, dtype=np.int64)
@@ -50,19 +65,16 @@ def solve(global_batch: int, fixed_s: Sequence[float], per_sample_s: Sequence[fl
                      f"most the global batch {global_batch}; got {low.tolist()}.")
   if global_batch == 0:
     return (0,) * n
-  unit = p * g  # Seconds of one micro-batch.
-  kmax = -(-cap // g)
-
-  inv_unit, kmax_f, g_f, cap_f = 1.0 / unit, kmax.astype(np.float64), g.astype(np.float64), cap.astype(np.float64)
-  low_f = low.astype(np.float64)
-
-  def capacity(t: float) -> np.ndarray:
-    # The small slack makes t == a level's exact cost count as reaching it.
-    k = np.minimum(np.maximum(np.floor((t - f) * inv_unit + 1e-9), 0.0), kmax_f)
-    return np.maximum(np.minimum(k * g_f, cap_f), low_f)
-
-  lo, hi = 0.0, float(np.max(np.where(cap > 0, f + unit * kmax, 0.0)))
-  for _ in range(200):
+  capacity = _Capacity(f, p, lad, cap, low)
+  lo, hi = 0.0, float(np.max(np.where(cap > 0, f + p * lad.work(cap), 0.0)))
+  search = True
+  if not lad.trivial:
+    # A ladder's floor share may cost more than a larger one: no split beats
+    # the cheapest share each host may take, so the search starts there.
+    lo = min(capacity.floor_level(), hi)
+    if int(capacity(lo).sum()) >= global_batch:
+      lo, hi, search = 0.0, lo, False  # The floors' level holds B: fill up from the floors.
+  for _ in range(200 if search else 0):
     mid = 0.5 * (lo + hi)
     # Levels closer than 1e-12 (relative) count as a tie.
     if not lo < mid < hi or hi - lo <= 1e-12 * hi:
@@ -71,9 +83,204 @@ def solve(global_batch: int, fixed_s: Sequence[float], per_sample_s: Sequence[fl
       hi = mid
     else:
       lo = mid
-  base = (capacity(lo) if lo > 0 else low_f).astype(np.int64)
-  extra = capacity(hi).astype(np.int64) - base
+  shares = _fill(global_batch, capacity, lo, hi)
+  if not lad.trivial:
+    shares = _within_level(global_batch, capacity, lo, hi, shares)
+  return tuple(int(v) for v in shares)
+
+
+def _fill(global_batch: int, capacity: "_Capacity", lo: float, hi: float) -> np.ndarray:
+  """Every host's capacity at `lo`, the rest up to its capacity at `hi`, lowest index first."""
+  base = capacity(lo) if lo > 0 else capacity.low.copy()
+  extra = capacity(hi) - base
   rest = global_batch - int(base.sum())
   before = np.cumsum(extra) - extra
-  give = np.clip(rest - before, 0, extra)
-  return tuple(int(v) for v in base + give)
+  return base + np.clip(rest - before, 0, extra)
+
+
+def _within_level(global_batch: int, capacity: "_Capacity", lo: float, hi: float,
+                  shares: np.ndarray, levels: int = 8) -> np.ndarray:
+  """On ladders: shares within the level `hi`, else within the next level up.
+
+  Filling may leave one host on a share that costs more than the level (a
+  ladder's cost is not always rising); `_repair` moves it. Where no host can
+  make up the difference at this level, the next level up (the next share
+  cost of any host) is tried, a few times, each from every host's capacity
+  there cut back to the batch (`_reduce`); the best split seen is kept.
+  """
+  best, best_t = shares, float(np.max(capacity.predict(shares)))
+  tries = [_repair(shares, hi, capacity)]
+  for _ in range(levels):
+    top = capacity(hi)
+    tries.append(_reduce(top, int(top.sum()) - global_batch, hi, capacity))
+    for shares in tries:
+      if int(shares.sum()) != global_batch:
+        continue
+      if capacity.fits(hi, shares).all():
+        return shares
+      t = float(np.max(capacity.predict(shares)))
+      if t < best_t:
+        best, best_t = shares, t
+    hi, tries = capacity.next_level(hi), []
+    if not np.isfinite(hi) or hi >= best_t:
+      break
+  return best
+
+
+def _reduce(shares: np.ndarray, excess: int, t: float, capacity: "_Capacity") -> np.ndarray:
+  """Takes `excess` units off the hosts, highest index first, each to a share within `t`."""
+  out = shares.copy()
+  for i in range(len(out) - 1, -1, -1):
+    if excess <= 0:
+      break
+    target = max(int(capacity.low[i]), int(out[i]) - excess)
+    b = _least_within(i, target, int(out[i]), t, capacity)
+    excess -= int(out[i]) - b
+    out[i] = b
+  return out
+
+
+def _least_within(i: int, target: int, current: int, t: float, capacity: "_Capacity") -> int:
+  """Host i's smallest share in `[target, current]` that runs within `t` (`current` does)."""
+  if target <= 0:
+    return 0
+  unit = int(capacity.lad.unit[i])
+  q = -(-target // unit)
+  probe = np.zeros(len(capacity.low), np.int64)
+  while (q - 1) * unit < current:
+    probe[i] = max(target, (q - 1) * unit + 1)
+    if capacity.fits(t, probe)[i]:
+      return int(min(probe[i], current))
+    q += 1
+  return current
+
+
+class _Capacity:
+  """The largest share each host can run within a time, on its ladder, within its caps."""
+
+  def __init__(self, f: np.ndarray, p: np.ndarray, lad: Ladders, cap: np.ndarray,
+               low: np.ndarray):
+    self.f, self.lad, self.cap, self.low = f, lad, cap, low
+    self.inv_top = 1.0 / (p * lad.top_work)  # Top programs per second.
+    self.cols = np.arange(lad.rem.shape[1])
+
+  def budget(self, t: float) -> np.ndarray:
+    """Top programs each host can run within `t` (fractional)."""
+    return (t - self.f) * self.inv_top
+
+  def __call__(self, t: float, cap: np.ndarray | None = None) -> np.ndarray:
+    cap = self.cap if cap is None else cap
+    lad, real = self.lad, self.budget(t)
+    rounds_cap = -(-cap // lad.unit)
+    n_cap, r_cap = np.divmod(rounds_cap, lad.k)
+    top = np.maximum(np.floor(real + _TIE), 0.0).astype(np.int64)
+    over = top >= n_cap
+    top = np.where(over, n_cap, top)
+    if lad.rem.shape[1] == 1:
+      r = np.zeros_like(top)
+    else:
+      # The longest remainder that fits what is left, below the cap's own remainder.
+      limit = np.where(over, r_cap, lad.k - 1)
+      ok = (lad.rem <= (real - top + _TIE)[:, None]) & (self.cols[None] <= limit[:, None])
+      r = np.where(ok.any(axis=1), ok.shape[1] - 1 - np.argmax(ok[:, ::-1], axis=1), 0)
+    return np.maximum(np.minimum((top * lad.k + r) * lad.unit, cap), self.low)
+
+  def floor_level(self) -> float:
+    """The least time every host needs: its cheapest share within `[floor, cap]`."""
+    lad = self.lad
+    q0 = -(-self.low // lad.unit)
+    qc = -(-self.cap // lad.unit)
+    # W(q + k) > W(q): the cheapest rounds lie within one ladder step of the floor.
+    q = q0[:, None] + self.cols[None]
+    ok = (self.cols[None] < lad.k[:, None]) & (q <= qc[:, None])
+    n, r = np.divmod(q, lad.k[:, None])
+    rem = np.take_along_axis(lad.rem, np.minimum(r, lad.rem.shape[1] - 1), axis=1)
+    need = np.where(ok, n + rem, np.inf).min(axis=1)
+    t = np.where(self.low > 0, self.f + need / self.inv_top, 0.0)
+    return float(t.max())
+
+  def predict(self, shares: np.ndarray) -> np.ndarray:
+    """Seconds of every host's share (0 for share 0)."""
+    need = self.lad.work(shares) / self.lad.top_work
+    return np.where(shares > 0, self.f + need / self.inv_top, 0.0)
+
+  def next_level(self, t: float) -> float:
+    """The least share cost of any host above `t`: the next level a split can reach."""
+    lad, beta = self.lad, self.budget(t) + _TIE
+    qc = -(-self.cap // lad.unit)
+    # Per remainder r, the fewest top programs n with n + rem[r] above the budget.
+    n = np.maximum(np.floor(beta[:, None] - lad.rem) + 1, 0.0)
+    q = n * lad.k[:, None] + self.cols[None]
+    ok = np.isfinite(lad.rem) & (q <= qc[:, None]) & (q >= 1)
+    need = np.where(ok, n + lad.rem, np.inf).min(axis=1)
+    return float(np.min(self.f + need / self.inv_top))
+
+  def fits(self, t: float, shares: np.ndarray) -> np.ndarray:
+    """Whether each host's share runs within `t` (share 0 always does)."""
+    need = self.lad.work(shares) / self.lad.top_work
+    return (shares == 0) | (need <= self.budget(t) + _TIE)
+
+
+def _repair(shares: np.ndarray, t: float, capacity: _Capacity) -> np.ndarray:
+  """Moves a host whose share costs more than `t` to one within `t`, others making up the sum."""
+  shares = shares.copy()
+  for h in np.flatnonzero(~capacity.fits(t, shares)):
+    moved = _move_down(shares, h, t, capacity)
+    if moved is None:
+      moved = _move_up(shares, h, t, capacity)
+    if moved is not None:
+      shares = moved
+  return shares
+
+
+def _move_down(shares: np.ndarray, h: int, t: float, capacity: _Capacity) -> np.ndarray | None:
+  """Host h to its largest share within `t` below; the freed units to others within `t`."""
+  out = shares.copy()
+  out[h] = capacity(t, np.where(np.arange(len(out)) == h, out[h], capacity.cap))[h]
+  left = int(shares[h] - out[h])
+  if left <= 0:
+    return None
+  fits = capacity.fits(t, out)
+  for i in range(len(out)):
+    if left == 0:
+      break
+    if i == h or not fits[i] or out[i] >= capacity.cap[i]:
+      continue
+    room = np.where(np.arange(len(out)) == i, np.minimum(out + left, capacity.cap), capacity.cap)
+    take = int(capacity(t, room)[i] - out[i])
+    if take > 0:
+      out[i] += take
+      left -= take
+  return out if left == 0 else None
+
+
+def _move_up(shares: np.ndarray, h: int, t: float, capacity: _Capacity) -> np.ndarray | None:
+  """Host h to its smallest share within `t` above; the units taken from others within `t`."""
+  lad, out = capacity.lad, shares.copy()
+  unit = int(lad.unit[h])
+  q = -(-int(out[h]) // unit)
+  for _ in range(int(lad.k[h]) + 1):
+    q += 1
+    b = min(q * unit, int(capacity.cap[h]))
+    if b <= out[h]:
+      return None
+    trial = out.copy()
+    trial[h] = (q - 1) * unit + 1 if (q - 1) * unit + 1 > out[h] else out[h] + 1
+    if capacity.fits(t, trial)[h]:
+      out = trial
+      break
+  else:
+    return None
+  need = int(out[h] - shares[h])
+  for i in range(len(out)):
+    if need == 0:
+      break
+    if i == h or out[i] <= capacity.low[i]:
+      continue
+    for give in range(min(need, int(out[i] - capacity.low[i])), 0, -1):
+      trial = out.copy()
+      trial[i] -= give
+      if capacity.fits(t, trial)[i]:
+        out, need = trial, need - give
+        break
+  return out if need == 0 else None
