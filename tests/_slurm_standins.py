@@ -9,7 +9,9 @@ What the real srun does and these reproduce (no cluster here):
     others SIGKILLed;
   - its exit code is the highest of the tasks' codes, a task killed by a
     signal counting as 128 + signal;
-  - when srun itself dies, its tasks die (the step ends).
+  - when srun itself dies, its tasks die (the step ends), every process of
+    them: slurmstepd, not srun, holds the step's processes, which a
+    guardian process stands in for here.
 Each task's output goes to $FAKE_OUT/task-<group>-<rank>.txt, and a file
 $FAKE_OUT/ended-<group>-<rank> appears when a task has ended (for tests that
 order events); the options srun got and scontrol's calls go to $FAKE_LOG.
@@ -23,6 +25,17 @@ import sys
 
 SRUN = r'''#!{python}
 import ctypes, os, signal, subprocess, sys, time
+GUARD = """
+import os, signal, sys, time
+srun = int(sys.argv[1])
+while os.getppid() == srun:  # Reparented once srun has exited, however it ended.
+  time.sleep(0.05)
+for group in sys.argv[2:]:
+  try:
+    os.killpg(int(group), signal.SIGKILL)
+  except ProcessLookupError:
+    pass
+"""
 log = open(os.environ["FAKE_LOG"], "a")
 args, opts = sys.argv[1:], {}
 while args and args[0].startswith("-"):
@@ -45,6 +58,13 @@ for rank in range(n):
   tasks.append((tag, subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT,
                                       start_new_session=True,
                                       preexec_fn=lambda: libc.prctl(1, signal.SIGKILL))))
+
+# slurmstepd: when srun dies the step ends, and every process of every task
+# with it (PDEATHSIG above reaches a task's first process only, e.g. a shell
+# and not the host it started).
+subprocess.Popen([sys.executable, "-c", GUARD, str(os.getpid())] + [str(t.pid) for _, t in tasks],
+                 start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                 stderr=subprocess.DEVNULL)
 
 def signal_tasks(signum, frame=None):
   for _, task in tasks:

@@ -258,19 +258,27 @@ def test_a_stale_marker_from_an_earlier_run_is_ignored(slurm, tmp_path):
   assert not any("requeue" in line for line in logged)
 
 
-def test_a_failure_is_not_requeued_and_srun_kills_the_peers(slurm):
+def test_a_failure_is_not_requeued_and_srun_kills_the_peers(slurm, marker):
   code = _REPORT.replace("sys.exit(", "import time\nif host != '2': time.sleep(120)\nsys.exit(")
-  result, reports, logged = slurm(SBATCH, PLAIN_JOB, sys.executable, "-c", code, FAIL="2=3")
+  result, reports, logged = slurm(SBATCH, PLAIN_JOB, sys.executable, "-c", code, marker,
+                                  FAIL="2=3")
   assert result.returncode == 128 + signal.SIGKILL  # srun: the highest code, a killed peer's.
   assert not any("requeue" in line for line in logged)
   assert "failed: srun exit code 137 (no requeue)" in result.stderr
+  assert 2 in reports  # The failing host ran (a peer may be killed before it reports).
+  _assert_none_left(marker)  # The sleeping peers were killed, not left behind.
 
 
-def test_a_failing_component_of_a_hetjob_takes_the_others_down(slurm):
+def test_a_failing_component_of_a_hetjob_takes_the_others_down(slurm, marker):
   code = _REPORT.replace("sys.exit(", "import time\nif host != '2': time.sleep(120)\nsys.exit(")
-  result, _, logged = slurm(HETJOB, HET_JOB, sys.executable, "-c", code, FAIL="2=3")
+  result, reports, logged = slurm(HETJOB, HET_JOB, sys.executable, "-c", code, marker,
+                                  FAIL="2=3")
   assert result.returncode != 0
   assert not any("requeue" in line for line in logged)
+  # The failing component's host ran, and no host outlived the job: the
+  # failing component took the sleeping others down.
+  assert 2 in reports
+  _assert_none_left(marker)
 
 
 # Waits for SIGTERM (what --signal=TERM@300, or the time limit, delivers), then
