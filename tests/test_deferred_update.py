@@ -45,6 +45,18 @@ def _trainer(microbatch: int, global_batch: int = 32) -> hetjax.Trainer:
                                            check_every=0))
 
 
+def _count_updates_alone(trainer: hetjax.Trainer) -> list[int]:
+  """Counts, on this trainer only, the updates applied alone (`LocalProgram.update`)."""
+  calls, alone = [], trainer.local.update
+
+  def counted(*args, **kwargs):
+    calls.append(int(trainer.step))
+    return alone(*args, **kwargs)
+
+  trainer.local.update = counted
+  return calls
+
+
 def _state_bytes(trainer: hetjax.Trainer) -> list[bytes]:
   state = trainer.local_state
   return [np.asarray(x.addressable_data(0)).tobytes() for x in jax.tree.leaves(state)]
@@ -53,9 +65,13 @@ def _state_bytes(trainer: hetjax.Trainer) -> list[bytes]:
 @pytest.mark.parametrize("microbatch", [32, 8, 12])  # One micro-batch; four; a partial block.
 def test_updates_applied_alone_give_the_same_bits_as_updates_in_the_next_step(microbatch):
   fused, alone = _trainer(microbatch), _trainer(microbatch)
+  fused_calls, alone_calls = _count_updates_alone(fused), _count_updates_alone(alone)
   fused.fit(6)  # Steps 1-5 apply their predecessor's update in their first program.
   # Reading the state after every step applies each update alone.
   alone.fit(6, on_step=lambda t, metrics: t.local_state)
+  # The two paths really ran: every update alone in one trainer; in the
+  # other, none before the end (`fit` may settle the last one).
+  assert len(alone_calls) == 6 and len(fused_calls) <= 1, (alone_calls, fused_calls)
   assert _state_bytes(fused) == _state_bytes(alone)
   assert int(fused.state.step) == int(alone.state.step) == 6
   # The model state moved (BatchNorm's running averages), so it was compared too.

@@ -5,6 +5,7 @@ positions and host vector ride in one small array per micro-batch; work
 already done when watched is timed without waking the readiness thread.
 """
 
+import threading
 import time
 
 import jax
@@ -22,25 +23,51 @@ from hetjax.input import sources
 from hetjax.task import MASK
 
 
-class _Paced(sources.ArraySource):
-  """Numbered records whose reads take `delay_s` (changeable mid-run)."""
+class _RecordedClock:
+  """`time` as the loader sees it: only a read's recorded delay moves `perf_counter`.
 
-  def __init__(self, n: int):
+  A read of `_Paced` takes exactly its `delay_s` on this clock (a little more
+  when reads overlap in threads: each sees the others' delays too), and
+  nothing sleeps, so which side of `inline_below_s` a read falls on never
+  depends on the machine's load. Everything but `perf_counter` is the real
+  `time` (the loader's watchdog sleeps for real).
+  """
+
+  def __init__(self):
+    self.now, self._lock = 0.0, threading.Lock()
+
+  def perf_counter(self) -> float:
+    return self.now
+
+  def advance(self, seconds: float) -> None:
+    with self._lock:
+      self.now += seconds
+
+  def __getattr__(self, name):
+    return getattr(time, name)
+
+
+class _Paced(sources.ArraySource):
+  """Numbered records whose reads take `delay_s` (changeable mid-run), on `clock` if given."""
+
+  def __init__(self, n: int, clock: _RecordedClock | None = None):
     super().__init__({"i": np.arange(n), "x": np.arange(n, dtype=np.float32)[:, None]},
                      sources.DatasetInfo("paced", "custom"))
-    self.delay_s = 0.0
+    self.delay_s, self.clock = 0.0, clock
 
   def __getitem__(self, indices):
     if self.delay_s:
-      time.sleep(self.delay_s)
+      self.clock.advance(self.delay_s) if self.clock else time.sleep(self.delay_s)
     return super().__getitem__(indices)
 
 
-def test_cheap_reads_run_inline_slow_ones_in_threads_and_the_records_never_differ():
-  source = _Paced(200)
+def test_cheap_reads_run_inline_slow_ones_in_threads_and_the_records_never_differ(monkeypatch):
+  clock = _RecordedClock()
+  monkeypatch.setattr(loader, "time", clock)  # The loader times its reads on `clock`.
+  source = _Paced(200, clock)
   sampler = data.GlobalSampler(200, 32, seed=3)
-  # A wide margin either side of the line (0.1 s): a 16-record numpy read
-  # never takes that long, a 0.3 s read never takes less.
+  # On the recorded clock a plain read takes 0 s and a paced one 0.3 s (or
+  # more): either side of the line (0.1 s), whatever the load.
   with loader.HostLoader(source, sampler, 1, min_chunk=4, inline_below_s=0.1) as host:
     source.delay_s = 0.3
     host.prefetch(0, (8, 16, 8))  # Nothing timed yet: nothing is prefetched ...
