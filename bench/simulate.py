@@ -13,6 +13,16 @@ ideal -> minus communication -> minus noise -> minus stragglers; curves over
 the slow-spell rate with the spread over seeds; which assumptions move the
 1024-host figure. The last line is one JSON object with the figures.
 For the replay of the emulated 3-host cluster see bench/validate_sim.py.
+
+`--device-batches` (issue 27; about 1 minute) prices the micro-batch size
+(`hetjax.sim.price`: throughput that saturates with the per-device
+micro-batch, fitted to NVIDIA's published ResNet-50 figures, plus a cost per
+program run) at 16 hosts x 8 GPUs, 512 samples per host, and prints: the
+equal split, each single block size m in 8, 16, 32, 64 with k = 1, and m = 8
+with per-host `auto` device batches, next to the bound; then the speedups
+over one node of each mode. Its last line is the ratio of m = 8 with auto
+device batches (dynamic balancer) over the best single m with k = 1, and the
+fraction of the ideal it reaches.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ import numpy as np
 
 from hetjax import balancer
 from hetjax.sim import sync as sim
+from hetjax.sim import price as sim_price
 from hetjax.sim import rounds as sim_rounds
 
 HOSTS = (1, 2, 4, 8, 16, 64, 256, 1024)
@@ -215,14 +226,80 @@ def solve_time_ms(n: int = 1024, repeats: int = 21) -> float:
   return float(np.median(times) * 1e3)
 
 
+BLOCK_SIZES = (8, 16, 32, 64)
+
+
+def device_batch_configs(base: sim.ClusterSpec) -> dict[str, sim.ClusterSpec]:
+  """Each single m with k = 1, and m = 8 with every host's `auto` device batch (all priced)."""
+  configs = {f"m={m}, k=1": dataclasses.replace(base, microbatch=m) for m in BLOCK_SIZES}
+  m8 = dataclasses.replace(base, microbatch=8)
+  configs["m=8, k=auto"] = dataclasses.replace(m8, device_batches=sim.auto_device_batches(m8))
+  return configs
+
+
+def device_batch_table(steps: int, seeds, hosts: int = 16, devices: int = 8,
+                       per_host: int = 512) -> dict:
+  """Issue 27's figure: block size against device batch, with the micro-batch priced."""
+  base = sim.ClusterSpec(sim.mix(hosts), devices_per_host=devices, per_host_batch=per_host,
+                         straggler_rate=DEFAULT_RATE, price=True)
+  configs = device_batch_configs(base)
+  ideal = float(np.mean([sim.ideal_best_device_batch_samples_per_s(base, s) for s in seeds]))
+  one = {g: sim.ideal_best_device_batch_samples_per_s(dataclasses.replace(base, gpus=(g,)))
+         for g in sorted(set(base.gpus))}
+  node = float(np.mean([one[g] for g in base.gpus]))  # One average node of the mix, alone.
+  ks = configs["m=8, k=auto"].device_batches
+  print(f"\nBlock size m against device batch k, micro-batch PRICED, SIMULATED: {hosts} hosts x "
+        f"{devices} GPUs ({'/'.join(sim.DEFAULT_MIX)}), {per_host} samples per host, slow-spell "
+        f"rate {DEFAULT_RATE:g}; mean [min-max] samples/s over {len(seeds)} seeds x {steps} steps. "
+        f"auto device batches at m = 8: " + ", ".join(
+            f"{g} k={k}" for g, k in dict(zip(base.gpus, ks)).items()) + ".")
+  print(f"{'configuration':<14} " + " ".join(f"{m:>24}" for m in MODES))
+  rates = {}
+  for name, spec in configs.items():
+    r = {m: rates_over_seeds(spec, m, steps, seeds) for m in MODES}
+    rates[name] = {m: float(v.mean()) for m, v in r.items()}
+    print(f"{name:<14} " + " ".join(fmt(r[m], 1.0).rjust(24) for m in MODES) + "   simulated")
+  print(f"{'bound':<14} {ideal:>24.0f}   simulated: the sum of each host's own throughput at "
+        f"its best device batch (alone, no collective, no waiting)")
+  print(f"\nSpeedup over ONE node at {hosts} nodes, SIMULATED, micro-batch priced (one node = "
+        f"the mean of the mix's nodes alone at their best device batch, {node:.0f} samples/s):")
+  print(f"{'configuration':<14} " + " ".join(f"{m:>9}" for m in MODES) + f" {'ideal':>9}")
+  for name, r in rates.items():
+    print(f"{name:<14} " + " ".join(f"{r[m] / node:>9.2f}" for m in MODES)
+          + f" {ideal / node:>9.2f}   simulated")
+  best_k1 = max((n for n in rates if n.endswith("k=1")), key=lambda n: rates[n]["dynamic"])
+  auto = rates["m=8, k=auto"]["dynamic"]
+  ratio, frac = auto / rates[best_k1]["dynamic"], auto / ideal
+  return {"rates": rates, "ideal": ideal, "one_node": node, "auto_k": list(ks),
+          "best_k1": best_k1, "ratio": ratio, "fraction_of_ideal": frac}
+
+
+def device_batches_main(steps: int, seeds) -> dict:
+  print("SIMULATED cluster (hetjax.sim.sync driving hetjax.balancer), micro-batch priced. "
+        "Assumptions:")
+  print(f"  {'what':<30} {'value':<70} source")
+  for what, value, source in sim.ASSUMPTIONS + sim_price.ASSUMPTIONS:
+    print(f"  {what:<30} {value:<70} {source}")
+  out = device_batch_table(steps, seeds)
+  print(f"SIMULATED, 16 hosts x 8 GPUs, 512 samples per host, dynamic balancer: m = 8 with auto "
+        f"device batches / best single m with k = 1 ({out['best_k1']}) = {out['ratio']:.2f}x; "
+        f"it reaches {out['fraction_of_ideal']:.1%} of the ideal.")
+  return out
+
+
 def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--steps", type=int, default=80)
   p.add_argument("--seeds", type=int, default=3)
   p.add_argument("--quick", action="store_true", help="16 and 1024 hosts only, 40 steps")
+  p.add_argument("--device-batches", action="store_true",
+                 help="only issue 27's figure: block size m against per-host device batches, "
+                      "with the micro-batch priced (16 hosts x 8 GPUs)")
   args = p.parse_args(argv)
   steps = 40 if args.quick else args.steps
   seeds = tuple(range(args.seeds))
+  if args.device_batches:
+    return device_batches_main(steps, seeds)
   hosts = (16, 1024) if args.quick else HOSTS
   t0 = time.time()
   print("SIMULATED cluster (hetjax.sim.sync driving hetjax.balancer). Assumptions:")

@@ -1,9 +1,12 @@
 """A cluster simulator at scale, pure numpy, driving the real balancer.
 
 `sync` models synchronous steps (the balancer's world); `rounds` models the
-hybrid mode's rounds on the same cluster. SIMULATED figures, always labelled.
+hybrid mode's rounds on the same cluster; `price` what a micro-batch size
+costs on each GPU class (with `ClusterSpec(price=True)`). SIMULATED
+figures, always labelled.
 """
 
 from hetjax.sim.sync import (ASSUMPTIONS, DEFAULT_MIX, GPU_SPEED, ClusterSpec,  # noqa: F401
-                             SimResult, ideal_samples_per_s, make, mix, optimal_shares,
-                             simulate, single_host_samples_per_s)
+                             SimResult, auto_device_batches, ideal_best_device_batch_samples_per_s,
+                             ideal_samples_per_s, make, mix, optimal_shares, simulate,
+                             single_host_samples_per_s)

@@ -19,6 +19,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from hetjax import balancer as balancer_lib
+from hetjax.sim import price as price_lib
 
 # Per-GPU ResNet-50 training throughput relative to an A100, from public
 # figures (sources in BUILD_NOTES.md, "Simulator"): H100 / A100 = 14.4 / 7.8
@@ -121,6 +122,13 @@ class ClusterSpec:
     bandwidth: bytes/s of each host's network link (25 GB/s = 200 Gb/s).
     latency_s: per-hop latency between hosts.
     algorithm: inter-host all-reduce: 'auto' (faster of ring and tree), 'ring', 'tree'.
+    device_batches: blocks (micro-batches of `microbatch`) per device per
+      program, one per host; None = 1 everywhere. A share runs as full
+      programs plus the remainder through `k/2, ..., 1` (balancer ladders).
+    price: charge for micro-batch size (`hetjax.sim.price`): throughput
+      that saturates with the per-device micro-batch, and a cost per program
+      run. Off, a sample costs the same in any micro-batch (the figures
+      before issue 27).
   """
 
   gpus: tuple[str, ...]
@@ -140,6 +148,8 @@ class ClusterSpec:
   bandwidth: float = 25e9
   latency_s: float = 10e-6
   algorithm: str = "auto"
+  device_batches: tuple[int, ...] | None = None
+  price: bool = False
 
   def __post_init__(self):
     unknown = sorted(set(self.gpus) - set(GPU_SPEED))
@@ -147,6 +157,10 @@ class ClusterSpec:
       raise ValueError(f"unknown GPU class(es) {unknown}; choose from {sorted(GPU_SPEED)}.")
     if not self.gpus:
       raise ValueError("a cluster needs at least one host.")
+    if self.device_batches is not None and (len(self.device_batches) != len(self.gpus)
+                                            or min(self.device_batches) < 1):
+      raise ValueError(f"device_batches needs one k >= 1 per host ({len(self.gpus)} hosts), got "
+                       f"{list(self.device_batches)}.")
 
   @property
   def num_hosts(self) -> int:
@@ -171,11 +185,40 @@ class ClusterSpec:
     slow = rng.random(self.num_hosts) < self.persistent_fraction
     return np.where(slow, self.persistent_slowdown, 1.0)
 
+  def gpu_samples_per_s(self) -> np.ndarray:
+    """Per-GPU training throughput of each host at large micro-batches."""
+    return np.array([GPU_SPEED[g] for g in self.gpus]) * A100_SAMPLES_PER_S
+
+  def ladders(self) -> list[balancer_lib.Ladder] | None:
+    """Each host's programs in samples (a device round = microbatch x devices) with their
+    true relative times; None where every host runs k = 1 unpriced (the cost before ladders)."""
+    if self.device_batches is None and not self.price:
+      return None
+    ks = self.device_batches or (1,) * self.num_hosts
+    unit = self.microbatch * self.devices_per_host
+    return [balancer_lib.Ladder.of(unit, k, self.program_s(h, balancer_lib.halving(k)))
+            for h, k in enumerate(ks)]
+
+  def program_s(self, host: int, sizes: Sequence[int]) -> list[float]:
+    """True seconds of one run of each program of `sizes` blocks per device on `host`."""
+    gpu, thr = self.gpus[host], float(self.gpu_samples_per_s()[host])
+    if not self.price:
+      return [k * self.microbatch / thr for k in sizes]
+    return price_lib.ladder_program_s(sizes, thr, self.microbatch, HBM_BYTES_PER_S[gpu],
+                                      3 * self.grad_bytes)
+
   def costs(self, seed: int | None = None) -> balancer_lib.CostParams:
     """The true (noise-free) cost of every host; with `seed`, its persistent slow hosts too."""
-    speed = np.array([GPU_SPEED[g] for g in self.gpus]) * A100_SAMPLES_PER_S * self.devices_per_host
     factor = np.ones(self.num_hosts) if seed is None else self.persistent(seed)
-    return balancer_lib.CostParams(self.fixed_s() * factor, factor / speed, self.granularity)
+    ladders = self.ladders()
+    if ladders is None:
+      speed = self.gpu_samples_per_s() * self.devices_per_host
+      return balancer_lib.CostParams(self.fixed_s() * factor, factor / speed, self.granularity)
+    # Seconds per work unit: the one-round program's time over its units.
+    one_round = np.array([self.program_s(h, [1])[0] for h in range(self.num_hosts)])
+    per_unit = one_round / self.granularity
+    return balancer_lib.CostParams(self.fixed_s() * factor, factor * per_unit, self.granularity,
+                                   balancer_lib.Ladders(ladders))
 
   def comm_s(self) -> float:
     return hierarchical_allreduce_s(self.gpus, self.devices_per_host, self.grad_bytes,
@@ -228,6 +271,9 @@ def slowdowns(spec: ClusterSpec, steps: int, seed: int = 0) -> np.ndarray:
 
 def make(mode: str, spec: ClusterSpec, **options: Any) -> balancer_lib.Balancer:
   """The balancer for `mode` ('equal', 'static', 'dynamic') on `spec`'s cluster."""
+  if mode in ("static", "dynamic") and spec.ladders() is not None:
+    # The step half times each program at start; the balancer gets those times.
+    options.setdefault("ladders", spec.ladders())
   return balancer_lib.make_balancer("equal", spec.global_batch, spec.num_hosts, mode=mode,
                                     granularity=spec.granularity.tolist(), **options)
 
@@ -235,7 +281,8 @@ def make(mode: str, spec: ClusterSpec, **options: Any) -> balancer_lib.Balancer:
 def optimal_shares(spec: ClusterSpec, seed: int | None = None) -> tuple[int, ...]:
   """The noise-free optimum: the exact solver on the true costs (persistent hosts included)."""
   true = spec.costs(seed)
-  return balancer_lib.solve(spec.global_batch, true.fixed_s, true.per_sample_s, spec.granularity)
+  return balancer_lib.solve(spec.global_batch, true.fixed_s, true.per_sample_s, spec.granularity,
+                            ladders=true.ladders)
 
 
 @dataclasses.dataclass
@@ -296,3 +343,34 @@ def ideal_samples_per_s(spec: ClusterSpec, seed: int | None = None) -> float:
   true = spec.costs(seed)
   b = np.full(spec.num_hosts, spec.per_host_batch)
   return float(np.sum(b / true.predict(b)))
+
+
+def auto_device_batches(spec: ClusterSpec, fraction: float = price_lib.MEMORY_FRACTION
+                        ) -> tuple[int, ...]:
+  """Per host, `auto`'s device batch: the largest k that fits memory and is as fast (`price`)."""
+  priced = dataclasses.replace(spec, price=True, device_batches=None)
+  return tuple(price_lib.auto_device_batch(g, spec.microbatch,
+                                           lambda k, h=h: priced.program_s(h, [k])[0], fraction)
+               for h, g in enumerate(spec.gpus))
+
+
+def ideal_best_device_batch_samples_per_s(spec: ClusterSpec, seed: int | None = None,
+                                          fraction: float = price_lib.MEMORY_FRACTION) -> float:
+  """Sum of the hosts' own throughputs at `per_host_batch`, each alone at its best device batch.
+
+  Each host runs its `per_host_batch` samples as programs of one per-device
+  micro-batch `s` (every size that fits memory, no block size imposed: the
+  bound of any `m` and `k`), plus its fixed cost; no collective, no waiting.
+  """
+  priced = dataclasses.replace(spec, price=True)
+  factor = np.ones(spec.num_hosts) if seed is None else spec.persistent(seed)
+  fixed, thr = spec.fixed_s(), priced.gpu_samples_per_s()
+  total = 0.0
+  for h, gpu in enumerate(spec.gpus):
+    best = np.inf
+    for s in range(1, price_lib.max_microbatch(gpu, fraction) + 1):
+      runs = -(-spec.per_host_batch // (s * spec.devices_per_host))
+      t = runs * price_lib.program_s(float(thr[h]), s, HBM_BYTES_PER_S[gpu], 3 * spec.grad_bytes)
+      best = min(best, fixed[h] + t)
+    total += spec.per_host_batch / (best * factor[h])
+  return float(total)

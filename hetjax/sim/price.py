@@ -1,0 +1,90 @@
+"""What a micro-batch size costs on each GPU class: the simulator's price of small kernels.
+
+Pure numpy, SIMULATED. Without it the simulator charges nothing for small
+micro-batches; a GPU does: ResNet-50 at 8 images per device runs far below
+the device's peak, and every micro-batch is one more program run (and one
+more pass over the gradient accumulator). Three parts, each with its source
+in `ASSUMPTIONS`:
+
+- throughput per device at a per-device micro-batch `s`:
+  `peak_g * s / (s + HALF_BATCH)`, the saturating curve fitted (relative
+  least squares) to the only public per-batch ResNet-50 figures found for
+  both V100 and A100: NVIDIA Deep Learning Examples, MXNet ResNet-50 v1.5
+  README, "Inference performance" tables, mixed precision, batch 1..256
+  (DGX A100 80GB: 463..6198 img/s; DGX-1 V100 16GB: 286..3362 img/s).
+  Both fit a half-saturation batch of about 11 (A100 10.5, V100 11.1);
+  training runs the same layer shapes forward and backward, so the curve's
+  shape is taken over, and its level is the training throughput the
+  simulator already uses (`GPU_SPEED` x `A100_SAMPLES_PER_S`, read at the
+  large batches of those training figures, 256). H100: no public per-batch
+  figure found; the same shape is assumed.
+- per program run: a launch gap (assumed) plus the gradient accumulation,
+  read accumulator + read gradient + write accumulator of the model's fp32
+  values over the device's memory bandwidth (data sheets).
+- memory: the largest micro-batch that fits is proportional to device memory,
+  192 images per 16 GB (the mixed-precision batch the same README trains
+  ResNet-50 with on V100 16GB), times the memory fraction `auto` may use.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+HALF_BATCH = 11.0  # Samples per device at half the peak (fit: A100 10.5, V100 11.1).
+REFERENCE_BATCH = 256  # The training figures' per-GPU batch: the level is read there.
+LAUNCH_S = 20e-6  # Assumed gap per program run on the device (launch, sync of the loop).
+MEMORY_GB = {"H100": 80.0, "A100": 40.0, "V100": 16.0}  # Data sheets (A100: the 1,555 GB/s part).
+SAMPLES_PER_16GB = 192  # DLE's mixed-precision ResNet-50 batch on a V100 16GB.
+MEMORY_FRACTION = 0.8  # What `auto` may fill (issue 27's default).
+
+ASSUMPTIONS = (
+    ("throughput vs micro-batch", f"peak x s / (s + {HALF_BATCH:g}) per device; level = the simulator's training throughput at s = {REFERENCE_BATCH}", "fit to NVIDIA DeepLearningExamples MXNet RN50 v1.5 README inference tables (A100 80GB, V100 16GB, mixed precision, batch 1-256); H100 shape assumed the same"),
+    ("per program run", f"{LAUNCH_S * 1e6:g} us launch + gradient accumulation (3 x 4 B x 25.6 M / HBM bandwidth)", "launch assumed; HBM from data sheets"),
+    ("largest micro-batch", f"{SAMPLES_PER_16GB} per 16 GB x memory (H100 80, A100 40, V100 16 GB) x {MEMORY_FRACTION:g}", "DLE's V100 16GB batch; data sheets"),
+    ("auto device batch", "largest power of two k with k x m fitting memory, halved while k/2 is as fast per sample", "issue 27's rule"),
+)
+
+
+def device_samples_per_s(gpu_samples_per_s: float, samples: float | np.ndarray) -> np.ndarray:
+  """Per-device throughput at a micro-batch of `samples`, for a GPU whose throughput at
+  `REFERENCE_BATCH` is `gpu_samples_per_s`."""
+  peak = gpu_samples_per_s * (REFERENCE_BATCH + HALF_BATCH) / REFERENCE_BATCH
+  s = np.asarray(samples, np.float64)
+  return peak * s / (s + HALF_BATCH)
+
+
+def program_s(gpu_samples_per_s: float, samples: float, hbm_bytes_per_s: float,
+              accum_bytes: float) -> float:
+  """Seconds of one program run: a micro-batch of `samples` on every device of a host."""
+  compute = samples / float(device_samples_per_s(gpu_samples_per_s, samples))
+  return compute + LAUNCH_S + accum_bytes / hbm_bytes_per_s
+
+
+def max_microbatch(gpu: str, fraction: float = MEMORY_FRACTION) -> int:
+  """The largest per-device micro-batch (samples) that fits `fraction` of the device's memory."""
+  if not 0.0 < fraction <= 1.0:
+    raise ValueError(f"memory fraction must be in (0, 1], got {fraction}.")
+  return int(SAMPLES_PER_16GB / 0.8 * fraction * MEMORY_GB[gpu] / 16.0)
+
+
+def auto_device_batch(gpu: str, microbatch: int, times: "callable",
+                      fraction: float = MEMORY_FRACTION) -> int:
+  """`auto`: the largest power-of-two `k` whose `k x microbatch` fits, halved while `k/2`
+  is at least as fast per sample (`times(k)`: seconds of one program of `k` blocks)."""
+  cap = max_microbatch(gpu, fraction) // int(microbatch)
+  if cap < 1:
+    raise ValueError(f"a micro-batch of {microbatch} does not fit a {gpu} at memory fraction "
+                     f"{fraction}; lower --microbatch.")
+  k = 1 << (cap.bit_length() - 1)
+  while k > 1 and times(k // 2) / (k // 2) <= times(k) / k:
+    k //= 2
+  return k
+
+
+def ladder_program_s(sizes: Sequence[int], gpu_samples_per_s: float, microbatch: int,
+                     hbm_bytes_per_s: float, accum_bytes: float) -> list[float]:
+  """Seconds of one run of each ladder program (`sizes`: blocks per device)."""
+  return [program_s(gpu_samples_per_s, s * microbatch, hbm_bytes_per_s, accum_bytes)
+          for s in sizes]
