@@ -53,7 +53,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from hetjax import optimizers as optimizers_lib
 from hetjax import packing
 from hetjax import precision as precision_lib
-from hetjax.mesh import DEV, Meshes, gather_host_values, rows_by_host, to_local, to_world
+from hetjax.mesh import ALL, DEV, Meshes, gather_host_values, rows_by_host, to_local, to_world
 from hetjax.task import MASK, Task, split_losses
 
 PyTree = Any
@@ -240,8 +240,14 @@ class LocalProgram:
   """
 
   def __init__(self, task: Task, optimizer: optax.GradientTransformation, meshes: Meshes,
-               microbatch_per_device: int, precision: str = "fp32", blocks_full: bool = False):
-    """`blocks_full`: no block of the run is part padding (see `block_sums`)."""
+               microbatch_per_device: int, precision: str = "fp32", blocks_full: bool = False,
+               replica: packing.Packer | None = None):
+    """`blocks_full`: no block of the run is part padding (see `block_sums`).
+
+    `replica`: the sharded update's packing of the state (`hetjax.sharding`);
+    then the update ran in the reduction, a pending update is that packed
+    new state, and the first micro-batch's program only unpacks it.
+    """
     if microbatch_per_device < 1:
       raise ValueError(f"--microbatch must be >= 1, got {microbatch_per_device}.")
     self.meshes = meshes
@@ -251,6 +257,7 @@ class LocalProgram:
     self.precision = precision_lib.check(precision)
     self.layout: Layout | None = None
     self._task, self._optimizer = task, optimizer
+    self.replica = replica
     self._key = None
     # Sums buffers recycled from two steps back: the last step's may still be
     # read (by its reduction, or the thread that times it) while this one runs.
@@ -299,6 +306,13 @@ class LocalProgram:
       state, lr = apply_update(optimizer, state, total, layout)
       return state, lr, grad_row(state, None, batch, key)
 
+    replica = self.replica
+
+    def unpack_then_grad(packed, batch, key):
+      # The sharded update's new state, gathered: unpacked where it is first read.
+      state = replica.unpack(packed)
+      return state, grad_row(state, None, batch, key)
+
     local, d, k = self.meshes.local, self.meshes.local_devices, host_width
     self._host_width = k
     like = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
@@ -309,6 +323,8 @@ class LocalProgram:
     sums_like = jax.ShapeDtypeStruct((d, n + 1 + k), jnp.float32,
                                      sharding=self.meshes.local_by_device)
     total_like = sums_like if self.meshes.one_device else replicated((n,), jnp.float32)
+    if replica is not None:
+      total_like = {g: replicated((size,), jnp.dtype(g)) for g, size in replica.sizes.items()}
     micro_like = jax.tree.map(like, jax.device_put(micro, self.meshes.local_by_device))
     self._abstract = (micro_like, total_like)
     # Every program is compiled at a step every host reaches, whatever its
@@ -318,15 +334,23 @@ class LocalProgram:
         jax.shard_map(grad_row, mesh=local, in_specs=(P(), P(DEV), P(DEV), P()),
                       out_specs=P(DEV)),
         donate_argnums=(1,)).lower(state, sums_like, micro_like, rng).compile()
-    self._fused_program = jax.jit(
-        jax.shard_map(update_then_grad, mesh=local, in_specs=(P(), P(), P(DEV), P()),
-                      out_specs=(P(), P(), P(DEV))),
-        donate_argnums=(0,))
     self._update_then_grad = None
-    self._update_alone = jax.jit(
-        jax.shard_map(lambda state, total: apply_update(optimizer, state, total, layout),
-                      mesh=local, in_specs=(P(), P()), out_specs=(P(), P())),
-        donate_argnums=(0,)).lower(state, total_like).compile()
+    if replica is not None:
+      self._fused_program = jax.jit(
+          jax.shard_map(unpack_then_grad, mesh=local, in_specs=(P(), P(DEV), P()),
+                        out_specs=(P(), P(DEV))))
+      unpack = jax.jit(replica.unpack, out_shardings=self.meshes.local_replicated).lower(
+          total_like).compile()
+      self._update_alone = lambda state, total: (unpack(total), None)
+    else:
+      self._fused_program = jax.jit(
+          jax.shard_map(update_then_grad, mesh=local, in_specs=(P(), P(), P(DEV), P()),
+                        out_specs=(P(), P(), P(DEV))),
+          donate_argnums=(0,))
+      self._update_alone = jax.jit(
+          jax.shard_map(lambda state, total: apply_update(optimizer, state, total, layout),
+                        mesh=local, in_specs=(P(), P()), out_specs=(P(), P())),
+          donate_argnums=(0,)).lower(state, total_like).compile()
     self._zeros = jax.jit(
         lambda scale, host: jnp.broadcast_to(
             jnp.concatenate([jnp.zeros(n, jnp.float32), scale[None], host]), (d, n + 1 + k)),
@@ -360,8 +384,9 @@ class LocalProgram:
       self._build(state, example, local_key, host.size)
     if pending is not None and self._update_then_grad is None:
       micro_like, total_like = self._abstract
+      head = () if self.replica is not None else (state,)
       self._update_then_grad = self._fused_program.lower(
-          state, total_like, micro_like, local_key).compile()
+          *head, total_like, micro_like, local_key).compile()
     slot = self._calls % 2
     sums, first, lr = self._ring[slot], True, None
     d = self.meshes.local_devices
@@ -370,7 +395,10 @@ class LocalProgram:
       micro[_POSITION] = _position_rows(step, first_block + i * d, first, real, self.per_device,
                                         d, host)
       micro = jax.device_put(micro, self.meshes.local_by_device)
-      if pending is not None:
+      if pending is not None and self.replica is not None:
+        state, sums = self._update_then_grad(pending, micro, local_key)
+        pending = None
+      elif pending is not None:
         state, lr, sums = self._update_then_grad(state, pending, micro, local_key)
         pending = None
       else:
@@ -386,8 +414,12 @@ class LocalProgram:
     self._calls += 1
     return Local(state, LocalSums(sums, self.layout), lr)
 
-  def update(self, state: TrainState, pending: jax.Array) -> tuple[TrainState, jax.Array]:
-    """Applies a pending update alone: (the new state, its learning rate or NaN); donates `state`."""
+  def update(self, state: TrainState, pending: Any) -> tuple[TrainState, jax.Array | None]:
+    """Applies a pending update alone: (the new state, its learning rate or NaN); donates `state`.
+
+    Under the sharded update it only unpacks the new state (None: the
+    reduction already reported the learning rate).
+    """
     return self._update_alone(state, pending)
 
 
@@ -495,8 +527,11 @@ class Reduced(NamedTuple):
   # The summed row, on this host's devices: the next step's program applies it.
   # A one-device world's is its local sums array `[1, n + 1 + k]` as it is:
   # summing over one device would only copy the row (ResNet-18's reduction
-  # alone: 0.86 -> 0.29 ms).
-  total: jax.Array
+  # alone: 0.86 -> 0.29 ms). Under the sharded update, the new state packed
+  # (`hetjax.sharding`): the next step's program unpacks it.
+  total: Any
+  shards: Any = None                     # the sharded update's new `Shards`
+  learning_rate: jax.Array | None = None  # of the update the reduction applied (sharded)
 
   def fetch(self) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """(the step's global statistics, every host's row `[hosts, k]`); waits."""
@@ -520,26 +555,53 @@ class DeviceReduction:
   def __init__(self, meshes: Meshes):
     self.meshes = meshes
     self._program = None
+    self.sharded = None
+
+  @property
+  def shard_mesh(self) -> tuple[Mesh, str]:
+    """Where the sharded update splits the state: every device of every host."""
+    return self.meshes.world, ALL
+
+  def attach(self, sharded) -> None:
+    """Runs `sharded` (a `hetjax.sharding.ShardedUpdate`) inside the reduction's program."""
+    self.sharded = sharded
 
   def _build(self, layout: Layout) -> None:
     n = layout.row_size
 
     self._names = names = stat_names(layout)
+    sharded = self.sharded
 
     def program(world):
       sums, scale, rows = world[:, :n], world[0, n], world[:, n + 1:]
       total = jnp.sum(sums, axis=0)
       return total, _report(step_stats(total, scale, layout), names, rows)
 
-    report_only = lambda world: program(world)[1]
-    self._program = jax.jit(report_only if self.meshes.one_device else program,
-                            out_shardings=self.meshes.replicated)
+    def sharded_program(world, shards):
+      # Reduce, update each slice once, gather: one program, one collective pass.
+      total, report = program(world)
+      new, packed, lr = sharded.update(shards, total, layout)
+      return new, packed, report, lr
 
-  def __call__(self, sums: LocalSums) -> Reduced:
+    report_only = lambda world: program(world)[1]
+    if sharded is not None:
+      rep = self.meshes.replicated
+      self._program = jax.jit(sharded_program, out_shardings=(sharded.shardings, rep, rep, rep),
+                              donate_argnums=(1,))
+    else:
+      self._program = jax.jit(report_only if self.meshes.one_device else program,
+                              out_shardings=self.meshes.replicated)
+
+  def __call__(self, sums: LocalSums, shards=None) -> Reduced:
     """Reduces, without waiting: the summed row and what to fetch later (every
-    device's host vector)."""
+    device's host vector). With the sharded update attached, `shards` are
+    updated too (donated) and `total` is the packed new state."""
     if self._program is None:
       self._build(sums.layout)
+    if self.sharded is not None:
+      new, packed, report, lr = self._program(to_world(sums.flat, self.meshes), shards)
+      local = {g: to_local(x, self.meshes) for g, x in packed.items()}
+      return Reduced(report, self._names, None, self.meshes, local, new, lr)
     if self.meshes.one_device:  # The row is the total: only the statistics to compute.
       return Reduced(self._program(sums.flat), self._names, None, self.meshes, sums.flat)
     total, report = self._program(to_world(sums.flat, self.meshes))
@@ -566,6 +628,7 @@ class HostReduction:
     self._by_host = NamedSharding(self._cpu_mesh, P("host"))
     self._gather = jax.jit(lambda x: x, out_shardings=NamedSharding(self._cpu_mesh, P()))
     self._device_sum = None
+    self.sharded = None
     # gloo sets up a communicator for a new set of devices on its first
     # collective and gives up if a peer is not there within 30 s (fixed in
     # XLA), so a host that compiles much later (a slower or busier machine)
@@ -577,6 +640,15 @@ class HostReduction:
     gather_host_values(np.zeros(1), meshes)
     gather(probe).block_until_ready()
 
+  @property
+  def shard_mesh(self) -> tuple[Mesh, str]:
+    """Where the sharded update splits the state: one CPU device per host."""
+    return self._cpu_mesh, "host"
+
+  def attach(self, sharded) -> None:
+    """Runs `sharded` (a `hetjax.sharding.ShardedUpdate`) in the CPU program."""
+    self.sharded = sharded
+
   def _build(self, layout: Layout) -> None:
     n = layout.row_size
     # The host's sums over its devices, then its scale and host vector (every device holds them).
@@ -586,12 +658,22 @@ class HostReduction:
     def reduce(x):  # [hosts, n + 1 + k] -> (the sum of the sums, every host's values)
       return jnp.sum(x[:, :n], axis=0), x[:, n:]
 
-    self._reduce = jax.jit(reduce, out_shardings=NamedSharding(self._cpu_mesh, P()))
+    on_cpus = NamedSharding(self._cpu_mesh, P())
+    self._reduce = jax.jit(reduce, out_shardings=on_cpus)
+    sharded = self.sharded
+    if sharded is not None:
+      def reduce_update(x, shards):  # Each host's CPU updates its slice; the slices gathered.
+        total, rows = reduce(x)
+        new, packed, lr = sharded.update(shards, total, layout)
+        return new, packed, total, rows, lr
+      self._reduce_update = jax.jit(
+          reduce_update, out_shardings=(sharded.shardings, on_cpus, on_cpus, on_cpus, on_cpus),
+          donate_argnums=(1,))
     self._names = names = stat_names(layout)
     self._stats = jax.jit(lambda total, scale: _report(step_stats(total, scale, layout), names),
                           out_shardings=self.meshes.local_replicated)
 
-  def __call__(self, sums: LocalSums) -> Reduced:
+  def __call__(self, sums: LocalSums, shards=None) -> Reduced:
     """Reduces on the CPUs; same contract as `DeviceReduction`.
 
     The CPU collective needs this host's sums in host memory, so this
@@ -602,8 +684,15 @@ class HostReduction:
       self._build(layout)
     # Summed over this host's devices on the devices; then one device-to-host copy.
     mine = np.asarray(self._device_sum(sums.flat).addressable_data(0))
-    summed, rows = jax.device_get(self._reduce(
-        jax.make_array_from_process_local_data(self._by_host, mine[None])))
+    laid = jax.make_array_from_process_local_data(self._by_host, mine[None])
+    if self.sharded is not None:
+      new, packed, summed, rows, lr = self._reduce_update(laid, shards)
+      packed, summed, rows = jax.device_get((packed, summed, rows))
+      local = {g: jax.device_put(x, self.meshes.local_replicated) for g, x in packed.items()}
+      total = jax.device_put(summed, self.meshes.local_replicated)
+      return Reduced(self._stats(total, rows[0, 0]), self._names, rows[:, 1:], self.meshes,
+                     local, new, lr)
+    summed, rows = jax.device_get(self._reduce(laid))
     total = jax.device_put(summed, self.meshes.local_replicated)
     # rows: [hosts, scale and host vector]; every host ran with host 0's scale.
     return Reduced(self._stats(total, rows[0, 0]), self._names, rows[:, 1:], self.meshes,

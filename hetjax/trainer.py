@@ -37,6 +37,7 @@ from hetjax.cluster import runtime
 from hetjax.cluster import signals
 from hetjax.input import sources as sources_lib
 from hetjax import mesh as mesh_lib
+from hetjax import sharding as sharding_lib
 from hetjax import step as step_lib
 from hetjax import task as task_lib
 from hetjax.observe.history import History
@@ -135,24 +136,37 @@ class Trainer:
     # Records that disagree with one another fail here, not mid-run.
     sources_lib.check_records(source, sources_lib.record_spec(source))
     init_batch = next(step_lib.micro_batches(self._example, config.microbatch))
-    # The train state lives on this host's devices; the last step's update is
-    # applied by the next step's first program (`hetjax.step.LocalProgram`).
+    # The train state lives on this host's devices. In a world of one device
+    # the last step's update is applied by the next step's first program
+    # (`hetjax.step.LocalProgram`); in a larger one the reduction updates
+    # each slice of the state once (`hetjax.sharding`) and the next program
+    # unpacks the gathered result.
     self._live: step_lib.TrainState
     self._pending: tuple[int, jax.Array] | None = None  # (step, its summed row) not yet applied
     self._global: tuple[step_lib.TrainState, step_lib.TrainState] | None = None
+    self._whole: tuple[step_lib.TrainState, step_lib.TrainState] | None = None
     # The replica whose buffers `state` / `local_state` handed out (or the
     # setter took in): the next step donates a copy instead, so what a user
     # holds is never deleted under them.
     self._lent: step_lib.TrainState | None = None
     self._late_lr: dict[int, jax.Array] = {}  # step -> its update's learning rate, not yet read
-    self._replace_state(step_lib.init_state(task, optimizer, self.meshes, init_batch,
-                                            config.seed, config.precision))
+    initial = step_lib.init_state(task, optimizer, self.meshes, init_batch, config.seed,
+                                  config.precision)
+    self.reduction = step_lib.make_reduction(config.reduction, self.meshes)
+    # Every slice of the state updated by one device, then gathered (issue 25):
+    # replicas stay bit-identical on hosts that compile differently.
+    self.sharded: sharding_lib.ShardedUpdate | None = None
+    self._shards: sharding_lib.Shards | None = None
+    if not self.meshes.one_device:
+      self.sharded = sharding_lib.ShardedUpdate(optimizer, *self.reduction.shard_mesh, initial)
+      self.reduction.attach(self.sharded)
+    self._replace_state(initial)
     self._check_contract(init_batch)
-    self._shows_learning_rate = optimizers_lib.find_learning_rate(self._live.opt_state) is not None
+    self._shows_learning_rate = optimizers_lib.find_learning_rate(initial.opt_state) is not None
     self.local = step_lib.LocalProgram(
         task, optimizer, self.meshes, config.microbatch, config.precision,
-        blocks_lib.every_block_whole(config.global_batch, config.microbatch))
-    self.reduction = step_lib.make_reduction(config.reduction, self.meshes)
+        blocks_lib.every_block_whole(config.global_batch, config.microbatch),
+        replica=None if self.sharded is None else self.sharded.replica_packer)
     self.history = History()
     # XLA:CPU's "devices" are the loop's own cores: stamped where the loop looks.
     self._clock = readiness.ReadyClock(
@@ -189,7 +203,9 @@ class Trainer:
     pending update first (`local_state`) and re-wraps every leaf (zero-copy,
     ~15 us a leaf), so the step loop never reads it. The arrays stay valid
     after later steps: the next step copies the state once before donating
-    it (`block_until_ready` waits without that).
+    it (`block_until_ready` waits without that). In a world of several
+    devices the optimizer state lives split over them (`hetjax.sharding`);
+    this view holds it whole, gathered for the read (a copy).
     """
     view = self._global_state()
     self._lent = self._live
@@ -208,29 +224,50 @@ class Trainer:
   def local_state(self) -> step_lib.TrainState:
     """This host's replica of the train state, on its own devices, every update applied.
 
-    The last step's update waits for the next step's first program; reading
-    the state applies it alone, with the same function (every host applies
-    every update, so the replicas stay equal). Valid after later steps, as
-    `state` is.
+    The last step's update (one device) or its gathered result (several)
+    waits for the next step's first program; reading the state applies it
+    alone, with the same function. Valid after later steps, as `state` is.
+    In a world of several devices the optimizer state is gathered whole
+    from its slices for this read (a copy; the run keeps it split).
     """
     live = self._settled_state()
-    self._lent = live
+    self._lent = self._live
     return live
 
-  def _settled_state(self) -> step_lib.TrainState:
-    """`local_state` for the trainer's own reads, which keep nothing past the next step."""
+  def _replica(self) -> step_lib.TrainState:
+    """This host's replica, every update applied; under the sharded update without
+    its optimizer state (parameters, model state, step, loss scale)."""
     self._apply_pending()
     return self._live
 
+  def _settled_state(self) -> step_lib.TrainState:
+    """`local_state` for the trainer's own reads, which keep nothing past the next step.
+
+    Under the sharded update the optimizer state is gathered from its
+    slices here (cached per step): checkpoints keep the unsplit layout, so
+    a run resumes on any number of hosts and devices (invariant 5).
+    """
+    live = self._replica()
+    if self.sharded is None:
+      return live
+    if self._whole is None or self._whole[0] is not live:
+      self._whole = (live, live._replace(opt_state=self.sharded.local_opt_state(
+          self._shards, self.meshes)))
+    return self._whole[1]
+
   def _global_state(self) -> step_lib.TrainState:
     """`state` for the trainer's own reads (orbax, the job's description); cached per step."""
-    live = self._settled_state()
-    if self._global is None or self._global[0] is not live:
-      self._global = (live, mesh_lib.to_global_tree(live, self.meshes))
+    whole = self._settled_state()
+    if self._global is None or self._global[0] is not whole:
+      self._global = (whole, mesh_lib.to_global_tree(whole, self.meshes))
     return self._global[1]
 
   def _replace_state(self, state: step_lib.TrainState) -> None:
-    self._live, self._pending, self._global = mesh_lib.to_local_tree(state, self.meshes), None, None
+    live = mesh_lib.to_local_tree(state, self.meshes)
+    if self.sharded is not None:
+      self._shards = self.sharded.split(state)
+      live = live._replace(opt_state=None)
+    self._live, self._pending, self._global, self._whole = live, None, None, None
 
   def _apply_pending(self) -> None:
     """Applies the last step's update alone, if it still waits for a program."""
@@ -238,7 +275,7 @@ class Trainer:
       step, total = self._pending
       self._live, lr = self.local.update(self._live, total)
       self._pending = None
-      if self._shows_learning_rate:
+      if self._shows_learning_rate and lr is not None:
         self._late_lr[step] = lr
 
   def block_until_ready(self) -> "Trainer":
@@ -247,7 +284,7 @@ class Trainer:
     For timing: unlike reading `state`, it does not apply the last step's
     update, which waits for the next step's first program (`local_state`).
     """
-    jax.block_until_ready((self._live, self._pending))
+    jax.block_until_ready((self._live, self._pending, self._shards))
     return self
 
   def _read_learning_rates(self, before: int | None = None) -> None:
@@ -340,7 +377,7 @@ class Trainer:
     Raises:
       agreement.HostsDisagree: naming the hosts whose replicas differ.
     """
-    params = self._settled_state().params
+    params = self._replica().params
     rows = mesh_lib.gather_host_values(agreement.params_fingerprint(params), self.meshes)
     agreement.check_fingerprints(self.step, rows)
 
@@ -388,7 +425,7 @@ class Trainer:
     local = self.local(self._live, pending, batch, self._example, self._base_key, step,
                        blocks_lib.first_block(shares, self.host_id, block), host_values)
     self._live, self._pending, sums = local.state, None, local.sums
-    if applied is not None and self._shows_learning_rate:
+    if applied is not None and self._shows_learning_rate and local.learning_rate is not None:
       self._late_lr[applied] = local.learning_rate
     paced = None
     if self.pace is not None:
@@ -397,7 +434,13 @@ class Trainer:
       # Paced steps are finished one by one: the devices were idle at t0.
       paced = self.pace(time.perf_counter() - t0, step, -(-shares[self.host_id] // unit) * unit)
     t1 = time.perf_counter()
-    reduced = self.reduction(sums)
+    if self.sharded is None:
+      reduced = self.reduction(sums)
+    else:  # The update runs in the reduction: its learning rate is known at once.
+      reduced = self.reduction(sums, self._shards)
+      self._shards = reduced.shards
+      if self._shows_learning_rate:
+        self._late_lr[step] = reduced.learning_rate
     self._pending = (step, reduced.total)
     ready = None
     if self.pace is None:
@@ -588,7 +631,9 @@ class Trainer:
     Found in an `optax.inject_hyperparams` state (the command line builds its
     optimizers that way); None for an optimizer that hides it.
     """
-    lr = optimizers_lib.find_learning_rate(self._settled_state().opt_state)
+    self._apply_pending()
+    opt_state = self._live.opt_state if self.sharded is None else self._shards.opt_state
+    lr = optimizers_lib.find_learning_rate(opt_state)  # A scalar: replicated, never split.
     return None if lr is None else float(np.asarray(lr.addressable_data(0)))
 
   def write_summary(self, out: str, summary: dict[str, Any]) -> None:
@@ -665,7 +710,7 @@ class Trainer:
 
   def params(self) -> PyTree:
     """The current parameters as host numpy arrays (this host's replica)."""
-    return run_common.host_copy(self._settled_state().params)
+    return run_common.host_copy(self._replica().params)
 
   def evaluate(self, source: data_lib.ArraySource, batch_size: int = 256) -> dict[str, float]:
     """Mean loss and metrics over all of `source`; every host must call it.
@@ -676,7 +721,7 @@ class Trainer:
     """
     self._evaluator = run_common.evaluator_for(self._evaluator, self.task, self.meshes, batch_size)
     weights = self.history.shares[-1] if self.history.shares else [1] * self.num_hosts
-    state = self._settled_state()
+    state = self._replica()
     return self._evaluator.evaluate(state.params, state.model_state, source, weights)
 
   def _last_eval(self) -> dict[str, Any] | None:

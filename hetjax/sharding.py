@@ -1,0 +1,292 @@
+"""The sharded update (ZeRO stage 1): each slice of the train state updated once, then gathered.
+
+Hosts whose accelerators differ compile the same update differently (fusions,
+reduction tilings, matmul precision), so replicas that each host updates
+itself drift apart bit by bit (issue 25). Here every parameter, model-state
+and optimizer-state leaf is flattened, zero-padded to a multiple of the
+shard mesh's size `S` and held as an `[S, c]` array split over that mesh:
+device `i` holds row `i` of every leaf and is the only one to update it.
+The new parameters and model state are then all-gathered (an explicit
+`all_gather`, so no device recomputes another's slice) and packed into one
+buffer per dtype, which the next local programs unpack (`Replica`).
+
+The optax update runs under GSPMD on the split leaves, so per-leaf
+structure survives: masks, `clip_by_global_norm` (its norm becomes an
+all-reduce of per-slice partial sums) and per-leaf norms keep working, and
+zero padding adds nothing to any sum. Optimizer-state leaves must be
+element-wise (the shape of their parameter) or scalars (a step count,
+an injected learning rate: kept replicated, as every device computes the
+same integer or the same schedule value); a factored optimizer (adafactor)
+would factor `[S, c]` instead of the real shape and is refused.
+
+The optimizer state then costs `1/S` of its unsplit bytes per device
+(`memory_per_device`). The device reduction shards over the world mesh
+(every device of every host); the host reduction over its CPU mesh (one
+device per host).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from hetjax import mesh as mesh_lib
+from hetjax import optimizers as optimizers_lib
+from hetjax import packing
+from hetjax import precision as precision_lib
+from hetjax import step as step_lib
+
+PyTree = Any
+
+
+class Shards(NamedTuple):
+  """The update's state, split over the shard mesh (see the module docstring)."""
+
+  step: jax.Array                        # replicated
+  params: PyTree                         # every leaf [S, c], row i on device i
+  opt_state: PyTree                      # element-wise leaves [S, c]; scalars replicated
+  model_state: PyTree                    # every leaf [S, c]
+  loss_scale: precision_lib.LossScale    # replicated
+
+
+def columns(size: int, shards: int) -> int:
+  """The row length `c` of a leaf of `size` values split `shards` ways (at least 1)."""
+  return max(1, -(-size // shards))
+
+
+def split_leaf(x: jax.Array, shards: int) -> jax.Array:
+  """`x` flattened, zero-padded and laid out `[shards, c]` (traced)."""
+  flat = jnp.ravel(x)
+  c = columns(flat.size, shards)
+  return jnp.pad(flat, (0, shards * c - flat.size)).reshape(shards, c)
+
+
+def join_leaf(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """`split_leaf` undone: the first `prod(shape)` values in `shape` (traced)."""
+  return jnp.ravel(x)[:math.prod(shape)].reshape(shape)
+
+
+def _abstract(tree: PyTree) -> PyTree:
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+
+
+def _split_opt_leaves(optimizer: optax.GradientTransformation, params: PyTree,
+                      opt_state: PyTree, shards: int) -> list[bool]:
+  """For each optimizer-state leaf: True when it is split, False when a replicated scalar.
+
+  Raises:
+    ValueError: a leaf that is neither element-wise nor a scalar (a factored
+      optimizer), before anything compiles.
+  """
+  split_params = jax.tree.map(
+      lambda p: jax.ShapeDtypeStruct((shards, columns(math.prod(p.shape), shards)), p.dtype),
+      params)
+  split_state = jax.eval_shape(optimizer.init, split_params)
+  full, treedef = jax.tree.flatten(opt_state)
+  split, split_def = jax.tree.flatten(split_state)
+  if treedef != split_def:
+    raise ValueError("the optimizer state's structure depends on the parameters' shapes; the "
+                     "sharded update needs an element-wise optimizer (sgd, momentum, adam, "
+                     "adamw, ...), not a factored one such as adafactor.")
+  kinds = []
+  for f, s in zip(full, split):
+    if np.shape(f) == () and s.shape == ():
+      kinds.append(False)
+    elif s.shape == (shards, columns(math.prod(np.shape(f)), shards)) and np.ndim(f) > 0:
+      kinds.append(True)
+    else:
+      raise ValueError(
+          f"an optimizer-state leaf of shape {tuple(np.shape(f))} becomes {s.shape} when the "
+          f"parameters are split {shards} ways: the optimizer keeps state that is not "
+          "element-wise (a factored optimizer such as adafactor?). The sharded update splits "
+          "every leaf across devices; use an element-wise optimizer (sgd, momentum, adam, "
+          "adamw, ...), or train on one device.")
+  return kinds
+
+
+class ShardedUpdate:
+  """Splits, updates and gathers a train state over one mesh axis.
+
+  Args:
+    optimizer: the run's optax transformation.
+    mesh: the shard mesh (the world's devices, or one CPU device per host).
+    axis: its axis name.
+    like: the train state (a `hetjax.step.TrainState`, arrays or shapes),
+      unsplit: fixes shapes, dtypes and which optimizer leaves are split.
+  """
+
+  def __init__(self, optimizer: optax.GradientTransformation, mesh: Mesh, axis: str, like: Any):
+    self.optimizer, self.mesh, self.axis = optimizer, mesh, axis
+    self.size = mesh.devices.size
+    self._state_type = type(like)
+    self.like = _abstract(like)
+    self._opt_split = _split_opt_leaves(optimizer, self.like.params, self.like.opt_state,
+                                        self.size)
+    split = NamedSharding(mesh, P(axis))
+    self.replicated = NamedSharding(mesh, P())
+    opt_def = jax.tree.structure(self.like.opt_state)
+    self.shardings = Shards(
+        self.replicated, jax.tree.map(lambda _: split, self.like.params),
+        jax.tree.unflatten(opt_def, [split if s else self.replicated for s in self._opt_split]),
+        jax.tree.map(lambda _: split, self.like.model_state),
+        jax.tree.map(lambda _: self.replicated, self.like.loss_scale))
+    # What the local programs need: everything but the optimizer state.
+    self.replica_packer = packing.Packer(self.like._replace(opt_state=None))
+    self._split = jax.jit(self._split_state, out_shardings=self.shardings)
+    self._join = jax.jit(self._join_state, out_shardings=self.replicated)
+    self._opt_programs = None  # (pack, unpack) of `local_opt_state`, built on first use
+
+  # ---- Layout conversions (rare: init, restore, checkpoints, reads of the state) ----
+
+  def _split_state(self, state: Any) -> Shards:
+    split = lambda x: split_leaf(x, self.size)
+    leaves, treedef = jax.tree.flatten(state.opt_state)
+    opt = jax.tree.unflatten(treedef, [split(x) if s else x
+                                       for x, s in zip(leaves, self._opt_split)])
+    return Shards(state.step, jax.tree.map(split, state.params), opt,
+                  jax.tree.map(split, state.model_state), state.loss_scale)
+
+  def _join_state(self, shards: Shards) -> Any:
+    join = lambda x, like: join_leaf(x, like.shape)
+    leaves, treedef = jax.tree.flatten(shards.opt_state)
+    full = jax.tree.leaves(self.like.opt_state)
+    opt = jax.tree.unflatten(treedef, [join(x, f) if s else x
+                                       for x, f, s in zip(leaves, full, self._opt_split)])
+    return self._state_type(shards.step, jax.tree.map(join, shards.params, self.like.params),
+                            opt, jax.tree.map(join, shards.model_state, self.like.model_state),
+                            shards.loss_scale)
+
+  def onto_mesh(self, tree: PyTree) -> PyTree:
+    """Replicated copies of `tree`'s leaves on the shard mesh (from any mesh, or numpy).
+
+    Leaves already replicated there are kept; others travel through host
+    memory (a whole replica per host: for init, restore and replacing the
+    state, never per step).
+    """
+    def move(x):
+      if isinstance(x, jax.Array) and x.sharding == self.replicated:
+        return x
+      value = np.asarray(x.addressable_data(0) if isinstance(x, jax.Array) else x)
+      return jax.make_array_from_process_local_data(self.replicated, value)
+    return jax.tree.map(move, tree)
+
+  def split(self, state: Any) -> Shards:
+    """A full train state (replicated, on any mesh) split into `Shards`."""
+    return self._split(self.onto_mesh(state))
+
+  def join(self, shards: Shards) -> Any:
+    """The full train state, replicated over the shard mesh (a gather: for reads and saves)."""
+    return self._join(shards)
+
+  def local_opt_state(self, shards: Shards, meshes: Any) -> PyTree:
+    """The whole optimizer state, replicated on this host's devices (`meshes.local`).
+
+    Gathered and packed on the shard mesh, so one buffer per dtype crosses
+    to the local mesh whatever the number of leaves, then unpacked there.
+    """
+    if self._opt_programs is None:
+      packer = packing.Packer(self.like.opt_state)
+      pack = jax.jit(lambda s: packer.pack(self._join_state(s).opt_state),
+                     out_shardings=self.replicated)
+      unpack = jax.jit(packer.unpack, out_shardings=meshes.local_replicated)
+      self._opt_programs = (pack, unpack)
+    pack, unpack = self._opt_programs
+    packed = pack(shards)
+    if self.replicated == meshes.replicated:  # The device backend: zero-copy re-wraps.
+      local = {g: mesh_lib.to_local(x, meshes) for g, x in packed.items()}
+    else:  # The host backend's CPU mesh: through host memory.
+      local = {g: jax.device_put(np.asarray(x.addressable_data(0)), meshes.local_replicated)
+               for g, x in packed.items()}
+    return unpack(local)
+
+  # ---- The update, traced inside a reduction's program over the shard mesh ----
+
+  def _gather(self, tree: PyTree) -> PyTree:
+    """Every device's rows of every split leaf, to every device: an explicit all-gather,
+    so each value comes from the one device that computed it."""
+    leaves, treedef = jax.tree.flatten(tree)
+    if not leaves:
+      return tree
+    gathered = jax.shard_map(
+        lambda *xs: [jax.lax.all_gather(x, self.axis, tiled=True) for x in xs],
+        mesh=self.mesh, in_specs=P(self.axis), out_specs=P(),
+        # An all-gather's result is the same on every device; the check cannot
+        # infer it (jax.lax.all_gather_invariant is not public in this JAX).
+        check_vma=False)(*leaves)
+    return jax.tree.unflatten(treedef, list(gathered))
+
+  def update(self, shards: Shards, total: jax.Array, layout: Any
+             ) -> tuple[Shards, packing.Packed, jax.Array]:
+    """One optimizer step on the slices: (new shards, the packed replica, learning rate or NaN).
+
+    `total` is the summed sums row (`hetjax.step.Layout`), replicated; the
+    gradients divide by the summed weight, the model state is the
+    count-weighted mean, and an fp16 overflow skips the step and halves the
+    loss scale, as `hetjax.step.apply_update` does on an unsplit state.
+    """
+    split_sharding = NamedSharding(self.mesh, P(self.axis))
+    split = lambda x: jax.lax.with_sharding_constraint(split_leaf(x, self.size), split_sharding)
+    overflow = step_lib.overflowed(total, layout)
+    totals = layout.sums.unpack({"float32": total})
+    count = totals.count
+    norm = jnp.where(totals.weight != 0, totals.weight, 1.0)
+    grads = jax.tree.map(lambda g, p: (split(g) / norm).astype(p.dtype), totals.grads,
+                         shards.params)
+    updates, opt_state = self.optimizer.update(grads, shards.opt_state, shards.params)
+    params = optax.apply_updates(shards.params, updates)
+    safe = jnp.maximum(count, 1.0)
+    model_state = jax.tree.map(
+        lambda old, s: jnp.where(count > 0, split(s) / safe, old).astype(old.dtype),
+        shards.model_state, totals.model_state)
+    if precision_lib.uses_loss_scale(layout.precision):
+      keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(overflow, b, a), new, old)
+      params, opt_state, model_state = keep(
+          (params, opt_state, model_state), (shards.params, shards.opt_state, shards.model_state))
+    lr = optimizers_lib.find_learning_rate(opt_state)
+    lr = jnp.float32(jnp.nan) if lr is None else jnp.asarray(lr, jnp.float32)
+    loss_scale = precision_lib.next_scale(shards.loss_scale, overflow, layout.precision)
+    new = jax.lax.with_sharding_constraint(
+        Shards(shards.step + 1, params, opt_state, model_state, loss_scale), self.shardings)
+    full_params, full_state = self._gather((new.params, new.model_state))
+    join = lambda x, like: join_leaf(x, like.shape)
+    replica = self.like._replace(
+        step=new.step, params=jax.tree.map(join, full_params, self.like.params), opt_state=None,
+        model_state=jax.tree.map(join, full_state, self.like.model_state), loss_scale=loss_scale)
+    return new, self.replica_packer.pack(replica), lr
+
+
+def tree_bytes(tree: PyTree) -> int:
+  """Bytes of every array leaf of `tree` (arrays or shapes)."""
+  return int(sum(math.prod(np.shape(x)) * jnp.dtype(x.dtype).itemsize
+                 for x in jax.tree.leaves(tree)))
+
+
+def memory_per_device(like: Any, shards: int, optimizer: optax.GradientTransformation | None
+                      = None) -> dict[str, dict[str, int]]:
+  """Each device's bytes of parameters, optimizer state and gradients, unsplit and split.
+
+  From the arrays' sizes: `unsplit` is every device holding the whole state
+  (one replicated update), `split` the sharded update over `shards` devices.
+  Under the split update each device holds the whole parameters (the local
+  programs need them) plus its slice of the master parameters, its slice of
+  the optimizer state, and its own gradient sums row (float32, whole: the
+  reduction splits it).
+  """
+  like = _abstract(like)
+  params, opt, grads = tree_bytes(like.params), tree_bytes(like.opt_state), 4 * sum(
+      math.prod(x.shape) for x in jax.tree.leaves(like.params))
+  out = {"unsplit": {"params": params, "opt_state": opt, "grads": grads}}
+  if shards > 1 and optimizer is not None:
+    kinds = _split_opt_leaves(optimizer, like.params, like.opt_state, shards)
+    split_bytes = lambda x: columns(math.prod(x.shape), shards) * jnp.dtype(x.dtype).itemsize
+    opt_split = sum(split_bytes(x) if s else tree_bytes(x)
+                    for x, s in zip(jax.tree.leaves(like.opt_state), kinds))
+    master = sum(split_bytes(x) for x in jax.tree.leaves(like.params))
+    out["split"] = {"params": params + master, "opt_state": int(opt_split), "grads": grads}
+  return out
