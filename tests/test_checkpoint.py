@@ -157,7 +157,8 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(tmp_path, uninter
         with open(os.path.join(root, name), "r+b") as f:
           f.truncate(max(0, os.path.getsize(f.name) // 2))
   resumed = _trainer(tmp_path)
-  assert f"skipping checkpoint {tmp_path}/7" in capsys.readouterr().out
+  err = capsys.readouterr().err
+  assert f"checkpoint {tmp_path}/7 has damaged or incomplete arrays: skipped (moved to 7.damaged" in err
   assert resumed.resumed_from == 6
   assert _digest(resumed, until=10) == uninterrupted
 
@@ -190,9 +191,10 @@ def test_a_checkpoint_from_before_mixed_precision_resumes_exactly(
     tmp_path, pre_mixed_precision_folder, uninterrupted, capsys):
   shutil.copytree(pre_mixed_precision_folder, tmp_path, dirs_exist_ok=True)
   resumed = _trainer(tmp_path)
-  out = capsys.readouterr().out
+  captured = capsys.readouterr()
+  out = captured.out
   assert resumed.resumed_from == 6, out
-  assert "skipping" not in out
+  assert "skipped" not in captured.err
   assert out.count("predates loss_scale; loss scale set to 1, the default") == 1, out
   assert _digest(resumed, until=10) == uninterrupted
 
@@ -213,8 +215,9 @@ def test_a_checkpoint_without_its_commit_marker_is_never_loaded(tmp_path, capsys
   _trainer(tmp_path).fit(until=7)
   os.remove(tmp_path / "7" / "commit_success.txt")
   resumed = _trainer(tmp_path)
-  assert "never completed" in capsys.readouterr().out
+  assert "was never completed" in capsys.readouterr().err
   assert resumed.resumed_from == 6
+  assert (tmp_path / "7.damaged").is_dir()  # Kept for inspection; step 7 can be saved again.
 
 
 def test_a_checkpoint_of_another_model_or_optimizer_is_refused_saying_what_differs(tmp_path):

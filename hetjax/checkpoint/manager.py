@@ -36,6 +36,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
+import shlex
+import shutil
+import sys
 import time
 from typing import Any, Callable
 
@@ -46,7 +50,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from hetjax.checkpoint import snapshot as snapshot_lib
-from hetjax.config import CheckpointConfig, resolve  # noqa: F401 (public names)
+from hetjax.cluster import signals
+from hetjax.config import CheckpointConfig, is_remote, resolve  # noqa: F401 (public names)
 
 PyTree = Any
 FORMAT = 1
@@ -55,7 +60,50 @@ FORMAT = 1
 # scale of the run's precision: 1 in fp32/bf16, 2^15 in fp16).
 ADDED_FIELDS = ("loss_scale",)
 _COMMIT_MARKER = "commit_success.txt"  # Written by orbax when a step folder is complete.
+DAMAGED_SUFFIX = ".damaged"  # A skipped step folder is renamed STEP.damaged, kept for inspection.
+# A checkpoint that cannot be written stops every host with this exit code
+# (EX_IOERR from sysexits.h: an input/output error, not a usage error (2)).
+WRITE_FAILED_EXIT = 74
 log = logging.getLogger("hetjax.checkpoint")
+
+
+class CheckpointWriteFailed(signals.Stopped):
+  """A checkpoint could not be written; every host stops with one message.
+
+  The message names the folder, the free space against a checkpoint's
+  size, the last good checkpoint (left intact) and the command that
+  resumes; the command line exits with `WRITE_FAILED_EXIT`.
+  """
+
+  exit_code = WRITE_FAILED_EXIT
+
+  def __init__(self, message: str, step: int | None = None, directory: str | None = None):
+    self.step, self.directory, self.during = step, directory, None
+    RuntimeError.__init__(self, message)  # pylint: disable=non-parent-init-called
+
+
+class _WriteError(Exception):
+  """A save that failed on the worker thread: its step and orbax's error, described later."""
+
+  def __init__(self, step: int, cause: BaseException, nbytes: int):
+    super().__init__(str(cause))
+    self.step, self.cause, self.nbytes = step, cause, nbytes
+
+
+class _QuietOrbax(logging.Filter):
+  """Drops orbax's own tracebacks of a failed read or write: hetjax reports those itself.
+
+  A damaged checkpoint that is skipped, or a write that fails, is said once
+  in one line (or one message) by this module; orbax would add a traceback
+  per background thread (`logging.exception`) for the same event.
+  """
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    from_orbax = f"{os.sep}orbax{os.sep}" in (record.pathname or "")
+    return not (from_orbax and record.exc_info and record.levelno >= logging.WARNING)
+
+
+_QUIET = _QuietOrbax()
 
 
 def describe_job(state: Any, job: dict[str, Any]) -> dict[str, Any]:
@@ -111,6 +159,9 @@ class Checkpointer:
             active_processes=set(range(jax.process_count()))))
     # Handlers named up front so `item_metadata` can tell which fields a
     # checkpoint holds before its arrays are read (an older one lacks some).
+    for name in ("absl", ""):  # orbax logs through absl's logger (the root one without absl).
+      if _QUIET not in logging.getLogger(name).filters:
+        logging.getLogger(name).addFilter(_QUIET)
     self._manager = ocp.CheckpointManager(
         self._path, options=options,
         item_handlers={"state": ocp.StandardCheckpointHandler(),
@@ -124,11 +175,19 @@ class Checkpointer:
 
   def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
     """Hands the state after `step` steps to orbax on this thread (written in the
-    background if async); `state` must not be donated until this returns."""
-    self._finish_hand_over()
-    if step != self.last_saved:
-      self._hand_over(step, state, meta)
-      self.last_saved = step
+    background if async); `state` must not be donated until this returns.
+
+    Raises:
+      CheckpointWriteFailed: on every host, when a save failed on any host.
+    """
+    failure = self._finished_hand_over()
+    if failure is None and step != self.last_saved:
+      try:
+        self._hand_over(step, state, meta)
+        self.last_saved = step
+      except _WriteError as e:
+        failure = e
+    self._raise_if_any_failed(failure)
 
   def save_in_background(self, step: int, state: Any, meta: dict[str, Any],
                          hosts: Mesh | None = None) -> None:
@@ -140,7 +199,7 @@ class Checkpointer:
     first for the previous hand-over (it takes a fraction of a step; saves
     are many steps apart).
     """
-    self._finish_hand_over()
+    self._raise_if_any_failed(self._finished_hand_over())
     if step == self.last_saved:
       return
     t0 = time.perf_counter()
@@ -151,29 +210,79 @@ class Checkpointer:
         lambda: self._hand_over(step, snapshot.as_global(), meta))
 
   def _hand_over(self, step: int, state: Any, meta: dict[str, Any]) -> None:
+    """orbax's save; its error (this one, or an earlier background write's) as a `_WriteError`."""
     t0 = time.perf_counter()
     meta = {"format": FORMAT, "step": step, **meta}
-    self._manager.save(step, force=True, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state._asdict()), meta=ocp.args.JsonSave(meta)))
+    try:
+      self._manager.save(step, force=True, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state._asdict()), meta=ocp.args.JsonSave(meta)))
+    except Exception as e:  # pylint: disable=broad-except
+      raise _WriteError(step, e, _nbytes(state)) from e
     self.handover_s.append(time.perf_counter() - t0)
 
-  def _finish_hand_over(self) -> None:
-    """Waits for the worker's hand-over, re-raising its error here."""
+  def _finished_hand_over(self) -> _WriteError | None:
+    """Waits for the worker's hand-over; its failure, if any (other errors re-raised)."""
     handing_over, self._handing_over = self._handing_over, None
-    if handing_over is not None:
+    if handing_over is None:
+      return None
+    try:
       handing_over.result()
+    except _WriteError as e:
+      return e
+    return None
+
+  def _raise_if_any_failed(self, failure: _WriteError | None) -> None:
+    """Every host stops together when a write failed on any of them (a collective)."""
+    if self._agree(failure is None):
+      return
+    raise self._write_failed(failure)
+
+  def _write_failed(self, failure: _WriteError | None) -> CheckpointWriteFailed:
+    """The one message of a failed write: folder, space, last good checkpoint, how to resume."""
+    step = failure.step if failure is not None else self.last_saved
+    try:
+      self._manager.wait_until_finished()  # An earlier save still committing counts as good.
+    except Exception as e:  # pylint: disable=broad-except
+      log.info("an earlier checkpoint write failed too: %s", e)
+    good = [s for s in self.complete_steps() if step is None or s < step]
+    last_good = good[0] if good else None
+    size = _folder_bytes(self._path / str(last_good)) if last_good is not None else None
+    size = size or (failure.nbytes if failure is not None else None)
+    cause = "it failed on another host" if failure is None else _first_line(failure.cause)
+    text = (f"cannot write checkpoint {self.directory}/{step}: {cause}. "
+            f"Free space there: {_free_space(self.directory)}; a checkpoint takes about "
+            f"{_megabytes(size)}. ")
+    if last_good is None:
+      text += "No earlier checkpoint is complete; the run must start afresh. "
+    else:
+      text += f"The last good checkpoint, {self.directory}/{last_good}, is intact. "
+    text += (f"Free space (or point --ckpt-dir at a larger disk, copying that checkpoint "
+             f"along), then resume with: {_resume_command()}  (exit code {WRITE_FAILED_EXIT})")
+    return CheckpointWriteFailed(text, step, self.directory)
 
   def wait(self) -> None:
-    """Blocks until every started save is complete on disk."""
-    self._finish_hand_over()
-    self._manager.wait_until_finished()
+    """Blocks until every started save is complete on disk.
+
+    Raises:
+      CheckpointWriteFailed: on every host, when a save failed on any host.
+    """
+    failure = self._finished_hand_over()
+    if failure is None:
+      try:
+        self._manager.wait_until_finished()
+      except Exception as e:  # pylint: disable=broad-except
+        failure = _WriteError(self.last_saved, e, 0)
+    self._raise_if_any_failed(failure)
 
   def close(self) -> None:
     try:
-      self._finish_hand_over()
+      self._finished_hand_over()
     finally:
       self._worker.shutdown()
-      self._manager.close()
+      try:
+        self._manager.close()
+      except Exception as e:  # pylint: disable=broad-except
+        log.debug("closing the checkpoint manager after a failed write: %s", e)
 
   def complete_steps(self) -> list[int]:
     """Steps whose folders orbax committed, newest first."""
@@ -198,14 +307,12 @@ class Checkpointer:
     complete = self.complete_steps()
     for step in all_steps:
       if step not in complete:
-        _warn(f"skipping checkpoint {self.directory}/{step}: it was never completed "
-              "(no commit marker); a save was interrupted.")
+        self._set_aside(step, "was never completed (no commit marker; a save was interrupted)")
     for step in complete:
       meta = self._read_meta(step)
       ok = self._agree(meta is not None)
       if not ok:
-        _warn(f"skipping checkpoint {self.directory}/{step}: its metadata is missing or damaged "
-              "on at least one host; trying the previous one.")
+        self._set_aside(step, "has missing or damaged metadata")
         continue
       differences = job_differences(meta["job"], job)
       if differences:
@@ -214,8 +321,7 @@ class Checkpointer:
                          "--no-resume to start afresh (its checkpoints are then replaced).")
       state, missing = self._read_state(step, like)
       if not self._agree(state is not None):
-        _warn(f"skipping checkpoint {self.directory}/{step}: its arrays are damaged or "
-              "incomplete on at least one host; trying the previous one.")
+        self._set_aside(step, "has damaged or incomplete arrays")
         continue
       if missing:
         _say(f"checkpoint {self.directory}/{step} predates {', '.join(missing)}; "
@@ -223,6 +329,31 @@ class Checkpointer:
       self.last_saved = step  # Already on disk: a run with nothing left to do must not resave it.
       return type(like)(**state), meta
     return None
+
+  def _set_aside(self, step: int, why: str) -> None:
+    """Renames a step folder that cannot be loaded to STEP.damaged, so this run saves that step anew.
+
+    Host 0 renames (the folder is shared); the vote after it is the barrier
+    that keeps the other hosts from listing the folder before it moved. One
+    line on host 0 says so.
+    """
+    source = self._path / str(step)
+    target = self._path / f"{step}{DAMAGED_SUFFIX}"
+    n = 1
+    while target.exists():
+      n += 1
+      target = self._path / f"{step}{DAMAGED_SUFFIX}-{n}"
+    moved = None
+    if jax.process_index() == 0:
+      try:
+        source.rename(target)
+        moved = target
+      except OSError as e:
+        log.info("could not rename %s: %s", source, e)
+    self._agree(True)  # Every host waits here for the rename.
+    self._manager.reload()
+    where = f"moved to {moved.name} for inspection" if moved else "left in place"
+    _warn(f"checkpoint {self.directory}/{step} {why}: skipped ({where}); trying the previous one.")
 
   def _read_meta(self, step: int) -> dict[str, Any] | None:
     try:
@@ -274,6 +405,57 @@ def _describe_fill(name: str, value: Any) -> str:
   return f"{name} set to this run's initial value"
 
 
+def _nbytes(state: Any) -> int:
+  return int(sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(state)))
+
+
+def _folder_bytes(path: epath.Path) -> int | None:
+  """Bytes under a local step folder (None for a URL or an unreadable folder)."""
+  if is_remote(str(path)):
+    return None
+  total = 0
+  for root, _, files in os.walk(str(path)):
+    for name in files:
+      try:
+        total += os.path.getsize(os.path.join(root, name))
+      except OSError:
+        pass
+  return total or None
+
+
+def _megabytes(n: int | None) -> str:
+  if not n:
+    return "an unknown size"
+  return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
+
+
+def _free_space(directory: str) -> str:
+  if is_remote(directory):
+    return "unknown (a URL)"
+  try:
+    return f"{shutil.disk_usage(directory).free / 1e6:.1f} MB"
+  except OSError:
+    return "unknown"
+
+
+def _first_line(error: BaseException) -> str:
+  lines = [l.strip() for l in str(error).splitlines() if l.strip()]
+  text = lines[0] if lines else type(error).__name__
+  return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _resume_command() -> str:
+  """This process's command, as a user would type it again (it resumes from the newest)."""
+  argv = list(sys.argv)
+  if not argv or argv[0] == "-c":
+    return "the same command again"
+  if os.path.basename(argv[0]) == "hetjax":
+    argv[0] = "hetjax"
+  elif argv and argv[0].endswith(".py"):
+    argv = ["python"] + argv
+  return shlex.join(argv) if argv else "the same command"
+
+
 def _say(message: str) -> None:
   if jax.process_index() == 0:
     print(f"hetjax: {message}", flush=True)
@@ -281,7 +463,8 @@ def _say(message: str) -> None:
 
 
 def _warn(message: str) -> None:
+  """One line on host 0's stderr (and the log at INFO, so an unconfigured log adds no copy)."""
   if jax.process_index() == 0:
-    print(f"hetjax: warning: {message}", flush=True)
-  log.warning(message)
+    print(f"hetjax: warning: {message}", file=sys.stderr, flush=True)
+  log.info(message)
 
