@@ -33,6 +33,7 @@ class Env:
   SPEED = "HETJAX_SPEED"                  # emulated relative speed of this host
   SLOWDOWN = "HETJAX_SLOWDOWN"            # emulated stragglers, HOST:FACTOR@STEP,...
   DEVICE_SAMPLE_MS = "HETJAX_DEVICE_SAMPLE_MS"  # emulated device time per sample
+  HEARTBEAT_TIMEOUT = "HETJAX_HEARTBEAT_TIMEOUT"  # seconds without heartbeats: a host is dead
 
   EMULATION = (SPEED, SLOWDOWN, DEVICE_SAMPLE_MS)
 
@@ -84,6 +85,9 @@ class TrainConfig:
     check_every: compare every host's parameter fingerprint every this many
       steps and at every checkpoint (0: only at checkpoints).
     precision: compute type, 'fp32', 'bf16' or 'fp16' (loss scaling).
+    watchdog_s: stop the job when no step completes for this many seconds,
+      naming the hosts that held it up (`hetjax.cluster.watchdog`); None: the
+      larger of 20 x the median step and 5 minutes; 0: no watchdog.
   """
 
   global_batch: int
@@ -95,6 +99,7 @@ class TrainConfig:
   augment: str = "none"
   check_every: int = 100
   precision: str = "fp32"
+  watchdog_s: float | None = None
 
   def validate(self, num_hosts: int | None = None) -> None:
     """Raises ValueError naming the value, the limit and the fix.
@@ -127,6 +132,9 @@ class TrainConfig:
         balancer_lib.validate_shares(assignment, self.global_batch, num_hosts)
       blocks_lib.check_aligned(assignment, self.global_batch, self.microbatch)
     check_at_least("check_every", self.check_every, 0, " steps (0: only at checkpoints)")
+    if self.watchdog_s is not None and not self.watchdog_s >= 0:
+      raise ValueError(f"--watchdog must be >= 0 seconds (0: off; unset: 20 x the median step, "
+                       f"at least 5 minutes), got {self.watchdog_s}.")
 
 
 @dataclasses.dataclass(frozen=True)

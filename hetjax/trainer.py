@@ -35,6 +35,7 @@ from hetjax.training import readiness
 from hetjax.training import lifecycle as run_common
 from hetjax.cluster import runtime
 from hetjax.cluster import signals
+from hetjax.cluster import watchdog
 from hetjax.input import sources as sources_lib
 from hetjax import mesh as mesh_lib
 from hetjax import sharding as sharding_lib
@@ -405,6 +406,7 @@ class Trainer:
     same figures at the same step, overlapped or not (invariant 3).
     """
     step = self.step
+    watchdog.entered(step)
     t0 = time.perf_counter()
     self._look_at_last_step()
     self._feed_balancer(step)
@@ -434,6 +436,7 @@ class Trainer:
       # Paced steps are finished one by one: the devices were idle at t0.
       paced = self.pace(time.perf_counter() - t0, step, -(-shares[self.host_id] // unit) * unit)
     t1 = time.perf_counter()
+    watchdog.reducing(step)
     if self.sharded is None:
       reduced = self.reduction(sums)
     else:  # The update runs in the reduction: its learning rate is known at once.
@@ -458,6 +461,7 @@ class Trainer:
   def _finish(self, flight: "_InFlight") -> dict[str, float]:
     """Fetches a dispatched step's statistics and rows; records and checks them."""
     stats, rows = flight.reduced.fetch()
+    watchdog.completed(flight.step)
     fetched = time.perf_counter()
     step, shares = flight.step, flight.shares
     code = float(rows[:, 2].max())
@@ -550,7 +554,8 @@ class Trainer:
         self.history, global_batch=self.config.global_batch, emulated=self.emulated,
         first_step=self._start_step, sinks=sinks)
     try:
-      with signals.REQUESTS.installed():
+      with signals.REQUESTS.installed(), watchdog.watching(self.config.watchdog_s, self.host_id,
+                                                            self.num_hosts):
         self._drain()  # A step an earlier call left in flight.
         try:
           while self.step < target:

@@ -43,7 +43,8 @@ def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog="launch/local.py",
       usage="%(prog)s --hosts N [--devices-per-host D] [--speeds 1,0.5,...] "
-            "[--device-sample-ms MS] [--slowdown H:F@S] [--host-env H:K=V] [--init-timeout S] [--max-restarts K] -- COMMAND ...",
+            "[--device-sample-ms MS] [--slowdown H:F@S] [--host-env H:K=V] [--init-timeout S] "
+            "[--heartbeat-timeout S] [--max-restarts K] -- COMMAND ...",
       description="Run COMMAND as N hetjax hosts on localhost (CPU emulation).")
   parser.add_argument("--hosts", type=int, required=True, help="number of host processes")
   parser.add_argument("--devices-per-host", type=int, default=1,
@@ -61,6 +62,10 @@ def _parser() -> argparse.ArgumentParser:
                            "compile differently); repeatable")
   parser.add_argument("--init-timeout", type=float, default=None,
                       help="seconds a host may take to join the cluster")
+  parser.add_argument("--heartbeat-timeout", type=int, default=None, metavar="S",
+                      help="seconds without heartbeats before a host counts as dead (frozen or "
+                           "unreachable) and the job stops naming it (default 100, JAX's; "
+                           "HETJAX_HEARTBEAT_TIMEOUT)")
   parser.add_argument("--grace", type=float, default=procs.DEFAULT_GRACE_S,
                       help="seconds between SIGTERM and SIGKILL when stopping hosts (after a "
                            "Ctrl-C: once the first host has ended)")
@@ -82,7 +87,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                               grace_s=args.grace, slowdown=args.slowdown,
                               device_sample_ms=args.device_sample_ms,
                               host_env=emulate.parse_host_env(args.host_env, args.hosts),
-                              max_restarts=args.max_restarts, max_preemptions=args.max_preemptions)
+                              max_restarts=args.max_restarts, max_preemptions=args.max_preemptions,
+                              heartbeat_timeout_s=args.heartbeat_timeout)
   except ValueError as e:
     parser.error(str(e))  # Exits 2 with the usage line.
 

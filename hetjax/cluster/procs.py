@@ -1,9 +1,10 @@
-"""Running N host processes: spawn, prefix output, stop trees, restart.
+"""Running N host processes: spawn, prefix output, stop trees.
 
 Shared by `launch/local.py`, `launch/hosts.py` (whose processes are the ssh
 clients) and `hetjax.cluster.testing`, so the launchers that people use and the
-harness that tests use stop processes in exactly the same way. `supervise`
-restarts a whole group after a failure or a preemption (PREEMPTED_EXIT).
+harness that tests use stop processes in exactly the same way.
+`hetjax.cluster.supervise` reads how a group ended and restarts it after a
+failure or a preemption (PREEMPTED_EXIT); its names are re-exported here.
 
 Every host runs in its own session (and so its own process group), which
 lets us signal the host together with everything it started. Stopping is
@@ -29,9 +30,7 @@ Stdlib only: this module must never import JAX.
 
 from __future__ import annotations
 
-import argparse
 import collections
-import dataclasses
 import math
 import os
 import re
@@ -43,22 +42,16 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import IO, Iterable, Iterator, Mapping, Sequence
 
 from hetjax.config import Env
 from hetjax.cluster import emulate
-
-# Mirrors hetjax.cluster.runtime, which cannot be imported here without JAX.
-# How many times a launcher restarted the job before this attempt (for logs).
-
-# A host that exits with this code was preempted and saved what it needs to
-# resume: "restart me", not "I failed" (EX_TEMPFAIL from sysexits.h, which
-# schedulers and shells already read as "try again later"). The trainer exits
-# with it; the launchers restart on it or pass it on to an outer scheduler.
-PREEMPTED_EXIT = 75
-# Restarts after preemptions are not failures, so they have their own budget;
-# a bound still stops a job that reports preemption at every start.
-DEFAULT_MAX_PREEMPTIONS = 20
+# How a group ended and whether to restart it lives in `supervise`; its public
+# names are importable from here too, where the launchers and tests use them.
+from hetjax.cluster.supervise import (  # noqa: F401 (public names)
+    DEFAULT_MAX_PREEMPTIONS, PREEMPTED_EXIT, STALLED_EXIT, USER_STOP_EXIT, Findings, Outcome,
+    _signal_name, add_restart_arguments, check_restarts, describe, failure, first_failure, note,
+    supervise)
 
 # A JAX host with the distributed runtime up treats SIGTERM as a preemption
 # notice and keeps running, so the grace is the time a trainer that watches
@@ -72,9 +65,6 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # Ctrl-C stays a Ctrl-C; a hang-up is a stop like SIGTERM.
 FORWARDED = {signal.SIGINT: signal.SIGINT, signal.SIGTERM: signal.SIGTERM,
              signal.SIGHUP: signal.SIGTERM}
-# A host that exits with this code (or dies by SIGINT) was stopped by a user's
-# Ctrl-C: reported as a stop, never restarted.
-USER_STOP_EXIT = 128 + signal.SIGINT
 
 
 def split_command(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -109,7 +99,8 @@ def cluster_envs(hosts: int, devices_per_host: int, *, speeds: Sequence[float] |
                  init_timeout_s: float | None = None, base: Mapping[str, str] | None = None,
                  coordinator: str | None = None, slowdown: str | None = None,
                  device_sample_ms: float | None = None,
-                 host_env: Mapping[int, Mapping[str, str]] | None = None) -> list[dict[str, str]]:
+                 host_env: Mapping[int, Mapping[str, str]] | None = None,
+                 heartbeat_timeout_s: int | None = None) -> list[dict[str, str]]:
   """One environment per host, as `hetjax.cluster.runtime.initialize()` reads it.
 
   Args:
@@ -125,11 +116,17 @@ def cluster_envs(hosts: int, devices_per_host: int, *, speeds: Sequence[float] |
     host_env: optional per-host variables, {host: {key: value}}, e.g. another
       XLA_FLAGS on one host to emulate hosts that compile differently
       (`emulate.parse_host_env`).
+    heartbeat_timeout_s: optional seconds without heartbeats before the
+      coordination service declares a host dead (HETJAX_HEARTBEAT_TIMEOUT).
 
   Returns:
     A list of `hosts` complete environments.
   """
   speeds = validate_cluster(hosts, devices_per_host, speeds, init_timeout_s)
+  if heartbeat_timeout_s is not None and (not isinstance(heartbeat_timeout_s, int)
+                                          or heartbeat_timeout_s < 1):
+    raise ValueError(f"the heartbeat timeout (--heartbeat-timeout) must be a whole number of "
+                     f"seconds >= 1, got {heartbeat_timeout_s!r}.")
   if device_sample_ms is not None:
     emulate.sample_ms_from_env({Env.DEVICE_SAMPLE_MS: str(device_sample_ms)})
   for s in emulate.parse_slowdowns(slowdown or ""):
@@ -146,6 +143,8 @@ def cluster_envs(hosts: int, devices_per_host: int, *, speeds: Sequence[float] |
                 Env.CPU_DEVICES: str(devices_per_host), "PYTHONUNBUFFERED": "1"})
     if init_timeout_s is not None:
       env[Env.INIT_TIMEOUT] = f"{init_timeout_s:g}"
+    if heartbeat_timeout_s is not None:
+      env[Env.HEARTBEAT_TIMEOUT] = str(heartbeat_timeout_s)
     if speeds is not None:
       env[Env.SPEED] = repr(speeds[i])
     if slowdown:
@@ -155,54 +154,6 @@ def cluster_envs(hosts: int, devices_per_host: int, *, speeds: Sequence[float] |
     env.update(host_env.get(i, {}))
     envs.append(env)
   return envs
-
-
-@dataclasses.dataclass
-class Outcome:
-  """How a group of hosts ended.
-
-  Attributes:
-    returncodes: per host; negative means killed by that signal.
-    failed_host: the first host seen exiting non-zero, if any.
-    signal: the signal that made us stop the hosts, if any.
-    timed_out: whether the hosts were stopped because of a deadline.
-    tails: the last output lines of each host.
-  """
-
-  returncodes: list[int | None]
-  failed_host: int | None = None
-  signal: int | None = None
-  timed_out: bool = False
-  tails: list[list[str]] = dataclasses.field(default_factory=list)
-
-  @property
-  def ok(self) -> bool:
-    return self.failed_host is None and self.signal is None and not self.timed_out
-
-  @property
-  def stopped_by_user(self) -> bool:
-    """Whether a user's Ctrl-C ended the hosts (to the launcher or to a host)."""
-    if self.signal is not None:
-      return self.signal == signal.SIGINT
-    return (not self.timed_out and self.failed_host is not None
-            and self.returncodes[self.failed_host] in (USER_STOP_EXIT, -signal.SIGINT))
-
-  @property
-  def preempted(self) -> bool:
-    """Whether the hosts stopped because one was preempted (exit PREEMPTED_EXIT), not failed."""
-    return (self.signal is None and not self.timed_out and self.failed_host is not None
-            and self.returncodes[self.failed_host] == PREEMPTED_EXIT)
-
-  def exit_code(self) -> int:
-    """A shell-style exit code: 0, the failed host's code, or 128 + signal."""
-    if self.signal is not None:
-      return 128 + self.signal
-    if self.timed_out:
-      return 124  # As timeout(1) does.
-    if self.failed_host is not None:
-      rc = self.returncodes[self.failed_host] or 1
-      return rc if rc > 0 else 128 - rc
-    return 0
 
 
 class HostGroup:
@@ -233,6 +184,7 @@ class HostGroup:
     self.tails = [collections.deque(maxlen=tail_lines) for _ in commands]
     self._readers: list[threading.Thread] = []
     self._exits = _ExitClock(len(commands))
+    self.findings = Findings()
 
   def start(self) -> None:
     """Starts every host; if one cannot start, stops those already running.
@@ -275,6 +227,7 @@ class HostGroup:
       for line in split_lines(iter(lambda: pipe.read1(65536), b"")):
         with self._lock:
           self.tails[host].append(line)
+          self.findings.scan(host, line)
           if self._sink is not None:
             try:
               self._sink.write(prefix + line + "\n")
@@ -465,6 +418,8 @@ def run_group(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str
     _restore_handlers(previous)
   outcome.returncodes = group.poll()
   outcome.tails = [group.tail(i) for i in range(len(commands))]
+  outcome.unresponsive = sorted(group.findings.unresponsive)
+  outcome.stalled = sorted(group.findings.stalled)
   return outcome
 
 
@@ -493,36 +448,6 @@ def _pass_on(group: HostGroup, received: list[int], grace_s: float) -> None:
     if limit is not None and now > limit:
       return
     time.sleep(_POLL_S)
-
-
-def first_failure(codes: Sequence[int | None],
-                  exit_times: Sequence[float | None] | None = None) -> int | None:
-  """The host to blame among those that exited non-zero by themselves, if any.
-
-  When a host dies, its peers fail soon after in the collective they shared,
-  so the cause is ranked first:
-  1. a host killed by a signal from outside (SIGKILL, the OOM killer, a
-     crash), never a reaction to a peer; SIGABRT does not count, it is how
-     JAX ends a process whose peer vanished;
-  2. then the earliest to exit, by each process's own exit time;
-  3. at equal times, a real failure before a preemption: restarting a crash
-     as "preempted" would hide it from --max-restarts; then the lowest index.
-
-  Args:
-    codes: per host, its exit code (negative: the signal), None if running.
-    exit_times: per host, when it exited (any clock); None: all equal.
-  """
-  failed = [i for i, rc in enumerate(codes) if rc not in (None, 0)]
-  if not failed:
-    return None
-
-  def rank(i: int) -> tuple:
-    rc = codes[i]
-    t = exit_times[i] if exit_times is not None and exit_times[i] is not None else math.inf
-    killed = rc < 0 and -rc != signal.SIGABRT
-    return (not killed, t if exit_times is not None else 0.0, rc == PREEMPTED_EXIT, i)
-
-  return min(failed, key=rank)
 
 
 def split_lines(chunks: Iterable[bytes]) -> Iterator[str]:
@@ -558,7 +483,8 @@ def launch_local(command: Sequence[str], *, hosts: int, devices_per_host: int = 
                  slowdown: str | None = None, max_restarts: int = 0,
                  max_preemptions: int | None = None,
                  device_sample_ms: float | None = None,
-                 host_env: Mapping[int, Mapping[str, str]] | None = None) -> int:
+                 host_env: Mapping[int, Mapping[str, str]] | None = None,
+                 heartbeat_timeout_s: int | None = None) -> int:
   """Runs `command` as `hosts` hosts of a localhost cluster; returns the exit code.
 
   The code is 0 when every host exits 0, the last failing host's code when
@@ -574,7 +500,7 @@ def launch_local(command: Sequence[str], *, hosts: int, devices_per_host: int = 
                      "`--hosts 2 -- hetjax train --model cnn`.")
   check_restarts(max_restarts, max_preemptions)
   emulation = {"speeds": speeds, "slowdown": slowdown, "device_sample_ms": device_sample_ms,
-               "host_env": host_env}
+               "host_env": host_env, "heartbeat_timeout_s": heartbeat_timeout_s}
   cluster_envs(hosts, devices_per_host, init_timeout_s=init_timeout_s,
                **emulation)  # Validates everything before the first start.
 
@@ -596,147 +522,6 @@ def launch_local(command: Sequence[str], *, hosts: int, devices_per_host: int = 
     return 127 if isinstance(e, FileNotFoundError) else 126
 
 
-def add_restart_arguments(parser: argparse.ArgumentParser) -> None:
-  """Adds --max-restarts and --max-preemptions, as every launcher spells them."""
-  parser.add_argument("--max-restarts", type=int, default=0, metavar="K",
-                      help="restart all hosts up to K times after a host fails (default 0)")
-  parser.add_argument("--max-preemptions", type=int, default=None, metavar="P",
-                      help=f"restart all hosts up to P times after a preemption (a host exits "
-                           f"{PREEMPTED_EXIT}), not counted in --max-restarts (default "
-                           f"{DEFAULT_MAX_PREEMPTIONS} with --max-restarts, else 0: exit "
-                           f"{PREEMPTED_EXIT} for an outer scheduler)")
-
-
-def check_restarts(max_restarts: int, max_preemptions: int | None) -> None:
-  """Raises ValueError on a restart budget that is not a count."""
-  if not isinstance(max_restarts, int) or max_restarts < 0:
-    raise ValueError(f"--max-restarts must be an integer >= 0, got {max_restarts!r}.")
-  if max_preemptions is not None and (not isinstance(max_preemptions, int) or max_preemptions < 0):
-    raise ValueError(f"--max-preemptions must be an integer >= 0, got {max_preemptions!r}.")
-
-
-def supervise(attempt: Callable[[int], Outcome], *, max_restarts: int = 0,
-              max_preemptions: int | None = None) -> int:
-  """Runs `attempt` until the hosts succeed or the restart budgets are spent.
-
-  Two budgets, because a preemption is not a failure:
-  - a failure (a host exits non-zero, or dies by a signal) is restarted at
-    most `max_restarts` times in all;
-  - a preemption (the hosts stop with PREEMPTED_EXIT, having saved) is
-    restarted at most `max_preemptions` times, without using up
-    `max_restarts`. Its default is DEFAULT_MAX_PREEMPTIONS when
-    `max_restarts > 0` and 0 otherwise, so a plain run that is preempted
-    exits PREEMPTED_EXIT and an outer scheduler can requeue it.
-  The launcher being interrupted, or a deadline, is never restarted.
-
-  Args:
-    attempt: starts all hosts, waits for them (`run_group`), returns how they
-      ended; it gets the number of restarts so far.
-    max_restarts: restarts allowed after failures.
-    max_preemptions: restarts allowed after preemptions (see above).
-
-  Returns:
-    0 on success, else the exit code of the last attempt (`Outcome.exit_code`).
-  """
-  check_restarts(max_restarts, max_preemptions)
-  if max_preemptions is None:
-    max_preemptions = DEFAULT_MAX_PREEMPTIONS if max_restarts > 0 else 0
-  restarts = preemptions = 0
-  while True:
-    outcome = attempt(restarts + preemptions)
-    if outcome.ok:
-      if restarts + preemptions:
-        done = [_plural(n, noun) for n, noun in ((restarts, "restart"),
-                                                  (preemptions, "preemption restart")) if n]
-        note(f"all hosts exited 0 after {' and '.join(done)}.")
-      return 0
-    note(describe(outcome))
-    code = outcome.exit_code()
-    if outcome.signal is not None or outcome.timed_out or outcome.stopped_by_user:
-      return code  # A user's stop, our own stop or a deadline: never restarted.
-    what = failure(outcome)
-    if outcome.preempted:
-      if preemptions >= max_preemptions:
-        if max_preemptions:
-          note(f"giving up after {_plural(preemptions, 'preemption restart')} "
-               f"(--max-preemptions {max_preemptions}); last: {what}; exiting {code}.")
-        else:
-          note(f"exiting {code} (preempted) so that an outer scheduler can requeue the job; "
-               "--max-preemptions N restarts it here instead.")
-        return code
-      preemptions += 1
-      note(f"preemption restart {preemptions}/{max_preemptions} after {what}")
-    else:
-      if restarts >= max_restarts:
-        if max_restarts:
-          note(f"giving up after {_plural(restarts, 'restart')} (--max-restarts {max_restarts}); "
-               f"last failure: {what}; exiting {code}.")
-        return code
-      restarts += 1
-      note(f"restart {restarts}/{max_restarts} after {what}")
-
-
-def _plural(n: int, noun: str) -> str:
-  return f"{n} {noun}" + ("" if n == 1 else "s")
-
-
-def note(message: str) -> None:
-  """Prints a `[launcher] ` line to stderr, where the launchers say what they decide."""
-  print(f"[launcher] {message}", file=sys.stderr, flush=True)
-
-
-def failure(outcome: Outcome) -> str:
-  """One phrase for what ended the hosts, e.g. `host 1 failed with signal SIGKILL`."""
-  n = len(outcome.returncodes)
-  if outcome.signal == signal.SIGINT:
-    return "stopped by the user (Ctrl-C, SIGINT)"
-  if outcome.signal is not None:
-    return f"received {_signal_name(outcome.signal)}"
-  if outcome.timed_out:
-    return "timed out"
-  if outcome.failed_host is None:
-    return f"all {n} hosts exited 0"
-  i = outcome.failed_host
-  rc = outcome.returncodes[i] or 0
-  if rc == PREEMPTED_EXIT:
-    return f"host {i} was preempted (exit code {rc})"
-  if outcome.stopped_by_user:
-    return f"host {i} was stopped by the user ({'exit code' if rc > 0 else 'signal'} " \
-           f"{rc if rc > 0 else _signal_name(-rc)})"
-  how = f"exit code {rc}" if rc >= 0 else f"signal {_signal_name(-rc)}"
-  return f"host {i} failed with {how}"
-
-
-def describe(outcome: Outcome) -> str:
-  """A human summary of a failed `Outcome`: who failed, how, and the last lines."""
-  n = len(outcome.returncodes)
-  if outcome.signal is not None:
-    ends = ", ".join(f"host {i} {_end(rc)}" for i, rc in enumerate(outcome.returncodes))
-    return f"{failure(outcome)}; all {n} hosts stopped ({ends})."
-  if outcome.timed_out:
-    return f"{failure(outcome)}; stopped all {n} hosts."
-  if outcome.failed_host is None:
-    return f"{failure(outcome)}."
-  i = outcome.failed_host
-  others = {1: "", 2: "; stopped the other host"}.get(n, f"; stopped the other {n - 1} hosts")
-  text = f"{failure(outcome)}{others}."
-  if outcome.preempted or outcome.stopped_by_user:
-    return text  # It saved and asked for a restart: its last lines are no error report.
-  lines = outcome.tails[i] if outcome.tails else []
-  if lines:
-    text += f"\nLast {len(lines)} output lines of host {i}:\n" + "\n".join(
-        f"  {line}" for line in lines)
-  else:
-    text += f"\nhost {i} printed nothing."
-  return text
-
-
-def _end(rc: int | None) -> str:
-  if rc is None:
-    return "still running"
-  return f"exit code {rc}" if rc >= 0 else f"signal {_signal_name(-rc)}"
-
-
 def _peek(proc: subprocess.Popen) -> int | None:
   if proc.returncode is not None:
     return proc.returncode
@@ -747,13 +532,6 @@ def _peek(proc: subprocess.Popen) -> int | None:
   if info is None:
     return None
   return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
-
-
-def _signal_name(signum: int) -> str:
-  try:
-    return signal.Signals(signum).name
-  except ValueError:
-    return str(signum)
 
 
 def _signal_group(pgid: int, signum: int) -> None:

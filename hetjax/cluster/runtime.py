@@ -52,9 +52,13 @@ from typing import Mapping
 import jax
 
 from hetjax.config import Env
+from hetjax.cluster import signals
 
 
 DEFAULT_TIMEOUT_S = 120.0
+# JAX's own default: a host that sends no heartbeat for this long is declared
+# dead by the coordination service, and every other host aborts (SIGABRT).
+DEFAULT_HEARTBEAT_S = 100
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -120,6 +124,25 @@ def _env_timeout(env: Mapping[str, str]) -> float:
     return float(raw) if raw else DEFAULT_TIMEOUT_S
   except ValueError:
     raise ValueError(f"{Env.INIT_TIMEOUT}={raw!r} is not a number of seconds.") from None
+
+
+def heartbeat_from_env(env: Mapping[str, str] = os.environ) -> int:
+  """HETJAX_HEARTBEAT_TIMEOUT: seconds without a heartbeat before a host is declared dead.
+
+  Every host must get the same value (the coordinator's decides). Shorter
+  finds a frozen host sooner; too short declares a host dead during a long
+  pause of its own (a swap storm, a long GC), so keep it well above that.
+  """
+  raw = env.get(Env.HEARTBEAT_TIMEOUT)
+  if not raw:
+    return DEFAULT_HEARTBEAT_S
+  try:
+    value = int(raw)
+  except ValueError:
+    raise ValueError(f"{Env.HEARTBEAT_TIMEOUT}={raw!r} is not a whole number of seconds.") from None
+  if value < 1:
+    raise ValueError(f"{Env.HEARTBEAT_TIMEOUT} must be >= 1 second, got {value}.")
+  return value
 
 
 def first_slurm_node(nodelist: str) -> str:
@@ -334,6 +357,7 @@ def initialize(coordinator: str | None = None, num_hosts: int | None = None,
   configure_cpu(cpu_devices if cpu_devices is not None else
                 (int(env_devices) if env_devices else None))
   spec = resolve(os.environ, coordinator, num_hosts, host_id, timeout_s)
+  heartbeat_s = heartbeat_from_env()
   interface = gloo_interface or os.environ.get(Env.GLOO_INTERFACE) or None
   if interface:
     check_interface(interface)
@@ -357,10 +381,15 @@ def initialize(coordinator: str | None = None, num_hosts: int | None = None,
         coordinator_address=spec.coordinator, num_processes=spec.num_hosts,
         process_id=spec.host_id, local_device_ids=spec.local_device_ids,
         cluster_detection_method="deactivate", initialization_timeout=max(1, int(spec.timeout_s)),
-        coordinator_bind_address=spec.coordinator if local else None)
+        coordinator_bind_address=spec.coordinator if local else None,
+        heartbeat_timeout_seconds=heartbeat_s)
   else:
     _say(f"joining the cluster that JAX detects ({spec.source}), timeout {spec.timeout_s:g} s")
-    jax.distributed.initialize(initialization_timeout=max(1, int(spec.timeout_s)))
+    jax.distributed.initialize(initialization_timeout=max(1, int(spec.timeout_s)),
+                               heartbeat_timeout_seconds=heartbeat_s)
+  # Joining put JAX's preemption notifier in as the SIGTERM handler: take the
+  # signal back, so that SIGTERM stops every host at one step boundary.
+  signals.REQUESTS.reclaim()
   if interface:
     _use_gloo_interface(interface)
   if spec.detect is not None:

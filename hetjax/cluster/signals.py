@@ -21,7 +21,8 @@ import sys
 import threading
 from typing import Iterator
 
-from hetjax.cluster import procs
+from hetjax.cluster import supervise
+from hetjax.cluster import watchdog
 
 # The codes travel as float32 in the timing rows; the largest over the hosts
 # wins, so a user's stop is not mistaken for a preemption.
@@ -42,9 +43,12 @@ class Stopped(RuntimeError):
   exit_code = 1
   signal_name = "a stop signal"
 
-  def __init__(self, step: int | None, directory: str | None):
-    self.step, self.directory = step, directory
-    super().__init__(self._early() if step is None else self._message())
+  def __init__(self, step: int | None, directory: str | None, during: int | None = None):
+    self.step, self.directory, self.during = step, directory, during
+    text = self._early() if step is None else self._message()
+    if during is not None and step is not None:
+      text += f" (The signal reached this host during step {during}.)"
+    super().__init__(text)
 
   def _early(self) -> str:
     return (f"stopped by {self.signal_name} outside the training steps; nothing was saved; "
@@ -57,12 +61,12 @@ class Stopped(RuntimeError):
 class Preempted(Stopped):
   """SIGTERM reached a host: every host saved (when it can) and must now exit.
 
-  The command line exits with `exit_code` (`hetjax.cluster.procs.PREEMPTED_EXIT`),
+  The command line exits with `exit_code` (`hetjax.cluster.supervise.PREEMPTED_EXIT`),
   which the launchers read as "restart me": the restarted job resumes from
   the checkpoint.
   """
 
-  exit_code = procs.PREEMPTED_EXIT
+  exit_code = supervise.PREEMPTED_EXIT
   signal_name = "SIGTERM"
 
   def _message(self) -> str:
@@ -88,8 +92,13 @@ class Interrupted(Stopped):
 
 
 def stopped(code: float, step: int | None, directory: str | None) -> Stopped:
-  """The exception for the largest stop code any host sent."""
-  return (Interrupted if code >= INT else Preempted)(step, directory)
+  """The exception for the largest stop code any host sent.
+
+  On a host that got the signal itself it also says during which step, so a
+  log shows how far the hosts went on before stopping (at most two steps).
+  """
+  during, REQUESTS.last_during = REQUESTS.last_during, None
+  return (Interrupted if code >= INT else Preempted)(step, directory, during)
 
 
 class StopRequests:
@@ -102,12 +111,16 @@ class StopRequests:
 
   def __init__(self):
     self.code = NONE
+    self.during: int | None = None  # The step this host was in when the first signal came.
+    self.last_during: int | None = None  # `during` of the request just handled.
     self._depth = 0
     self._deferring = 0  # Installs inside a step loop: the flag waits for the boundary.
     self._previous: dict[int, object] = {}
 
   def _handle(self, signum: int, frame) -> None:
     del frame
+    if self.code == NONE:
+      self.during = watchdog.WATCHDOG.position.step if watchdog.WATCHDOG.position else None
     self.code = max(self.code, _CODES[signum])
     if not self._deferring:
       code, self.code = self.code, NONE
@@ -135,6 +148,8 @@ class StopRequests:
         previous = signal.signal(signum, self._handle)
         # A handler installed outside Python reads as None and cannot be put back.
         self._previous[signum] = signal.SIG_DFL if previous is None else previous
+    else:
+      self.reclaim()  # Joining the cluster in between may have put JAX's handler in.
     self._depth += 1
     self._deferring += defer
     try:
@@ -147,9 +162,30 @@ class StopRequests:
           signal.signal(signum, previous)
         self._previous.clear()
 
+  def reclaim(self) -> None:
+    """Puts this handler back where something else replaced it while installed.
+
+    `jax.distributed.initialize` installs JAX's preemption notifier as the
+    C-level SIGTERM handler, over the one the command line installed before
+    joining: without this, SIGTERM after joining is logged by JAX and
+    otherwise ignored (the job trains on, never saves, never exits 75).
+    hetjax does not use JAX's notice: its own flag already travels in the
+    step's reduction, and SIGINT needs the same path. A no-op when not
+    installed, or outside the main thread.
+    """
+    if self._depth == 0 or threading.current_thread() is not threading.main_thread():
+      return
+    for signum in _CODES:
+      # Always set again: `getsignal` reads Python's own table, which still
+      # names this handler after C code replaced it underneath. A deferring
+      # install may have left SIGINT to abort at once after a first Ctrl-C.
+      if signal.getsignal(signum) is not signal.default_int_handler:
+        signal.signal(signum, self._handle)
+
   def clear(self) -> None:
     """Forgets a handled request (after the hosts stopped for it)."""
     self.code = NONE
+    self.last_during, self.during = self.during, None
 
 
 REQUESTS = StopRequests()

@@ -32,6 +32,7 @@ from hetjax.input import data as data_lib
 from hetjax.training import lifecycle as run_common
 from hetjax.cluster import runtime
 from hetjax.cluster import signals
+from hetjax.cluster import watchdog
 from hetjax import mesh as mesh_lib
 from hetjax import step as step_lib
 from hetjax import task as task_lib
@@ -191,6 +192,7 @@ class RoundsTrainer:
   def train_round(self) -> dict[str, float]:
     """Runs one round on every host; returns the round's global metrics."""
     r, me, b = self.round, self.host_id, self.local_batch
+    watchdog.entered(r)
     taus = self.taus.taus(r)
     plan = rounds_lib.RoundData(self.position, taus, b, self.config.microbatch)
     n = plan.samples()
@@ -214,7 +216,9 @@ class RoundsTrainer:
     t1 = time.perf_counter()
     host_values = np.array([compute / taus[me], compute, self._last_wait, self._last_spread,
                             signals.REQUESTS.code])
+    watchdog.reducing(r)
     reduced, rows = self.reduction({"update": contribution, "stats": totals}, host_values)
+    watchdog.completed(r)
     spread = self.mode.spread(contribution, reduced["update"], n[me], total_n)
     self.centre, params = self.mode.finish(self.centre, reduced["update"], params, total_n)
     self.host_params, self.host_opt_state, self.host_model_state = params, opt_state, model_state
@@ -305,7 +309,8 @@ class RoundsTrainer:
         emitted += 1
 
     try:
-      with signals.REQUESTS.installed():
+      with signals.REQUESTS.installed(), watchdog.watching(self.config.watchdog_s, self.host_id,
+                                                            self.num_hosts):
         while self.round < target:
           metrics = self.train_round()
           if eval_every and self.round % eval_every == 0:

@@ -1,0 +1,333 @@
+"""Supervising a job: how a group of hosts ended, who is to blame, whether to restart.
+
+`hetjax.cluster.procs` runs the host processes; this module reads how they
+ended (`Outcome`), names the host to blame (`first_failure`, and what the
+hosts' own output says: `Findings`), writes the launcher's message
+(`describe`) and restarts the job under the two budgets (`supervise`).
+
+Exit codes the launchers understand, from the hosts:
+- 75 (`PREEMPTED_EXIT`): preempted (SIGTERM), saved; restarted under
+  --max-preemptions, else passed on for an outer scheduler to requeue.
+- 130 (`USER_STOP_EXIT`): a user's Ctrl-C; never restarted.
+- 69 (`hetjax.cluster.watchdog.STALLED_EXIT`): the step watchdog stopped a
+  stuck job; a failure, restarted from the last checkpoint under
+  --max-restarts, and the message names the stuck host(s).
+- a host that JAX aborts (SIGABRT) because the coordination service saw
+  another host stop sending heartbeats: a failure, and the message names the
+  host that stopped responding, not the one that aborted.
+
+Stdlib only: this module must never import JAX.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import re
+import signal
+import sys
+from typing import Callable, Sequence
+
+from hetjax.cluster import watchdog
+
+STALLED_EXIT = watchdog.STALLED_EXIT
+
+# A host that exits with this code was preempted and saved what it needs to
+# resume: "restart me", not "I failed" (EX_TEMPFAIL from sysexits.h, which
+# schedulers and shells already read as "try again later"). The trainer exits
+# with it; the launchers restart on it or pass it on to an outer scheduler.
+PREEMPTED_EXIT = 75
+# Restarts after preemptions are not failures, so they have their own budget;
+# a bound still stops a job that reports preemption at every start.
+DEFAULT_MAX_PREEMPTIONS = 20
+# A host that exits with this code (or dies by SIGINT) was stopped by a user's
+# Ctrl-C: reported as a stop, never restarted.
+USER_STOP_EXIT = 128 + signal.SIGINT
+@dataclasses.dataclass
+class Outcome:
+  """How a group of hosts ended.
+
+  Attributes:
+    returncodes: per host; negative means killed by that signal.
+    failed_host: the first host seen exiting non-zero, if any.
+    signal: the signal that made us stop the hosts, if any.
+    timed_out: whether the hosts were stopped because of a deadline.
+    tails: the last output lines of each host.
+    unresponsive: hosts the coordination service declared dead (no heartbeats).
+    stalled: hosts a step watchdog named as holding the job up.
+  """
+
+  returncodes: list[int | None]
+  failed_host: int | None = None
+  signal: int | None = None
+  timed_out: bool = False
+  tails: list[list[str]] = dataclasses.field(default_factory=list)
+  unresponsive: list[int] = dataclasses.field(default_factory=list)
+  stalled: list[int] = dataclasses.field(default_factory=list)
+
+  def blamed(self) -> list[int]:
+    """The hosts that caused the failure: those named by the hosts' own reports, else the first."""
+    if self.ok or self.signal is not None or self.timed_out:
+      return []
+    if self.unresponsive:
+      return list(self.unresponsive)
+    if self.stalled and self.returncodes[self.failed_host] == STALLED_EXIT:
+      return list(self.stalled)
+    return [self.failed_host]
+
+  @property
+  def ok(self) -> bool:
+    return self.failed_host is None and self.signal is None and not self.timed_out
+
+  @property
+  def stopped_by_user(self) -> bool:
+    """Whether a user's Ctrl-C ended the hosts (to the launcher or to a host)."""
+    if self.signal is not None:
+      return self.signal == signal.SIGINT
+    return (not self.timed_out and self.failed_host is not None
+            and self.returncodes[self.failed_host] in (USER_STOP_EXIT, -signal.SIGINT))
+
+  @property
+  def preempted(self) -> bool:
+    """Whether the hosts stopped because one was preempted (exit PREEMPTED_EXIT), not failed."""
+    return (self.signal is None and not self.timed_out and self.failed_host is not None
+            and self.returncodes[self.failed_host] == PREEMPTED_EXIT)
+
+  def exit_code(self) -> int:
+    """A shell-style exit code: 0, the failed host's code, or 128 + signal."""
+    if self.signal is not None:
+      return 128 + self.signal
+    if self.timed_out:
+      return 124  # As timeout(1) does.
+    if self.failed_host is not None:
+      rc = self.returncodes[self.failed_host] or 1
+      return rc if rc > 0 else 128 - rc
+    return 0
+
+
+def first_failure(codes: Sequence[int | None],
+                  exit_times: Sequence[float | None] | None = None) -> int | None:
+  """The host to blame among those that exited non-zero by themselves, if any.
+
+  When a host dies, its peers fail soon after in the collective they shared,
+  so the cause is ranked first:
+  1. a host killed by a signal from outside (SIGKILL, the OOM killer, a
+     crash), never a reaction to a peer; SIGABRT does not count, it is how
+     JAX ends a process whose peer vanished;
+  2. then the earliest to exit, by each process's own exit time;
+  3. at equal times, a real failure before a preemption: restarting a crash
+     as "preempted" would hide it from --max-restarts; then the lowest index.
+
+  Args:
+    codes: per host, its exit code (negative: the signal), None if running.
+    exit_times: per host, when it exited (any clock); None: all equal.
+  """
+  failed = [i for i, rc in enumerate(codes) if rc not in (None, 0)]
+  if not failed:
+    return None
+
+  def rank(i: int) -> tuple:
+    rc = codes[i]
+    t = exit_times[i] if exit_times is not None and exit_times[i] is not None else math.inf
+    killed = rc < 0 and -rc != signal.SIGABRT
+    return (not killed, t if exit_times is not None else 0.0, rc == PREEMPTED_EXIT, i)
+
+  return min(failed, key=rank)
+
+
+def add_restart_arguments(parser: argparse.ArgumentParser) -> None:
+  """Adds --max-restarts and --max-preemptions, as every launcher spells them."""
+  parser.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                      help="restart all hosts up to K times after a host fails (default 0)")
+  parser.add_argument("--max-preemptions", type=int, default=None, metavar="P",
+                      help=f"restart all hosts up to P times after a preemption (a host exits "
+                           f"{PREEMPTED_EXIT}), not counted in --max-restarts (default "
+                           f"{DEFAULT_MAX_PREEMPTIONS} with --max-restarts, else 0: exit "
+                           f"{PREEMPTED_EXIT} for an outer scheduler)")
+
+
+def check_restarts(max_restarts: int, max_preemptions: int | None) -> None:
+  """Raises ValueError on a restart budget that is not a count."""
+  if not isinstance(max_restarts, int) or max_restarts < 0:
+    raise ValueError(f"--max-restarts must be an integer >= 0, got {max_restarts!r}.")
+  if max_preemptions is not None and (not isinstance(max_preemptions, int) or max_preemptions < 0):
+    raise ValueError(f"--max-preemptions must be an integer >= 0, got {max_preemptions!r}.")
+
+
+def supervise(attempt: Callable[[int], Outcome], *, max_restarts: int = 0,
+              max_preemptions: int | None = None) -> int:
+  """Runs `attempt` until the hosts succeed or the restart budgets are spent.
+
+  Two budgets, because a preemption is not a failure:
+  - a failure (a host exits non-zero, or dies by a signal) is restarted at
+    most `max_restarts` times in all;
+  - a preemption (the hosts stop with PREEMPTED_EXIT, having saved) is
+    restarted at most `max_preemptions` times, without using up
+    `max_restarts`. Its default is DEFAULT_MAX_PREEMPTIONS when
+    `max_restarts > 0` and 0 otherwise, so a plain run that is preempted
+    exits PREEMPTED_EXIT and an outer scheduler can requeue it.
+  The launcher being interrupted, or a deadline, is never restarted.
+
+  Args:
+    attempt: starts all hosts, waits for them (`run_group`), returns how they
+      ended; it gets the number of restarts so far.
+    max_restarts: restarts allowed after failures.
+    max_preemptions: restarts allowed after preemptions (see above).
+
+  Returns:
+    0 on success, else the exit code of the last attempt (`Outcome.exit_code`).
+  """
+  check_restarts(max_restarts, max_preemptions)
+  if max_preemptions is None:
+    max_preemptions = DEFAULT_MAX_PREEMPTIONS if max_restarts > 0 else 0
+  restarts = preemptions = 0
+  while True:
+    outcome = attempt(restarts + preemptions)
+    if outcome.ok:
+      if restarts + preemptions:
+        done = [_plural(n, noun) for n, noun in ((restarts, "restart"),
+                                                  (preemptions, "preemption restart")) if n]
+        note(f"all hosts exited 0 after {' and '.join(done)}.")
+      return 0
+    note(describe(outcome))
+    code = outcome.exit_code()
+    if outcome.signal is not None or outcome.timed_out or outcome.stopped_by_user:
+      return code  # A user's stop, our own stop or a deadline: never restarted.
+    what = failure(outcome)
+    if outcome.preempted:
+      if preemptions >= max_preemptions:
+        if max_preemptions:
+          note(f"giving up after {_plural(preemptions, 'preemption restart')} "
+               f"(--max-preemptions {max_preemptions}); last: {what}; exiting {code}.")
+        else:
+          note(f"exiting {code} (preempted) so that an outer scheduler can requeue the job; "
+               "--max-preemptions N restarts it here instead.")
+        return code
+      preemptions += 1
+      note(f"preemption restart {preemptions}/{max_preemptions} after {what}")
+    else:
+      if restarts >= max_restarts:
+        if max_restarts:
+          note(f"giving up after {_plural(restarts, 'restart')} (--max-restarts {max_restarts}); "
+               f"last failure: {what}; exiting {code}.")
+        return code
+      restarts += 1
+      note(f"restart {restarts}/{max_restarts} after {what}")
+
+
+def _plural(n: int, noun: str) -> str:
+  return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def note(message: str) -> None:
+  """Prints a `[launcher] ` line to stderr, where the launchers say what they decide."""
+  print(f"[launcher] {message}", file=sys.stderr, flush=True)
+
+
+def failure(outcome: Outcome) -> str:
+  """One phrase for what ended the hosts, e.g. `host 1 failed with signal SIGKILL`."""
+  n = len(outcome.returncodes)
+  if outcome.signal == signal.SIGINT:
+    return "stopped by the user (Ctrl-C, SIGINT)"
+  if outcome.signal is not None:
+    return f"received {_signal_name(outcome.signal)}"
+  if outcome.timed_out:
+    return "timed out"
+  if outcome.failed_host is None:
+    return f"all {n} hosts exited 0"
+  i = outcome.failed_host
+  rc = outcome.returncodes[i] or 0
+  if outcome.unresponsive:
+    who = _hosts(outcome.unresponsive)
+    return (f"{who} stopped responding: frozen, or its machine is unreachable (the coordination "
+            f"service got no heartbeat from it for the heartbeat timeout, HETJAX_HEARTBEAT_TIMEOUT; "
+            f"host {i} then ended with {_end(rc)} because of it)")
+  if rc == STALLED_EXIT:
+    who = (f"{_hosts(outcome.stalled)} stopped making progress" if outcome.stalled else
+           "every host waited in the same reduction")
+    return (f"{who}: the step watchdog stopped the job (exit code {rc}; each live host's log "
+            "holds its threads' stacks)")
+  if rc == PREEMPTED_EXIT:
+    return f"host {i} was preempted (exit code {rc})"
+  if outcome.stopped_by_user:
+    return f"host {i} was stopped by the user ({'exit code' if rc > 0 else 'signal'} " \
+           f"{rc if rc > 0 else _signal_name(-rc)})"
+  how = f"exit code {rc}" if rc >= 0 else f"signal {_signal_name(-rc)}"
+  return f"host {i} failed with {how}"
+
+
+def describe(outcome: Outcome) -> str:
+  """A human summary of a failed `Outcome`: who failed, how, and the last lines."""
+  n = len(outcome.returncodes)
+  if outcome.signal is not None:
+    ends = ", ".join(f"host {i} {_end(rc)}" for i, rc in enumerate(outcome.returncodes))
+    return f"{failure(outcome)}; all {n} hosts stopped ({ends})."
+  if outcome.timed_out:
+    return f"{failure(outcome)}; stopped all {n} hosts."
+  if outcome.failed_host is None:
+    return f"{failure(outcome)}."
+  others = {1: "", 2: "; stopped the other host"}.get(n, f"; stopped the other {n - 1} hosts")
+  text = f"{failure(outcome)}{others}."
+  if outcome.preempted or outcome.stopped_by_user:
+    return text  # It saved and asked for a restart: its last lines are no error report.
+  i = outcome.blamed()[0]  # The last lines of the host that held the job up, if named.
+  lines = outcome.tails[i] if outcome.tails else []
+  if lines:
+    text += f"\nLast {len(lines)} output lines of host {i}:\n" + "\n".join(
+        f"  {line}" for line in lines)
+  else:
+    text += f"\nhost {i} printed nothing."
+  return text
+
+
+def _end(rc: int | None) -> str:
+  if rc is None:
+    return "still running"
+  return f"exit code {rc}" if rc >= 0 else f"signal {_signal_name(-rc)}"
+
+
+def _hosts(hosts: Sequence[int]) -> str:
+  return "host " + str(hosts[0]) if len(hosts) == 1 else "hosts " + ", ".join(map(str, hosts))
+
+
+def _signal_name(signum: int) -> str:
+  try:
+    return signal.Signals(signum).name
+  except ValueError:
+    return str(signum)
+
+
+
+# What JAX's coordination service logs, on every host, when hosts stop
+# sending heartbeats; the hosts' numbers follow, one per line (JAX 0.10:
+# `1`; older releases: `/job:jax_worker/replica:0/task:1`).
+_HEARTBEATS = "stopped sending heartbeats"
+_TASK = re.compile(r"^\s*(?:/job:[^/\s]+/replica:\d+/task:)?(\d+)\s*$")
+
+
+class Findings:
+  """What the hosts' own output says about who held the job up, read line by line as it passes.
+
+  The lines matter more than the tails: a host that JAX aborts prints a C++
+  stack after the line that names the dead host, which pushes it out of the
+  last lines kept.
+  """
+
+  def __init__(self):
+    self.unresponsive: set[int] = set()  # Reported by the coordination service.
+    self.stalled: set[int] = set()  # Named by a host's step watchdog.
+    self._listing: set[int] = set()  # Hosts whose next lines list unhealthy tasks.
+
+  def scan(self, host: int, line: str) -> None:
+    if host in self._listing:
+      found = _TASK.match(line)
+      if found:
+        self.unresponsive.add(int(found.group(1)))
+        return
+      self._listing.discard(host)
+    if _HEARTBEATS in line and line.rstrip().endswith(":"):
+      self._listing.add(host)
+    elif line.startswith(watchdog.MARKER):
+      named = line[len(watchdog.MARKER):].strip()
+      self.stalled.update(int(h) for h in named.split(",") if h.strip().isdigit())

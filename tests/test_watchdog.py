@@ -1,0 +1,129 @@
+"""The step watchdog and the frozen host: a job that stops moving ends, naming the host to blame.
+
+The decisions (who is behind, what the hosts' lines say, when the watchdog
+is armed) are tested on their own; two `launch/local.py ... hetjax train`
+runs on 2 hosts test them end to end: one host stuck inside its step (its
+threads alive, emulated with a huge slowdown on the first attempt only), and
+one host frozen by SIGSTOP.
+"""
+
+import re
+import signal
+import sys
+
+import _cli_job
+from hetjax.cluster import procs
+from hetjax.cluster import supervise
+from hetjax.cluster import watchdog
+from hetjax.cluster.watchdog import ENTERED, REDUCING, Position
+
+
+# ---- the decisions ------------------------------------------------------------
+
+
+def test_the_hosts_behind_the_furthest_one_are_named():
+  at = {0: Position(21, REDUCING), 1: Position(20, ENTERED), 2: Position(21, ENTERED)}
+  assert watchdog.behind(at) == [1, 2]
+  assert watchdog.behind({0: Position(20, REDUCING), 1: Position(20, ENTERED)}) == [1]
+  # Everyone in the same reduction: nobody is behind (a device or network hang).
+  assert watchdog.behind({0: Position(5, REDUCING), 1: Position(5, REDUCING)}) == []
+  # A host that never posted, or whose posts stopped, is named whatever its place.
+  assert watchdog.behind({0: Position(5, REDUCING), 1: None}) == [1]
+  assert watchdog.behind({0: Position(5, REDUCING), 1: Position(5, REDUCING)}, frozen=[1]) == [1]
+
+
+def test_the_watchdog_is_armed_after_the_first_steps_and_only_while_a_step_is_outstanding():
+  now = [0.0]
+  dog = watchdog.Watchdog(clock=lambda: now[0])
+  dog._reset(None)  # The default limit: max(20 x the median step, 5 minutes).
+  for step in range(watchdog.WARMUP_STEPS + 3):
+    dog.entered(step)
+    now[0] += 1000.0 if step == 0 else 2.0  # Compiling is slow, and never counts.
+    dog.completed(step)
+  assert dog.current_limit() == watchdog.MIN_DEFAULT_S
+  now[0] += 10 * watchdog.MIN_DEFAULT_S
+  assert dog.stalled_for() is None  # Nothing outstanding: evaluation, a checkpoint.
+  dog.entered(9)
+  now[0] += watchdog.MIN_DEFAULT_S + 1
+  assert dog.stalled_for() == watchdog.MIN_DEFAULT_S + 1
+  for step in range(10, 10 + 2 * watchdog._RECENT):  # Slow steps raise the limit.
+    dog.entered(step)
+    now[0] += 60.0
+    dog.completed(step)
+  assert dog.current_limit() == watchdog.STEP_FACTOR * 60.0
+  dog._reset(0.0)
+  assert dog.current_limit() is None  # 0: off.
+
+
+def test_the_launcher_reads_who_stopped_responding_from_the_hosts_lines():
+  found = supervise.Findings()
+  lines = ["E1201 coordination_service.cc:1549] ... UNAVAILABLE: The following tasks are "
+           "unhealthy (stopped sending heartbeats):", "1", "/job:jax_worker/replica:0/task:2",
+           "The tasks have crashed.", "3"]
+  for line in lines:
+    found.scan(0, line)
+  found.scan(1, f"{watchdog.MARKER} 1,2")
+  assert found.unresponsive == {1, 2} and found.stalled == {1, 2}
+  outcome = procs.Outcome([-signal.SIGABRT, None, None], failed_host=0, unresponsive=[1, 2],
+                          tails=[["abort"], ["before"], []])
+  text = procs.describe(outcome)
+  assert text.startswith("hosts 1, 2 stopped responding: frozen, or its machine is unreachable")
+  assert "host 0 then ended with signal SIGABRT because of it" in text
+  assert "output lines of host 1" in text
+
+
+# ---- end to end -------------------------------------------------------------------
+
+
+def _shell(command: list[str], first_attempt_env: str) -> list[str]:
+  """`command` with `first_attempt_env` exported on the launcher's first attempt only."""
+  quoted = " ".join(f"'{c}'" for c in command)
+  return ["sh", "-c", f'if [ "$HETJAX_RESTART_COUNT" = 0 ]; then export {first_attempt_env}; '
+                      f"fi; exec {quoted}"]
+
+
+def test_a_host_stuck_in_its_step_is_named_and_the_job_restarts_from_its_checkpoint(tmp_path):
+  limit = 6
+  ckpt = tmp_path / "ckpt"
+  command = _cli_job.train_command(tmp_path / "run", "--ckpt-dir", str(ckpt), "--ckpt-every",
+                                   "10", "--sync-save", "--watchdog", str(limit))
+  command[command.index("--steps") + 1] = "30"
+  job = _cli_job.Job(["--max-restarts", "1"], _shell(command, "HETJAX_SLOWDOWN=1:100000@20"))
+  try:
+    assert job.finish() == 0
+  finally:
+    job.kill()
+  text = job.text()
+  first, second = text.split("[launcher] restart 1/1", 1)
+  assert ("[launcher] host 1 stopped making progress: the step watchdog stopped the job (exit "
+          "code 69") in first
+  for host in (0, 1):  # Every live host dumps its stacks and names host 1.
+    assert f"[host {host}] hetjax: watchdog: host {host}: no step completed for" in first
+    assert re.search(rf"\[host {host}\] (Current thread|Thread) 0x", first)
+    assert f"[host {host}] {watchdog.MARKER} 1" in first
+  idle = float(re.search(r"\[host 0\] hetjax: watchdog: no step completed for ([\d.]+) s", first)
+               .group(1))
+  assert limit < idle < 2 * limit
+  assert "host 1: entered step 20, inside it, before its reduction" in first
+  assert re.search(r"\[host 0\] hetjax: resumed from \S+/20 ", second)
+  assert "all hosts exited 0 after 1 restart" in second
+
+
+def test_a_frozen_host_is_named_not_the_host_that_aborted_because_of_it(tmp_path):
+  job = _cli_job.Job(["--heartbeat-timeout", "10"], _cli_job.train_command(tmp_path / "run"))
+  try:
+    job.wait_for_step(5)
+    job.signal_hosts([1], signal.SIGSTOP)
+    code = job.finish()
+  finally:
+    job.kill()
+  text = job.text()
+  assert code == 128 + signal.SIGABRT, text[-3000:]
+  assert ("[launcher] host 1 stopped responding: frozen, or its machine is unreachable (the "
+          "coordination service got no heartbeat from it") in text
+  assert "host 0 then ended with signal SIGABRT because of it" in text
+
+
+if __name__ == "__main__":
+  import pytest
+  sys.exit(pytest.main([__file__, "-x", "-q"]))
