@@ -31,3 +31,12 @@ def test_a_checkpoint_of_another_batch_or_seed_is_refused_saying_what_differs(tm
   with pytest.raises(ValueError, match=r"another job: .*seed: saved 0, now 1"):
     _trainer(tmp_path, seed=1)
   assert _trainer(tmp_path).resumed_from == 2  # The same job continues.
+
+
+def test_a_folder_that_cannot_be_created_is_refused_before_training():
+  """Not only a path that is a file (tests/test_checkpoint.py): a folder the
+  system refuses, here under /proc, where even root cannot write (a read-only
+  folder would not do: the suite may run as root)."""
+  with pytest.raises(ValueError, match=r"checkpoint folder /proc/self/hetjax-ckpt is not writable "
+                                       r"\(.*\); choose another --ckpt-dir"):
+    checkpoint.CheckpointConfig("/proc/self/hetjax-ckpt").validate()
