@@ -305,7 +305,10 @@ def test_sigterm_to_the_whole_job_saves_and_requeues(slurm):
     _, err = job.communicate(timeout=DEADLINE_S)
   finally:
     if job.poll() is None:
-      os.killpg(job.pid, signal.SIGKILL)
+      try:
+        os.killpg(job.pid, signal.SIGKILL)
+      except ProcessLookupError:  # It ended between the poll and the kill.
+        pass
   result, _, logged = slurm.collect(subprocess.CompletedProcess(job.args, job.returncode, "", err))
   assert job.returncode == procs.PREEMPTED_EXIT, err
   assert "SIGTERM: waiting for the hosts to save and stop" in err
