@@ -65,16 +65,9 @@ def solve(global_batch: int, fixed_s: Sequence[float], per_sample_s: Sequence[fl
                      f"most the global batch {global_batch}; got {low.tolist()}.")
   if global_batch == 0:
     return (0,) * n
-  capacity = _Capacity(f, p, lad, cap, low)
+  capacity = _Capacity(f, p, lad, cap, low, global_batch)
   lo, hi = 0.0, float(np.max(np.where(cap > 0, f + p * lad.work(cap), 0.0)))
-  search = True
-  if not lad.trivial:
-    # A ladder's floor share may cost more than a larger one: no split beats
-    # the cheapest share each host may take, so the search starts there.
-    lo = min(capacity.floor_level(), hi)
-    if int(capacity(lo).sum()) >= global_batch:
-      lo, hi, search = 0.0, lo, False  # The floors' level holds B: fill up from the floors.
-  for _ in range(200 if search else 0):
+  for _ in range(200):
     mid = 0.5 * (lo + hi)
     # Levels closer than 1e-12 (relative) count as a tie.
     if not lo < mid < hi or hi - lo <= 1e-12 * hi:
@@ -146,11 +139,10 @@ def _least_within(i: int, target: int, current: int, t: float, capacity: "_Capac
     return 0
   unit = int(capacity.lad.unit[i])
   q = -(-target // unit)
-  probe = np.zeros(len(capacity.low), np.int64)
   while (q - 1) * unit < current:
-    probe[i] = max(target, (q - 1) * unit + 1)
-    if capacity.fits(t, probe)[i]:
-      return int(min(probe[i], current))
+    probe = max(target, (q - 1) * unit + 1)
+    if capacity.fits_one(t, i, probe):
+      return min(probe, current)
     q += 1
   return current
 
@@ -159,34 +151,42 @@ class _Capacity:
   """The largest share each host can run within a time, on its ladder, within its caps."""
 
   def __init__(self, f: np.ndarray, p: np.ndarray, lad: Ladders, cap: np.ndarray,
-               low: np.ndarray):
-    self.f, self.lad, self.cap, self.low = f, lad, cap, low
+               low: np.ndarray, batch: int):
+    self.f, self.lad, self.cap, self.low, self.batch = f, lad, cap, low, int(batch)
     self.inv_top = 1.0 / (p * lad.top_work)  # Top programs per second.
     self.cols = np.arange(lad.rem.shape[1])
+    # Below its floor's cost a host counts at its floor; on a ladder, at the
+    # largest of its cheapest shares from the floor up (a floor share may cost
+    # more than a larger one, which is then never worse to give it).
+    self.clamp = low if lad.trivial else self._cheapest_from_floor()
+    if int(self.clamp.sum()) > int(cap.sum()) or int(self.clamp.sum()) > self.batch:
+      self.clamp = low  # Not every host can take its cheapest share: count the floors.
 
   def budget(self, t: float) -> np.ndarray:
     """Top programs each host can run within `t` (fractional)."""
     return (t - self.f) * self.inv_top
 
-  def __call__(self, t: float, cap: np.ndarray | None = None) -> np.ndarray:
-    cap = self.cap if cap is None else cap
-    lad, real = self.lad, self.budget(t)
-    rounds_cap = -(-cap // lad.unit)
-    n_cap, r_cap = np.divmod(rounds_cap, lad.k)
+  def __call__(self, t: float, cap: np.ndarray | None = None,
+               rows: np.ndarray | slice = slice(None)) -> np.ndarray:
+    """Per host (of `rows`), the largest share within `t`, at most `cap`, at least its floor."""
+    cap = self.cap[rows] if cap is None else cap
+    unit, k, rem = self.lad.unit[rows], self.lad.k[rows], self.lad.rem[rows]
+    real = (t - self.f[rows]) * self.inv_top[rows]
+    n_cap, r_cap = np.divmod(-(-cap // unit), k)
     top = np.maximum(np.floor(real + _TIE), 0.0).astype(np.int64)
     over = top >= n_cap
     top = np.where(over, n_cap, top)
-    if lad.rem.shape[1] == 1:
+    if rem.shape[1] == 1:
       r = np.zeros_like(top)
     else:
       # The longest remainder that fits what is left, below the cap's own remainder.
-      limit = np.where(over, r_cap, lad.k - 1)
-      ok = (lad.rem <= (real - top + _TIE)[:, None]) & (self.cols[None] <= limit[:, None])
+      limit = np.where(over, r_cap, k - 1)
+      ok = (rem <= (real - top + _TIE)[:, None]) & (self.cols[None] <= limit[:, None])
       r = np.where(ok.any(axis=1), ok.shape[1] - 1 - np.argmax(ok[:, ::-1], axis=1), 0)
-    return np.maximum(np.minimum((top * lad.k + r) * lad.unit, cap), self.low)
+    return np.maximum(np.minimum((top * k + r) * unit, cap), self.clamp[rows])
 
-  def floor_level(self) -> float:
-    """The least time every host needs: its cheapest share within `[floor, cap]`."""
+  def _cheapest_from_floor(self) -> np.ndarray:
+    """Per host, the largest share in `[floor, cap]` among those of least cost."""
     lad = self.lad
     q0 = -(-self.low // lad.unit)
     qc = -(-self.cap // lad.unit)
@@ -194,10 +194,12 @@ class _Capacity:
     q = q0[:, None] + self.cols[None]
     ok = (self.cols[None] < lad.k[:, None]) & (q <= qc[:, None])
     n, r = np.divmod(q, lad.k[:, None])
-    rem = np.take_along_axis(lad.rem, np.minimum(r, lad.rem.shape[1] - 1), axis=1)
-    need = np.where(ok, n + rem, np.inf).min(axis=1)
-    t = np.where(self.low > 0, self.f + need / self.inv_top, 0.0)
-    return float(t.max())
+    need = np.where(ok, n + np.take_along_axis(lad.rem, np.minimum(r, lad.rem.shape[1] - 1),
+                                                 axis=1), np.inf)
+    least = need <= need.min(axis=1, keepdims=True) + _TIE
+    last = need.shape[1] - 1 - np.argmax(least[:, ::-1], axis=1)
+    best = np.minimum((q0 + last) * lad.unit, self.cap)
+    return np.where(self.low > 0, np.maximum(best, self.low), 0)
 
   def predict(self, shares: np.ndarray) -> np.ndarray:
     """Seconds of every host's share (0 for share 0)."""
@@ -215,10 +217,16 @@ class _Capacity:
     need = np.where(ok, n + lad.rem, np.inf).min(axis=1)
     return float(np.min(self.f + need / self.inv_top))
 
-  def fits(self, t: float, shares: np.ndarray) -> np.ndarray:
-    """Whether each host's share runs within `t` (share 0 always does)."""
-    need = self.lad.work(shares) / self.lad.top_work
-    return (shares == 0) | (need <= self.budget(t) + _TIE)
+  def fits(self, t: float, shares: np.ndarray, rows: np.ndarray | slice = slice(None)) -> np.ndarray:
+    """Whether each host's (of `rows`) share runs within `t` (share 0 always does)."""
+    shares = np.asarray(shares, np.int64)
+    n, r = np.divmod(-(-shares // self.lad.unit[rows]), self.lad.k[rows])
+    need = n + np.take_along_axis(self.lad.rem[rows], r[:, None], axis=1)[:, 0]
+    real = (t - self.f[rows]) * self.inv_top[rows]
+    return (shares == 0) | (need <= real + _TIE)
+
+  def fits_one(self, t: float, host: int, share: int) -> bool:
+    return bool(self.fits(t, np.array([share]), np.array([host]))[0])
 
 
 def _repair(shares: np.ndarray, t: float, capacity: _Capacity) -> np.ndarray:
@@ -236,18 +244,17 @@ def _repair(shares: np.ndarray, t: float, capacity: _Capacity) -> np.ndarray:
 def _move_down(shares: np.ndarray, h: int, t: float, capacity: _Capacity) -> np.ndarray | None:
   """Host h to its largest share within `t` below; the freed units to others within `t`."""
   out = shares.copy()
-  out[h] = capacity(t, np.where(np.arange(len(out)) == h, out[h], capacity.cap))[h]
+  out[h] = capacity(t, out[[h]], np.array([h]))[0]
   left = int(shares[h] - out[h])
   if left <= 0:
     return None
-  fits = capacity.fits(t, out)
-  for i in range(len(out)):
+  # Hosts that could take some of it (within t), then each in turn what is left.
+  room = capacity(t, np.minimum(out + left, capacity.cap)) - out
+  takers = np.flatnonzero((room > 0) & capacity.fits(t, out))
+  for i in takers[takers != h]:
     if left == 0:
       break
-    if i == h or not fits[i] or out[i] >= capacity.cap[i]:
-      continue
-    room = np.where(np.arange(len(out)) == i, np.minimum(out + left, capacity.cap), capacity.cap)
-    take = int(capacity(t, room)[i] - out[i])
+    take = int(capacity(t, np.minimum(out[[i]] + left, capacity.cap[[i]]), np.array([i]))[0] - out[i])
     if take > 0:
       out[i] += take
       left -= take
@@ -264,23 +271,20 @@ def _move_up(shares: np.ndarray, h: int, t: float, capacity: _Capacity) -> np.nd
     b = min(q * unit, int(capacity.cap[h]))
     if b <= out[h]:
       return None
-    trial = out.copy()
-    trial[h] = (q - 1) * unit + 1 if (q - 1) * unit + 1 > out[h] else out[h] + 1
-    if capacity.fits(t, trial)[h]:
-      out = trial
+    share = max((q - 1) * unit + 1, int(out[h]) + 1)
+    if capacity.fits_one(t, h, share):
+      out[h] = share
       break
   else:
     return None
   need = int(out[h] - shares[h])
-  for i in range(len(out)):
+  for i in np.flatnonzero(out > capacity.low):
     if need == 0:
       break
-    if i == h or out[i] <= capacity.low[i]:
+    if i == h:
       continue
-    for give in range(min(need, int(out[i] - capacity.low[i])), 0, -1):
-      trial = out.copy()
-      trial[i] -= give
-      if capacity.fits(t, trial)[i]:
-        out, need = trial, need - give
-        break
+    b = _least_within(int(i), max(int(capacity.low[i]), int(out[i]) - need), int(out[i]), t,
+                      capacity)
+    need -= int(out[i]) - b
+    out[i] = b
   return out if need == 0 else None
