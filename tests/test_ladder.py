@@ -156,3 +156,20 @@ def test_ladder_errors_name_the_value_and_the_fix():
     Ladder.of(4, 4, program_s=[1.0, 2.0])
   with pytest.raises(ValueError, match="one entry per host"):
     blocks.make_block_balancer("equal", 64, 4, [2, 2], mode="static", device_batches=[1])
+
+
+def test_the_cost_model_identifies_the_fixed_cost_on_ladders():
+  # The fixed cost stays identifiable when a share's work is a step function:
+  # the fit reads shares through the same ladder the host runs.
+  rng = np.random.default_rng(0)
+  lads = [Ladder.of(8, 8, [0.5 + s * 0.6 for s in balancer.halving(8)]),
+          Ladder.of(4, 4, [0.3 + s for s in balancer.halving(4)]), Ladder.of(16, 1)]
+  fixed, per = np.array([0.02, 0.005, 0.1]), np.array([1e-3, 4e-3, 2e-4])
+  true = balancer.CostParams(fixed, per, Ladders(lads).unit, Ladders(lads))
+  model = balancer.CostModel(3, ladders=lads, window=32)
+  for _ in range(32):
+    shares = rng.integers(1, 400, size=3)
+    model.observe(shares, true.predict(shares) * (1 + 0.02 * rng.standard_normal(3)))
+  fit = model.fit()
+  np.testing.assert_allclose(fit.per_sample_s, per, rtol=0.1)
+  np.testing.assert_allclose(fit.fixed_s, fixed, rtol=0.25, atol=0.002)

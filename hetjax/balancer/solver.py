@@ -66,7 +66,9 @@ def solve(global_batch: int, fixed_s: Sequence[float], per_sample_s: Sequence[fl
   if global_batch == 0:
     return (0,) * n
   capacity = _Capacity(f, p, lad, cap, low, global_batch)
-  lo, hi = 0.0, float(np.max(np.where(cap > 0, f + p * lad.work(cap), 0.0)))
+  # (p x top work) x programs: with k = 1 the very product the solver always used.
+  top_s = p * lad.top_work
+  lo, hi = 0.0, float(np.max(np.where(cap > 0, f + top_s * (lad.work(cap) / lad.top_work), 0.0)))
   for _ in range(200):
     mid = 0.5 * (lo + hi)
     # Levels closer than 1e-12 (relative) count as a tie.
