@@ -14,7 +14,7 @@ the slow-spell rate with the spread over seeds; which assumptions move the
 1024-host figure. The last line is one JSON object with the figures.
 For the replay of the emulated 3-host cluster see bench/validate_sim.py.
 
-`--device-batches` (issue 27; about 1 minute) prices the micro-batch size
+`--device-batches` (issue 27; a few seconds) prices the micro-batch size
 (`hetjax.sim.price`: throughput that saturates with the per-device
 micro-batch, fitted to NVIDIA's published ResNet-50 figures, plus a cost per
 program run) at 16 hosts x 8 GPUs, 512 samples per host, and prints: the
