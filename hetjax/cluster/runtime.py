@@ -35,6 +35,14 @@ JAX aborts the whole process (a C++ fatal error, no Python exception) when a
 host cannot register with the coordinator, so a non-coordinator host first
 probes the coordinator's TCP port for a bounded time and raises a
 `ConnectionError` that names the address it tried.
+
+A host that stops sending heartbeats (frozen, its machine gone) for
+HETJAX_HEARTBEAT_TIMEOUT seconds (default 100, JAX's) is declared dead by the
+coordination service, and JAX aborts every other host (SIGABRT; JAX 0.10's
+Python callback for it crashes, so hetjax cannot soften that). The service
+logs the dead hosts' numbers; the launchers read them and name those hosts
+(`hetjax.cluster.supervise.Findings`). Joining also installs JAX's SIGTERM
+handler, which hetjax takes back at once (`signals.StopRequests.reclaim`).
 """
 
 from __future__ import annotations
