@@ -1,0 +1,584 @@
+"""Every GPU claim hetjax makes, measured in one command on whatever GPU is lent.
+
+On a GPU machine, from the repository root (no install step: the script puts
+the repository on `sys.path` and uses the JAX that machine has):
+
+  python bench/gpu_check.py --out DIR [--sections overhead,two_hosts] [--plan]
+
+On this CPU, with tiny sizes, so the script cannot rot between GPU visits
+(tests/test_gpu_check.py runs it):
+
+  .venv/bin/python bench/gpu_check.py --smoke --out DIR
+
+It prints the versions it found, then runs the sections below, writing
+`DIR/gpu_check.json` after every section (and after every model of the
+overhead section), so a run cut short keeps what it measured; a later run
+with `--sections` replaces only the sections it runs. It ends with one
+table. `--plan` prints each section's estimated GPU seconds and exits.
+
+Sections:
+  overhead        hetjax's `Trainer.fit` against a plain `jax.jit` loop
+                  (`bench/overhead.py`'s loops: same model, batch, adam,
+                  dtype, input path), per model in fp32 and bf16: the
+                  throughput ratio and the ms hetjax adds to a step.
+  two_hosts       two processes sharing one GPU (each with its own
+                  XLA_PYTHON_CLIENT_MEM_FRACTION), `reduction="host"`, an
+                  uneven split, a few steps: the parameters against one
+                  process's (rtol 1e-5) and each process's step time.
+  checkpoint      the save call's share of a step, asynchronous (the
+                  device snapshot) against synchronous (`bench/checkpoint.py`).
+  device_batches  per-host micro-batches of several blocks (issue 27): not
+                  built yet; the section says so.
+  precision       bf16 against fp32, per model, from the overhead rows (no
+                  GPU time of its own: run it with `overhead`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+_BENCH = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(_BENCH)
+for _path in (_ROOT, _BENCH):  # hetjax from the source tree; bench/overhead.py and friends.
+  if _path not in sys.path:
+    sys.path.insert(0, _path)
+
+import numpy as np  # noqa: E402  (JAX is imported only once the environment is set)
+
+SECTIONS = ("overhead", "two_hosts", "checkpoint", "device_batches", "precision")
+PRECISIONS = ("fp32", "bf16")
+RESULT_FILE = "gpu_check.json"
+TARGET_RATIO = 0.97  # For resnet18 and resnet50 (issue 30).
+TARGET_RATIO_MODELS = ("resnet18", "resnet50")
+TARGET_ADDED_MS = 1.0  # For every model.
+TWO_HOSTS_RTOL, TWO_HOSTS_ATOL = 1e-5, 1e-6
+_CHEAP_PASSES = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+MAIN_MEMORY_FRACTION = "0.5"  # Leaves room for the two_hosts processes beside this one.
+HOST_MEMORY_FRACTION = "0.2"  # Each two_hosts process.
+DEVICE_BATCH_TODO = (
+    "TODO(issue 27): per-host device batches do not exist yet. When they do, time "
+    "`TrainConfig(device_batch=k)` (CLI `--device-batch k`) for k in 1, 2, 4, 8 blocks on "
+    "resnet50 and report samples/s against k, then `--device-batch auto`: the k it picks and "
+    "the device memory it read.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+  """One model at one size: its data, batch and timed steps.
+
+  `shape` is an image's (H, W, C) of uint8 pixels, or for the transformer
+  `(sequence length,)`; `classes` is the number of labels or the vocabulary.
+  """
+
+  model: str
+  shape: tuple[int, ...]
+  classes: int
+  global_batch: int
+  steps: int
+  overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
+  compile_s: float = 0.0  # Estimated GPU seconds to compile one training program.
+  step_ms: float = 0.0  # Estimated GPU ms of one fp32 step (bf16: about 0.6 of it).
+
+
+@dataclasses.dataclass(frozen=True)
+class TwoHosts:
+  """The two-host check: a size, its block size and the uneven split."""
+
+  size: Size
+  microbatch: int
+  shares: tuple[int, int]
+  warmup: int = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+  """Every size the sections use, for a GPU or for the CPU smoke run."""
+
+  name: str
+  models: dict[str, Size]
+  repeats: int
+  two_hosts: TwoHosts
+  checkpoint: Size
+  checkpoint_every: int
+  startup_s: float  # Estimated: imports, backend start-up, the first transfers.
+  process_s: float  # Estimated: one more process joining (imports, backend, cluster).
+  default_models: tuple[str, ...] = ("mlp", "cnn", "resnet18", "resnet50", "transformer")
+
+
+_IMAGENET = (224, 224, 3)
+_CIFAR = (32, 32, 3)
+_GPU_MODELS = {
+    "mlp": Size("mlp", _CIFAR, 10, 1024, 100, {"hidden": (1024, 1024)}, 3, 1.0),
+    "cnn": Size("cnn", _CIFAR, 10, 512, 50, {"features": (32, 64), "hidden": 256}, 4, 2.0),
+    "resnet18": Size("resnet18", _IMAGENET, 1000, 128, 20, {}, 12, 20.0),
+    "resnet50": Size("resnet50", _IMAGENET, 1000, 64, 10, {}, 25, 30.0),
+    "transformer": Size("transformer", (256,), 1024, 64, 20,
+                        {"d_model": 512, "num_layers": 6, "num_heads": 8, "max_len": 256}, 10, 10.0),
+}
+GPU = Profile(
+    "gpu", _GPU_MODELS, repeats=7,
+    two_hosts=TwoHosts(Size("resnet18", _CIFAR, 10, 128, 6,
+                            {"width": 8, "stage_sizes": (1, 1, 1, 1)}, 6, 5.0),
+                       microbatch=32, shares=(32, 96)),
+    checkpoint=dataclasses.replace(_GPU_MODELS["resnet50"], steps=24), checkpoint_every=6,
+    startup_s=20, process_s=10)
+
+_TINY = (8, 8, 1)
+_SMOKE_MODELS = {
+    "mlp": Size("mlp", _TINY, 10, 32, 3, {"hidden": (16,)}),
+    "cnn": Size("cnn", _TINY, 10, 16, 2, {"features": (4, 4), "hidden": 8}),
+    "resnet18": Size("resnet18", _TINY, 10, 8, 2, {"width": 2, "stage_sizes": (1, 1, 1, 1)}),
+    "resnet50": Size("resnet50", _TINY, 10, 8, 2, {"width": 2, "stage_sizes": (1, 1, 1, 1)}),
+    "transformer": Size("transformer", (8,), 16, 8, 2,
+                        {"d_model": 8, "num_layers": 1, "num_heads": 2, "max_len": 8}),
+}
+# An image model and the token model cover every path of the script; each
+# more model costs the CPU seconds of its compiles, nothing else. The
+# checkpoint run repeats the mlp's configuration: its programs come from the
+# compilation cache.
+SMOKE = Profile(
+    "smoke", _SMOKE_MODELS, repeats=2,
+    two_hosts=TwoHosts(Size("mlp", _TINY, 10, 32, 3, {"hidden": (16,), "dropout": 0.1}),
+                       microbatch=8, shares=(8, 24)),
+    checkpoint=dataclasses.replace(_SMOKE_MODELS["mlp"], steps=4), checkpoint_every=2,
+    startup_s=0, process_s=0, default_models=("mlp", "transformer"))
+
+
+# ---- Data and models ---------------------------------------------------------
+
+
+def make_source(size: Size):
+  """Random uint8 images (or tokens) in memory: two global batches' worth of records.
+
+  uint8 pixels are what an image pipeline hands the device (hetjax scales them
+  on the device, `hetjax.models.preprocess`); both loops gather and transfer
+  them every step.
+  """
+  import hetjax
+  rng = np.random.default_rng(0)
+  n = 2 * size.global_batch
+  if size.model == "transformer":
+    x = rng.integers(0, size.classes, (n, *size.shape), dtype=np.int32)
+    return hetjax.ArraySource({"x": x}, hetjax.DatasetInfo("tokens", "tokens",
+                                                           vocab_size=size.classes))
+  x = rng.integers(0, 256, (n, *size.shape), dtype=np.uint8)
+  y = rng.integers(0, size.classes, n, dtype=np.int32)
+  return hetjax.ArraySource({"x": x, "y": y},
+                            hetjax.DatasetInfo("images", "image", num_classes=size.classes))
+
+
+def make_task(size: Size, source):
+  from hetjax import models as zoo
+  return zoo.build(size.model, kind=source.info.kind, num_classes=source.info.num_classes,
+                   vocab_size=source.info.vocab_size, **size.overrides)
+
+
+# ---- Sections ----------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Context:
+  profile: Profile
+  models: list[str]
+  results: dict[str, Any]
+  save: Callable[[], None]  # Writes the JSON as it stands.
+  section: dict[str, Any] = dataclasses.field(default_factory=dict)  # The one running.
+
+
+def overhead_section(ctx: Context) -> dict[str, Any]:
+  """Plain jit loop against `Trainer.fit`, per model and precision; saved after each.
+
+  A model that fails is recorded and the next one runs: a short GPU window
+  should not lose the other rows to one error.
+  """
+  rows = ctx.section.setdefault("rows", {})
+  for precision in PRECISIONS:
+    for name in ctx.models:
+      try:
+        rows[f"{name}/{precision}"] = _overhead_row(ctx.profile.models[name], precision,
+                                                    ctx.profile.repeats)
+      except Exception as e:  # pylint: disable=broad-except  (recorded; the next model runs)
+        traceback.print_exc()
+        rows[f"{name}/{precision}"] = {"model": name, "precision": precision,
+                                       "error": f"{type(e).__name__}: {e}"[:2000]}
+      ctx.save()
+  failed = sorted(k for k, r in rows.items() if "error" in r)
+  return {"rows": rows, "targets": {"ratio": TARGET_RATIO, "ratio_models": TARGET_RATIO_MODELS,
+                                    "added_ms": TARGET_ADDED_MS},
+          **({"status": "failed", "error": f"rows failed: {failed}"} if failed else {})}
+
+
+def _overhead_row(size: Size, precision: str, repeats: int) -> dict[str, Any]:
+  """One model in one precision: both loops built, timed interleaved, closed."""
+  import overhead as bench_overhead
+  source = make_source(size)
+  loops = bench_overhead.make_loops(make_task(size, source), source, size.global_batch,
+                                    size.global_batch, precision, ("plain", "hetjax"))
+  try:
+    ms = bench_overhead.time_loops(loops, size.steps, repeats)
+  finally:
+    loops["hetjax"].trainer.close()
+    del loops
+    gc.collect()  # The next model's buffers need this one's device memory.
+  name = size.model
+  row = {"model": name, "precision": precision, "global_batch": size.global_batch,
+         "input": list(size.shape), "steps": size.steps, "repeats": repeats,
+         "plain_ms": round(float(np.median(ms["plain"])), 3),
+         "hetjax_ms": round(float(np.median(ms["hetjax"])), 3),
+         **bench_overhead.paired(ms, "plain", "hetjax")}
+  row["meets_target"] = bool(row["added_ms"] <= TARGET_ADDED_MS and (
+      name not in TARGET_RATIO_MODELS or row["ratio"] >= TARGET_RATIO))
+  print(f"  {name:>11} {precision}: plain {row['plain_ms']:.2f} ms, hetjax "
+        f"{row['hetjax_ms']:.2f} ms, ratio {row['ratio']:.3f}, added {row['added_ms']:.2f} ms",
+        flush=True)
+  return row
+
+
+def two_hosts_entry(spec: dict[str, Any]) -> dict[str, Any]:
+  """One host of the two_hosts check (a `hetjax.testing.run_hosts` entry).
+
+  With one process it is the reference: the whole batch, device reduction.
+  Matmuls at full float32 precision, so the check is about hetjax's math,
+  not about which TF32 kernel each process's autotuner picked.
+  """
+  import jax
+  import optax
+  import hetjax
+  hetjax.initialize()
+  check = TwoHosts(Size(**{**spec["size"], "shape": tuple(spec["size"]["shape"])}),
+                   spec["microbatch"], tuple(spec["shares"]), spec["warmup"])
+  size, hosts = check.size, jax.process_count()
+  source = make_source(size)
+  config = hetjax.TrainConfig(
+      global_batch=size.global_batch, microbatch=check.microbatch, seed=0,
+      assignment=check.shares if hosts > 1 else "equal",
+      reduction="host" if hosts > 1 else "device")
+  with jax.default_matmul_precision("highest"):
+    trainer = hetjax.Trainer(make_task(size, source), optax.sgd(0.02), source, config)
+    trainer.fit(check.warmup)
+    trainer.block_until_ready()
+    t0 = time.perf_counter()
+    trainer.fit(size.steps)
+    trainer.block_until_ready()
+    step_ms = (time.perf_counter() - t0) / size.steps * 1e3
+    params = [np.asarray(p) for p in jax.tree.leaves(trainer.params())]
+  trainer.close()
+  return {"host": jax.process_index(), "hosts": hosts, "step_ms": round(step_ms, 3),
+          "share": check.shares[jax.process_index()] if hosts > 1 else size.global_batch,
+          "device": str(jax.local_devices()[0].device_kind), "params": params}
+
+
+def _max_differences(got: list[np.ndarray], want: list[np.ndarray]) -> tuple[float, float, bool]:
+  """(max |got - want|, max |got - want| / |want| where want != 0, allclose)."""
+  abs_diff = max(float(np.max(np.abs(a - b), initial=0.0)) for a, b in zip(got, want))
+  rel = max(float(np.max(np.abs(a - b)[b != 0] / np.abs(b[b != 0]), initial=0.0))
+            for a, b in zip(got, want))
+  close = all(np.allclose(a, b, rtol=TWO_HOSTS_RTOL, atol=TWO_HOSTS_ATOL)
+              for a, b in zip(got, want))
+  return abs_diff, rel, close
+
+
+def two_hosts_section(ctx: Context) -> dict[str, Any]:
+  """One process, then two sharing the device; compares their parameters."""
+  from hetjax.testing import run_hosts
+  check = ctx.profile.two_hosts
+  spec = dataclasses.asdict(check)
+  env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": HOST_MEMORY_FRACTION,
+         # Both processes on the same (first) GPU, whatever the machine has.
+         "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
+  entry = f"{__name__ if __name__ != '__main__' else 'gpu_check'}:two_hosts_entry"
+  reference = run_hosts(entry, hosts=1, args=(spec,), env=env, timeout_s=300)[0]
+  pair = run_hosts(entry, hosts=2, args=(spec,), env=env, timeout_s=300)
+  abs_diff, rel_diff, close = _max_differences(pair[0]["params"], reference["params"])
+  replicas_equal = all(np.array_equal(a, b) for a, b in zip(pair[0]["params"], pair[1]["params"]))
+  return {"model": check.size.model, "overrides": check.size.overrides,
+          "global_batch": check.size.global_batch, "microbatch": check.microbatch,
+          "shares": list(check.shares), "steps": check.warmup + check.size.steps,
+          "reduction": "host", "memory_fraction": float(HOST_MEMORY_FRACTION),
+          "device": reference["device"], "params_equal": bool(close),
+          "rtol": TWO_HOSTS_RTOL, "atol": TWO_HOSTS_ATOL, "max_abs_diff": abs_diff,
+          "max_rel_diff": rel_diff, "replicas_equal": bool(replicas_equal),
+          "step_ms": {"one_process": reference["step_ms"],
+                      **{f"host{r['host']}": r["step_ms"] for r in pair}}}
+
+
+def checkpoint_section(ctx: Context) -> dict[str, Any]:
+  """`bench/checkpoint.py`'s measurement on one model, async then sync."""
+  import optax
+  import hetjax
+  import checkpoint as bench_checkpoint
+  import overhead as bench_overhead
+  size = ctx.profile.checkpoint
+  source = make_source(size)
+  task = make_task(size, source)
+  # The overhead section's hetjax configuration: the same programs, so the
+  # compilation cache and the autotuner's results carry over.
+  config = hetjax.TrainConfig(global_batch=size.global_batch, microbatch=size.global_batch,
+                              seed=bench_overhead.SEED)
+
+  def build(directory: str, async_save: bool) -> hetjax.Trainer:
+    return hetjax.Trainer(task, optax.adam(bench_overhead.LEARNING_RATE), source, config,
+                          checkpoint=bench_checkpoint.saving_every_call(directory, async_save))
+
+  out = {"model": size.model, "global_batch": size.global_batch, "input": list(size.shape),
+         "steps": size.steps, "every": ctx.profile.checkpoint_every}
+  for mode in ("async", "sync"):
+    r = bench_checkpoint.measure(build, mode == "async", size.steps, ctx.profile.checkpoint_every)
+    out[mode] = {k: round(v, 6) if isinstance(v, float) else v for k, v in r.items()}
+    ctx.section.update(out)
+    ctx.save()
+  out["async_over_sync_stall"] = round(out["async"]["stall_s"] / max(out["sync"]["stall_s"], 1e-9), 4)
+  return out
+
+
+def device_batches_section(ctx: Context) -> dict[str, Any]:
+  """Not built: the feature it measures does not exist yet (issue 27)."""
+  return {"status": "not built", "todo": DEVICE_BATCH_TODO}
+
+
+def precision_section(ctx: Context) -> dict[str, Any]:
+  """bf16 over fp32 step time, per model, from the overhead rows (this run's or the last)."""
+  rows = ctx.results["sections"].get("overhead", {}).get("rows", {})
+  speedups = {}
+  for name in ctx.models:
+    fp32, bf16 = rows.get(f"{name}/fp32"), rows.get(f"{name}/bf16")
+    if fp32 and bf16:
+      speedups[name] = {"hetjax": round(fp32["hetjax_ms"] / bf16["hetjax_ms"], 4),
+                        "plain": round(fp32["plain_ms"] / bf16["plain_ms"], 4)}
+  if not speedups:
+    return {"status": "skipped", "why": "no overhead rows in both precisions: run it with "
+            "`--sections overhead,precision`."}
+  return {"speedup": speedups}
+
+
+RUNNERS: dict[str, Callable[[Context], dict[str, Any]]] = {
+    "overhead": overhead_section, "two_hosts": two_hosts_section,
+    "checkpoint": checkpoint_section, "device_batches": device_batches_section,
+    "precision": precision_section}
+
+
+# ---- The plan ----------------------------------------------------------------
+
+
+def plan(profile: Profile, sections: list[str], models: list[str]) -> dict[str, float]:
+  """Estimated GPU seconds per section, compiles included (`Size.compile_s`, `step_ms`).
+
+  hetjax compiles two training programs per configuration (the first step's,
+  and the later steps' with the previous update inside); the plain loop one.
+  The autotuner keeps its results per process, so programs after a model's
+  first compile for about half their time.
+  """
+  def steps_s(size: Size, steps: int, precision: str) -> float:
+    return steps * size.step_ms * (0.6 if precision == "bf16" else 1.0) / 1e3
+
+  est = {}
+  if "overhead" in sections:
+    est["overhead"] = sum(
+        s.compile_s * 2.0 + 2 * steps_s(s, 5 + s.steps * profile.repeats, p)
+        for p in PRECISIONS for s in (profile.models[m] for m in models))
+  if "two_hosts" in sections:
+    s = profile.two_hosts.size
+    est["two_hosts"] = 2 * (profile.process_s + s.compile_s * 2) + 3 * steps_s(
+        s, profile.two_hosts.warmup + s.steps, "fp32")
+  if "checkpoint" in sections:
+    s = profile.checkpoint
+    saves = 2 * (s.steps // profile.checkpoint_every + 1)  # About a second each (~300 MB).
+    # After the overhead section its programs come from the compilation cache.
+    compiles = 0.4 if "overhead" in sections else 2.0
+    est["checkpoint"] = compiles * s.compile_s + 2 * steps_s(s, s.steps + 4, "fp32") + saves
+  for name in ("device_batches", "precision"):
+    if name in sections:
+      est[name] = 0.0
+  return {name: round(v) for name, v in est.items()}
+
+
+def print_plan(est: dict[str, float], profile: Profile) -> None:
+  print(f"plan ({profile.name}): estimated GPU seconds per section, compiles included")
+  for name, seconds in est.items():
+    print(f"  {name:>15} {seconds:>6.0f} s")
+  print(f"  {'start-up':>15} {profile.startup_s:>6.0f} s")
+  print(f"  {'total':>15} {sum(est.values()) + profile.startup_s:>6.0f} s")
+
+
+# ---- Running -----------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+  parser.add_argument("--out", help="folder for gpu_check.json (required unless --plan)")
+  parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
+  parser.add_argument("--sections", default=",".join(SECTIONS),
+                      help=f"comma-separated, from {', '.join(SECTIONS)}")
+  parser.add_argument("--models", default=None,
+                      help=f"overhead and precision models, from {', '.join(GPU.models)} "
+                      f"(default: all; with --smoke: {','.join(SMOKE.default_models)})")
+  parser.add_argument("--plan", action="store_true", help="print the estimated GPU seconds, exit")
+  args = parser.parse_args(argv)
+  if args.models is None:
+    args.models = ",".join((SMOKE if args.smoke else GPU).default_models)
+  for name, known in (("sections", SECTIONS), ("models", tuple(GPU.models))):
+    chosen = [x.strip() for x in getattr(args, name).split(",") if x.strip()]
+    unknown = [x for x in chosen if x not in known]
+    if unknown or not chosen:
+      parser.error(f"--{name} {unknown or '(none)'}: choose from {', '.join(known)}.")
+    setattr(args, name, chosen)
+  if not args.plan and not args.out:
+    parser.error("--out DIR is required: the JSON goes there after every section.")
+  return args
+
+
+def prepare_environment(args: argparse.Namespace) -> None:
+  """Sets what JAX reads at import; the caller's own settings win."""
+  if args.smoke:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    # Tiny programs run a few steps: XLA:CPU's cheap backend passes, as the test suite uses.
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    named = {flag.split("=")[0] for flag in flags}
+    os.environ["XLA_FLAGS"] = " ".join(flags + [f for f in _CHEAP_PASSES if f.split("=")[0] not in named])
+  elif "two_hosts" in args.sections:
+    # XLA takes 75 % of the GPU by default, which would starve the two
+    # processes of the two_hosts section.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", MAIN_MEMORY_FRACTION)
+  # Programs compiled once per process serve the later sections, and a rerun.
+  os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(args.out, "xla_cache"))
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0" if args.smoke else "0.5")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+
+def versions() -> dict[str, Any]:
+  """The software and the device this run found."""
+  from importlib import metadata
+  import jax
+  found = {"python": platform.python_version()}
+  for package in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy"):
+    try:
+      found[package] = metadata.version(package)
+    except metadata.PackageNotFoundError:
+      found[package] = None
+  for name in ("jax-cuda12-plugin", "jax-cuda13-plugin", "jax-rocm-plugin"):
+    try:
+      found[name] = metadata.version(name)
+    except metadata.PackageNotFoundError:
+      pass
+  device = jax.devices()[0]
+  stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+  found["device"] = {"platform": device.platform, "kind": device.device_kind,
+                     "count": jax.device_count(),
+                     "memory_limit_gb": round(stats["bytes_limit"] / 2 ** 30, 1)
+                     if stats and "bytes_limit" in stats else None}
+  return found
+
+
+def load_results(path: str, profile: Profile) -> dict[str, Any]:
+  """The JSON of an earlier run of the same profile, whose other sections a rerun keeps."""
+  if os.path.exists(path):
+    with open(path) as f:
+      old = json.load(f)
+    if old.get("profile") == profile.name:
+      return old
+  return {"profile": profile.name, "sections": {}}
+
+
+def write_json(path: str, results: dict[str, Any]) -> None:
+  """Atomically, so a run killed mid-write leaves the last complete file."""
+  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".gpu_check-")
+  with os.fdopen(fd, "w") as f:
+    json.dump(results, f, indent=1, default=str)
+  os.replace(tmp, path)
+
+
+def run_section(name: str, ctx: Context, path: str) -> None:
+  """Runs one section; a failure is recorded in the JSON and the run goes on."""
+  started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+  ctx.section = {"status": "running", "started": started}
+  ctx.results["sections"][name] = ctx.section
+  t0 = time.perf_counter()
+  print(f"== {name}", flush=True)
+  try:
+    body = RUNNERS[name](ctx)
+    ctx.section.update(body)
+    ctx.section["status"] = body.get("status", "ok")
+  except Exception as e:  # pylint: disable=broad-except  (recorded; the next section runs)
+    traceback.print_exc()
+    ctx.section.update(status="failed", error=f"{type(e).__name__}: {e}"[:4000])
+  ctx.section["seconds"] = round(time.perf_counter() - t0, 1)
+  write_json(path, ctx.results)
+
+
+def print_table(results: dict[str, Any]) -> None:
+  """One table of every section's figures."""
+  sections = results["sections"]
+  print(f"\nhetjax GPU check ({results['profile']}): jax {results['versions'].get('jax')}, "
+        f"{results['versions']['device']['kind']}")
+  for name in SECTIONS:
+    s = sections.get(name)
+    if s is None:
+      continue
+    print(f"-- {name}: {s['status']} ({s.get('seconds', '?')} s)"
+          + (f": {s['error']}" if "error" in s else ""))
+    if name == "overhead":
+      print(f"   {'model':>11} {'prec':>4} {'batch':>5} {'plain ms':>9} {'hetjax ms':>9} "
+            f"{'added ms':>8} {'ratio':>6} target")
+      for r in s.get("rows", {}).values():
+        print(f"   {r['model']:>11} {r['precision']:>4} {r['global_batch']:>5} "
+              f"{r['plain_ms']:>9.2f} {r['hetjax_ms']:>9.2f} {r['added_ms']:>8.2f} "
+              f"{r['ratio']:>6.3f} {'met' if r['meets_target'] else 'MISSED'}")
+    elif name == "two_hosts" and "params_equal" in s:
+      print(f"   {s['model']} shares {s['shares']}, reduction host: parameters equal one "
+            f"process's: {s['params_equal']} (max rel diff {s['max_rel_diff']:.2e}); "
+            f"step ms {s['step_ms']}")
+    elif name == "checkpoint":
+      for mode in ("async", "sync"):
+        if mode in s:
+          r = s[mode]
+          print(f"   {s['model']} {mode:>5}: step {r['step_s'] * 1e3:.1f} ms, save call "
+                f"{r['blocking_s'] * 1e3:.1f} ms = {r['blocking_fraction']:.1%} of a step, "
+                f"stall {r['stall_fraction']:.1%}")
+    elif name == "device_batches":
+      print(f"   {s.get('todo', '')}")
+    elif name == "precision":
+      for model, r in s.get("speedup", {}).items():
+        print(f"   {model:>11}: bf16 over fp32 x{r['hetjax']:.2f} (plain loop x{r['plain']:.2f})")
+
+
+def main(argv: list[str] | None = None) -> int:
+  """Runs the chosen sections; returns 0 when none failed."""
+  args = parse_args(argv)
+  profile = SMOKE if args.smoke else GPU
+  est = plan(profile, args.sections, args.models)
+  if args.plan:
+    print_plan(est, profile)
+    return 0
+  os.makedirs(args.out, exist_ok=True)
+  prepare_environment(args)
+  t0 = time.perf_counter()
+  import hetjax  # After prepare_environment: JAX reads it at import.
+  hetjax.initialize()
+  path = os.path.join(args.out, RESULT_FILE)
+  results = load_results(path, profile)
+  results.update(command=" ".join([os.path.basename(sys.executable), *sys.argv]),
+                 versions=versions(), plan_s=est)
+  print(f"hetjax GPU check, profile {profile.name}: {json.dumps(results['versions'])}", flush=True)
+  ctx = Context(profile, args.models, results, save=lambda: write_json(path, results))
+  for name in args.sections:
+    run_section(name, ctx, path)
+  results["total_s"] = round(time.perf_counter() - t0, 1)
+  write_json(path, results)
+  print_table(results)
+  print(f"\nwrote {path} in {results['total_s']} s")
+  return int(any(results["sections"][n]["status"] == "failed" for n in args.sections))
+
+
+if __name__ == "__main__":
+  sys.exit(main())
