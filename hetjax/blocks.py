@@ -94,7 +94,11 @@ class BlockBalancer:
 
   @property
   def decisions(self) -> list:
-    return list(getattr(self.inner, "decisions", []))
+    """The inner balancer's decisions with shares in samples and `step` the first step
+    (counted as the records count: 1 = the first) that runs them."""
+    return [{**d, "step": d["step"] + 1,
+             "shares": list(to_samples(d["shares"], self.global_batch, self.block))}
+            for d in getattr(self.inner, "decisions", [])]
 
   def shares(self, step: int) -> tuple[int, ...]:
     return to_samples(self.inner.shares(step), self.global_batch, self.block)

@@ -324,15 +324,26 @@ def _write_config(args: argparse.Namespace) -> None:
 
 
 def _print_summary(summary: dict) -> None:
-  keys = ("steps", "global_batch", "hosts", "samples_per_sec", "final_loss", "test_accuracy",
-          "params_digest")
-  print("summary: " + json.dumps({k: summary[k] for k in keys if k in summary}))
+  """The end of a run in a few lines; a rounds run says which figures are per round."""
+  rounds = summary.get("mode") in ("hybrid", "elastic")
+  # name shown -> summary key; in rounds modes global_batch is one local step over all hosts.
+  keys = {"steps": "steps", "global_batch": "global_batch", "hosts": "hosts",
+          "samples_per_sec": "samples_per_sec", "final_loss": "final_loss",
+          "test_accuracy": "test_accuracy", "params_digest": "params_digest"}
+  if rounds:
+    keys = {"mode": "mode", "rounds": "steps", "samples_per_local_step": "global_batch",
+            **{k: v for k, v in keys.items() if k not in ("steps", "global_batch")}}
+  print("summary: " + json.dumps({k: summary[v] for k, v in keys.items() if v in summary}))
+  per = "/round" if rounds else "/step"
   for i, host in enumerate(summary["per_host"]):
     if not host["compute_s"] or not host["wait_s"]:
       continue  # A resumed run that had nothing left to do.
     c, w = host["compute_s"][2:] or host["compute_s"], host["wait_s"][2:] or host["wait_s"]
-    print(f"  host {i}: share {host['batch'][-1]:4d}  compute {sum(c) / len(c) * 1e3:7.1f} ms  "
-          f"wait {sum(w) / len(w) * 1e3:7.1f} ms" + ("  (emulated speeds)" if summary["emulated_speeds"] else ""))
+    work = (f"{host['batch'][-1]:4d} samples{per}" +
+            (f" ({host['tau'][-1]} local steps)" if rounds and host.get("tau") else ""))
+    print(f"  host {i}: {work}  compute {sum(c) / len(c) * 1e3:7.1f} ms{per}  "
+          f"wait {sum(w) / len(w) * 1e3:7.1f} ms{per}"
+          + ("  (emulated speeds)" if summary["emulated_speeds"] else ""))
 
 
 def _check_args_or_exit(args: argparse.Namespace) -> None:

@@ -33,6 +33,7 @@ class Env:
   SPEED = "HETJAX_SPEED"                  # emulated relative speed of this host
   SLOWDOWN = "HETJAX_SLOWDOWN"            # emulated stragglers, HOST:FACTOR@STEP,...
   DEVICE_SAMPLE_MS = "HETJAX_DEVICE_SAMPLE_MS"  # emulated device time per sample
+  SHOW_GLOO = "HETJAX_SHOW_GLOO"          # 1: launchers show gloo's "Rank i is connected" lines
   HEARTBEAT_TIMEOUT = "HETJAX_HEARTBEAT_TIMEOUT"  # seconds without heartbeats: a host is dead
 
   EMULATION = (SPEED, SLOWDOWN, DEVICE_SAMPLE_MS)

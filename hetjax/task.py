@@ -139,6 +139,39 @@ def check_batch_keys(keys: Sequence[str]) -> None:
                      "its padding mask; rename the feature.")
 
 
+_LOSS_FORMS = {
+    "from_functions": ("per_example_loss(params, batch, rng)", 3),
+    "from_linen": ("per_example_loss(outputs, batch)", 2),
+    "from_nnx": ("per_example_loss(outputs, batch)", 2),
+}
+
+
+def _check_loss_form(per_example_loss: Callable, adapter: str) -> None:
+  """Refuses, when the task is built, a loss written for the other adapter.
+
+  Without this the mismatch shows up at the first trace as a bare
+  `TypeError: <lambda>() missing 1 required positional argument: 'rng'`.
+  """
+  form, n = _LOSS_FORMS[adapter]
+  try:
+    signature = inspect.signature(per_example_loss)
+  except (TypeError, ValueError):
+    return  # A builtin or C function: nothing to read, trust the caller.
+  try:
+    signature.bind(*([None] * n))
+  except TypeError:
+    other = "from_functions" if adapter != "from_functions" else "from_linen or from_nnx"
+    other_form, other_n = (("per_example_loss(params, batch, rng)", 3) if n == 2
+                           else ("per_example_loss(outputs, batch)", 2))
+    try:
+      signature.bind(*([None] * other_n))
+      hint = f"; it looks written for {other}, which calls {other_form}"
+    except TypeError:
+      hint = ""
+    raise ValueError(f"{adapter} calls {form}, but the loss given takes {signature}{hint}. "
+                     f"Change its arguments to ({form.split('(')[1]}, or use {other}.") from None
+
+
 def from_functions(
     init: Callable[[jax.Array, Batch], PyTree],
     per_example_loss: Callable[[PyTree, Batch, jax.Array], tuple[Any, dict[str, jax.Array]]],
@@ -155,6 +188,8 @@ def from_functions(
     >>> task = from_functions(lambda rng, b: {"w": jnp.zeros(3)},
     ...     lambda p, b, rng: (((b["x"] @ p["w"]) - b["y"]) ** 2, {}))
   """
+
+  _check_loss_form(per_example_loss, "from_functions")
 
   def _init(rng, batch):
     return init(rng, batch), {}
@@ -224,6 +259,7 @@ def from_linen(
     >>> task = from_linen(MyModel(), lambda logits, b: (
     ...     optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]), {}))
   """
+  _check_loss_form(per_example_loss, "from_linen")
   names = _parameters(module.__call__)
   modes = [n for n in _MODE_ARGS if n in names]
   takes_mask = "mask" in names
@@ -305,6 +341,7 @@ def from_nnx(
   """
   from flax import nnx  # Only NNX users pay for the import.
 
+  _check_loss_form(per_example_loss, "from_nnx")
   graphdef, params, rng_state, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
   streams = sorted({v.tag for _, v in nnx.to_flat_state(rng_state) if isinstance(v, nnx.RngKey)})
   params, rest = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)

@@ -30,6 +30,7 @@ from hetjax.input import data as data_lib
 from hetjax.training import evaluate as evaluate_lib
 from hetjax.input import loader as loader_lib
 from hetjax.observe import metrics as metrics_lib
+from hetjax.observe import progress as progress_lib
 from hetjax import optimizers as optimizers_lib
 from hetjax.training import readiness
 from hetjax.training import lifecycle as run_common
@@ -548,6 +549,8 @@ class Trainer:
     """
     run_common.check_fit_args(steps, until, eval_every, eval_source, "steps")
     target = self.step + steps if until is None else until
+    if log_every:  # The progress line of `hetjax train`, through `log`.
+      sinks = [*sinks, progress_lib.log_sink(target, host_id=self.host_id, every=log_every, log=log)]
     writer, sinks = run_common.open_run_folder(out, self.host_id, self.step, sinks)
     # Records are built only for someone to read them: the step loop stays lean.
     stream = None if not sinks else metrics_lib.RecordStream(
@@ -569,7 +572,7 @@ class Trainer:
             checkpoint_due = self.checkpointer is not None and every(self.checkpointer.config.every)
             stopping = self._stop_at is not None and step >= self._stop_at
             if not (step >= target or stopping or on_step is not None or self.pace is not None
-                    or every(eval_every) or every(log_every) or every(self.config.check_every)
+                    or every(eval_every) or every(self.config.check_every)
                     or checkpoint_due):
               continue
             metrics = self._drain()  # A step boundary where something happens.
@@ -578,9 +581,6 @@ class Trainer:
             self._record(stream)
             if on_step is not None:
               on_step(self, metrics)
-            if every(log_every) and self.host_id == 0:
-              shown = " ".join(f"{k}={v:.4f}" for k, v in metrics.items())
-              log(f"step {step:5d} {shown} shares={','.join(map(str, self.history.shares[-1]))}")
             if stopping:
               self._stop(stream, out)
             if every(self.config.check_every):

@@ -30,7 +30,7 @@ def records(steps: int = 30, speeds=SPEEDS, per_sample: float = PER_SAMPLE_S,
     slowest = max(compute)
     step_s = slowest + comm_s + overhead_s
     t += step_s
-    out.append({"step": s, "time_s": t, "loss": 2.3 * 0.95 ** s, "metrics": {"accuracy": s / steps},
+    out.append({"step": s + 1, "time_s": t, "loss": 2.3 * 0.95 ** s, "metrics": {"accuracy": s / steps},
                 "samples_per_sec": GLOBAL_BATCH / step_s, "step_s": step_s,
                 "global_batch": GLOBAL_BATCH, "shares": shares, "compute_s": compute,
                 "wait_s": [slowest - c + comm_s for c in compute], "emulated": True})

@@ -310,7 +310,7 @@ def test_a_finished_run_started_again_resumes_does_nothing_and_keeps_its_checkpo
   again = _trainer(tmp_path)
   summary = again.fit(until=10, eval_source=data.load("digits", "test"))
   assert again.resumed_from == 10 and summary["steps"] == 0 and summary["last_step"] == 10
-  assert summary["eval"]["step"] == 9 and 0 <= summary["eval"]["accuracy"] <= 1  # Still evaluated.
+  assert summary["eval"]["step"] == 10 and 0 <= summary["eval"]["accuracy"] <= 1  # Still evaluated.
   assert trainer.params_digest(again.params()) == uninterrupted
 
 

@@ -90,7 +90,7 @@ def test_a_two_host_run_shows_progress_on_host_0_only_and_its_report_matches(tmp
   progress = [line for line in run.stdout.splitlines() if "step " in line and "/12" in line]
   assert len(progress) == 4 and all(line.startswith("[host 0] ") for line in progress), run.stdout
   records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-  assert [r["step"] for r in records] == list(range(12))
+  assert [r["step"] for r in records] == list(range(1, 13))  # Steps done, as the progress line.
   assert all(r["shares"] == [48, 16] and len(r["wait_s"]) == 2 for r in records)
   assert cli.main(["report", str(out)]) == 0
   assert (out / "report.png").stat().st_size > 10_000

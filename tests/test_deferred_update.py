@@ -90,7 +90,7 @@ def test_every_update_records_its_learning_rate_whichever_program_ran_it():
   stepped.fit(6, sinks=[records["stepped"].append], on_step=lambda t, m: t.local_state)
   expected = [pytest.approx(float(SCHEDULE(i)), rel=1e-6) for i in range(6)]
   for name, got in records.items():
-    assert [r["step"] for r in got] == list(range(6)), name
+    assert [r["step"] for r in got] == list(range(1, 7)), name
     assert [r["lr"] for r in got] == expected, name
   assert overlapped.learning_rate() == pytest.approx(float(SCHEDULE(5)), rel=1e-6)
   for t in (overlapped, stepped):

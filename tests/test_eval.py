@@ -98,7 +98,7 @@ def test_the_progress_line_shows_an_evaluation_even_between_its_scheduled_lines(
   bar = progress.Progress(100, host_id=0, stream=out, every=10, tty=False)
   base = {"loss": 1.0, "samples_per_sec": 10.0, "step_s": 0.1, "shares": [2, 2], "emulated": False}
   for i in range(12):
-    record = dict(base, step=i, lr=1e-3)
+    record = dict(base, step=i + 1, lr=1e-3)
     if i == 4:
       record["eval"] = {"loss": 0.5, "accuracy": 0.875}
     bar.update(record)

@@ -36,8 +36,8 @@ def test_a_long_run_keeps_a_window_and_exact_totals():
     assert len(h.shares) < 200 and len(h.lr) < 200
   h.wait_s.append(list(wait[-1]))
   stream.pop()
-  assert [r["step"] for r in seen] == list(range(steps)) and all(r["lr"] == 0.5 for r in seen)
-  assert [r["step"] for r in seen if "eval" in r] == [10] and h.evals == {10: {"accuracy": 0.25}}
+  assert [r["step"] for r in seen] == list(range(1, steps + 1)) and all(r["lr"] == 0.5 for r in seen)
+  assert [r["step"] for r in seen if "eval" in r] == [11] and h.evals == {10: {"accuracy": 0.25}}
   assert seen[-1]["time_s"] == pytest.approx(step_s.sum())
   n, total_s, busy_compute, busy_wait = h.steady_totals(warmup=2, hosts=2)
   assert (h.steps, n) == (steps, steps - 2)
@@ -55,7 +55,7 @@ def test_a_trainer_with_a_small_window_writes_every_record_and_summarises_the_wh
                        trainer.TrainConfig(global_batch=16, microbatch=8))
   summary = tr.fit(20, out=str(tmp_path))
   records = metrics.read_records(str(tmp_path))
-  assert [r["step"] for r in records] == list(range(20)) and len(tr.history.shares) <= 8
+  assert [r["step"] for r in records] == list(range(1, 21)) and len(tr.history.shares) <= 8
   assert tr.step == 20 and summary["steps"] == 20
   steady = records[2:]
   assert summary["samples_per_sec"] == pytest.approx(16 * 18 / sum(r["step_s"] for r in steady))

@@ -26,7 +26,7 @@ def test_every_step_is_on_disk_before_close_and_reads_back(tmp_path):
   for r in records[:5]:
     writer.write(r)
   # A run that crashes now keeps its five steps.
-  assert [r["step"] for r in metrics.read_records(str(tmp_path))] == [0, 1, 2, 3, 4]
+  assert [r["step"] for r in metrics.read_records(str(tmp_path))] == [1, 2, 3, 4, 5]
   for r in records[5:]:
     writer.write(r)
   writer.close()
@@ -48,12 +48,12 @@ def test_tensorboard_scalars_read_back(tmp_path):
       writer.write(r)
   _event_file(str(tmp_path))
   scalars = _scalars(str(tmp_path))
-  assert [step for step, _ in scalars["host2/share"]] == [0, 1, 2, 3]
+  assert [step for step, _ in scalars["host2/share"]] == [1, 2, 3, 4]
   want = {"loss": records[-1]["loss"], "samples_per_sec": records[-1]["samples_per_sec"],
           "metrics/accuracy": records[-1]["metrics"]["accuracy"], "host1/share": 16.0,
           "host2/compute_s": records[-1]["compute_s"][2], "host0/wait_s": records[-1]["wait_s"][0]}
   for tag, value in want.items():
-    assert scalars[tag][-1] == (3, pytest.approx(np.float32(value))), tag
+    assert scalars[tag][-1] == (4, pytest.approx(np.float32(value))), tag
 
 
 def test_every_step_reaches_the_event_file_before_close(tmp_path):
@@ -61,7 +61,7 @@ def test_every_step_reaches_the_event_file_before_close(tmp_path):
   for r in fixture.records(steps=3):
     writer.write(r)
   try:
-    assert [step for step, _ in _scalars(str(tmp_path))["loss"]] == [0, 1, 2]
+    assert [step for step, _ in _scalars(str(tmp_path))["loss"]] == [1, 2, 3]
   finally:
     writer.close()
 
@@ -105,7 +105,7 @@ def test_a_torn_last_line_is_dropped_but_a_bad_middle_line_is_named(tmp_path):
   lines = [json.dumps(r) for r in records]
   path = tmp_path / "metrics.jsonl"
   path.write_text("\n".join(lines[:2]) + "\n" + lines[2][:40])  # Died while writing step 2.
-  assert [r["step"] for r in metrics.read_records(str(path))] == [0, 1]
+  assert [r["step"] for r in metrics.read_records(str(path))] == [1, 2]
   path.write_text(lines[0] + "\n" + lines[1][:40] + "\n" + lines[2] + "\n")
   with pytest.raises(ValueError, match="line 2 is not JSON"):
     metrics.read_records(str(path))
@@ -130,19 +130,19 @@ def test_the_record_stream_emits_each_step_once_its_wait_is_known():
   assert stream.pop() == []
   _step(history, (30, 18), [0.15, 0.15], [0.1, 0.0], 0.25, 1.5)
   (first,) = stream.pop()
-  assert first == {"step": 100, "time_s": 0.5, "loss": 2.0, "metrics": {"accuracy": 0.5},
+  assert first == {"step": 101, "time_s": 0.5, "loss": 2.0, "metrics": {"accuracy": 0.5},
                    "samples_per_sec": 96.0, "step_s": 0.5, "global_batch": 48, "shares": [24, 24],
                    "compute_s": [0.1, 0.2], "wait_s": [0.1, 0.0], "emulated": False}
   history.wait_s.append([0.01, 0.02])  # Trainer.summary() gathers the last waits.
   (last,) = stream.pop()
   assert (last["step"], last["time_s"], last["samples_per_sec"], last["wait_s"]) == (
-      101, 0.75, 192.0, [0.01, 0.02])
+      102, 0.75, 192.0, [0.01, 0.02])
   assert stream.pop() == [] and seen == [first, last]
   # A second `fit` makes a new stream: it continues, it does not repeat.
   later = metrics.RecordStream(history, global_batch=48, emulated=False, first_step=100)
   _step(history, (24, 24), [0.1, 0.1], None, 0.25, 1.0)
   history.wait_s.append([0.0, 0.0])
-  assert [(r["step"], r["time_s"]) for r in later.pop()] == [(102, 1.0)]
+  assert [(r["step"], r["time_s"]) for r in later.pop()] == [(103, 1.0)]
 
 
 class _Clock:
@@ -189,7 +189,7 @@ def test_progress_on_other_hosts_prints_nothing():
 
 def test_eta_is_steps_left_times_recent_step_time():
   bar = progress.Progress(110, host_id=0, stream=io.StringIO())
-  record = dict(fixture.records(steps=1)[0], step=9, step_s=0.5)
+  record = dict(fixture.records(steps=1)[0], step=10, step_s=0.5)
   bar.update(record)
   assert bar.eta_s(record) == pytest.approx(100 * 0.5)
   assert progress.format_eta(3725) == "1:02:05" and progress.format_eta(65) == "1:05"
@@ -200,8 +200,8 @@ def test_eta_forgets_the_compilation_steps():
   bar = progress.Progress(100, host_id=0, stream=io.StringIO())
   base = fixture.records(steps=1)[0]
   for step, seconds in enumerate([30.0, 2.0, 0.1, 0.1]):
-    bar.update(dict(base, step=step, step_s=seconds))
-  assert bar.eta_s(dict(base, step=3)) == pytest.approx(96 * 0.1)
+    bar.update(dict(base, step=step + 1, step_s=seconds))
+  assert bar.eta_s(dict(base, step=4)) == pytest.approx(96 * 0.1)
 
 
 def test_the_report_skips_the_same_warm_up_as_the_trainer():

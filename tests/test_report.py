@@ -100,13 +100,13 @@ def test_an_api_run_with_fit_out_writes_what_the_cli_writes_and_its_report_has_t
   summary = tr.fit(6, out=str(out), eval_every=2, eval_source=data.load("digits", "test"))
   assert json.loads((out / "summary.json").read_text())["steps"] == 6
   records = metrics.read_records(str(out))
-  assert [r["step"] for r in records] == list(range(6))
+  assert [r["step"] for r in records] == list(range(1, 7))
   # lr of each update: warm-up 0 -> 1e-2 over 2 updates, then cosine to 0 at update 6.
   lr = [r["lr"] for r in records]
   np.testing.assert_allclose(lr, [0.0, 5e-3, 1e-2, 1e-2 * 0.5 * (1 + np.cos(np.pi / 4)),
                                   5e-3, 1e-2 * 0.5 * (1 + np.cos(3 * np.pi / 4))], rtol=1e-5, atol=1e-9)
-  assert [r["step"] for r in records if "eval" in r] == [1, 3, 5]
-  assert summary["eval"]["step"] == 5 and summary["eval"] == {"step": 5, **records[-1]["eval"]}
+  assert [r["step"] for r in records if "eval" in r] == [2, 4, 6]
+  assert summary["eval"]["step"] == 6 and summary["eval"] == {"step": 6, **records[-1]["eval"]}
   from tensorboard.backend.event_processing import event_accumulator  # TensorBoard's own reader.
   events = event_accumulator.EventAccumulator(str(out / "tensorboard"))
   events.Reload()
@@ -132,7 +132,7 @@ def _rounds_records(rounds=12, b=16):
     metrics = {"accuracy": 0.5, "reduction_s": reduction}
     metrics.update({f"tau/{i}": float(tau) for i, tau in enumerate(taus)})
     metrics.update({f"spread/{i}": 0.1 * (i + 1) / (r + 1) for i in range(3)})
-    out.append({"step": r, "time_s": t, "loss": 1.0, "metrics": metrics,
+    out.append({"step": r + 1, "time_s": t, "loss": 1.0, "metrics": metrics,
                 "samples_per_sec": sum(shares) / round_s, "step_s": round_s,
                 "global_batch": sum(shares), "shares": shares, "compute_s": compute,
                 "wait_s": [max(compute) - c + reduction for c in compute], "emulated": True})

@@ -58,6 +58,10 @@ from hetjax.cluster.supervise import (  # noqa: F401 (public names)
 # for preemption gets to react; after it, SIGKILL.
 DEFAULT_GRACE_S = 5.0
 TAIL_LINES = 20
+# gloo (inside jaxlib) prints one such line per host when the CPU collectives
+# connect; hidden from the launcher's output (kept in the tails) unless
+# HETJAX_SHOW_GLOO=1.
+_GLOO_CONNECTED = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
 _POLL_S = 0.05
 # Signals that make the launcher stop its hosts; it then exits 128 + signum.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -228,6 +232,8 @@ class HostGroup:
         with self._lock:
           self.tails[host].append(line)
           self.findings.scan(host, line)
+          if _GLOO_CONNECTED.match(line) and not os.environ.get(Env.SHOW_GLOO):
+            continue
           if self._sink is not None:
             try:
               self._sink.write(prefix + line + "\n")

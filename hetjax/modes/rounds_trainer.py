@@ -36,6 +36,7 @@ from hetjax.cluster import watchdog
 from hetjax import mesh as mesh_lib
 from hetjax import step as step_lib
 from hetjax import task as task_lib
+from hetjax.observe import progress as progress_lib
 from hetjax.modes import elastic as elastic_lib
 from hetjax.modes import hybrid as hybrid_lib
 from hetjax.modes import rounds as rounds_lib
@@ -248,7 +249,7 @@ class RoundsTrainer:
   # ---- records ------------------------------------------------------------
 
   def _record(self, i: int, time_s: float) -> dict[str, Any]:
-    """Round `i` of this run (0-based in history) in the `hetjax.observe.metrics` schema.
+    """Round `i` of this run (0-based in history; the record counts rounds done) in the metrics schema.
 
     A round is a "step" of the schema: shares are the samples each host
     processed, and the round's figures (tau, distance to the hosts' mean,
@@ -261,7 +262,7 @@ class RoundsTrainer:
       metrics[f"tau/{host}"] = float(h.taus[i][host])
       metrics[f"spread/{host}"] = float(h.spread[i][host])
     metrics["reduction_s"] = float(min(h.wait_s[i]))
-    record = {"step": self._start_round + i, "time_s": time_s, "loss": h.loss[i],
+    record = {"step": self._start_round + i + 1, "time_s": time_s, "loss": h.loss[i],
               "metrics": metrics, "samples_per_sec": sum(h.samples[i]) / h.round_s[i],
               "step_s": h.round_s[i], "global_batch": sum(h.samples[i]),
               "shares": list(h.samples[i]), "compute_s": h.compute_s[i], "wait_s": h.wait_s[i],
@@ -296,6 +297,8 @@ class RoundsTrainer:
     run_common.check_fit_args(rounds, until, eval_every, eval_source, "rounds")
     callback = on_round or on_step
     target = self.round + rounds if until is None else until
+    if log_every:  # The progress line of `hetjax train`, through `log`.
+      sinks = [*sinks, progress_lib.log_sink(target, host_id=self.host_id, every=log_every, log=log)]
     writer, sinks = run_common.open_run_folder(out, self.host_id, self.round, sinks)
     emitted, clock = len(self.history.wait_s), 0.0
 
@@ -318,9 +321,6 @@ class RoundsTrainer:
           emit()
           if callback is not None:
             callback(self, metrics)
-          if log_every and self.round % log_every == 0 and self.host_id == 0:
-            shown = " ".join(f"{k}={v:.4f}" for k, v in metrics.items())
-            log(f"round {self.round:5d} {shown} taus={','.join(map(str, self.history.taus[-1]))}")
           if self._stop_code:
             code, self._stop_code = self._stop_code, 0.0
             run_common.stop_run(code, self.round, self.checkpointer,

@@ -26,7 +26,8 @@ TENSORBOARD_DIR = "tensorboard"
 
 # The record schema: key -> kind. Every record has exactly these keys.
 RECORD_KEYS = {
-    "step": "int",            # absolute step index
+    "step": "int",            # steps done, counting this one (1 = the first step), as the
+                              # progress line, --steps, checkpoint folders and resumed_from count
     "time_s": "float",        # training seconds since the stream started, at the end of the step
     "loss": "float",
     "metrics": "floats",      # {name: float}; the loss is not repeated here
@@ -192,7 +193,7 @@ class RecordStream:
       self._time_s += h.step_s[k]
       metrics = {name: v for name, v in h.metrics[k].items() if name != "loss"}
       record = {
-          "step": self._first_step + i, "time_s": self._time_s, "loss": h.loss[k],
+          "step": self._first_step + i + 1, "time_s": self._time_s, "loss": h.loss[k],
           "metrics": metrics, "samples_per_sec": self._global_batch / h.step_s[k] if h.step_s[k] > 0 else 0.0,
           "step_s": h.step_s[k], "global_batch": self._global_batch, "shares": list(h.shares[k]),
           "compute_s": list(h.compute_s[k]), "wait_s": list(h.wait_s[k]),
@@ -242,8 +243,8 @@ class MetricsWriter:
     """Args:
       out_dir: the run's output folder (created if missing).
       tensorboard: also write TensorBoard scalars under OUT/tensorboard/.
-      resume_step: a resumed run keeps the earlier records of steps before
-        this one (those after it were redone from the checkpoint); None
+      resume_step: the steps done at the checkpoint a run resumed from: it
+        keeps the records up to that one (those after it are redone); None
         starts the file afresh.
     """
     os.makedirs(out_dir, exist_ok=True)
@@ -251,7 +252,7 @@ class MetricsWriter:
     self.path = os.path.join(out_dir, METRICS_FILE)
     kept = []
     if resume_step is not None and os.path.exists(self.path):
-      kept = [r for r in read_records(self.path) if r["step"] < resume_step]
+      kept = [r for r in read_records(self.path) if r["step"] <= resume_step]
     self._file = open(self.path, "w")
     for record in kept:
       self._file.write(json.dumps(record, allow_nan=True) + "\n")

@@ -33,7 +33,7 @@ def format_eta(seconds: float) -> str:
 
 def format_line(record: dict[str, Any], total_steps: int, eta_s: float) -> str:
   """The progress text for one metrics record (no line ending)."""
-  step = record["step"] + 1  # Steps done, counting this one.
+  step = record["step"]  # Steps done, counting this one (the records' numbering).
   width = len(str(total_steps))
   shares = "/".join(str(s) for s in record["shares"])
   evaluated = record.get("eval") or {}
@@ -87,7 +87,7 @@ class Progress:
 
     The first steps compile; they count only until later steps are known.
     """
-    left = max(0, self.total_steps - record["step"] - 1)
+    left = max(0, self.total_steps - record["step"])
     return left * sum(self._recent) / len(self._recent) if self._recent else float("inf")
 
   def update(self, record: dict[str, Any]) -> None:
@@ -100,7 +100,7 @@ class Progress:
     self._recent = (self._recent + [record["step_s"]])[-_RECENT:]
     line = format_line(record, self.total_steps, self.eta_s(record))
     if not self._tty:
-      if ((record["step"] + 1) % self.every == 0 or record["step"] + 1 == self.total_steps
+      if (record["step"] % self.every == 0 or record["step"] == self.total_steps
           or record.get("eval")):  # An evaluation is always shown.
         self._stream.write(line + "\n")
         self._stream.flush()
@@ -131,3 +131,25 @@ class Progress:
 
   def __exit__(self, *exc: Any) -> None:
     self.close()
+
+
+class _Lines:
+  """A stream that hands each written line to `log` (the API's `fit(log=...)`)."""
+
+  def __init__(self, log: Callable[[str], Any]):
+    self._log = log
+
+  def write(self, text: str) -> None:
+    for line in text.splitlines():
+      self._log(line)
+
+  def flush(self) -> None:
+    pass
+
+
+def log_sink(total_steps: int, *, host_id: int, every: int,
+             log: Callable[[str], Any] = print) -> Callable[[dict[str, Any]], None]:
+  """The progress line of `hetjax train`, every `every` steps, through `log`: what
+  `Trainer.fit(log_every=N)` prints, so the API and the CLI show the same line
+  (loss, evaluation, learning rate, samples/s, shares, ETA)."""
+  return Progress(total_steps, host_id=host_id, stream=_Lines(log), every=every, tty=False).update

@@ -177,7 +177,7 @@ def analyze(summary: dict[str, Any] | None, records: list[dict[str, Any]]) -> Fi
       balancer_decisions=None if decisions is None else len(decisions),
       balancer_moves=None if decisions is None else balancer_moves(decisions), emulated=emulated,
       evaluations=len(evaluated), last_eval=evaluated[-1]["eval"] if evaluated else None,
-      last_eval_step=evaluated[-1]["step"] + 1 if evaluated else None,
+      last_eval_step=evaluated[-1]["step"] if evaluated else None,
       rounds=analyze_rounds(summary, records, hosts) if is_rounds(records) else None)
 
 
@@ -336,13 +336,13 @@ def _plot_evaluation(ax, records: list[dict[str, Any]], evaluated: list[dict[str
                      unit: str = "step", letter: str = "d") -> None:
   """The last panel: evaluation accuracy (else loss) after each evaluated step; lr on the right."""
   name = "accuracy" if "accuracy" in evaluated[0]["eval"] else "loss"
-  done = [r["step"] + 1 for r in evaluated]
+  done = [r["step"] for r in evaluated]
   ax.plot(done, [r["eval"][name] for r in evaluated], "o-", color="tab:purple",
           label=f"eval {name}")
   ax.set_xlabel(f"{unit}s done")
   ax.set_ylabel(f"eval {name}")
   # Training seconds (evaluation time excluded) on the top axis, from the records' clock.
-  steps = [r["step"] + 1 for r in records]
+  steps = [r["step"] for r in records]
   times = [r["time_s"] for r in records]
   if len(steps) > 1:
     import numpy as np
@@ -353,7 +353,7 @@ def _plot_evaluation(ax, records: list[dict[str, Any]], evaluated: list[dict[str
   with_lr = [r for r in records if "lr" in r]
   if with_lr:
     lr_axis = ax.twinx()
-    lr_axis.plot([r["step"] + 1 for r in with_lr], [r["lr"] for r in with_lr], color="tab:gray",
+    lr_axis.plot([r["step"] for r in with_lr], [r["lr"] for r in with_lr], color="tab:gray",
                  ls="--", lw=1, label="learning rate")
     lr_axis.set_ylabel("learning rate")
     lr_axis.legend(loc="lower right")

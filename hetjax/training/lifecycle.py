@@ -111,7 +111,7 @@ def last_eval(evals: dict[int, dict[str, float]], first_step: int) -> dict[str, 
   if not evals:
     return None
   index = max(evals)
-  return {"step": first_step + index, **evals[index]}
+  return {"step": first_step + index + 1, **evals[index]}  # Steps done, as the records count.
 
 
 def summary_fields(*, steps: int, last_step: int, resumed_from: int | None, config: Any,

@@ -1,0 +1,61 @@
+"""Output that reads well: one step numbering, one progress line, named units, clear adapter errors."""
+
+import io
+
+import pytest
+
+import _metrics_fixture as fixture
+import hetjax
+from hetjax import cli
+from hetjax.cluster import procs
+from hetjax.observe import progress
+
+
+def test_the_api_log_line_is_the_cli_progress_line():
+  records = fixture.records(steps=20)
+  seen, out = [], io.StringIO()
+  sink = progress.log_sink(20, host_id=0, every=10, log=seen.append)
+  bar = progress.Progress(20, host_id=0, stream=out, every=10, tty=False)
+  for r in records:
+    sink(r)
+    bar.update(r)
+  assert seen == out.getvalue().splitlines()
+  assert [line.split()[1] for line in seen] == ["10/20", "20/20"]  # Steps done, as records count.
+  assert "ETA" in seen[-1] and "samples/s" in seen[-1]
+
+
+def test_a_loss_of_the_other_adapter_is_refused_naming_both_forms():
+  from flax import nnx
+
+  class Tiny(nnx.Module):
+    def __init__(self):
+      self.dense = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+      return self.dense(x)
+
+  with pytest.raises(ValueError, match=r"from_nnx calls per_example_loss\(outputs, batch\), but "
+                     r"the loss given takes \(params, batch, rng\); it looks written for "
+                     r"from_functions"):
+    hetjax.from_nnx(Tiny(), lambda params, batch, rng: (params, {}))
+  with pytest.raises(ValueError, match=r"from_functions calls per_example_loss\(params, batch, "
+                     r"rng\).*written for from_linen or from_nnx"):
+    hetjax.from_functions(lambda rng, batch: {}, lambda outputs, batch: (outputs, {}))
+
+
+def test_gloo_connection_lines_are_hidden_by_the_launcher_unless_asked_for(monkeypatch):
+  line = "[Gloo] Rank 1 is connected to 2 peer ranks. Expected number of connected peer ranks is : 2"
+  assert procs._GLOO_CONNECTED.match(line)
+  assert not procs._GLOO_CONNECTED.match("[hetjax] host 1 of 3 joining coordinator")
+
+
+def test_a_rounds_summary_says_which_figures_are_per_round(capsys):
+  host = {"batch": [96, 128], "tau": [3, 4], "compute_s": [0.1] * 3, "wait_s": [0.05] * 3}
+  cli._print_summary({"mode": "hybrid", "steps": 4, "global_batch": 64, "hosts": 1,
+                      "emulated_speeds": False, "per_host": [host]})
+  out = capsys.readouterr().out
+  assert '"rounds": 4' in out and '"samples_per_local_step": 64' in out and "global_batch" not in out
+  assert "128 samples/round (4 local steps)" in out and "ms/round" in out
+  cli._print_summary({"steps": 4, "global_batch": 64, "hosts": 1, "emulated_speeds": False,
+                      "per_host": [host]})
+  assert "128 samples/step" in capsys.readouterr().out
