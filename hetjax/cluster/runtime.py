@@ -61,12 +61,13 @@ import jax
 
 from hetjax.config import Env
 from hetjax.cluster import signals
+from hetjax.cluster import watchdog
 
 
 DEFAULT_TIMEOUT_S = 120.0
 # JAX's own default: a host that sends no heartbeat for this long is declared
 # dead by the coordination service, and every other host aborts (SIGABRT).
-DEFAULT_HEARTBEAT_S = 100
+DEFAULT_HEARTBEAT_S = watchdog.DEFAULT_HEARTBEAT_S
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 

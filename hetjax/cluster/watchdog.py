@@ -24,6 +24,11 @@ which may be slow for good reasons, never count), and only while a step is
 outstanding: evaluation, checkpoints and the summary between steps are not
 steps. A round of the rounds modes is one "step" here.
 
+Host 0 also reads every host's posts while it watches: a host whose posts
+stop for a third of the heartbeat timeout (HETJAX_HEARTBEAT_TIMEOUT) is named
+in host 0's log as frozen or unreachable, before the coordination service
+declares it dead and JAX aborts host 0 (which prints only JAX's own words).
+
 Stdlib at import; JAX's key-value client is looked up when the watchdog
 starts, and a single-host run (no client) still stops and dumps its stacks.
 """
@@ -40,6 +45,8 @@ import threading
 import time
 from typing import Callable, Iterator, Mapping, Sequence
 
+from hetjax.config import Env
+
 # "Service unavailable" (sysexits.h EX_UNAVAILABLE): a host, or the link to
 # it, stopped answering. Not 75 (a preemption, which saved) nor 124 (the
 # launcher's own deadline, never restarted): a failure that a restart from
@@ -50,7 +57,9 @@ MIN_DEFAULT_S = 300.0
 WARMUP_STEPS = 3
 # The line every stopping host prints, for the launchers (`hetjax.cluster.supervise`).
 MARKER = "[hetjax] watchdog: stalled host(s):"
-_KEY = "hetjax/watchdog/{host}"
+_DIR = "hetjax/watchdog/"
+_KEY = _DIR + "{host}"
+DEFAULT_HEARTBEAT_S = 100  # JAX's; hetjax.cluster.runtime passes HETJAX_HEARTBEAT_TIMEOUT on.
 _RECENT = 50  # Step times the default limit is computed from.
 
 ENTERED, REDUCING = 0, 1
@@ -215,6 +224,7 @@ class Watchdog:
 
   def _run(self, host_id: int, num_hosts: int, client) -> None:
     beat, posted = 0, None
+    peers = _Peers(_heartbeat_s()) if client is not None and host_id == 0 else None
     while not self._quit.wait(self._poll_s()):
       with self._lock:
         position = self.position
@@ -222,6 +232,8 @@ class Watchdog:
         beat += 1
         posted = dataclasses.replace(position, beat=beat)
         _post(client, host_id, posted)
+      if peers is not None:
+        peers.check(client, self._clock(), skip=host_id)
       idle = self.stalled_for()
       if idle is not None:
         self._stop(idle, host_id, num_hosts, client, posted)
@@ -231,22 +243,26 @@ class Watchdog:
     print(f"hetjax: watchdog: host {host_id}: no step completed for {idle:.1f} s; the stacks of "
           "this host's threads follow.", file=sys.stderr, flush=True)
     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-    positions: dict[int, Position | None] = {host_id: mine}
-    frozen: list[int] = []
+    limit = self.current_limit() or 0.0
+    first = {host_id: mine} if client is None else {**_read_all(client, num_hosts), host_id: mine}
+    # Said at once: the first host to exit ends the others (JAX aborts a host
+    # whose coordinator or peer is gone), so a later line may never be written.
+    _say(message(idle, limit, first, behind(first), ()), behind(first))
     if client is not None:
-      first = _read_all(client, num_hosts)
       # Every live host posts each poll: one whose beat does not move over
       # three polls is frozen (SIGSTOP, a machine that stopped answering).
       time.sleep(3 * self._poll_s())
-      positions = _read_all(client, num_hosts)
-      frozen = [h for h in range(num_hosts) if h != host_id and positions.get(h) is not None
-                and first.get(h) is not None and positions[h].beat == first[h].beat]
-      positions[host_id] = mine
-    stuck = behind(positions, frozen)
-    limit = self.current_limit() or 0.0
-    print(message(idle, limit, positions, stuck, frozen), file=sys.stderr, flush=True)
-    print(f"{MARKER} {','.join(map(str, stuck)) or 'none'}", file=sys.stderr, flush=True)
+      later = {**_read_all(client, num_hosts), host_id: mine}
+      frozen = [h for h in range(num_hosts) if h != host_id and later.get(h) is not None
+                and first.get(h) is not None and later[h].beat == first[h].beat]
+      if frozen:
+        _say(message(idle, limit, later, behind(later, frozen), frozen), behind(later, frozen))
     os._exit(STALLED_EXIT)
+
+
+def _say(text: str, stuck: Sequence[int]) -> None:
+  print(text, file=sys.stderr, flush=True)
+  print(f"{MARKER} {','.join(map(str, stuck)) or 'none'}", file=sys.stderr, flush=True)
 
 
 def _kv_client():
@@ -274,6 +290,42 @@ def _read_all(client, num_hosts: int) -> dict[int, Position | None]:
     except Exception:  # Not found (never posted) or the service is unreachable.
       out[h] = None
   return out
+
+
+class _Peers:
+  """Host 0's view of the other hosts' posts: it names a host whose posts stopped."""
+
+  def __init__(self, heartbeat_s: float):
+    self.heartbeat_s = heartbeat_s
+    self._seen: dict[int, tuple[int, float]] = {}  # host -> (beat, when it last moved)
+    self._named: set[int] = set()
+
+  def check(self, client, now: float, skip: int) -> None:
+    try:
+      entries = client.key_value_dir_get(_DIR)  # One call, whatever the number of hosts.
+    except Exception:  # The service is going away: JAX speaks for itself then.
+      return
+    for key, value in entries:
+      host, beat = int(key.rsplit("/", 1)[1]), Position.decode(value).beat
+      if host == skip:
+        continue
+      last = self._seen.get(host)
+      if last is None or last[0] != beat:
+        self._seen[host] = (beat, now)
+      elif now - last[1] > self.heartbeat_s / 3 and host not in self._named:
+        self._named.add(host)
+        print(f"hetjax: host {host} stopped responding: frozen, or its machine is unreachable "
+              f"(no sign of life for {now - last[1]:.0f} s; the coordination service declares "
+              f"it dead after {Env.HEARTBEAT_TIMEOUT}={self.heartbeat_s:g} s, and JAX then "
+              "aborts the other hosts).", file=sys.stderr, flush=True)
+
+
+def _heartbeat_s() -> float:
+  raw = os.environ.get(Env.HEARTBEAT_TIMEOUT)
+  try:
+    return float(raw) if raw else DEFAULT_HEARTBEAT_S
+  except ValueError:  # runtime.initialize refused it already.
+    return DEFAULT_HEARTBEAT_S
 
 
 WATCHDOG = Watchdog()
