@@ -3,7 +3,7 @@
 On a GPU machine, from the repository root (no install step: the script puts
 the repository on `sys.path` and uses the JAX that machine has):
 
-  python bench/gpu_check.py --out DIR [--sections overhead,two_hosts] [--plan]
+  python3 bench/gpu_check.py --out DIR [--sections overhead,two_hosts] [--profile] [--plan]
 
 On this CPU, with tiny sizes, so the script cannot rot between GPU visits
 (tests/test_gpu_check.py runs it):
@@ -14,7 +14,9 @@ It prints the versions it found, then runs the sections below, writing
 `DIR/gpu_check.json` after every section (and after every model of the
 overhead section), so a run cut short keeps what it measured; a later run
 with `--sections` replaces only the sections it runs. It ends with one
-table. `--plan` prints each section's estimated GPU seconds and exits.
+table. `--plan` prints each section's estimated GPU seconds and exits;
+`--profile` adds a `jax.profiler` trace of a few steps of both loops per
+overhead row (DIR/profile/MODEL-PRECISION), for whatever falls short.
 
 Sections:
   overhead        hetjax's `Trainer.fit` against a plain `jax.jit` loop
@@ -59,6 +61,7 @@ import numpy as np  # noqa: E402  (JAX is imported only once the environment is 
 SECTIONS = ("overhead", "two_hosts", "checkpoint", "device_batches", "precision")
 PRECISIONS = ("fp32", "bf16")
 RESULT_FILE = "gpu_check.json"
+PROFILE_STEPS = 5  # Per loop, traced with `--profile` after the timed runs.
 TARGET_RATIO = 0.97  # For resnet18 and resnet50 (issue 30).
 TARGET_RATIO_MODELS = ("resnet18", "resnet50")
 TARGET_ADDED_MS = 1.0  # For every model.
@@ -193,6 +196,7 @@ class Context:
   models: list[str]
   results: dict[str, Any]
   save: Callable[[], None]  # Writes the JSON as it stands.
+  profile_dir: str | None = None  # Where `--profile` writes jax.profiler traces.
   section: dict[str, Any] = dataclasses.field(default_factory=dict)  # The one running.
 
 
@@ -207,7 +211,7 @@ def overhead_section(ctx: Context) -> dict[str, Any]:
     for name in ctx.models:
       try:
         rows[f"{name}/{precision}"] = _overhead_row(ctx.profile.models[name], precision,
-                                                    ctx.profile.repeats)
+                                                    ctx.profile.repeats, ctx.profile_dir)
       except Exception as e:  # pylint: disable=broad-except  (recorded; the next model runs)
         traceback.print_exc()
         rows[f"{name}/{precision}"] = {"model": name, "precision": precision,
@@ -219,7 +223,8 @@ def overhead_section(ctx: Context) -> dict[str, Any]:
           **({"status": "failed", "error": f"rows failed: {failed}"} if failed else {})}
 
 
-def _overhead_row(size: Size, precision: str, repeats: int) -> dict[str, Any]:
+def _overhead_row(size: Size, precision: str, repeats: int,
+                  profile_dir: str | None) -> dict[str, Any]:
   """One model in one precision: both loops built, timed interleaved, closed."""
   import overhead as bench_overhead
   source = make_source(size)
@@ -227,6 +232,8 @@ def _overhead_row(size: Size, precision: str, repeats: int) -> dict[str, Any]:
                                     size.global_batch, precision, ("plain", "hetjax"))
   try:
     ms = bench_overhead.time_loops(loops, size.steps, repeats)
+    if profile_dir:
+      trace(loops, os.path.join(profile_dir, f"{size.model}-{precision}"))
   finally:
     loops["hetjax"].trainer.close()
     del loops
@@ -243,6 +250,20 @@ def _overhead_row(size: Size, precision: str, repeats: int) -> dict[str, Any]:
         f"{row['hetjax_ms']:.2f} ms, ratio {row['ratio']:.3f}, added {row['added_ms']:.2f} ms",
         flush=True)
   return row
+
+
+def trace(loops: dict[str, Any], directory: str, steps: int = PROFILE_STEPS) -> None:
+  """A jax.profiler trace of a few steps of each loop, one after the other.
+
+  Where hetjax adds time on a device, this shows which program or which
+  host gap it is (open `directory` with xprof / TensorBoard's profile tab).
+  """
+  import jax
+  with jax.profiler.trace(directory):
+    for label, loop in loops.items():
+      with jax.profiler.TraceAnnotation(f"gpu_check {label}"):
+        loop.run(steps)
+        loop.wait()
 
 
 def two_hosts_entry(spec: dict[str, Any]) -> dict[str, Any]:
@@ -424,6 +445,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       help=f"overhead and precision models, from {', '.join(GPU.models)} "
                       f"(default: all; with --smoke: {','.join(SMOKE.default_models)})")
   parser.add_argument("--plan", action="store_true", help="print the estimated GPU seconds, exit")
+  parser.add_argument("--profile", action="store_true",
+                      help="also write a jax.profiler trace of each overhead row to DIR/profile")
   args = parser.parse_args(argv)
   if args.models is None:
     args.models = ",".join((SMOKE if args.smoke else GPU).default_models)
@@ -570,7 +593,8 @@ def main(argv: list[str] | None = None) -> int:
   results.update(command=" ".join([os.path.basename(sys.executable), *sys.argv]),
                  versions=versions(), plan_s=est)
   print(f"hetjax GPU check, profile {profile.name}: {json.dumps(results['versions'])}", flush=True)
-  ctx = Context(profile, args.models, results, save=lambda: write_json(path, results))
+  ctx = Context(profile, args.models, results, save=lambda: write_json(path, results),
+                profile_dir=os.path.join(args.out, "profile") if args.profile else None)
   for name in args.sections:
     run_section(name, ctx, path)
   results["total_s"] = round(time.perf_counter() - t0, 1)
