@@ -26,6 +26,8 @@ GLOBAL_BATCH = 62   # Not a multiple of the block: the last block is partial.
 BLOCK = 4           # --microbatch: positions per block.
 UNEVEN = (4, 24, 34)  # Host 0 fills half a device round; host 2 ends with the partial block.
 SEED = 3
+SPEEDS = (1.0, 0.5, 0.25)  # The static layout's recorded device speeds, by host.
+SAMPLE_S = 1e-3            # Its recorded seconds per sample on the fastest device.
 
 
 def _classification(logits, batch):
@@ -110,6 +112,17 @@ def _static_balancer(tr_devices):
                                     warmup_steps=2)
 
 
+def recorded_timings(compute_s: float, step: int, samples: int = 0) -> float:
+  """The pace hook of the static layout: this host's compute time, as recorded, not measured.
+
+  `samples x SAMPLE_S / speed`, never the clock: the split the balancer
+  solves from it is the same in every run, whatever the machine's load
+  (measured compute on a shared machine moved it from run to run).
+  """
+  del compute_s, step
+  return samples * SAMPLE_S / SPEEDS[jax.process_index()]
+
+
 def matrix(layout: str, models=MODELS, reductions=("device", "host"),
            global_batch: int = GLOBAL_BATCH):
   """Every (model, reduction) on this cluster; `layout` is 'equal', 'uneven' or 'static'."""
@@ -121,10 +134,11 @@ def matrix(layout: str, models=MODELS, reductions=("device", "host"),
       config = trainer.TrainConfig(
           global_batch=global_batch, microbatch=BLOCK, seed=SEED, reduction=reduction,
           assignment=UNEVEN if layout == "uneven" else "equal")
-      custom = None
+      custom, pace = None, None
       if layout == "static":
         custom = _static_balancer([jax.local_device_count()] * jax.process_count())
-      tr = trainer.Trainer(task, optimizer, source, config, balancer=custom)
+        pace = recorded_timings
+      tr = trainer.Trainer(task, optimizer, source, config, balancer=custom, pace=pace)
       tr.fit(STEPS)
       state = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tr.state.model_state)
       out[(model, reduction)] = (tr.params(), state, list(tr.history.shares))
