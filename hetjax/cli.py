@@ -89,6 +89,10 @@ def _parser() -> argparse.ArgumentParser:
                  help="cross-host reduction backend")
   t.add_argument("--out", default="runs/latest",
                  help="folder for summary.json, metrics.jsonl and tensorboard/ (host 0)")
+  t.add_argument("--wandb", default=None, metavar="PROJECT",
+                 help="log to Weights & Biases project PROJECT from host 0: the resolved config, "
+                      "every metrics record, the summary and the report picture (needs "
+                      "pip install 'hetjax[wandb]'; WANDB_MODE=offline works)")
   t.add_argument("--save-params", default=None, metavar="FILE.npz",
                  help="write the final parameters (host 0)")
   t.add_argument("--log-every", type=int, default=10,
@@ -144,6 +148,9 @@ def _check_args(args: argparse.Namespace) -> None:
   if args.image_size is not None:
     from hetjax.input import images
     images.recipe_from_augment(args.image_size, 3, args.augment)
+  if args.wandb:
+    from hetjax.observe import tracking
+    tracking.check_installed()
   if args.data_workers is not None and args.data_workers < 0:
     raise ValueError(f"--data-workers must be >= 0 (0 reads in threads), got {args.data_workers}.")
   optimizers.check(args.optimizer, args.lr, schedule=args.schedule, warmup_steps=args.warmup_steps,
@@ -261,9 +268,15 @@ def train(args: argparse.Namespace) -> dict:
                        checkpoint=ckpt)
   bar = progress.Progress(args.steps, host_id=topo.host_id, every=max(args.log_every, 1))
   sinks = [bar.update] if args.log_every > 0 else []
+  tracked = _tracking(args) if topo.host_id == 0 else None
+  sinks += [tracked] if tracked is not None else []
   try:
     summary = tr.fit(until=args.steps, sinks=sinks, out=args.out, eval_source=test_source,
                      eval_every=args.eval_every)
+  except BaseException:
+    if tracked is not None:
+      tracked.run.finish(exit_code=1)
+    raise
   finally:
     bar.close()
   tr.close()
@@ -281,7 +294,28 @@ def train(args: argparse.Namespace) -> dict:
       flat = {jax.tree_util.keystr(k): np.asarray(v)
               for k, v in jax.tree_util.tree_leaves_with_path(tr.params())}
       np.savez(args.save_params, **flat)
+  if tracked is not None:
+    tracked.finish(summary, _report_picture(args.out))
   return summary
+
+
+def _tracking(args: argparse.Namespace):
+  """Host 0's W&B run for --wandb (None without it)."""
+  if not args.wandb:
+    return None
+  from hetjax.observe import tracking
+  return tracking.WandbRun(args.wandb, resolved_config(args), args.out,
+                           name=os.path.basename(os.path.normpath(args.out)))
+
+
+def _report_picture(out: str) -> str | None:
+  """OUT/report.png drawn now (what `hetjax report OUT` draws); None if the run is too short."""
+  from hetjax.observe import report
+  try:
+    report.make_report(out)
+  except ValueError:
+    return None
+  return os.path.join(out, report.PNG_FILE)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -1,0 +1,70 @@
+"""`hetjax train --wandb PROJECT`: an offline W&B run holds the config and every step's record.
+
+WANDB_MODE=offline: nothing reaches the network; the run is read back from
+the file wandb writes under OUT/wandb (a LevelDB-style log of protobuf
+records, read here with wandb's own protobuf classes).
+"""
+
+import glob
+import json
+import pathlib
+
+import pytest
+
+from hetjax import cli
+from hetjax.observe import tracking
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _wandb_records(path):
+  """The protobuf records of a .wandb file (wandb's LevelDB-style log, 32 KiB blocks)."""
+  from wandb.proto import wandb_internal_pb2 as pb
+  data, pos, pending, block = pathlib.Path(path).read_bytes(), 7, b"", 32768  # 7: file header
+  while pos + 7 <= len(data):
+    left = block - pos % block
+    length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+    if left < 7 or kind == 0:  # A block's zero padding.
+      pos += left
+      continue
+    pending += data[pos + 7:pos + 7 + length]
+    pos += 7 + length
+    if kind in (1, 4):  # FULL or LAST: a whole record.
+      record = pb.Record()
+      record.ParseFromString(pending)
+      pending = b""
+      yield record
+
+
+def test_an_offline_run_holds_the_config_and_every_step(tmp_path, monkeypatch):
+  monkeypatch.chdir(ROOT)
+  monkeypatch.setenv("WANDB_MODE", "offline")
+  monkeypatch.setenv("WANDB_SILENT", "true")
+  out = tmp_path / "run"
+  assert cli.main(["train", "--model", "examples.custom_model:task", "--dataset",
+                   "examples.custom_model:dataset", "--global-batch", "64", "--microbatch", "8",
+                   "--steps", "4", "--log-every", "0", "--out", str(out), "--wandb", "hetjax-test"]) == 0
+  (path,) = glob.glob(str(out / "wandb" / "offline-run-*" / "run-*.wandb"))
+  config, history = {}, []
+  for record in _wandb_records(path):
+    kind = record.WhichOneof("record_type")
+    if kind == "run":
+      config.update({i.key: json.loads(i.value_json) for i in record.run.config.update})
+    elif kind == "history":
+      history.append({i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                      for i in record.history.item})
+  assert config["model"] == "examples.custom_model:task" and config["steps"] == 4
+  assert config["checkpoints"]["ckpt-every"] == 100  # The resolved config, sections and all.
+  steps = [h for h in history if "loss" in h]
+  assert [h["_step"] for h in steps] == [1, 2, 3, 4]  # Every record, at its step.
+  jsonl = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+  assert [h["loss"] for h in steps] == pytest.approx([r["loss"] for r in jsonl])
+  assert all("host0/share" in h and "samples_per_sec" in h for h in steps)
+  picture = [h for h in history if h.get("report/_type") == "image-file"]
+  assert picture and picture[0]["report/path"].startswith("media/images/report")  # At the end.
+
+
+def test_without_the_library_wandb_says_what_to_install(monkeypatch, capsys):
+  monkeypatch.setattr(tracking.importlib.util, "find_spec", lambda name: None)
+  assert cli.main(["train", "--model", "mlp", "--steps", "2", "--wandb", "p", "--out", "x"]) == 2
+  assert "pip install 'hetjax[wandb]'" in capsys.readouterr().err
