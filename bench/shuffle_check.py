@@ -20,14 +20,17 @@ import numpy as np
 
 from hetjax.input import shuffle
 
-try:
-  from grain._src.python.experimental.index_shuffle.python import index_shuffle_module as grain_shuffle
-except ImportError as e:
-  raise SystemExit(f"bench/shuffle_check.py compares against grain: pip install grain ({e}).")
+try:  # grain's public face: `grain.experimental` (older releases: `grain.python.experimental`).
+  from grain.experimental import index_shuffle
+except ImportError:
+  try:
+    from grain.python.experimental import index_shuffle
+  except ImportError as e:
+    raise SystemExit(f"bench/shuffle_check.py compares against grain: pip install grain ({e}).")
 
 
 def _grain(positions: np.ndarray, n: int, seed: int) -> np.ndarray:
-  return np.array([grain_shuffle.index_shuffle(int(i), max_index=n - 1, seed=seed, rounds=4)
+  return np.array([index_shuffle(int(i), max_index=n - 1, seed=seed, rounds=4)
                    for i in positions], dtype=np.float64)
 
 

@@ -65,10 +65,6 @@ class GlobalSampler:
     """Host `host`'s slice of `indices(step)`, computing only that slice."""
     return self.at(self.positions(step, host_slice(shares, host)))
 
-  def epoch(self, step: int) -> float:
-    """Epochs completed after `step` steps."""
-    return step * self.global_batch / self.num_records
-
   def epochs_completed(self, step: int) -> int:
     """Whole epochs completed after `step` steps (exact integer arithmetic)."""
     return step * self.global_batch // self.num_records

@@ -13,7 +13,6 @@ Indices: entry `k` of the lists is the run's history index `dropped + k`
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
 
 WINDOW = 1000  # Steps kept; the lists are trimmed back to this when they reach twice it.
 
@@ -102,7 +101,3 @@ class History:
       compute = [a + b for a, b in zip(compute, f.steady_compute_s)]
       wait = [a + b for a, b in zip(wait, f.steady_wait_s)]
     return f.steady_steps + len(step_s), f.steady_step_s + sum(step_s), compute, wait
-
-  def window(self, seq: Sequence, index: int):
-    """Entry `index` (a history index) of one of the lists."""
-    return seq[index - self.dropped]
