@@ -174,3 +174,30 @@ def test_a_rounds_run_is_reported_in_rounds_with_taus_reduction_and_spread(tmp_p
 
 def test_a_sync_run_has_no_rounds_figures():
   assert report.analyze(None, fixture.records()).rounds is None
+
+
+def test_panel_a_bins_compute_and_wait_as_fractions_of_the_step_time():
+  records = fixture.records(steps=30)
+  starts, ends, compute, wait = report.binned_fractions(records, 3, bins=10)
+  assert len(starts) == 10 and starts[0] == 0 and ends[-1] == 30  # Bins of 3 steps, over [0, 30].
+  group = records[3:6]
+  total = sum(r["step_s"] for r in group)
+  for i in range(3):
+    assert compute[i][1] == pytest.approx(sum(r["compute_s"][i] for r in group) / total)
+    assert wait[i][1] == pytest.approx(sum(r["wait_s"][i] for r in group) / total)
+    assert 0 < compute[i][1] + wait[i][1] <= 1  # The rest of a step is neither (input, dispatch).
+
+
+def test_a_resume_is_found_and_said_and_the_reduction_share_printed(tmp_path):
+  records = fixture.records(steps=20)
+  for r in records[12:]:  # The restarted process's clock starts again after step 12.
+    r["time_s"] -= records[11]["time_s"] - 0.1
+  fig = report.analyze(None, records)
+  assert fig.resumes == [12]
+  steady = records[2:]
+  reduction = np.mean([min(r["wait_s"]) for r in steady])
+  assert fig.reduction_s == pytest.approx(reduction, rel=1e-9)
+  text = report.format_text(fig, "run")
+  assert "resumed after step 12" in text
+  assert f"of which the reduction {reduction * 1e3:,.1f} ms ({reduction / fig.step_s:.1%}" in text
+  report.plot(records, fig, str(tmp_path / "r.png"))  # Draws with the marker.

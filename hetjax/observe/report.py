@@ -1,11 +1,14 @@
 """`hetjax report OUT`: what a finished (or crashed) run spent its time on.
 
 Reads OUT/metrics.jsonl (and OUT/summary.json when the run finished) and
-writes OUT/report.png, with (a) a per-host timeline of compute vs wait,
-(b) the shares over the steps, (c) the throughput and, when the run
-evaluated during training, (d) the evaluation accuracy (or loss) over steps
-and training seconds with the learning rate, and OUT/report.txt, also
-printed:
+writes OUT/report.png, with (a) each host's compute and wait as fractions
+of the step time, averaged over bins of steps, (b) the shares over the
+steps, (c) the throughput and, when the run evaluated during training, (d)
+the evaluation accuracy (or loss) with the learning rate, and
+OUT/report.txt, also printed. A colour always means a host (solid: compute,
+pale: wait); the run-wide lines are black and grey; a dotted vertical line
+marks a resume (the records' clock starts again there). Every x axis counts
+steps done, as the records do.
 
 - efficiency = measured samples/s / ideal samples/s, where measured is the
   global batch over the mean step time and ideal is the sum over hosts of
@@ -13,7 +16,11 @@ printed:
   steps where it had samples): what the hosts would deliver if nobody ever
   waited and the collective were free;
 - idle fraction of each host: wait / (compute + wait);
-- balancer moves: decisions after warm-up that changed the split.
+- balancer moves: decisions after warm-up that changed the split;
+- the reduction's share of a step: the fastest host's wait (what the
+  cross-host reduction itself costs, nobody waiting for a slower host) over
+  the step time. The rounds modes (hybrid, elastic) reduce once per round
+  instead of once per step, which pays when this share is large.
 
 The first `WARMUP_STEPS` steps (compilation) are left out of every figure
 but the plots.
@@ -40,7 +47,7 @@ WARMUP_STEPS = 2  # As hetjax.trainer.WARMUP_STEPS, which this must not import (
 SUMMARY_FILE = metrics_lib.SUMMARY_FILE
 PNG_FILE = "report.png"
 TEXT_FILE = "report.txt"
-TIMELINE_STEPS = 200  # The timeline shows at most this many steps (the last ones) to stay legible.
+BINS = 60  # Panel (a) averages the steps into at most this many bins, so it stays legible.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +73,9 @@ class Figures:
   last_eval: dict[str, float] | None = None
   last_eval_step: int | None = None
   rounds: RoundsFigures | None = None  # a hybrid or elastic run
+  step_s: float = 0.0           # mean step seconds after warm-up
+  reduction_s: float = 0.0      # mean of the fastest host's wait per step: the reduction itself
+  resumes: list[int] = dataclasses.field(default_factory=list)  # steps a restarted run resumed at
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +175,7 @@ def analyze(summary: dict[str, Any] | None, records: list[dict[str, Any]]) -> Fi
     wait, compute = sum(r["wait_s"][i] for r in run), sum(r["compute_s"][i] for r in run)
     idle.append(wait / (wait + compute) if wait + compute > 0 else 0.0)
   changes = sum(a["shares"] != b["shares"] for a, b in zip(records, records[1:]))
+  reduction = sum(min(r["wait_s"]) for r in run) / len(run)
   decisions = None if summary is None else summary.get("balancer_decisions")
   emulated = any(r["emulated"] for r in records) or bool((summary or {}).get("emulated_speeds"))
   evaluated = [r for r in records if r.get("eval")]
@@ -178,7 +189,13 @@ def analyze(summary: dict[str, Any] | None, records: list[dict[str, Any]]) -> Fi
       balancer_moves=None if decisions is None else balancer_moves(decisions), emulated=emulated,
       evaluations=len(evaluated), last_eval=evaluated[-1]["eval"] if evaluated else None,
       last_eval_step=evaluated[-1]["step"] if evaluated else None,
-      rounds=analyze_rounds(summary, records, hosts) if is_rounds(records) else None)
+      rounds=analyze_rounds(summary, records, hosts) if is_rounds(records) else None,
+      step_s=step_s / len(run), reduction_s=reduction, resumes=resumed_at(records))
+
+
+def resumed_at(records: Sequence[dict[str, Any]]) -> list[int]:
+  """Steps after which a restarted run went on: its clock (`time_s`) starts again there."""
+  return [a["step"] for a, b in zip(records, records[1:]) if b["time_s"] < a["time_s"]]
 
 
 def _count(n: int, noun: str) -> str:
@@ -198,6 +215,8 @@ def format_text(fig: Figures, out_dir: str) -> str:
       f"{fig.ideal_samples_per_sec:,.1f} ideal; efficiency {fig.efficiency:.1%}",
       "  (ideal = sum of each host's own samples/s, its share / compute_s; "
       "efficiency = measured / ideal)",
+      f"step: {fig.step_s * 1e3:,.1f} ms mean, of which the reduction {fig.reduction_s * 1e3:,.1f} "
+      f"ms ({fig.reduction_s / fig.step_s if fig.step_s else 0.0:.1%}; the fastest host's wait)",
       "host  own samples/s  last share  idle",
   ]
   for i in range(fig.hosts):
@@ -214,6 +233,8 @@ def format_text(fig: Figures, out_dir: str) -> str:
     shown = ", ".join(f"{k} {v:.4f}" for k, v in sorted(fig.last_eval.items()))
     lines.append(f"evaluation: {shown} after step {fig.last_eval_step} "
                  f"({_count(fig.evaluations, 'evaluation')} during training)")
+  if fig.resumes:
+    lines.append(f"resumed after step {', '.join(map(str, fig.resumes))} (a restart)")
   return "\n".join(lines) + "\n"
 
 
@@ -245,8 +266,32 @@ def _format_rounds(fig: Figures, out_dir: str) -> str:
   return "\n".join(lines) + "\n"
 
 
+def host_colour(i: int) -> str:
+  """Host i's colour, the same in every panel (matplotlib's ten-colour cycle)."""
+  return f"C{i % 10}"
+
+
+def binned_fractions(records: Sequence[dict[str, Any]], hosts: int, bins: int = BINS):
+  """Panel (a)'s data: bin edges (steps) and per host the compute and wait fractions of the
+  step time in each bin: `(starts, ends, compute[hosts][bins], wait[hosts][bins])`.
+
+  A fraction is seconds over the bin's step seconds, so a bin of slow steps
+  weighs by its time, not by its step count.
+  """
+  size = max(1, -(-len(records) // bins))
+  groups = [records[k:k + size] for k in range(0, len(records), size)]
+  starts = [g[0]["step"] - 1 for g in groups]  # A step is drawn over [step - 1, step].
+  ends = [g[-1]["step"] for g in groups]
+  total = [sum(r["step_s"] for r in g) or 1.0 for g in groups]
+  compute = [[sum(r["compute_s"][i] for r in g) / t for g, t in zip(groups, total)]
+             for i in range(hosts)]
+  wait = [[sum(r["wait_s"][i] for r in g) / t for g, t in zip(groups, total)]
+          for i in range(hosts)]
+  return starts, ends, compute, wait
+
+
 def plot(records: list[dict[str, Any]], fig: Figures, path: str, title: str = "") -> None:
-  """Draws the timeline, shares and throughput panels into a PNG at `path`."""
+  """Draws the fractions, shares, throughput (and evaluation) panels into a PNG at `path`."""
   from matplotlib.figure import Figure  # No pyplot: no global backend, Agg by default.
 
   hosts = fig.hosts
@@ -254,78 +299,108 @@ def plot(records: list[dict[str, Any]], fig: Figures, path: str, title: str = ""
   extra = 0 if fig.rounds is None else 2  # Round and reduction seconds; spread.
   unit = "step" if fig.rounds is None else "round"
   panels = 3 + extra + (1 if evaluated else 0)
-  figure = Figure(figsize=(11, 3 + 0.35 * hosts + 5 + 2.5 * extra + (1.8 if evaluated else 0)),
+  figure = Figure(figsize=(11, 2.2 + 0.7 * hosts + 5 + 2.5 * extra + (2.2 if evaluated else 0)),
                   layout="constrained")
-  axes = figure.subplots(panels, 1, height_ratios=[1 + 0.25 * hosts] + [1.2] * (panels - 1))
-  timeline, shares, throughput = axes[0], axes[1], axes[2 + extra]
-  shown = steady(records)[-TIMELINE_STEPS:]
-  for i in range(hosts):
-    starts = [r["time_s"] - r["step_s"] for r in shown]
-    timeline.broken_barh([(s, r["compute_s"][i]) for s, r in zip(starts, shown)], (i - 0.4, 0.8),
-                         facecolors="tab:blue", label="compute" if i == 0 else None)
-    timeline.broken_barh([(s + r["compute_s"][i], r["wait_s"][i]) for s, r in zip(starts, shown)],
-                         (i - 0.4, 0.8), facecolors="tab:orange", label="wait" if i == 0 else None)
-  timeline.set_yticks(range(hosts), [f"host {i}" for i in range(hosts)])
-  timeline.invert_yaxis()
-  timeline.set_xlabel("seconds since start")
-  timeline.set_title(f"(a) compute vs wait per host, {unit}s {shown[0]['step']}-{shown[-1]['step']}")
-  timeline.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
-
-  steps = [r["step"] for r in records]
+  axes = figure.subplots(panels, 1, sharex=True,
+                         height_ratios=[0.6 + 0.45 * hosts] + [1.2] * (panels - 1))
+  _plot_fractions(axes[0], records, fig, unit)
   if fig.rounds is None:
-    # Stacked, so every band shows and the total stays the fixed global batch.
-    shares.stackplot(steps, [[r["shares"][i] for r in records] for i in range(hosts)], step="post",
-                     labels=[f"host {i}" for i in range(hosts)])
-    shares.set_ylabel("samples")
-    shares.set_title("(b) share of the global batch per host (stacked)")
-    if hosts <= 12:
-      shares.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    _plot_shares(axes[1], records, hosts)
   else:
-    _plot_rounds(shares, axes[2], axes[3], records, fig)
-
-  sps = [r["samples_per_sec"] for r in records]
-  throughput.plot(steps, sps, color="tab:gray", lw=0.8, label=f"per {unit}")
-  window = 5
-  smooth = [sum(sps[max(0, k - window + 1):k + 1]) / len(sps[max(0, k - window + 1):k + 1])
-            for k in range(len(sps))]
-  throughput.plot(steps, smooth, color="tab:green", lw=2, label=f"mean of {window}")
-  # The ideal moves when a host changes speed, so it is drawn step by step.
-  own = [sum(b / c for b, c in zip(r["shares"], r["compute_s"]) if b > 0 and c > 0) for r in records]
-  ideal = [sum(own[max(0, k - window + 1):k + 1]) / len(own[max(0, k - window + 1):k + 1])
-           for k in range(len(own))]
-  throughput.plot(steps, ideal, color="k", ls="--", lw=1, label=f"ideal (mean of {window})")
-  if fig.warmup_steps:
-    throughput.axvspan(steps[0], steps[fig.warmup_steps], color="0.9", label="warm-up")
-  top = max(smooth[fig.warmup_steps:] + ideal[fig.warmup_steps:] or smooth + ideal)
-  throughput.set_ylim(0, 1.15 * top)
-  throughput.set_xlabel(unit)
-  throughput.set_ylabel("samples/s")
-  throughput.set_title(f"({'ce'[extra // 2]}) throughput; efficiency {fig.efficiency:.1%}")
-  throughput.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    _plot_rounds(axes[1], axes[2], axes[3], records, fig)
+  _plot_throughput(axes[2 + extra], records, fig, unit, "ce"[extra // 2])
   if evaluated:
     _plot_evaluation(axes[-1], records, evaluated, unit, "df"[extra // 2])
+  for ax in axes:
+    _mark_resumes(ax, fig.resumes, legend=ax is axes[0])
+    ax.tick_params(labelbottom=True)  # Every panel keeps its step numbers (shared x).
+  axes[-1].set_xlabel(f"{unit}s done")
   figure.suptitle(title + ("  (emulated speeds)" if fig.emulated else ""))
   figure.savefig(path, dpi=100)
+
+
+def _plot_fractions(ax, records: list[dict[str, Any]], fig: Figures, unit: str) -> None:
+  """(a): per host, a band whose solid part is compute and pale part wait, as step fractions."""
+  hosts = fig.hosts
+  starts, ends, compute, wait = binned_fractions(records, hosts)
+  xs = [x for a, b in zip(starts, ends) for x in (a, b)]  # Flat over each bin.
+  for i in range(hosts):
+    base = hosts - 1 - i  # Host 0 on top, as the legends list them.
+    c = [v for v in compute[i] for _ in (0, 1)]
+    w = [cv + wv for cv, wv in zip(c, [v for v in wait[i] for _ in (0, 1)])]
+    ax.fill_between(xs, base, [base + 0.9 * v for v in c], color=host_colour(i), lw=0)
+    ax.fill_between(xs, [base + 0.9 * v for v in c], [base + 0.9 * min(v, 1.0) for v in w],
+                    color=host_colour(i), alpha=0.3, lw=0)
+    ax.axhline(base + 0.9, color="0.85", lw=0.5)
+    ax.text(1.005, base + 0.45, f"wait {fig.idle_fraction[i]:.0%}", transform=ax.get_yaxis_transform(),
+            va="center", fontsize=9)
+  ax.set_yticks([hosts - 1 - i + 0.45 for i in range(hosts)], [f"host {i}" for i in range(hosts)])
+  ax.set_ylim(-0.1, hosts)
+  size = ends[0] - starts[0]
+  ax.set_title(f"(a) {unit} time per host: compute (solid), wait (pale); "
+               f"bins of {size} {unit}{'s' if size > 1 else ''}; right: mean wait after warm-up")
+
+
+def _plot_shares(ax, records: list[dict[str, Any]], hosts: int) -> None:
+  """(b): the shares, stacked so the total stays the fixed global batch."""
+  steps = [r["step"] for r in records]
+  ax.stackplot(steps, [[r["shares"][i] for r in records] for i in range(hosts)], step="pre",
+               colors=[host_colour(i) for i in range(hosts)],
+               labels=[f"host {i}" for i in range(hosts)])
+  ax.set_ylabel("samples")
+  ax.set_title("(b) share of the global batch per host, in samples (stacked)")
+  if hosts <= 12:
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
+
+
+def _plot_throughput(ax, records: list[dict[str, Any]], fig: Figures, unit: str,
+                     letter: str) -> None:
+  """(c): samples/s per step, its running mean, and the ideal (the hosts' own speeds summed)."""
+  steps = [r["step"] for r in records]
+  sps = [r["samples_per_sec"] for r in records]
+  window = 5
+  mean = lambda v, k: sum(v[max(0, k - window + 1):k + 1]) / len(v[max(0, k - window + 1):k + 1])
+  smooth = [mean(sps, k) for k in range(len(sps))]
+  # The ideal moves when a host changes speed, so it is drawn step by step.
+  own = [sum(b / c for b, c in zip(r["shares"], r["compute_s"]) if b > 0 and c > 0) for r in records]
+  ideal = [mean(own, k) for k in range(len(own))]
+  if fig.warmup_steps:
+    ax.axvspan(steps[0] - 1, steps[fig.warmup_steps - 1], color="0.92", label="warm-up")
+  ax.plot(steps, sps, color="0.65", lw=0.6, label=f"per {unit}")
+  ax.plot(steps, smooth, color="k", lw=1.8, label=f"mean of {window}")
+  ax.plot(steps, ideal, color="k", ls="--", lw=1, label=f"ideal (mean of {window})")
+  top = max(smooth[fig.warmup_steps:] + ideal[fig.warmup_steps:] or smooth + ideal)
+  ax.set_ylim(0, 1.15 * top)
+  ax.set_ylabel("samples/s")
+  ax.set_title(f"({letter}) throughput; efficiency {fig.efficiency:.1%} of the ideal")
+  ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
+
+
+def _mark_resumes(ax, resumes: Sequence[int], legend: bool) -> None:
+  for k, step in enumerate(resumes):
+    ax.axvline(step, color="k", ls=":", lw=1.2, label="resumed" if legend and k == 0 else None)
+  if legend and resumes:
+    ax.legend(loc="upper left", bbox_to_anchor=(1.06, 1.0), frameon=False)
 
 
 def _plot_rounds(taus, times, spread, records: list[dict[str, Any]], fig: Figures) -> None:
   """Panels (b)-(d) of a rounds run: taus and samples, round and reduction seconds, spread."""
   hosts, rounds = fig.hosts, [r["step"] for r in records]
   for i, values in enumerate(zip(*_per_host(records, "tau", hosts))):
-    taus.step(rounds, values, where="post", label=f"host {i}: {fig.rounds.samples_per_round[i]:.0f} samples/round")
+    taus.step(rounds, values, where="pre", color=host_colour(i),
+              label=f"host {i}: {fig.rounds.samples_per_round[i]:.0f} samples/round")
   taus.set_ylabel("local steps (tau)")
   taus.set_title("(b) local steps per round per host (legend: mean samples per round)")
-  times.plot(rounds, [r["step_s"] for r in records], color="tab:gray", label="round")
-  times.plot(rounds, [r["metrics"]["reduction_s"] for r in records], color="tab:red",
+  times.plot(rounds, [r["step_s"] for r in records], color="k", label="round")
+  times.plot(rounds, [r["metrics"]["reduction_s"] for r in records], color="k", ls="--",
              label="reduction")
   times.set_ylabel("seconds")
-  times.set_ylim(0, 1.2 * max(r["step_s"] for r in steady(records)))  # Round 0 compiles.
+  times.set_ylim(0, 1.2 * max(r["step_s"] for r in steady(records)))  # Round 1 compiles.
   times.set_title(f"(c) round {fig.rounds.round_s * 1e3:.0f} ms, reduction "
                   f"{fig.rounds.reduction_s * 1e3:.0f} ms (means after warm-up)")
   for i, values in enumerate(zip(*_per_host(records, "spread", hosts))):
-    spread.plot(rounds, values, label=f"host {i}")
+    spread.plot(rounds, values, color=host_colour(i), label=f"host {i}")
   spread.set_ylabel("||x_i - mean||")
-  spread.set_xlabel("round")
   spread.set_title("(d) spread: each host's distance to the hosts' sample-weighted mean")
   for ax in (taus, times, spread):
     if hosts <= 12 or ax is times:
@@ -337,25 +412,18 @@ def _plot_evaluation(ax, records: list[dict[str, Any]], evaluated: list[dict[str
   """The last panel: evaluation accuracy (else loss) after each evaluated step; lr on the right."""
   name = "accuracy" if "accuracy" in evaluated[0]["eval"] else "loss"
   done = [r["step"] for r in evaluated]
-  ax.plot(done, [r["eval"][name] for r in evaluated], "o-", color="tab:purple",
-          label=f"eval {name}")
-  ax.set_xlabel(f"{unit}s done")
+  ax.plot(done, [r["eval"][name] for r in evaluated], "o-", color="k", label=f"eval {name}")
   ax.set_ylabel(f"eval {name}")
-  # Training seconds (evaluation time excluded) on the top axis, from the records' clock.
-  steps = [r["step"] for r in records]
-  times = [r["time_s"] for r in records]
-  if len(steps) > 1:
-    import numpy as np
-    top = ax.secondary_xaxis("top", functions=(lambda x: np.interp(x, steps, times),
-                                               lambda t: np.interp(t, times, steps)))
-    top.set_xlabel("training seconds")
-  title = f"({letter}) evaluation {name}: {evaluated[-1]['eval'][name]:.4f} after {unit} {done[-1]}"
+  seconds = sum(r["step_s"] for r in records)  # Training seconds, evaluation excluded.
+  title = (f"({letter}) evaluation {name}: {evaluated[-1]['eval'][name]:.4f} after {unit} "
+           f"{done[-1]} ({seconds:,.0f} s of training)")
   with_lr = [r for r in records if "lr" in r]
   if with_lr:
     lr_axis = ax.twinx()
-    lr_axis.plot([r["step"] for r in with_lr], [r["lr"] for r in with_lr], color="tab:gray",
+    lr_axis.plot([r["step"] for r in with_lr], [r["lr"] for r in with_lr], color="0.5",
                  ls="--", lw=1, label="learning rate")
     lr_axis.set_ylabel("learning rate")
+    lr_axis.set_ylim(0, 1.1 * max(r["lr"] for r in with_lr) or 1.0)
     lr_axis.legend(loc="lower right")
   ax.set_title(title)
   ax.legend(loc="upper left", bbox_to_anchor=(1.08, 1.0))
