@@ -325,7 +325,14 @@ def _max_differences(got: list[np.ndarray], want: list[np.ndarray]) -> tuple[flo
 
 
 def two_hosts_section(ctx: Context) -> dict[str, Any]:
-  """One process, then two sharing the device; compares their parameters."""
+  """One process, then two sharing the device; compares their parameters.
+
+  On a GPU this may fail at the trainer's start: its small agreement
+  collectives (`hetjax.mesh.gather_host_values`) run over the device mesh,
+  and NCCL refuses two ranks on one GPU ("Duplicate GPU detected"). The
+  error is recorded; the fix is for those collectives to take the CPU mesh
+  under `reduction="host"`, as the host reduction itself does.
+  """
   from hetjax.testing import run_hosts
   check = ctx.profile.two_hosts
   spec = dataclasses.asdict(check)
