@@ -141,6 +141,7 @@ class ShardedUpdate:
     self._split = jax.jit(self._split_state, out_shardings=self.shardings)
     self._join = jax.jit(self._join_state, out_shardings=self.replicated)
     self._opt_programs = None  # (pack, unpack) of `local_opt_state`, built on first use
+    self._replica = jax.jit(self._gathered_replica, out_shardings=self.replicated)
 
   # ---- Layout conversions (rare: init, restore, checkpoints, reads of the state) ----
 
@@ -197,13 +198,32 @@ class ShardedUpdate:
       unpack = jax.jit(packer.unpack, out_shardings=meshes.local_replicated)
       self._opt_programs = (pack, unpack)
     pack, unpack = self._opt_programs
-    packed = pack(shards)
+    return unpack(self.to_local(pack(shards), meshes))
+
+  def to_local(self, packed: packing.Packed, meshes: Any) -> packing.Packed:
+    """Packed buffers replicated on the shard mesh, onto this host's devices."""
     if self.replicated == meshes.replicated:  # The device backend: zero-copy re-wraps.
-      local = {g: mesh_lib.to_local(x, meshes) for g, x in packed.items()}
-    else:  # The host backend's CPU mesh: through host memory.
-      local = {g: jax.device_put(np.asarray(x.addressable_data(0)), meshes.local_replicated)
-               for g, x in packed.items()}
-    return unpack(local)
+      return {g: mesh_lib.to_local(x, meshes) for g, x in packed.items()}
+    # The host backend's CPU mesh: through host memory.
+    return {g: jax.device_put(np.asarray(x.addressable_data(0)), meshes.local_replicated)
+            for g, x in packed.items()}
+
+  def replica(self, shards: Shards, meshes: Any) -> packing.Packed:
+    """The packed replica the shards make, on this host's devices (what a local program unpacks).
+
+    A state made or restored on each device (an initialisation runs once
+    per device, and devices compiled differently may round differently)
+    thus reaches every replica from the one device that holds each slice.
+    """
+    return self.to_local(self._replica(shards), meshes)
+
+  def _gathered_replica(self, shards: Shards) -> packing.Packed:
+    params, model_state = self._gather((shards.params, shards.model_state))
+    join = lambda x, like: join_leaf(x, like.shape)
+    return self.replica_packer.pack(self.like._replace(
+        step=shards.step, params=jax.tree.map(join, params, self.like.params), opt_state=None,
+        model_state=jax.tree.map(join, model_state, self.like.model_state),
+        loss_scale=shards.loss_scale))
 
   # ---- The update, traced inside a reduction's program over the shard mesh ----
 
@@ -253,12 +273,43 @@ class ShardedUpdate:
     loss_scale = precision_lib.next_scale(shards.loss_scale, overflow, layout.precision)
     new = jax.lax.with_sharding_constraint(
         Shards(shards.step + 1, params, opt_state, model_state, loss_scale), self.shardings)
-    full_params, full_state = self._gather((new.params, new.model_state))
-    join = lambda x, like: join_leaf(x, like.shape)
-    replica = self.like._replace(
-        step=new.step, params=jax.tree.map(join, full_params, self.like.params), opt_state=None,
-        model_state=jax.tree.map(join, full_state, self.like.model_state), loss_scale=loss_scale)
-    return new, self.replica_packer.pack(replica), lr
+    return new, self._gathered_replica(new), lr
+
+
+def split_tree(tree: PyTree, mesh: Mesh, axis: str, keep: PyTree = None) -> PyTree:
+  """Every leaf of a replicated tree laid `[S, c]` over `mesh` (traced); leaves whose
+  `keep` entry is True (scalars of an optimizer state) stay as they are."""
+  size, sharding = mesh.devices.size, NamedSharding(mesh, P(axis))
+  split = lambda x: jax.lax.with_sharding_constraint(split_leaf(x, size), sharding)
+  if keep is None:
+    return jax.tree.map(split, tree)
+  return jax.tree.map(lambda x, k: x if k else split(x), tree, keep)
+
+
+def gather_tree(tree: PyTree, like: PyTree, mesh: Mesh, axis: str, keep: PyTree = None
+                ) -> PyTree:
+  """`split_tree` undone through an explicit all-gather (traced): every device receives
+  each slice from the one device that computed it."""
+  keep = jax.tree.map(lambda _: False, like) if keep is None else keep
+  leaves, treedef = jax.tree.flatten(tree)
+  kept, shapes = jax.tree.leaves(keep), jax.tree.leaves(like)
+  moving = [x for x, k in zip(leaves, kept) if not k]
+  if moving:
+    moving = list(jax.shard_map(
+        lambda *xs: [jax.lax.all_gather(x, axis, tiled=True) for x in xs],
+        mesh=mesh, in_specs=P(axis), out_specs=P(), check_vma=False)(*moving))
+  out, it = [], iter(moving)
+  for x, k, shape in zip(leaves, kept, shapes):
+    out.append(x if k else join_leaf(next(it), np.shape(shape)))
+  return jax.tree.unflatten(treedef, out)
+
+
+def scalar_leaves(optimizer: optax.GradientTransformation, params: PyTree, opt_state: PyTree,
+                  shards: int) -> PyTree:
+  """A tree like `opt_state`: True for the scalars a split update keeps whole
+  (raises for a factored optimizer, as `ShardedUpdate` does)."""
+  split = _split_opt_leaves(optimizer, _abstract(params), _abstract(opt_state), shards)
+  return jax.tree.unflatten(jax.tree.structure(opt_state), [not s for s in split])
 
 
 def tree_bytes(tree: PyTree) -> int:

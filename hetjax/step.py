@@ -258,6 +258,10 @@ class LocalProgram:
     self.layout: Layout | None = None
     self._task, self._optimizer = task, optimizer
     self.replica = replica
+    # The sharded update's new state alone (a share of 0, a read of the state;
+    # also before the first step, so not built with the other programs).
+    self._unpack = None if replica is None else jax.jit(
+        replica.unpack, out_shardings=meshes.local_replicated)
     self._key = None
     # Sums buffers recycled from two steps back: the last step's may still be
     # read (by its reduction, or the thread that times it) while this one runs.
@@ -339,9 +343,6 @@ class LocalProgram:
       self._fused_program = jax.jit(
           jax.shard_map(unpack_then_grad, mesh=local, in_specs=(P(), P(DEV), P()),
                         out_specs=(P(), P(DEV))))
-      unpack = jax.jit(replica.unpack, out_shardings=self.meshes.local_replicated).lower(
-          total_like).compile()
-      self._update_alone = lambda state, total: (unpack(total), None)
     else:
       self._fused_program = jax.jit(
           jax.shard_map(update_then_grad, mesh=local, in_specs=(P(), P(), P(DEV), P()),
@@ -420,6 +421,8 @@ class LocalProgram:
     Under the sharded update it only unpacks the new state (None: the
     reduction already reported the learning rate).
     """
+    if self._unpack is not None:
+      return self._unpack(pending), None
     return self._update_alone(state, pending)
 
 
@@ -600,8 +603,8 @@ class DeviceReduction:
       self._build(sums.layout)
     if self.sharded is not None:
       new, packed, report, lr = self._program(to_world(sums.flat, self.meshes), shards)
-      local = {g: to_local(x, self.meshes) for g, x in packed.items()}
-      return Reduced(report, self._names, None, self.meshes, local, new, lr)
+      return Reduced(report, self._names, None, self.meshes,
+                     self.sharded.to_local(packed, self.meshes), new, lr)
     if self.meshes.one_device:  # The row is the total: only the statistics to compute.
       return Reduced(self._program(sums.flat), self._names, None, self.meshes, sums.flat)
     total, report = self._program(to_world(sums.flat, self.meshes))

@@ -162,13 +162,13 @@ class Trainer:
     if not self.meshes.one_device:
       self.sharded = sharding_lib.ShardedUpdate(optimizer, *self.reduction.shard_mesh, initial)
       self.reduction.attach(self.sharded)
-    self._replace_state(initial)
-    self._check_contract(init_batch)
     self._shows_learning_rate = optimizers_lib.find_learning_rate(initial.opt_state) is not None
     self.local = step_lib.LocalProgram(
         task, optimizer, self.meshes, config.microbatch, config.precision,
         blocks_lib.every_block_whole(config.global_batch, config.microbatch),
         replica=None if self.sharded is None else self.sharded.replica_packer)
+    self._replace_state(initial)
+    self._check_contract(init_batch)
     self.history = History()
     # XLA:CPU's "devices" are the loop's own cores: stamped where the loop looks.
     self._clock = readiness.ReadyClock(
@@ -265,11 +265,14 @@ class Trainer:
     return self._global[1]
 
   def _replace_state(self, state: step_lib.TrainState) -> None:
-    live = mesh_lib.to_local_tree(state, self.meshes)
+    live, pending = mesh_lib.to_local_tree(state, self.meshes), None
     if self.sharded is not None:
       self._shards = self.sharded.split(state)
       live = live._replace(opt_state=None)
-    self._live, self._pending, self._global, self._whole = live, None, None, None
+      # Each device initialised (or restored) its own copy; the replicas take
+      # each slice from the one device that holds it, as after every update.
+      pending = (None, self.sharded.replica(self._shards, self.meshes))
+    self._live, self._pending, self._global, self._whole = live, pending, None, None
 
   def _apply_pending(self) -> None:
     """Applies the last step's update alone, if it still waits for a program."""

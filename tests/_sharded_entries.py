@@ -41,6 +41,26 @@ def mixed_compilers(steps: int, check_every: int, backends=BACKENDS):
   return out
 
 
+ROUND_MODES = (("hybrid", "device"), ("elastic", "host"))
+
+
+def mixed_compilers_all(steps: int, check_every: int, rounds: int):
+  """`mixed_compilers` on both backends, then each rounds mode's centre after `rounds` rounds."""
+  from hetjax.modes import RoundsConfig
+  from hetjax.modes.rounds_trainer import RoundsTrainer
+  out = mixed_compilers(steps, check_every)
+  source = data.load("digits")
+  for mode, reduction in ROUND_MODES:
+    task = zoo.build("mlp", kind="image", num_classes=10, hidden=(32,))
+    config = trainer.TrainConfig(global_batch=32, microbatch=16, seed=0, reduction=reduction)
+    tr = RoundsTrainer(task, optimizers.make("adam", 0.003, clip_norm=1.0), source, config,
+                       RoundsConfig(mode=mode, local_steps=(2, 2)))
+    tr.fit(rounds)
+    out.append((None, tr.params()))
+    tr.close()
+  return out
+
+
 # ---- 1 x 1 against 3 uneven hosts x 2 devices, and a checkpoint resumed on 2 x 1 ----
 
 GLOBAL_BATCH = 62    # Not a multiple of the block: the last block is partial.

@@ -37,12 +37,15 @@ MIXED = {0: {"XLA_FLAGS": ""}, 1: {"XLA_FLAGS": "--xla_backend_optimization_leve
 
 
 def test_hosts_compiled_differently_keep_identical_replicas():
-  results = run_hosts("_sharded_entries:mixed_compilers", hosts=2, args=(300, 50),
-                      host_env=MIXED, timeout_s=600)
-  for reduction, (host0, host1) in zip(ent.BACKENDS, zip(*results)):
-    assert host0[0] is None and host1[0] is None, f"{reduction}: a check failed"
+  """Sync on both backends (300 steps, checks every 50); hybrid's and elastic's centres."""
+  results = run_hosts("_sharded_entries:mixed_compilers_all", hosts=2, args=(300, 50, 25),
+                      host_env=MIXED, timeout_s=900)
+  runs = list(ent.BACKENDS) + [f"{mode} ({backend})" for mode, backend in ent.ROUND_MODES]
+  assert len(results[0]) == len(runs)
+  for run, (host0, host1) in zip(runs, zip(*results)):
+    assert host0[0] is None and host1[0] is None, f"{run}: a check failed"
     for a, b in zip(jax.tree.leaves(host0[1]), jax.tree.leaves(host1[1]), strict=True):
-      assert np.array_equal(a, b), f"{reduction}: the hosts' parameters differ"
+      assert np.array_equal(a, b), f"{run}: the hosts' parameters differ"
 
 
 @functools.cache

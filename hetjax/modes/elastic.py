@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from hetjax import mesh as mesh_lib
+from hetjax import sharding as sharding_lib
 from hetjax.modes import rounds as rounds_lib
 from hetjax.modes.hybrid import Centre
 from hetjax.mesh import Meshes
@@ -42,11 +43,19 @@ class Elastic:
     self._pull = jax.jit(lambda params, d: jax.tree.map(lambda x, v: (x - v).astype(x.dtype), params, d),
                          out_shardings=meshes.local_replicated, donate_argnums=(0,))
 
+    world, axis = meshes.world, mesh_lib.ALL
+
     def finish(centre, totals, total_n):
-      params = jax.tree.map(lambda c, v: (c + v).astype(c.dtype), centre.params, totals["d"])
+      # Each slice of the centre computed by one device, then gathered
+      # (`hetjax.sharding`), as the sync step's update.
+      split = lambda tree: sharding_lib.split_tree(tree, world, axis)
+      params = jax.tree.map(lambda c, v: (c + v).astype(c.dtype), split(centre.params),
+                            split(totals["d"]))
       model_state = jax.tree.map(lambda s, old: (s / total_n).astype(old.dtype),
-                                 totals["model_state"], centre.model_state)
-      return Centre(centre.round + 1, params, (), model_state)
+                                 split(totals["model_state"]), split(centre.model_state))
+      gather = lambda tree, like: sharding_lib.gather_tree(tree, like, world, axis)
+      return Centre(centre.round + 1, gather(params, centre.params), (),
+                    gather(model_state, centre.model_state))
 
     self._finish = jax.jit(finish, out_shardings=meshes.replicated, donate_argnums=(0,))
     self._last_d = None

@@ -8,7 +8,10 @@ Round r, on every host i (`hetjax.modes.rounds` supplies the pieces):
    `n_i = tau_i * b` the samples the host processed;
 4. the outer gradient `sum n_i delta_i / sum n_i` (sample-weighted: the
    FedNova-consistent form when every host reads one global stream) goes
-   through the outer optax optimizer, on every host identically.
+   through the outer optax optimizer, each slice of the centre on one
+   device of the world, then gathered (`hetjax.sharding`): every host holds
+   the same bits even when hosts compile differently. The outer optimizer
+   state is kept whole on every device (it is saved with the centre).
 
 With one local step per host, plain SGD inside and outer SGD with lr 1, a
 round is exactly a sync step over the same positions.
@@ -23,6 +26,7 @@ import jax.numpy as jnp
 import optax
 
 from hetjax import mesh as mesh_lib
+from hetjax import sharding as sharding_lib
 from hetjax.modes import rounds as rounds_lib
 from hetjax.mesh import Meshes
 
@@ -62,14 +66,26 @@ class Hybrid:
 
     self._contribution = jax.jit(contribution, out_shardings=meshes.local_replicated)
 
+    world, axis = meshes.world, mesh_lib.ALL
+
     def finish(centre, totals, total_n):
-      grads = jax.tree.map(lambda d, p: (d / total_n).astype(p.dtype), totals["delta"],
-                           centre.params)
-      updates, opt_state = outer.update(grads, centre.opt_state, centre.params)
-      params = optax.apply_updates(centre.params, updates)
+      # Each slice of the centre is updated by one device and gathered
+      # (`hetjax.sharding`): hosts that compile differently agree bit for bit.
+      keep = sharding_lib.scalar_leaves(outer, centre.params, centre.opt_state,
+                                        world.devices.size)
+      split = lambda tree, keep=None: sharding_lib.split_tree(tree, world, axis, keep)
+      params = split(centre.params)
+      grads = jax.tree.map(lambda d, p: (d / total_n).astype(p.dtype), split(totals["delta"]),
+                           params)
+      updates, opt_state = outer.update(grads, split(centre.opt_state, keep), params)
+      params = optax.apply_updates(params, updates)
       model_state = jax.tree.map(lambda s, old: (s / total_n).astype(old.dtype),
-                                 totals["model_state"], centre.model_state)
-      return Centre(centre.round + 1, params, opt_state, model_state)
+                                 split(totals["model_state"]), split(centre.model_state))
+      gather = lambda tree, like, keep=None: sharding_lib.gather_tree(tree, like, world, axis,
+                                                                       keep)
+      return Centre(centre.round + 1, gather(params, centre.params),
+                    gather(opt_state, centre.opt_state, keep),
+                    gather(model_state, centre.model_state))
 
     self._finish = jax.jit(finish, out_shardings=meshes.replicated, donate_argnums=(0,))
 

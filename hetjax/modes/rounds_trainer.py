@@ -391,10 +391,11 @@ class RoundsTrainer:
   def check_centre_agrees(self) -> None:
     """Compares every host's fingerprint of the centre and outer state (every host must call it).
 
-    Every host computes the centre's update itself; this catches one that
-    drifted (other code, a numerical difference) every `check_every`
-    rounds and before each checkpoint. The hosts' own parameters differ by
-    design (elastic) and are not compared.
+    Each slice of the centre's update is computed by one device and
+    gathered (`hetjax.sharding`), so rounding cannot make hosts differ;
+    this catches a real fault (other code, a damaged copy) every
+    `check_every` rounds and before each checkpoint. The hosts' own
+    parameters differ by design (elastic) and are not compared.
 
     Raises:
       agreement.HostsDisagree: naming the hosts whose centre differs.
