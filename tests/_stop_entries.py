@@ -77,11 +77,15 @@ class _Permuted:
 def _perturb_on(host: int, after: int):
   def on_step(tr, metrics):
     del metrics
-    if tr.host_id == host and tr.step == after:
+    if tr.step == after:
+      # Every host reads and sets its state (reading gathers the split optimizer
+      # state, a collective every host must join); only `host` changes it.
+      delta = 1e-3 if tr.host_id == host else 0.0
       def bump(x):
-        shards = [s.data + 1e-3 for s in x.addressable_shards]
+        shards = [s.data + delta for s in x.addressable_shards]
         return jax.make_array_from_single_device_arrays(x.shape, x.sharding, shards)
-      tr.state = tr.state._replace(params=jax.tree.map(bump, tr.state.params))
+      state = tr.state
+      tr.state = state._replace(params=jax.tree.map(bump, state.params))
   return on_step
 
 
