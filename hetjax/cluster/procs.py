@@ -59,7 +59,7 @@ from hetjax.cluster.supervise import (  # noqa: F401 (public names)
 DEFAULT_GRACE_S = 5.0
 TAIL_LINES = 20
 # gloo (inside jaxlib) prints one such line per host when the CPU collectives
-# connect; hidden from the launcher's output (kept in the tails) unless
+# connect; hidden from the launcher's output and the failure tails unless
 # HETJAX_SHOW_GLOO=1.
 _GLOO_CONNECTED = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
 _POLL_S = 0.05
@@ -229,11 +229,11 @@ class HostGroup:
     prefix = f"[host {host}] "
     with pipe:
       for line in split_lines(iter(lambda: pipe.read1(65536), b"")):
+        if _GLOO_CONNECTED.match(line) and not os.environ.get(Env.SHOW_GLOO):
+          continue
         with self._lock:
           self.tails[host].append(line)
           self.findings.scan(host, line)
-          if _GLOO_CONNECTED.match(line) and not os.environ.get(Env.SHOW_GLOO):
-            continue
           if self._sink is not None:
             try:
               self._sink.write(prefix + line + "\n")
