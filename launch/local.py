@@ -18,7 +18,12 @@ a new coordinator port, at most K times; the command resumes from its own
 checkpoint folder. A host exiting 75 (`hetjax.cluster.procs.PREEMPTED_EXIT`) was
 preempted and saved: such restarts have their own budget, `--max-preemptions`
 (default 20 with --max-restarts, else 0, so that a preempted run exits 75 for
-an outer scheduler to requeue). Each host sees HETJAX_RESTART_COUNT.
+an outer scheduler to requeue). Each host sees HETJAX_RESTART_COUNT. A host
+that exits 69 (`hetjax.cluster.watchdog.STALLED_EXIT`: the step watchdog
+stopped a stuck job) is a failure, restarted under --max-restarts, and the
+launcher names the stuck host; so is a host the coordination service found
+frozen (no heartbeat for --heartbeat-timeout seconds), named in place of the
+host that JAX aborted because of it.
 
 The mechanism lives in `hetjax.cluster.procs`; this file only parses the command line.
 """
