@@ -104,3 +104,18 @@ def test_a_checkpoint_that_cannot_be_written_stops_with_one_message_and_the_last
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert f"resumed from {ck}/2" in resumed.stdout
   assert {"2", "4", "6"} <= set(os.listdir(ck))
+
+
+def test_only_callbacks_on_a_closed_event_loop_are_kept_off_stderr():
+  import asyncio
+  loop = asyncio.new_event_loop()
+  loop.close()
+  try:
+    loop.call_soon_threadsafe(lambda: None)
+  except RuntimeError as e:
+    error, tb = e, e.__traceback__
+  # What tensorstore's completion callback raises: no Python caller above asyncio.
+  assert manager._from_a_closed_loop(RuntimeError, error, tb.tb_next)
+  # The same error from user code (a frame of ours first) is left to the usual hook.
+  assert not manager._from_a_closed_loop(RuntimeError, error, tb)
+  assert not manager._from_a_closed_loop(ValueError, ValueError("x"), tb.tb_next)

@@ -106,6 +106,37 @@ class _QuietOrbax(logging.Filter):
 _QUIET = _QuietOrbax()
 
 
+def _from_a_closed_loop(kind: type, error: BaseException, tb: Any) -> bool:
+  """A tensorstore callback that woke an asyncio loop orbax had already closed.
+
+  After a failed read or write, tensorstore's completion callbacks still
+  call `loop.call_soon_threadsafe` on the event loop of an orbax operation
+  that has ended; the RuntimeError has no Python caller, so the interpreter
+  prints it through `sys.excepthook`, once per pending array. Nothing is
+  lost: the failure itself is reported by this module. Recognised by its
+  traceback starting inside asyncio (no user frame), so no other error is
+  hidden.
+  """
+  if kind is not RuntimeError or str(error) != "Event loop is closed" or tb is None:
+    return False
+  return os.path.basename(tb.tb_frame.f_code.co_filename) == "base_events.py"
+
+
+def _install_quiet_hook() -> None:
+  previous = sys.excepthook
+  if getattr(previous, "_hetjax_quiet", False):
+    return
+
+  def hook(kind, error, tb):
+    if _from_a_closed_loop(kind, error, tb):
+      log.debug("dropped a callback on a closed event loop after a failed checkpoint read/write")
+      return
+    previous(kind, error, tb)
+
+  hook._hetjax_quiet = True  # type: ignore[attr-defined]
+  sys.excepthook = hook
+
+
 def describe_job(state: Any, job: dict[str, Any]) -> dict[str, Any]:
   """What a checkpoint must match to be continued: shapes, optimizer, settings."""
   def shapes(tree: PyTree) -> dict[str, str]:
@@ -162,11 +193,13 @@ class Checkpointer:
     for name in ("absl", ""):  # orbax logs through absl's logger (the root one without absl).
       if _QUIET not in logging.getLogger(name).filters:
         logging.getLogger(name).addFilter(_QUIET)
+    _install_quiet_hook()
     self._manager = ocp.CheckpointManager(
         self._path, options=options,
         item_handlers={"state": ocp.StandardCheckpointHandler(),
                        "meta": ocp.JsonCheckpointHandler()})
     self.last_saved: int | None = None
+    self._handed: list[int] = []  # Steps handed to orbax; a background write may fail later.
     self._snapshots = snapshot_lib.SnapshotTaker()
     self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hetjax-ckpt")
     self._handing_over: concurrent.futures.Future | None = None
@@ -218,6 +251,7 @@ class Checkpointer:
           state=ocp.args.StandardSave(state._asdict()), meta=ocp.args.JsonSave(meta)))
     except Exception as e:  # pylint: disable=broad-except
       raise _WriteError(step, e, _nbytes(state)) from e
+    self._handed.append(step)
     self.handover_s.append(time.perf_counter() - t0)
 
   def _finished_hand_over(self) -> _WriteError | None:
@@ -239,12 +273,17 @@ class Checkpointer:
 
   def _write_failed(self, failure: _WriteError | None) -> CheckpointWriteFailed:
     """The one message of a failed write: folder, space, last good checkpoint, how to resume."""
-    step = failure.step if failure is not None else self.last_saved
     try:
       self._manager.wait_until_finished()  # An earlier save still committing counts as good.
     except Exception as e:  # pylint: disable=broad-except
       log.info("an earlier checkpoint write failed too: %s", e)
-    good = [s for s in self.complete_steps() if step is None or s < step]
+    complete = self.complete_steps()
+    # orbax reports a background write's failure at the next save: name the
+    # oldest step handed over that never completed, not the one being saved.
+    tried = self._handed + ([failure.step] if failure is not None else [])
+    failed = [s for s in tried if s not in complete]
+    step = min(failed) if failed else (failure.step if failure is not None else self.last_saved)
+    good = [s for s in complete if step is None or s < step]
     last_good = good[0] if good else None
     size = _folder_bytes(self._path / str(last_good)) if last_good is not None else None
     size = size or (failure.nbytes if failure is not None else None)
@@ -256,6 +295,9 @@ class Checkpointer:
       text += "No earlier checkpoint is complete; the run must start afresh. "
     else:
       text += f"The last good checkpoint, {self.directory}/{last_good}, is intact. "
+    partial = _partial_folders(self.directory)
+    if partial:
+      text += f"The unfinished {', '.join(partial)} there may be deleted. "
     text += (f"Free space (or point --ckpt-dir at a larger disk, copying that checkpoint "
              f"along), then resume with: {_resume_command()}  (exit code {WRITE_FAILED_EXIT})")
     return CheckpointWriteFailed(text, step, self.directory)
@@ -421,6 +463,16 @@ def _folder_bytes(path: epath.Path) -> int | None:
       except OSError:
         pass
   return total or None
+
+
+def _partial_folders(directory: str) -> list[str]:
+  """orbax's unfinished step folders (STEP.orbax-checkpoint-tmp...) in a local folder."""
+  if is_remote(directory):
+    return []
+  try:
+    return sorted(n for n in os.listdir(directory) if ".orbax-checkpoint-tmp" in n)
+  except OSError:
+    return []
 
 
 def _megabytes(n: int | None) -> str:
