@@ -232,7 +232,7 @@ class Watchdog:
         beat += 1
         posted = dataclasses.replace(position, beat=beat)
         _post(client, host_id, posted)
-      if peers is not None:
+      if peers is not None and self._completed >= WARMUP_STEPS:  # Compiling may hold the GIL.
         peers.check(client, self._clock(), skip=host_id)
       idle = self.stalled_for()
       if idle is not None:
