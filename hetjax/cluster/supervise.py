@@ -32,7 +32,6 @@ from typing import Callable, Sequence
 from hetjax.cluster import watchdog
 
 STALLED_EXIT = watchdog.STALLED_EXIT
-
 # A host that exits with this code was preempted and saved what it needs to
 # resume: "restart me", not "I failed" (EX_TEMPFAIL from sysexits.h, which
 # schedulers and shells already read as "try again later"). The trainer exits
@@ -44,6 +43,8 @@ DEFAULT_MAX_PREEMPTIONS = 20
 # A host that exits with this code (or dies by SIGINT) was stopped by a user's
 # Ctrl-C: reported as a stop, never restarted.
 USER_STOP_EXIT = 128 + signal.SIGINT
+
+
 @dataclasses.dataclass
 class Outcome:
   """How a group of hosts ended.
@@ -296,7 +297,6 @@ def _signal_name(signum: int) -> str:
     return signal.Signals(signum).name
   except ValueError:
     return str(signum)
-
 
 
 # What JAX's coordination service logs, on every host, when hosts stop
