@@ -708,13 +708,26 @@ class Trainer:
       per_host.append({"batch": [s[i] for s in h.shares], "compute_s": [c[i] for c in h.compute_s],
                        "wait_s": [w[i] for w in h.wait_s],
                        "idle_fraction": busy_wait[i] / busy if busy else 0.0})
-    return run_common.summary_fields(
+    summary = run_common.summary_fields(
         steps=h.steps, last_step=self.step, resumed_from=self.resumed_from, config=self.config,
         meshes=self.meshes, balancer_mode=self.balancer.name,
         balancer_decisions=list(getattr(self.balancer, "decisions", [])),
         samples_per_sec=samples_per_sec, losses=h.loss, metrics=h.metrics,
         params_digest=params_digest(self.params()) if digest else None,
         evaluation=self._last_eval(), emulated=self.emulated, per_host=per_host)
+    summary["memory_per_device"] = self.memory_per_device()
+    return summary
+
+  def memory_per_device(self) -> dict[str, Any]:
+    """Bytes of parameters, optimizer state and gradients one device holds, from the
+    arrays' sizes: `unsplit` (every device updating a whole replica) and, when the
+    update is sharded, `split` over `split_over` devices (`hetjax.sharding`)."""
+    if self.sharded is None:
+      figures = sharding_lib.memory_per_device(self._live, 1)
+      return {"split_over": 1, "where": "devices", **figures}
+    figures = sharding_lib.memory_per_device(self.sharded.like, self.sharded.size, self.optimizer)
+    where = "devices" if self.config.reduction == "device" else "host CPUs (one per host)"
+    return {"split_over": self.sharded.size, "where": where, **figures}
 
   def params(self) -> PyTree:
     """The current parameters as host numpy arrays (this host's replica)."""

@@ -91,7 +91,8 @@ def train_and_save(until: int, reduction: str, assignment, folder: str, resume: 
   """Every model trained to step `until` with checkpoints in `folder/<model>`.
 
   Returns, per model: (params, model state, the step it resumed from, the
-  per-device bytes of the optimizer state it holds, split and unsplit).
+  per-device bytes of the optimizer state it holds and unsplit, the
+  summary's memory figure).
   """
   import jax
   from hetjax import checkpoint, sharding
@@ -103,13 +104,14 @@ def train_and_save(until: int, reduction: str, assignment, folder: str, resume: 
                                  reduction=reduction, assignment=assignment)
     tr = trainer.Trainer(task, optimizer, source, config, checkpoint=checkpoint.CheckpointConfig(
         f"{folder}/{model}", every=until, resume=resume))
-    tr.fit(until=until)
+    summary = tr.fit(until=until)
     state = tr.local_state
     held = tr._shards.opt_state if tr.sharded is not None else state.opt_state
     per_device = lambda tree: sum(x.addressable_shards[0].data.nbytes
                                   for x in jax.tree.leaves(tree))
     out[model] = (tr.params(), jax.tree.map(lambda x: np.asarray(x.addressable_data(0)),
                                             state.model_state),
-                  tr.resumed_from, (per_device(held), sharding.tree_bytes(state.opt_state)))
+                  tr.resumed_from, (per_device(held), sharding.tree_bytes(state.opt_state)),
+                  summary["memory_per_device"])
     tr.close()
   return out

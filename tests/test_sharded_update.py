@@ -147,6 +147,10 @@ def test_the_optimizer_state_is_split_over_every_device(runs):
     held, whole = results[0]["transformer"][3]
     assert whole == one["transformer"][3][1]
     assert held < whole / ways * 1.05, (held, whole, ways)
+    figure = results[0]["transformer"][4]  # The summary's, from the arrays' sizes.
+    assert figure["split_over"] == ways and figure["unsplit"]["opt_state"] == whole
+    assert figure["split"]["opt_state"] == held
+  assert one["transformer"][4]["split_over"] == 1 and "split" not in one["transformer"][4]
 
 
 def test_a_factored_optimizer_is_refused_before_anything_runs():
