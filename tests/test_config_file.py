@@ -1,10 +1,14 @@
 """`hetjax train --config FILE`: a file of flags, overridden by the command line, checked like flags."""
 
+import pathlib
+
 import pytest
 import yaml
 
 from hetjax import cli
 from hetjax import config_file
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _resolved(argv):
@@ -61,3 +65,12 @@ def test_a_missing_file_is_named(capsys):
   with pytest.raises(SystemExit):
     cli.main(["train", "--config", "/nonexistent-hetjax/run.yaml"])
   assert "cannot read config file /nonexistent-hetjax/run.yaml" in capsys.readouterr().err
+
+
+def test_the_example_config_is_the_readme_demo():
+  example = _resolved(["train", "--config", str(ROOT / "examples" / "demo.yaml")])
+  flags = _resolved(["train", "--model", "cnn", "--dataset", "digits", "--global-batch", "96",
+                     "--microbatch", "4", "--steps", "300", "--balancer", "dynamic",
+                     "--eval-every", "50", "--out", "runs/demo", "--ckpt-dir", "runs/demo/ckpt",
+                     "--ckpt-every", "100"])
+  assert example == flags
