@@ -191,9 +191,10 @@ def test_panel_a_bins_compute_and_wait_as_fractions_of_the_step_time():
 def test_a_resume_is_found_and_said_and_the_reduction_share_printed(tmp_path):
   records = fixture.records(steps=20)
   for r in records[12:]:  # The restarted process's clock starts again after step 12.
-    r["time_s"] -= records[11]["time_s"] - 0.1
+    r["time_s"] -= records[12]["time_s"] - records[12]["step_s"]
   fig = report.analyze(None, records)
   assert fig.resumes == [12]
+  assert report.resumed_at(fixture.records(steps=20)) == []  # One process: no mark.
   steady = records[2:]
   reduction = np.mean([min(r["wait_s"]) for r in steady])
   assert fig.reduction_s == pytest.approx(reduction, rel=1e-9)

@@ -194,8 +194,10 @@ def analyze(summary: dict[str, Any] | None, records: list[dict[str, Any]]) -> Fi
 
 
 def resumed_at(records: Sequence[dict[str, Any]]) -> list[int]:
-  """Steps after which a restarted run went on: its clock (`time_s`) starts again there."""
-  return [a["step"] for a, b in zip(records, records[1:]) if b["time_s"] < a["time_s"]]
+  """Steps after which a restarted run went on: its clock (`time_s`) starts again there, so
+  the first record of the new process holds its own step time alone (or less than before)."""
+  return [a["step"] for a, b in zip(records, records[1:])
+          if b["time_s"] < a["time_s"] or abs(b["time_s"] - b["step_s"]) <= 1e-9 * b["step_s"]]
 
 
 def _count(n: int, noun: str) -> str:
