@@ -345,8 +345,9 @@ def _plot_fractions(ax, records: list[dict[str, Any]], fig: Figures, unit: str) 
 
 def _plot_shares(ax, records: list[dict[str, Any]], hosts: int) -> None:
   """(b): the shares, stacked so the total stays the fixed global batch."""
-  steps = [r["step"] for r in records]
-  ax.stackplot(steps, [[r["shares"][i] for r in records] for i in range(hosts)], step="pre",
+  steps = [records[0]["step"] - 1] + [r["step"] for r in records]  # Step s spans [s - 1, s].
+  shares = [[r["shares"][i] for r in records[:1] + records] for i in range(hosts)]
+  ax.stackplot(steps, shares, step="pre",
                colors=[host_colour(i) for i in range(hosts)],
                labels=[f"host {i}" for i in range(hosts)])
   ax.set_ylabel("samples")
@@ -363,16 +364,25 @@ def _plot_throughput(ax, records: list[dict[str, Any]], fig: Figures, unit: str,
   window = 5
   mean = lambda v, k: sum(v[max(0, k - window + 1):k + 1]) / len(v[max(0, k - window + 1):k + 1])
   smooth = [mean(sps, k) for k in range(len(sps))]
-  # The ideal moves when a host changes speed, so it is drawn step by step.
+  # The ideal moves when a host changes speed, so it is drawn step by step; a median, as
+  # one step whose compute seconds read near zero (an asynchronous dispatch) would spike a mean.
   own = [sum(b / c for b, c in zip(r["shares"], r["compute_s"]) if b > 0 and c > 0) for r in records]
-  ideal = [mean(own, k) for k in range(len(own))]
-  if fig.warmup_steps:
-    ax.axvspan(steps[0] - 1, steps[fig.warmup_steps - 1], color="0.92", label="warm-up")
+  median = lambda v, k: sorted(v[max(0, k - window + 1):k + 1])[len(v[max(0, k - window + 1):k + 1]) // 2]
+  ideal = [median(own, k) for k in range(len(own))]
+  # Compiling steps, at the start and after each resume, are shaded and left out of the scale.
+  starts = [0] + [k + 1 for k, r in enumerate(records) if r["step"] in fig.resumes]
+  warm = set()
+  for n, k in enumerate(starts):
+    span = records[k:k + WARMUP_STEPS]
+    warm.update(range(k, k + len(span)))
+    ax.axvspan(span[0]["step"] - 1, span[-1]["step"], color="0.92",
+               label="warm-up" if n == 0 else None)
   ax.plot(steps, sps, color="0.65", lw=0.6, label=f"per {unit}")
   ax.plot(steps, smooth, color="k", lw=1.8, label=f"mean of {window}")
-  ax.plot(steps, ideal, color="k", ls="--", lw=1, label=f"ideal (mean of {window})")
-  top = max(smooth[fig.warmup_steps:] + ideal[fig.warmup_steps:] or smooth + ideal)
-  ax.set_ylim(0, 1.15 * top)
+  ax.plot(steps, ideal, color="k", ls="--", lw=1, label=f"ideal (median of {window})")
+  shown = sorted(v for k, v in enumerate(smooth + ideal) if k % len(smooth) not in warm)
+  top = shown[int(0.95 * (len(shown) - 1))] if shown else max(smooth + ideal)
+  ax.set_ylim(0, 1.15 * top or 1.0)
   ax.set_ylabel("samples/s")
   ax.set_title(f"({letter}) throughput; efficiency {fig.efficiency:.1%} of the ideal")
   ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
