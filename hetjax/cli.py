@@ -241,8 +241,6 @@ def train(args: argparse.Namespace) -> dict:
   from hetjax.cluster import runtime
 
   topo = runtime.initialize(timeout_s=args.init_timeout)
-  if topo.host_id == 0:
-    _write_config(args)
   images = {"image_size": args.image_size} if args.image_size is not None else {}
   source, test_source = _load_data(args)
   if test_source is not None:
@@ -266,6 +264,8 @@ def train(args: argparse.Namespace) -> dict:
     from hetjax.modes.rounds_trainer import RoundsTrainer
     tr = RoundsTrainer(task, _optimizer(args), source, config, rounds, identity=identity,
                        checkpoint=ckpt)
+  if topo.host_id == 0:  # Only a job that starts writes what re-runs it.
+    _write_config(args)
   bar = progress.Progress(args.steps, host_id=topo.host_id, every=max(args.log_every, 1))
   sinks = [bar.update] if args.log_every > 0 else []
   tracked = _tracking(args) if topo.host_id == 0 else None
