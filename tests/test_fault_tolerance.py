@@ -49,7 +49,7 @@ def _launch(ckpt, out, extra=()):
   return [sys.executable, os.path.join(root, "launch", "local.py"), "--hosts", "2", *extra, "--",
           sys.executable, "-m", "hetjax.cli", "train", "--model", "mlp", "--optimizer", "sgd",
           "--lr", "0.1", "--global-batch", "32",
-          "--microbatch", "4", "--steps", "400", *_checkpoints(ckpt),
+          "--microbatch", "4", "--steps", "200", *_checkpoints(ckpt),
           "--out", str(out), "--log-every", "0"]
 
 
