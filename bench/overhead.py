@@ -2,7 +2,7 @@
 
 Run from the repository root (all four models in one run, a few minutes):
 
-  python bench/overhead.py [--models mlp,cnn,resnet18,resnet50] \
+  .venv/bin/python bench/overhead.py [--models mlp,cnn,resnet18,resnet50] \
       [--precision fp32|bf16|fp16] [--repeats 21] [--steps N] [--microbatch M]
 
 All three loops train the same model (`zoo.build`) on sklearn digits with

@@ -2,14 +2,14 @@
 
 From a script of your own:
 
-  python examples/custom_model.py --out params_1host.npz
-  python launch/local.py --hosts 3 --speeds 1,0.5,0.25 -- \
-      python examples/custom_model.py --assignment 8,24,32 --out params_3hosts.npz
+  .venv/bin/python examples/custom_model.py --out params_1host.npz
+  .venv/bin/python launch/local.py --hosts 3 --speeds 1,0.5,0.25 -- \
+      .venv/bin/python examples/custom_model.py --assignment 8,24,32 --out params_3hosts.npz
 
 or from the command line, which adds evaluation, checkpoints, signals,
 metrics and the report (the same parameters as the script):
 
-  hetjax train --model examples.custom_model:task --dataset examples.custom_model:dataset \
+  .venv/bin/hetjax train --model examples.custom_model:task --dataset examples.custom_model:dataset \
       --optimizer adam --lr 1e-3 --global-batch 64 --microbatch 8 --steps 20 --out runs/custom
 """
 import argparse

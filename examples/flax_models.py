@@ -16,12 +16,12 @@ Two things to get right, both shown here:
 
 Run it:
 
-  python examples/flax_models.py --steps 30
+  .venv/bin/python examples/flax_models.py --steps 30
 
 or from the command line (evaluation, checkpoints and the report included):
 
-  hetjax train --model examples.flax_models:nnx_task --dataset digits --dropout 0.1 --steps 30
-  hetjax train --model examples.flax_models:linen_task --dataset digits --model-width 16
+  .venv/bin/hetjax train --model examples.flax_models:nnx_task --dataset digits --dropout 0.1 --steps 30
+  .venv/bin/hetjax train --model examples.flax_models:linen_task --dataset digits --model-width 16
 """
 import argparse
 

@@ -63,7 +63,8 @@ class Meshes:
     hosts = self.row_hosts()
     return np.array([np.argmax(hosts == h) for h in range(self.num_hosts)])
 
-  # Shardings are built once: making one costs ~0.1 ms, paid per leaf per step.
+  # Shardings are built once: making one is Python work that would otherwise be paid per
+  # leaf per step.
   @functools.cached_property
   def replicated(self) -> NamedSharding:
     return NamedSharding(self.world, P())

@@ -1,6 +1,6 @@
 """Runs a hetjax job over ssh, process i on line i of a host file (stdlib only).
 
-    python launch/hosts.py --hostfile hosts.txt --workdir /shared/hetjax \\
+    .venv/bin/python launch/hosts.py --hostfile hosts.txt --workdir /shared/hetjax \\
         -- .venv/bin/hetjax train --model resnet18 --global-batch 512
 
 The host file names one host per line as `name` or `user@name`, optionally

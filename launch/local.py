@@ -1,7 +1,7 @@
 """Runs a hetjax job as N host processes on this machine (stdlib only).
 
-    python launch/local.py --hosts 3 --devices-per-host 2 --speeds 1,0.5,0.25 \\
-        -- hetjax train --model cnn
+    .venv/bin/python launch/local.py --hosts 3 --devices-per-host 2 --speeds 1,0.5,0.25 \\
+        -- .venv/bin/hetjax train --model cnn
 
 Each host gets HETJAX_COORDINATOR (a free port on 127.0.0.1),
 HETJAX_NUM_HOSTS, HETJAX_HOST_ID, HETJAX_CPU_DEVICES and, with --speeds, the

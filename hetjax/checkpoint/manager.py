@@ -19,8 +19,8 @@ An asynchronous save stalls the loop only for a snapshot:
 `save_in_background` takes one replica of the state per host
 (`hetjax.checkpoint.snapshot`: numpy views of the buffers on CPU, which JAX then does
 not donate; elsewhere one asynchronous copy into pinned host memory), and a
-worker thread hands it to orbax (per-array bookkeeping, thread start-up:
-100-300 ms for a ResNet-18's 230 arrays on this shared CPU), then orbax
+worker thread hands it to orbax (per-array bookkeeping and thread start-up,
+which grow with the number of arrays), then orbax
 writes in its own background threads. The worker may run beside the
 training collectives because every orbax barrier goes through the coordination service's
 key-value store (`active_processes` = every host), never through a device

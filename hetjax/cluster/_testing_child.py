@@ -35,9 +35,8 @@ def _cache_programs_on_every_host() -> None:
   cross-host one alike, is keyed by that host's device ids (observed with
   `jax_explain_cache_misses`: host 1's and host 2's keys of one program
   differ), so hosts 1, 2, ... never found an entry and compiled every
-  program again in every launch: in the suite's two 3 x 2 exactness
-  launches, hosts 1 and 2 spent ~50 s each compiling what host 0 loaded in
-  5 s (BUILD_NOTES, "Suite time, second pass"). Here every host writes its
+  program again in every launch, which was most of the multi-host tests'
+  time (BUILD_NOTES.md, "Test suite"). Here every host writes its
   entries: distinct keys, distinct files. Uses JAX internals (jax 0.10.2);
   if they change, the cache is simply used as JAX alone uses it.
   """

@@ -12,8 +12,8 @@ Reads run in threads (`workers=0`: cheap records, numpy arrays) or in worker
 processes (`workers=N`: decoding JPEGs is CPU work the GIL would serialise).
 With threads, a slice that reads faster than `inline_below_s` is read on the
 calling thread instead: handing a sub-millisecond read (shuffle and numpy
-gather) to threads cost the MLP step ~1.5 ms on 2 cores (BUILD_NOTES.md, "The
-host path and the last device passes"), and the trainer reads after
+gather) to threads costs more in hand-offs than the read itself (BUILD_NOTES.md,
+"Decisions: input"), and the trainer reads after
 dispatching a step, while the devices compute it, so the read still
 overlaps the device work.
 A slice is cut into one piece per worker; each piece is read, decoded and
@@ -23,7 +23,7 @@ result never depends on how many workers there are. Workers start by
 script that trains with workers needs the usual `if __name__ == "__main__":`.
 grain's loaders were considered and not used for the reading itself: their
 workers each walk a fixed shard of a fixed order, while a host's slice here
-changes size with the balancer every step (BUILD_NOTES.md, "Big image datasets").
+changes size with the balancer every step (BUILD_NOTES.md, "Decisions: input").
 
 Example:
   >>> with HostLoader(source, sampler, host_id=1, augment=augment.parse("crop")) as loader:
@@ -65,7 +65,8 @@ class _Chunk:
 _WORKER: tuple = ()  # (source, sampler, augment) inside a worker process.
 _LOADER_IDS = itertools.count()
 # A slice that reads faster than this is read on the calling thread (what the
-# trainer uses). A 256-record digits read, shuffle included, takes 0.3-1 ms here.
+# trainer uses): in-memory datasets read a step's slice well under it, decoding
+# sources do not.
 INLINE_BELOW_S = 2e-3
 _WATCHDOG_S = 0.5  # How often a worker checks that its host process is alive.
 

@@ -2,13 +2,13 @@
 
 The balancer needs each host's local compute seconds. Blocking the training
 loop on the local sums to time them would leave the devices idle while
-Python prepares the reduction (on XLA:CPU it cost the MLP step 1.3 ms of
-overlap). So a step's stages are stamped in one of two ways:
+Python prepares the reduction. So a step's stages are stamped in one of two ways:
 
 - on an accelerator, a helper thread waits for readiness and notes the time:
   the device timeline, exactly (`ReadyClock()`);
 - on XLA:CPU, whose "devices" are the loop's own cores, waking that thread
-  cost a 2.5 ms MLP step 0.6 ms, more than the timing is worth; there the
+  competes with the loop for those cores and the GIL, which costs a short
+  step more than the timing is worth; there the
   loop stamps a stage when it sees it done at points it passes anyway
   (`ReadyClock(on_loop=True)`): an upper bound, off by at most the loop's own work
   between two looks, and exact where the loop had to wait for it anyway.
