@@ -159,6 +159,7 @@ class Trainer:
     # replicas stay bit-identical on hosts that compile differently.
     self.sharded: sharding_lib.ShardedUpdate | None = None
     self._shards: sharding_lib.Shards | None = None
+    self._memory: dict[str, Any] | None = None  # `memory_per_device`, once asked
     if not self.meshes.one_device:
       self.sharded = sharding_lib.ShardedUpdate(optimizer, *self.reduction.shard_mesh, initial)
       self.reduction.attach(self.sharded)
@@ -722,12 +723,16 @@ class Trainer:
     """Bytes of parameters, optimizer state and gradients one device holds, from the
     arrays' sizes: `unsplit` (every device updating a whole replica) and, when the
     update is sharded, `split` over `split_over` devices (`hetjax.sharding`)."""
-    if self.sharded is None:
-      figures = sharding_lib.memory_per_device(self._live, 1)
-      return {"split_over": 1, "where": "devices", **figures}
-    figures = sharding_lib.memory_per_device(self.sharded.like, self.sharded.size, self.optimizer)
-    where = "devices" if self.config.reduction == "device" else "host CPUs (one per host)"
-    return {"split_over": self.sharded.size, "where": where, **figures}
+    if self._memory is None:  # Shapes are fixed for the run: computed once.
+      if self.sharded is None:
+        self._memory = {"split_over": 1, "where": "devices",
+                        **sharding_lib.memory_per_device(self._live, 1)}
+      else:
+        where = "devices" if self.config.reduction == "device" else "host CPUs (one per host)"
+        self._memory = {"split_over": self.sharded.size, "where": where,
+                        **sharding_lib.memory_per_device(self.sharded.like, self.sharded.size,
+                                                         self.optimizer)}
+    return self._memory
 
   def params(self) -> PyTree:
     """The current parameters as host numpy arrays (this host's replica)."""
