@@ -16,8 +16,15 @@ often the same compiled programs run (invariant 4).
 CROSS-HOST (`DeviceReduction` / `HostReduction`): the per-device rows are
 stitched, zero-copy, into one global array of shape `[all devices, ...]`;
 one small program sums them (invariant 2: the update divides
-`sum(grad sums)` by `sum(counts)`) and computes the step's statistics. The
-summed row goes back to each host's devices as the next update.
+`sum(grad sums)` by `sum(counts)`) and computes the step's statistics. In a
+world of one device the summed row is the next update, applied by the next
+step's first local program. In a larger world the same program also runs
+the sharded update (`hetjax.sharding`, ZeRO stage 1): each device updates
+its slice of every parameter, model-state and optimizer-state leaf, and the
+new parameters and model state are all-gathered and packed, so every bit of
+every replica comes from one computation, however differently the hosts
+compile (issue 25); the next local program unpacks them. The host backend
+runs it over its CPU mesh (one device per host).
 
 Every host contributes one row per local device, so hosts may even have
 different numbers of devices. The rows also carry a small host vector
@@ -227,7 +234,8 @@ class Local(NamedTuple):
 
 
 class LocalProgram:
-  """Applies the last step's update, then accumulates this host's gradient sums.
+  """Applies the last step's update (or unpacks the sharded update's result, `replica`),
+  then accumulates this host's gradient sums.
 
   The train state lives on this host's devices. The update of step `s`
   (`apply_update`, from the reduction's summed row) runs at the start of
