@@ -154,6 +154,11 @@ class Trainer:
     self._late_lr: dict[int, jax.Array] = {}  # step -> its update's learning rate, not yet read
     initial = step_lib.init_state(task, optimizer, self.meshes, init_batch, config.seed,
                                   config.precision)
+    # Before any collective whose shapes follow the model's: a stale checkout
+    # with the same command line must be named, not crash a collective.
+    self._agree_on(ckpt_lib.describe_job(initial, {}), what="model or optimizer",
+                   fix="parameter shapes or optimizer state structure differ; every host must "
+                   "run the same code (check each host's checkout and installed packages).")
     self.reduction = step_lib.make_reduction(config.reduction, self.meshes)
     # Every slice of the state updated by one device, then gathered (issue 25):
     # replicas stay bit-identical on hosts that compile differently.
@@ -188,10 +193,6 @@ class Trainer:
     self.job = ckpt_lib.describe_job(self._global_state(), {
         "global_batch": config.global_batch, "seed": config.seed,
         "dataset": repr(source.info), "num_records": len(source), "identity": identity})
-    # The model and optimizer too: a stale checkout with the same command line differs here.
-    self._agree_on(ckpt_lib.describe_job(self._global_state(), {}), what="model or optimizer",
-                   fix="parameter shapes or optimizer state structure differ; every host must "
-                   "run the same code (check each host's checkout and installed packages).")
     self.checkpointer = None
     if checkpoint is not None:
       self.checkpointer = ckpt_lib.Checkpointer(checkpoint, self._all_hosts_agree)

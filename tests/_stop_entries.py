@@ -77,15 +77,16 @@ class _Permuted:
 def _perturb_on(host: int, after: int):
   def on_step(tr, metrics):
     del metrics
-    if tr.step == after:
-      # Every host reads and sets its state (reading gathers the split optimizer
-      # state, a collective every host must join); only `host` changes it.
-      delta = 1e-3 if tr.host_id == host else 0.0
+    if tr.step == after and tr.host_id == host:
+      # A fault in this host's replica (bad memory, a bad copy): its local
+      # parameters change behind the trainer's back. Setting `tr.state` would
+      # not do: a state that is set goes through the sharded update's gather,
+      # which gives every host the same bits again.
       def bump(x):
-        shards = [s.data + delta for s in x.addressable_shards]
+        shards = [s.data + 1e-3 for s in x.addressable_shards]
         return jax.make_array_from_single_device_arrays(x.shape, x.sharding, shards)
-      state = tr.state
-      tr.state = state._replace(params=jax.tree.map(bump, state.params))
+      live = tr._replica()  # pylint: disable=protected-access
+      tr._live = live._replace(params=jax.tree.map(bump, live.params))  # pylint: disable=protected-access
   return on_step
 
 
