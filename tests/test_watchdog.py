@@ -149,8 +149,9 @@ def test_a_frozen_host_is_named_not_the_host_that_aborted_because_of_it(tmp_path
   assert ("[launcher] host 1 stopped responding: frozen, or its machine is unreachable (the "
           "coordination service got no heartbeat from it") in text
   assert "host 0 then ended with signal SIGABRT because of it" in text
-  # Host 0's own log names it too, before JAX aborts host 0.
-  assert "[host 0] hetjax: host 1 stopped responding: frozen, or its machine is unreachable" in text
+  # Host 0's own early line (its watchdog thread reading the others' posts) is
+  # best effort, a race with JAX's abort under load: its logic is tested above
+  # on a recorded clock, not here.
 
 
 if __name__ == "__main__":
