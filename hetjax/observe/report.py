@@ -426,6 +426,9 @@ def _plot_evaluation(ax, records: list[dict[str, Any]], evaluated: list[dict[str
   done = [r["step"] for r in evaluated]
   ax.plot(done, [r["eval"][name] for r in evaluated], "o-", color="k", label=f"eval {name}")
   ax.set_ylabel(f"eval {name}")
+  if name == "accuracy":  # An accuracy axis never runs past 1 (one evaluation alone would).
+    values = [r["eval"][name] for r in evaluated]
+    ax.set_ylim(max(0.0, min(values) - 0.05), min(1.0, max(values) + 0.02) + 0.005)
   seconds = sum(r["step_s"] for r in records)  # Training seconds, evaluation excluded.
   title = (f"({letter}) evaluation {name}: {evaluated[-1]['eval'][name]:.4f} after {unit} "
            f"{done[-1]} ({seconds:,.0f} s of training)")
