@@ -37,7 +37,6 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from hetjax import mesh as mesh_lib
-from hetjax import optimizers as optimizers_lib
 from hetjax import packing
 from hetjax import precision as precision_lib
 from hetjax import step as step_lib
@@ -246,33 +245,13 @@ class ShardedUpdate:
     """One optimizer step on the slices: (new shards, the packed replica, learning rate or NaN).
 
     `total` is the summed sums row (`hetjax.step.Layout`), replicated; the
-    gradients divide by the summed weight, the model state is the
-    count-weighted mean, and an fp16 overflow skips the step and halves the
-    loss scale, as `hetjax.step.apply_update` does on an unsplit state.
+    rule is `hetjax.step.optimizer_step`'s, the one an unsplit state runs,
+    with each summed leaf split as the state is.
     """
     split_sharding = NamedSharding(self.mesh, P(self.axis))
     split = lambda x: jax.lax.with_sharding_constraint(split_leaf(x, self.size), split_sharding)
-    overflow = step_lib.overflowed(total, layout)
-    totals = layout.sums.unpack({"float32": total})
-    count = totals.count
-    norm = jnp.where(totals.weight != 0, totals.weight, 1.0)
-    grads = jax.tree.map(lambda g, p: (split(g) / norm).astype(p.dtype), totals.grads,
-                         shards.params)
-    updates, opt_state = self.optimizer.update(grads, shards.opt_state, shards.params)
-    params = optax.apply_updates(shards.params, updates)
-    safe = jnp.maximum(count, 1.0)
-    model_state = jax.tree.map(
-        lambda old, s: jnp.where(count > 0, split(s) / safe, old).astype(old.dtype),
-        shards.model_state, totals.model_state)
-    if precision_lib.uses_loss_scale(layout.precision):
-      keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(overflow, b, a), new, old)
-      params, opt_state, model_state = keep(
-          (params, opt_state, model_state), (shards.params, shards.opt_state, shards.model_state))
-    lr = optimizers_lib.find_learning_rate(opt_state)
-    lr = jnp.float32(jnp.nan) if lr is None else jnp.asarray(lr, jnp.float32)
-    loss_scale = precision_lib.next_scale(shards.loss_scale, overflow, layout.precision)
-    new = jax.lax.with_sharding_constraint(
-        Shards(shards.step + 1, params, opt_state, model_state, loss_scale), self.shardings)
+    new, lr = step_lib.optimizer_step(self.optimizer, shards, total, layout, view=split)
+    new = jax.lax.with_sharding_constraint(new, self.shardings)
     return new, self._gathered_replica(new), lr
 
 

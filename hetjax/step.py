@@ -49,7 +49,7 @@ sums, the reduction and the update stay float32.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -459,21 +459,32 @@ def apply_update(optimizer: optax.GradientTransformation, state: TrainState, tot
   halved, the same on every host. Also returns the update's learning rate
   (NaN when the optimizer hides it).
   """
-  total = summed_row(total, layout)
+  return optimizer_step(optimizer, state, summed_row(total, layout), layout)
+
+
+def optimizer_step(optimizer: optax.GradientTransformation, state: Any, total: jax.Array,
+                   layout: Layout, view: Callable[[jax.Array], jax.Array] = lambda x: x
+                   ) -> tuple[Any, jax.Array]:
+  """The one update rule, on a whole state or on its slices: (new state, learning rate).
+
+  `state` is a `TrainState` or the sharded update's `Shards` (the same
+  fields); `view` lays a summed gradient or model-state leaf out as the
+  state's leaves are laid out (the sharded update passes its split), so
+  both paths divide, update, average and skip an fp16 overflow alike.
+  """
   overflow = overflowed(total, layout)
   totals = layout.sums.unpack({"float32": total})
   count = totals.count
   # count == 0 is reported by the trainer as an error; a zero total weight
   # leaves the gradient zero rather than NaN.
   norm = jnp.where(totals.weight != 0, totals.weight, 1.0)
-  # Divided leaf by leaf: XLA fuses each division into the optimizer's first
-  # pass over that leaf, where dividing the packed row was a pass of its own.
-  grads = jax.tree.map(lambda g, p: (g / norm).astype(p.dtype), totals.grads, state.params)
+  # Divided leaf by leaf, so XLA fuses each division into the optimizer's first pass.
+  grads = jax.tree.map(lambda g, p: (view(g) / norm).astype(p.dtype), totals.grads, state.params)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   safe = jnp.maximum(count, 1.0)
   model_state = jax.tree.map(
-      lambda old, s: jnp.where(count > 0, s / safe, old).astype(old.dtype),
+      lambda old, s: jnp.where(count > 0, view(s) / safe, old).astype(old.dtype),
       state.model_state, totals.model_state)
   if precision_lib.uses_loss_scale(layout.precision):
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(overflow, b, a), new, old)
@@ -482,7 +493,8 @@ def apply_update(optimizer: optax.GradientTransformation, state: TrainState, tot
   lr = optimizers_lib.find_learning_rate(opt_state)
   lr = jnp.float32(jnp.nan) if lr is None else jnp.asarray(lr, jnp.float32)
   loss_scale = precision_lib.next_scale(state.loss_scale, overflow, layout.precision)
-  return TrainState(state.step + 1, params, opt_state, model_state, loss_scale), lr
+  return state._replace(step=state.step + 1, params=params, opt_state=opt_state,
+                        model_state=model_state, loss_scale=loss_scale), lr
 
 
 def summed_row(total: jax.Array, layout: Layout) -> jax.Array:
