@@ -39,7 +39,7 @@ from hetjax.cluster import signals
 from hetjax.cluster import watchdog
 from hetjax.input import sources as sources_lib
 from hetjax import mesh as mesh_lib
-from hetjax import sharding as sharding_lib
+from hetjax.step import sharding as sharding_lib
 from hetjax import step as step_lib
 from hetjax import task as task_lib
 from hetjax.observe.history import History
@@ -141,7 +141,7 @@ class Trainer:
     # The train state lives on this host's devices. In a world of one device
     # the last step's update is applied by the next step's first program
     # (`hetjax.step.LocalProgram`); in a larger one the reduction updates
-    # each slice of the state once (`hetjax.sharding`) and the next program
+    # each slice of the state once (`hetjax.step.sharding`) and the next program
     # unpacks the gathered result.
     self._live: step_lib.TrainState
     self._pending: tuple[int, jax.Array] | None = None  # (step, its summed row) not yet applied
@@ -208,7 +208,7 @@ class Trainer:
     ~15 us a leaf), so the step loop never reads it. The arrays stay valid
     after later steps: the next step copies the state once before donating
     it (`block_until_ready` waits without that). In a world of several
-    devices the optimizer state lives split over them (`hetjax.sharding`);
+    devices the optimizer state lives split over them (`hetjax.step.sharding`);
     this view holds it whole, gathered for the read (a copy).
     """
     view = self._global_state()
@@ -723,7 +723,7 @@ class Trainer:
   def memory_per_device(self) -> dict[str, Any]:
     """Bytes of parameters, optimizer state and gradients one device holds, from the
     arrays' sizes: `unsplit` (every device updating a whole replica) and, when the
-    update is sharded, `split` over `split_over` devices (`hetjax.sharding`)."""
+    update is sharded, `split` over `split_over` devices (`hetjax.step.sharding`)."""
     if self._memory is None:  # Shapes are fixed for the run: computed once.
       if self.sharded is None:
         self._memory = {"split_over": 1, "where": "devices",

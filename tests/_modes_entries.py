@@ -93,7 +93,7 @@ def disagreeing_centre(rounds: int) -> str:
                                 [bent] + jax.tree.leaves(tr.centre.params)[1:])
     tr.centre = tr.centre._replace(params=params)
   # Checked at once: a round would heal the copy, as each slice of the new
-  # centre comes from the one device that computed it (hetjax.sharding).
+  # centre comes from the one device that computed it (hetjax.step.sharding).
   try:
     tr.check_centre_agrees()
   except agreement.HostsDisagree as e:

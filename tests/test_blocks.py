@@ -13,7 +13,8 @@ from hypothesis import given, strategies as st
 import _block_entries as be
 import hetjax
 from hetjax import models as zoo
-from hetjax import blocks, cli, trainer
+from hetjax import blocks, trainer
+from hetjax.cli import commands as cli
 from hetjax.input import data
 from hetjax.task import MASK
 from hetjax.testing import run_hosts

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from hetjax import cli
-from hetjax import config_file
+from hetjax.cli import config_file
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

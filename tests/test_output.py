@@ -6,7 +6,7 @@ import pytest
 
 import _metrics_fixture as fixture
 import hetjax
-from hetjax import cli
+from hetjax.cli import commands as cli
 from hetjax.cluster import procs
 from hetjax.observe import progress
 

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hetjax import packing, precision
+from hetjax.step import packing, precision
 
 
 def _tree():

@@ -24,7 +24,7 @@ import optax
 import pytest
 
 import _sharded_entries as ent
-from hetjax import sharding
+from hetjax.step import sharding
 from hetjax.input import data
 from hetjax.task import MASK, split_losses
 from hetjax.testing import run_hosts

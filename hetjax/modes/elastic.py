@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from hetjax import mesh as mesh_lib
-from hetjax import sharding as sharding_lib
+from hetjax.step import sharding as sharding_lib
 from hetjax.modes import rounds as rounds_lib
 from hetjax.modes.hybrid import Centre
 from hetjax.mesh import Meshes
@@ -47,7 +47,7 @@ class Elastic:
 
     def finish(centre, totals, total_n):
       # Each slice of the centre computed by one device, then gathered
-      # (`hetjax.sharding`), as the sync step's update.
+      # (`hetjax.step.sharding`), as the sync step's update.
       split = lambda tree: sharding_lib.split_tree(tree, world, axis)
       params = jax.tree.map(lambda c, v: (c + v).astype(c.dtype), split(centre.params),
                             split(totals["d"]))

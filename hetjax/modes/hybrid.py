@@ -9,7 +9,7 @@ Round r, on every host i (`hetjax.modes.rounds` supplies the pieces):
 4. the outer gradient `sum n_i delta_i / sum n_i` (sample-weighted: the
    FedNova-consistent form when every host reads one global stream) goes
    through the outer optax optimizer, each slice of the centre on one
-   device of the world, then gathered (`hetjax.sharding`): every host holds
+   device of the world, then gathered (`hetjax.step.sharding`): every host holds
    the same bits even when hosts compile differently. The outer optimizer
    state is kept whole on every device (it is saved with the centre).
 
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import optax
 
 from hetjax import mesh as mesh_lib
-from hetjax import sharding as sharding_lib
+from hetjax.step import sharding as sharding_lib
 from hetjax.modes import rounds as rounds_lib
 from hetjax.mesh import Meshes
 
@@ -70,7 +70,7 @@ class Hybrid:
 
     def finish(centre, totals, total_n):
       # Each slice of the centre is updated by one device and gathered
-      # (`hetjax.sharding`): hosts that compile differently agree bit for bit.
+      # (`hetjax.step.sharding`): hosts that compile differently agree bit for bit.
       keep = sharding_lib.scalar_leaves(outer, centre.params, centre.opt_state,
                                         world.devices.size)
       split = lambda tree, keep=None: sharding_lib.split_tree(tree, world, axis, keep)

@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from hetjax import blocks as blocks_lib
 from hetjax.balancer import taus_from_speeds  # noqa: F401 (numpy only, shared with the simulator)
-from hetjax import precision as precision_lib
+from hetjax.step import precision as precision_lib
 from hetjax import mesh as mesh_lib
 from hetjax import step as step_lib
 from hetjax.mesh import DEV, Meshes
@@ -132,7 +132,7 @@ class LocalStep:
   devices only, and the inner optax update follows. Parameters and inner
   state are arrays on this host's devices (the local mesh).
 
-  Precision as in the sync step (`hetjax.precision`). Under fp16 each host
+  Precision as in the sync step (`hetjax.step.precision`). Under fp16 each host
   keeps its own dynamic loss scale in its inner state: a local step whose
   gradients overflow is skipped on that host alone and its scale halved.
   No other host needs to know: the round's reduction sums models, not

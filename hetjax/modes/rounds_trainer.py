@@ -392,7 +392,7 @@ class RoundsTrainer:
     """Compares every host's fingerprint of the centre and outer state (every host must call it).
 
     Each slice of the centre's update is computed by one device and
-    gathered (`hetjax.sharding`), so rounding cannot make hosts differ;
+    gathered (`hetjax.step.sharding`), so rounding cannot make hosts differ;
     this catches a real fault (other code, a damaged copy) every
     `check_every` rounds and before each checkpoint. The hosts' own
     parameters differ by design (elastic) and are not compared.

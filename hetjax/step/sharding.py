@@ -37,9 +37,9 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from hetjax import mesh as mesh_lib
-from hetjax import packing
-from hetjax import precision as precision_lib
-from hetjax import step as step_lib
+from hetjax.step import packing
+from hetjax.step import precision as precision_lib
+from hetjax.step import update as update_lib
 
 PyTree = Any
 
@@ -250,7 +250,7 @@ class ShardedUpdate:
     """
     split_sharding = NamedSharding(self.mesh, P(self.axis))
     split = lambda x: jax.lax.with_sharding_constraint(split_leaf(x, self.size), split_sharding)
-    new, lr = step_lib.optimizer_step(self.optimizer, shards, total, layout, view=split)
+    new, lr = update_lib.optimizer_step(self.optimizer, shards, total, layout, view=split)
     new = jax.lax.with_sharding_constraint(new, self.shardings)
     return new, self._gathered_replica(new), lr
 

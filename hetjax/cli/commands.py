@@ -129,7 +129,7 @@ def _parser() -> argparse.ArgumentParser:
 def _check_args(args: argparse.Namespace) -> None:
   """Everything that can be checked before JAX starts; raises ValueError."""
   from hetjax import models as zoo
-  from hetjax import user_code
+  from hetjax.cli import user_code
   from hetjax.input import data
 
   if user_code.is_factory(args.model):
@@ -184,7 +184,7 @@ def _model_overrides(args: argparse.Namespace) -> dict:
 
 def _load_data(args: argparse.Namespace):
   """(training source, evaluation source or None) of --dataset."""
-  from hetjax import user_code
+  from hetjax.cli import user_code
   from hetjax.input import data
   if user_code.is_factory(args.dataset):
     return user_code.load_dataset(args.dataset)
@@ -198,7 +198,7 @@ def _load_data(args: argparse.Namespace):
 
 def _build_task(args: argparse.Namespace, info):
   from hetjax import models as zoo
-  from hetjax import user_code
+  from hetjax.cli import user_code
   if user_code.is_factory(args.model):
     return user_code.build_task(args.model, info, _model_overrides(args))
   return zoo.build(args.model, kind=info.kind, num_classes=info.num_classes,
@@ -327,7 +327,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   argv = list(sys.argv[1:] if argv is None else argv)
   args = parser.parse_args(argv)
   if args.command == "train" and args.config:
-    from hetjax import config_file
+    from hetjax.cli import config_file
     train_parser = _train_parser(parser)
     try:
       from_file = config_file.to_argv(args.config, train_parser)
@@ -345,13 +345,13 @@ def _train_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def resolved_config(args: argparse.Namespace) -> dict:
   """Every `hetjax train` flag's value, as OUT/config.yaml holds it."""
-  from hetjax import config_file
+  from hetjax.cli import config_file
   return config_file.resolved(args, _train_parser(_parser()))
 
 
 def _write_config(args: argparse.Namespace) -> None:
   """OUT/config.yaml: `hetjax train --config OUT/config.yaml` runs this job again."""
-  from hetjax import config_file
+  from hetjax.cli import config_file
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, config_file.CONFIG_FILE), "w") as f:
     f.write(config_file.dump(resolved_config(args), head=True))
@@ -398,7 +398,7 @@ def _exit_now(code: int) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
   args = parse_args(argv)
   if args.command == "train" and args.print_config:
-    from hetjax import config_file
+    from hetjax.cli import config_file
     _check_args_or_exit(args)
     print(config_file.dump(resolved_config(args)), end="")
     return 0
@@ -440,6 +440,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     _print_summary(summary)
   return 0
 
-
-if __name__ == "__main__":
-  sys.exit(main())

@@ -1,0 +1,247 @@
+"""`LocalProgram`: this host's share of a step, on its own devices only."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import PartitionSpec as P
+
+from hetjax.step import packing
+from hetjax.step import precision as precision_lib
+from hetjax.mesh import DEV, Meshes
+from hetjax.task import MASK, Task
+from hetjax.step.state import Layout, LocalSums, Sums, TrainState
+from hetjax.step.block import block_sums, micro_batches, padded_chunks
+from hetjax.step.update import apply_update
+
+
+# Batch entry, one int32 row per device: step, block, first micro-batch?, real
+# examples, then the host vector's float32 bits (`_position_rows`).
+_POSITION = "hetjax.position"
+_POSITION_FIELDS = 4
+
+def _position_rows(step: int, first_block: int, first: bool, real: int, per_device: int,
+                   devices: int, host_values: np.ndarray) -> np.ndarray:
+  """`_POSITION` of one micro-batch of `devices` blocks: `[devices, 4 + k]` int32.
+
+  Device `d` runs block `first_block + d` with `clip(real - d * per_device, 0,
+  per_device)` real examples; the host vector rides as its float32 bits.
+  """
+  d = np.arange(devices)
+  fields = np.stack([np.full(devices, step), first_block + d, np.full(devices, int(first)),
+                     np.clip(real - d * per_device, 0, per_device)], axis=1)
+  bits = np.broadcast_to(host_values.view(np.int32), (devices, host_values.size))
+  return np.concatenate([fields.astype(np.int32), bits], axis=1)
+
+
+class Local(NamedTuple):
+  """One step's work on this host's devices."""
+
+  state: TrainState                # this host's train state, the pending update applied
+  sums: LocalSums
+  learning_rate: jax.Array | None  # of the update applied (NaN if hidden); None: none was
+
+
+class LocalProgram:
+  """Applies the last step's update (or unpacks the sharded update's result, `replica`),
+  then accumulates this host's gradient sums.
+
+  The train state lives on this host's devices. The update of step `s`
+  (`apply_update`, from the reduction's summed row) runs at the start of
+  step `s + 1`'s first micro-batch, in the same program: on XLA:CPU a
+  separate update program's hundreds of small kernels cannot overlap the
+  backward pass as they do inside one program, and nothing is re-wrapped
+  per leaf. Where no micro-batch follows (a share of 0, a checkpoint, the
+  end of `fit`), `update` applies it alone: the same function, and every
+  host applies every update, so the replicas stay equal.
+  """
+
+  def __init__(self, task: Task, optimizer: optax.GradientTransformation, meshes: Meshes,
+               microbatch_per_device: int, precision: str = "fp32", blocks_full: bool = False,
+               replica: packing.Packer | None = None):
+    """`blocks_full`: no block of the run is part padding (see `block_sums`).
+
+    `replica`: the sharded update's packing of the state (`hetjax.sharding`);
+    then the update ran in the reduction, a pending update is that packed
+    new state, and the first micro-batch's program only unpacks it.
+    """
+    if microbatch_per_device < 1:
+      raise ValueError(f"--microbatch must be >= 1, got {microbatch_per_device}.")
+    self.meshes = meshes
+    self.per_device = microbatch_per_device
+    self.blocks_full = blocks_full
+    self.micro = microbatch_per_device * meshes.local_devices
+    self.precision = precision_lib.check(precision)
+    self.layout: Layout | None = None
+    self._task, self._optimizer = task, optimizer
+    self.replica = replica
+    # The sharded update's new state alone (a share of 0, a read of the state;
+    # also before the first step, so not built with the other programs).
+    self._unpack = None if replica is None else jax.jit(
+        replica.unpack, out_shardings=meshes.local_replicated)
+    self._key = None
+    # Sums buffers recycled from two steps back: the last step's may still be
+    # read (by its reduction, or the thread that times it) while this one runs.
+    self._ring: list[jax.Array | None] = [None, None]
+    self._calls = 0
+    self._host_width: int | None = None  # k: the host vector's length, fixed by the first call.
+
+  def _build(self, state: TrainState, example: dict[str, np.ndarray], rng: jax.Array,
+             host_width: int) -> None:
+    """Fixes the row layout and compiles the programs, once."""
+    per_device = {k: v[:self.per_device] for k, v in
+                  next(micro_batches(example, self.micro)).items()}
+    _, metrics, new_state = jax.eval_shape(self._task.loss, state.params, state.model_state,
+                                           per_device, rng)
+    scalar = jax.ShapeDtypeStruct((), jnp.float32)
+    shapes = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
+    sums_like = Sums(shapes(state.params), scalar, scalar, scalar, {k: scalar for k in metrics},
+                     shapes(new_state))
+    layout = self.layout = Layout(packing.Packer(sums_like, dtype=jnp.float32), self.precision)
+    task, optimizer, n, m = self._task, self._optimizer, layout.row_size, self.per_device
+
+    def grad_row(state, sums, batch, key):
+      # Without the cast, grad of a replicated input would already be summed
+      # over the local devices; per-device sums let one reduction do it all.
+      params = jax.lax.pcast(state.params, DEV, to="varying")
+      batch = dict(batch)
+      position = batch.pop(_POSITION)[0]
+      step, block, first, real = (position[i] for i in range(_POSITION_FIELDS))
+      host = jax.lax.bitcast_convert_type(position[_POSITION_FIELDS:], jnp.float32)
+      batch[MASK] = (jnp.arange(m) < real).astype(jnp.float32)
+      rng = jax.random.fold_in(jax.random.fold_in(key, step), block)
+      scale = state.loss_scale.scale
+      row = layout.sums.pack(block_sums(task, params, state.model_state, batch, rng, scale,
+                                        self.precision, self.blocks_full))["float32"]
+      # The first micro-batch of a step starts from zero in a recycled buffer;
+      # the scale and host vector are set, not summed. One elementwise pass, in place.
+      row = jnp.concatenate([row, scale[None], host])[None]
+      if sums is None:
+        return row
+      keep = (first == 0) & (jnp.arange(n + 1 + host.size) < n)
+      return jnp.where(keep[None], sums, 0.0) + row
+
+    def update_then_grad(state, total, batch, key):
+      # Always a step's first micro-batch: its row starts the sums, so the
+      # recycled buffer is neither read nor cleared (a pass over the row saved).
+      state, lr = apply_update(optimizer, state, total, layout)
+      return state, lr, grad_row(state, None, batch, key)
+
+    replica = self.replica
+
+    def unpack_then_grad(packed, batch, key):
+      # The sharded update's new state, gathered: unpacked where it is first read.
+      state = replica.unpack(packed)
+      return state, grad_row(state, None, batch, key)
+
+    local, d, k = self.meshes.local, self.meshes.local_devices, host_width
+    self._host_width = k
+    like = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+    micro = dict(next(padded_chunks(example, self.micro))[0])
+    micro[_POSITION] = _position_rows(0, 0, True, 0, m, d, np.zeros(k, np.float32))
+    replicated = lambda shape, dtype: jax.ShapeDtypeStruct(
+        shape, dtype, sharding=self.meshes.local_replicated)
+    sums_like = jax.ShapeDtypeStruct((d, n + 1 + k), jnp.float32,
+                                     sharding=self.meshes.local_by_device)
+    total_like = sums_like if self.meshes.one_device else replicated((n,), jnp.float32)
+    if replica is not None:
+      total_like = {g: replicated((size,), jnp.dtype(g)) for g, size in replica.sizes.items()}
+    micro_like = jax.tree.map(like, jax.device_put(micro, self.meshes.local_by_device))
+    self._abstract = (micro_like, total_like)
+    # Every program is compiled at a step every host reaches, whatever its
+    # share: the first call (and, for the update, the first with one pending).
+    # A new share then compiles nothing on any host (invariant 4).
+    self._grad = jax.jit(
+        jax.shard_map(grad_row, mesh=local, in_specs=(P(), P(DEV), P(DEV), P()),
+                      out_specs=P(DEV)),
+        donate_argnums=(1,)).lower(state, sums_like, micro_like, rng).compile()
+    self._update_then_grad = None
+    if replica is not None:
+      self._fused_program = jax.jit(
+          jax.shard_map(unpack_then_grad, mesh=local, in_specs=(P(), P(DEV), P()),
+                        out_specs=(P(), P(DEV))))
+    else:
+      self._fused_program = jax.jit(
+          jax.shard_map(update_then_grad, mesh=local, in_specs=(P(), P(), P(DEV), P()),
+                        out_specs=(P(), P(), P(DEV))),
+          donate_argnums=(0,))
+      self._update_alone = jax.jit(
+          jax.shard_map(lambda state, total: apply_update(optimizer, state, total, layout),
+                        mesh=local, in_specs=(P(), P()), out_specs=(P(), P())),
+          donate_argnums=(0,)).lower(state, total_like).compile()
+    self._zeros = jax.jit(
+        lambda scale, host: jnp.broadcast_to(
+            jnp.concatenate([jnp.zeros(n, jnp.float32), scale[None], host]), (d, n + 1 + k)),
+        in_shardings=self.meshes.local_replicated,
+        out_shardings=self.meshes.local_by_device).lower(
+            scalar, jax.ShapeDtypeStruct((k,), jnp.float32)).compile()
+
+  def __call__(self, state: TrainState, pending: jax.Array | None, batch: dict[str, np.ndarray],
+               example: dict[str, np.ndarray], key: jax.Array, step: int,
+               first_block: int = 0, host_values: np.ndarray | None = None) -> Local:
+    """Applies `pending`, then runs the host's share `batch` (possibly empty).
+
+    `state` is this host's train state (replicated over its devices:
+    `to_local_tree`); it is donated when `pending` (the last reduction's
+    `Reduced.total`, or None) is applied. `example` is one record of the
+    dataset; it fixes the micro-batch shapes even when this host's share is
+    0. `key` is the run's base PRNG key; the step and each device's global
+    block index (from `first_block`, the host's first block) are folded in
+    on the devices. `host_values` (float32, the same length every call)
+    ride along in the sums to the reduction, which gathers every host's.
+    """
+    host = np.zeros(0, np.float32) if host_values is None else (
+        np.asarray(host_values, np.float32).ravel())
+    if self._host_width is not None and host.size != self._host_width:
+      raise ValueError(f"host_values has {host.size} values; this program was built for "
+                       f"{self._host_width} (pass the same length every step).")
+    if self._key is None or self._key[0] is not key:
+      self._key = (key, jax.device_put(key, self.meshes.local_replicated))
+    local_key = self._key[1]
+    if self.layout is None:
+      self._build(state, example, local_key, host.size)
+    if pending is not None and self._update_then_grad is None:
+      micro_like, total_like = self._abstract
+      head = () if self.replica is not None else (state,)
+      self._update_then_grad = self._fused_program.lower(
+          *head, total_like, micro_like, local_key).compile()
+    slot = self._calls % 2
+    sums, first, lr = self._ring[slot], True, None
+    d = self.meshes.local_devices
+    for i, (micro, real) in enumerate(padded_chunks(batch, self.micro)):
+      # Position, mask and host vector ride in the batch's one transfer.
+      micro[_POSITION] = _position_rows(step, first_block + i * d, first, real, self.per_device,
+                                        d, host)
+      micro = jax.device_put(micro, self.meshes.local_by_device)
+      if pending is not None and self.replica is not None:
+        state, sums = self._update_then_grad(pending, micro, local_key)
+        pending = None
+      elif pending is not None:
+        state, lr, sums = self._update_then_grad(state, pending, micro, local_key)
+        pending = None
+      else:
+        if sums is None or sums.is_deleted():
+          sums = self._zeros(state.loss_scale.scale, host)
+        sums = self._grad(state, sums, micro, local_key)
+      first = False
+    if pending is not None:  # No micro-batch: the update alone.
+      state, lr = self.update(state, pending)
+    if first:  # No micro-batch: the recycled buffer still holds old sums.
+      sums = self._zeros(state.loss_scale.scale, host)
+    self._ring[slot] = sums
+    self._calls += 1
+    return Local(state, LocalSums(sums, self.layout), lr)
+
+  def update(self, state: TrainState, pending: Any) -> tuple[TrainState, jax.Array | None]:
+    """Applies a pending update alone: (the new state, its learning rate or NaN); donates `state`.
+
+    Under the sharded update it only unpacks the new state (None: the
+    reduction already reported the learning rate).
+    """
+    if self._unpack is not None:
+      return self._unpack(pending), None
+    return self._update_alone(state, pending)
