@@ -3,6 +3,7 @@ the modules that must start fast (the launcher, the balancer, the simulator, the
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -68,3 +69,46 @@ def test_the_cli_rejects_bad_arguments_before_jax_loads():
   run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
   assert run.returncode == 2, run.stderr[-2000:]
   assert "--global-batch must be >= 1, got 0" in run.stderr
+
+
+# The long options of each command, as users type them and the docs name them.
+# Removing or renaming a flag breaks every script that passes it: update the
+# README, docs/ and this list together.
+CLI_FLAGS = {
+    "train": [
+        "--assignment", "--augment", "--balancer", "--ckpt-dir", "--ckpt-every", "--ckpt-keep",
+        "--clip-norm", "--config", "--data-dir", "--data-workers", "--dataset", "--dropout",
+        "--elastic-beta", "--eval-every", "--global-batch", "--image-size", "--init-timeout",
+        "--local-batch", "--local-steps", "--log-every", "--lr", "--microbatch", "--mode",
+        "--model", "--model-width", "--no-resume", "--optimizer", "--out", "--outer-lr",
+        "--outer-momentum", "--outer-optimizer", "--precision", "--print-config", "--reduction",
+        "--round-steps", "--save-params", "--schedule", "--seed", "--steps", "--sync-save",
+        "--wandb", "--warmup-steps", "--watchdog", "--weight-decay",
+    ],
+    "report": [],
+    "doctor": [
+        "--batch", "--expect-devices", "--gloo-interface", "--init-timeout", "--json", "--model",
+        "--steps",
+    ],
+}
+
+
+def test_the_cli_flags_are_the_pinned_ones():
+  # Read from the parser in a fresh interpreter with JAX blocked: building it must stay cheap.
+  code = _BLOCK_JAX + (
+      "import argparse, json\n"
+      "from hetjax.cli import commands\n"
+      "parser = commands._parser()\n"
+      "sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))\n"
+      "print(json.dumps({name: sorted(o for a in p._actions for o in a.option_strings\n"
+      "                               if o.startswith('--') and o != '--help')\n"
+      "                  for name, p in sub.choices.items()}))\n")
+  run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+  assert run.returncode == 0, run.stderr[-2000:]
+  found = json.loads(run.stdout)
+  for command in sorted(set(found) | set(CLI_FLAGS)):
+    pinned, now = CLI_FLAGS.get(command), found.get(command)
+    assert now == pinned, (
+        f"`hetjax {command}` flags changed: gone {sorted(set(pinned or []) - set(now or []))}, "
+        f"new {sorted(set(now or []) - set(pinned or []))}. A flag is public API: update the "
+        f"README and docs/ that name it, then CLI_FLAGS in tests/test_public_api.py.")
