@@ -7,7 +7,7 @@ import pytest
 import _metrics_fixture as fixture
 import hetjax
 from hetjax.cli import commands as cli
-from hetjax.cluster import procs
+from hetjax.cluster import hostgroup
 from hetjax.observe import progress
 
 
@@ -45,8 +45,8 @@ def test_a_loss_of_the_other_adapter_is_refused_naming_both_forms():
 
 def test_gloo_connection_lines_are_hidden_by_the_launcher_unless_asked_for(monkeypatch):
   line = "[Gloo] Rank 1 is connected to 2 peer ranks. Expected number of connected peer ranks is : 2"
-  assert procs._GLOO_CONNECTED.match(line)
-  assert not procs._GLOO_CONNECTED.match("[hetjax] host 1 of 3 joining coordinator")
+  assert hostgroup._GLOO_CONNECTED.match(line)
+  assert not hostgroup._GLOO_CONNECTED.match("[hetjax] host 1 of 3 joining coordinator")
 
 
 def test_a_rounds_summary_says_which_figures_are_per_round(capsys):

@@ -50,7 +50,8 @@ def test_public_names_resolve_to_the_objects_their_modules_define():
 
 def test_the_launcher_balancer_simulator_and_configs_load_without_jax():
   modules = ["hetjax.config", "hetjax.balancer", "hetjax.blocks", "hetjax.sim",
-             "hetjax.sim.rounds", "hetjax.cluster.procs", "hetjax.cluster.emulate",
+             "hetjax.sim.rounds", "hetjax.cluster.procs", "hetjax.cluster.hostgroup",
+             "hetjax.cluster.hostenv", "hetjax.cluster.emulate",
              "hetjax.cluster.signals", "hetjax.cluster.hostguard", "hetjax.modes.options",
              "hetjax.observe.report", "hetjax.observe.progress", "hetjax.testing"]
   code = _BLOCK_JAX + "".join(f"import {m}\n" for m in modules) + (
