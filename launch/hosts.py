@@ -67,11 +67,17 @@ _RESERVED = (Env.COORDINATOR, Env.NUM_HOSTS, Env.HOST_ID, Env.RESTART_COUNT)
 # on while it starts, so it keeps SIGINT; SIGHUP ignored), its output through
 # a relay that survives the connection, and hang-up or SIGTERM to the wrapper
 # passed on as SIGTERM, Ctrl-C as SIGINT; then the host's own exit code.
-_WRAPPER = ('set -m; {cd}trap "" HUP; {command} </dev/null '
+# A trapped signal cuts `wait` short (status > 128), so the wrapper waits
+# again while a trap has run since its last wait: bash keeps a child's status
+# for a later `wait $pid` (outside POSIX mode, hence `+o posix`) even when the
+# host ended, and was reaped, while the trap still ran. Asking whether the host
+# is alive instead (`kill -0`) lost that race and reported the signal (129).
+_WRAPPER = ('set -m +o posix; {cd}trap "" HUP; {command} </dev/null '
             '> >(trap "" HUP INT TERM; cat || exec cat >/dev/null) 2>&1 & pid=$!; set +m; '
-            'trap "kill -TERM $pid 2>/dev/null" HUP TERM; trap "kill -INT $pid 2>/dev/null" INT; '
-            'wait $pid; rc=$?; '
-            'while [ $rc -gt 128 ] && kill -0 $pid 2>/dev/null; do wait $pid; rc=$?; done; exit $rc')
+            'trap "hit=1; kill -TERM $pid 2>/dev/null" HUP TERM; '
+            'trap "hit=1; kill -INT $pid 2>/dev/null" INT; '
+            'rc=129; hit=1; while [ -n "$hit" ] && [ $rc -gt 128 ]; do '
+            'hit=; wait $pid; rc=$?; done; exit $rc')
 
 
 @dataclasses.dataclass(frozen=True)

@@ -481,9 +481,34 @@ _HOST_ON_SSH = textwrap.dedent("""
 """)
 
 
-def test_a_hung_up_connection_makes_the_remote_host_save(tmp_path, marker):
-  """ssh -tt hangs up the remote side when the connection closes: SIGHUP to the wrapper."""
-  fake_ssh = _script(tmp_path / "fake-ssh", _FAKE_SSH)
+# Stand-in for ssh whose wrapper forwards a signal slowly: its `kill` (a
+# function, ahead of bash's builtin) returns from forwarding SIGTERM only once
+# the host has ended and bash has reaped it. That is the order in which the
+# wrapper used to lose the host's exit code (it asked `kill -0` whether the
+# host was alive, and exited 129 for the hang-up); now it must still say 75.
+_SLOW_FORWARDING_SSH = """
+  #!/bin/bash
+  kill() {
+    builtin kill "$@"; local rc=$?
+    if [ "$1" = -TERM ]; then while [ -e "/proc/$2" ]; do sleep 0.05; done; fi
+    return $rc
+  }
+  export -f kill
+  export FAKE_SSH_HOST="$1"
+  shift
+  exec bash -c "$*"
+"""
+
+
+@pytest.mark.parametrize("forwarding", ["prompt", "slow"])
+def test_a_hung_up_connection_makes_the_remote_host_save(tmp_path, marker, forwarding):
+  """ssh -tt hangs up the remote side when the connection closes: SIGHUP to the wrapper.
+
+  Prompt: the host is still running when the wrapper waits again. Slow: it
+  has ended, and been reaped, before the wrapper's trap returns.
+  """
+  fake_ssh = _script(tmp_path / "fake-ssh",
+                     _FAKE_SSH if forwarding == "prompt" else _SLOW_FORWARDING_SSH)
   hostfile = tmp_path / "hosts.txt"
   hostfile.write_text("node-a\n")
   launcher = subprocess.Popen([sys.executable, HOSTS, "--hostfile", str(hostfile), "--ssh",
@@ -527,7 +552,7 @@ def test_hosts_dry_run_prints_the_exact_commands(tmp_path):
     assert local == [*ssh, host]
     exec_, bash, dash_c, wrapper = shlex.split(remote)
     assert (exec_, bash, dash_c) == ("exec", "bash", "-c")
-    assert wrapper.startswith("set -m; cd '/srv/het jax' || exit 1; ")
+    assert wrapper.startswith("set -m +o posix; cd '/srv/het jax' || exit 1; ")
     assert (f"env HETJAX_COORDINATOR=node-a:4242 HETJAX_NUM_HOSTS=3 HETJAX_HOST_ID={i} "
             f"HETJAX_RESTART_COUNT=0 PYTHONUNBUFFERED=1 .venv/bin/hetjax train --steps 10 "
             f"</dev/null ") in wrapper
