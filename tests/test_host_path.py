@@ -16,6 +16,7 @@ import pytest
 
 import hetjax
 from hetjax import mesh, step
+from hetjax.step import local as local_step
 from hetjax.input import data
 from hetjax.input import loader
 from hetjax.training import readiness
@@ -113,9 +114,9 @@ def test_the_trainer_reads_cheap_records_inline():
 
 def test_position_rows_give_each_device_its_block_its_real_count_and_the_host_vector():
   host = np.array([0.25, -3.0, 7.0], np.float32)
-  rows = step._position_rows(step=9, first_block=4, first=True, real=6, per_device=4, devices=3,
-                             host_values=host)
-  assert rows.dtype == np.int32 and rows.shape == (3, step._POSITION_FIELDS + 3)
+  rows = local_step._position_rows(step=9, first_block=4, first=True, real=6, per_device=4,
+                                   devices=3, host_values=host)
+  assert rows.dtype == np.int32 and rows.shape == (3, local_step._POSITION_FIELDS + 3)
   np.testing.assert_array_equal(rows[:, :4], [[9, 4, 1, 4], [9, 5, 1, 2], [9, 6, 1, 0]])
   for r in rows:
     np.testing.assert_array_equal(r[4:].view(np.float32), host)

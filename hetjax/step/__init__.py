@@ -5,8 +5,9 @@ the train state lives (replicated over them). The first micro-batch's
 program first applies the previous step's update (`apply_update`) from the
 summed row the reduction left, then every micro-batch adds its gradients.
 The host's share, a whole number of blocks of `m` positions
-(`hetjax.blocks`), is fed as fixed-shape micro-batches of one block per
-device (the last ones padded and masked); each device keeps running sums of
+(`hetjax.blocks`), is fed as fixed-shape micro-batches of `j` blocks per
+device, `j` from the host's ladder `k, k/2, ..., 1` (`k` its device batch;
+the last micro-batch padded and masked), the blocks of a device kept apart; each device keeps running sums of
 per-example gradients, losses, metrics, weights and the count of real
 examples. A block's PRNG key is `fold_in(fold_in(key(seed), step), block)`,
 whichever device runs it. No cross-host collective runs here, so hosts may
@@ -47,12 +48,12 @@ sums, the reduction and the update stay float32.
 """
 
 from hetjax.step.state import Layout, LocalSums, Sums, TrainState, init_state
-from hetjax.step.block import block_sums, micro_batches, padded_chunks
+from hetjax.step.block import block_sums, blocks_sums, micro_batches, padded_chunks
 from hetjax.step.local import Local, LocalProgram
 from hetjax.step.update import apply_update, optimizer_step, overflowed, step_stats, summed_row
 from hetjax.step.reduction import (DeviceReduction, HostReduction, Reduced, make_reduction)
 
 __all__ = ["DeviceReduction", "HostReduction", "Layout", "Local", "LocalProgram", "LocalSums",
-           "Reduced", "Sums", "TrainState", "apply_update", "block_sums", "init_state",
+           "Reduced", "Sums", "TrainState", "apply_update", "block_sums", "blocks_sums", "init_state",
            "make_reduction", "micro_batches", "optimizer_step", "overflowed", "padded_chunks",
            "step_stats", "summed_row"]

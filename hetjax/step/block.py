@@ -55,33 +55,61 @@ def block_sums(task: Task, params: PyTree, model_state: PyTree, block: dict[str,
   out of the gradients, only when `precision` scales its loss (a pass over
   every gradient otherwise spent dividing by 1).
   """
+  return _sums(task, params, model_state, block, rng, scale, precision, blocks_full, stacked=False)
+
+
+def blocks_sums(task: Task, params: PyTree, model_state: PyTree, blocks: dict[str, jax.Array],
+                rngs: jax.Array, scale: jax.Array, precision: str,
+                blocks_full: bool = False) -> Sums:
+  """The summed `block_sums` of `j` blocks stacked on a leading axis (`[j, m, ...]`, keys `[j]`).
+
+  A device batch: the model sees each block alone (`vmap`), so each keeps
+  its BatchNorm group, its key, its mask and its count-weighted state, and
+  the sums equal those of `j` separate `block_sums`. One backward pass over
+  the summed losses gives the summed gradients, with no `j` gradient trees
+  held at once.
+  """
+  return _sums(task, params, model_state, blocks, rngs, scale, precision, blocks_full,
+               stacked=True)
+
+
+def _sums(task: Task, params: PyTree, model_state: PyTree, block: dict[str, jax.Array],
+          rng: jax.Array, scale: jax.Array, precision: str, blocks_full: bool,
+          stacked: bool) -> Sums:
   compute = precision_lib.compute_dtype(precision)
   low, scaled = compute != jnp.float32, precision_lib.uses_loss_scale(precision)
-  real = block[MASK] > 0
-  masked_sum = lambda v: jnp.sum(jnp.where(real, v.astype(jnp.float32), 0.0))
-  # An all-padding block (a host whose blocks do not fill its last device
-  # round) shows the model an all-ones mask: masked BatchNorm over zero rows
-  # would be NaN, and NaN survives `where` in the backward pass. Its rows are
-  # copies of a real row, and every sum below uses `real`.
-  model_block = {**block, MASK: jnp.where(jnp.any(real), block[MASK], 1.0)}
   loss_fn = task.training_loss(blocks_full)
-  if low:
-    model_block = precision_lib.cast_batch(model_block, compute, keep=(MASK,))
+  masked = lambda v, real: jnp.sum(jnp.where(real, v.astype(jnp.float32), 0.0))
+
+  def one(p, block, rng):
+    real = block[MASK] > 0
+    # An all-padding block (a host whose blocks do not fill its last device
+    # round) shows the model an all-ones mask: masked BatchNorm over zero rows
+    # would be NaN, and NaN survives `where` in the backward pass. Its rows are
+    # copies of a real row, and every sum below uses `real`.
+    model_block = {**block, MASK: jnp.where(jnp.any(real), block[MASK], 1.0)}
+    if low:
+      model_block = precision_lib.cast_batch(model_block, compute, keep=(MASK,))
+    losses, metrics, new_state = loss_fn(p, model_state, model_block, rng)
+    values, weights = split_losses(losses)
+    n = jnp.sum(real.astype(jnp.float32))
+    weight = masked(weights, real) if weights is not None else n
+    return masked(values, real), (weight, n, {k: masked(v, real) for k, v in metrics.items()},
+                                  jax.tree.map(lambda s: jnp.where(n > 0, s * n, 0.0), new_state))
 
   def total_loss(p):
     if low:
       p = precision_lib.cast_floats(p, compute)
-    losses, metrics, new_state = loss_fn(p, model_state, model_block, rng)
-    values, weights = split_losses(losses)
-    weight = masked_sum(weights) if weights is not None else jnp.sum(real.astype(jnp.float32))
-    loss = masked_sum(values)
-    return (loss * scale if scaled else loss), (loss, metrics, new_state, weight)
+    if stacked:
+      loss, aux = jax.vmap(one, in_axes=(None, 0, 0))(p, block, rng)
+      loss, aux = jnp.sum(loss), jax.tree.map(lambda v: jnp.sum(v, axis=0), aux)
+    else:
+      loss, aux = one(p, block, rng)
+    return (loss * scale if scaled else loss), (loss, aux)
 
-  (_, (loss, metrics, new_state, weight)), grads = jax.value_and_grad(
+  (_, (loss, (weight, n, metrics, state))), grads = jax.value_and_grad(
       total_loss, has_aux=True)(params)
-  n = jnp.sum(real.astype(jnp.float32))
   unscale = (lambda g: g.astype(jnp.float32) / scale) if scaled else (
       lambda g: g.astype(jnp.float32))
   return Sums(grads=jax.tree.map(unscale, grads), weight=weight, count=n, loss=loss,
-              metrics={k: masked_sum(v) for k, v in metrics.items()},
-              model_state=jax.tree.map(lambda s: jnp.where(n > 0, s * n, 0.0), new_state))
+              metrics=metrics, model_state=state)

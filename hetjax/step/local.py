@@ -15,27 +15,38 @@ from hetjax.step import precision as precision_lib
 from hetjax.mesh import DEV, Meshes
 from hetjax.task import MASK, Task
 from hetjax.step.state import Layout, LocalSums, Sums, TrainState
-from hetjax.step.block import block_sums, micro_batches, padded_chunks
+from hetjax.balancer.ladder import Ladder
+from hetjax.step.block import block_sums, blocks_sums, micro_batches
 from hetjax.step.update import apply_update
 
 
-# Batch entry, one int32 row per device: step, block, first micro-batch?, real
-# examples, then the host vector's float32 bits (`_position_rows`).
+# Batch entry, one int32 row per device: step, the device's first block, first
+# micro-batch?, real examples on the device, then the host vector's float32
+# bits (`_position_rows`).
 _POSITION = "hetjax.position"
 _POSITION_FIELDS = 4
 
 def _position_rows(step: int, first_block: int, first: bool, real: int, per_device: int,
-                   devices: int, host_values: np.ndarray) -> np.ndarray:
-  """`_POSITION` of one micro-batch of `devices` blocks: `[devices, 4 + k]` int32.
+                   devices: int, host_values: np.ndarray, blocks: int = 1) -> np.ndarray:
+  """`_POSITION` of one micro-batch of `blocks` blocks per device: `[devices, 4 + k]` int32.
 
-  Device `d` runs block `first_block + d` with `clip(real - d * per_device, 0,
-  per_device)` real examples; the host vector rides as its float32 bits.
+  Device `d` runs blocks `first_block + d * blocks ...` (`per_device` rows
+  each) with `clip(real - d * blocks * per_device, 0, blocks * per_device)`
+  real examples; the host vector rides as its float32 bits.
   """
-  d = np.arange(devices)
-  fields = np.stack([np.full(devices, step), first_block + d, np.full(devices, int(first)),
-                     np.clip(real - d * per_device, 0, per_device)], axis=1)
+  d, rows = np.arange(devices), blocks * per_device
+  fields = np.stack([np.full(devices, step), first_block + d * blocks, np.full(devices, int(first)),
+                     np.clip(real - d * rows, 0, rows)], axis=1)
   bits = np.broadcast_to(host_values.view(np.int32), (devices, host_values.size))
   return np.concatenate([fields.astype(np.int32), bits], axis=1)
+
+
+def _pad(part: dict[str, np.ndarray], size: int) -> dict[str, np.ndarray]:
+  """Pads a chunk to `size` rows with copies of its first row (see `padded_chunks`)."""
+  real = len(next(iter(part.values())))
+  if real == size:
+    return dict(part)
+  return {k: np.concatenate([v, np.repeat(v[:1], size - real, axis=0)]) for k, v in part.items()}
 
 
 class Local(NamedTuple):
@@ -58,23 +69,37 @@ class LocalProgram:
   per leaf. Where no micro-batch follows (a share of 0, a checkpoint, the
   end of `fit`), `update` applies it alone: the same function, and every
   host applies every update, so the replicas stay equal.
+
+  Device batches: with `device_batch = k` a micro-batch gives each device
+  `k` whole blocks (`k * m` rows), kept apart inside the program
+  (`blocks_sums`). A share runs as the programs of this host's ladder
+  (`Ladder.of(devices, k).programs`: `k, k/2, ..., 1` blocks per device),
+  the very decomposition the balancer prices; every size is compiled at the
+  first call, so a new share compiles nothing. A row's block is its host's
+  first block plus its offset in the share over `m`, whatever `k` is, so
+  the math does not depend on `k`.
   """
 
   def __init__(self, task: Task, optimizer: optax.GradientTransformation, meshes: Meshes,
                microbatch_per_device: int, precision: str = "fp32", blocks_full: bool = False,
-               replica: packing.Packer | None = None):
+               replica: packing.Packer | None = None, device_batch: int = 1):
     """`blocks_full`: no block of the run is part padding (see `block_sums`).
 
     `replica`: the sharded update's packing of the state (`hetjax.sharding`);
     then the update ran in the reduction, a pending update is that packed
     new state, and the first micro-batch's program only unpacks it.
+    `device_batch`: `k`, blocks per device in the largest micro-batch.
     """
     if microbatch_per_device < 1:
       raise ValueError(f"--microbatch must be >= 1, got {microbatch_per_device}.")
+    if int(device_batch) < 1:
+      raise ValueError(f"--device-batch must be >= 1 block per device, got {device_batch}.")
     self.meshes = meshes
     self.per_device = microbatch_per_device
     self.blocks_full = blocks_full
     self.micro = microbatch_per_device * meshes.local_devices
+    self.device_batch = int(device_batch)
+    self.ladder = Ladder.of(meshes.local_devices, self.device_batch)
     self.precision = precision_lib.check(precision)
     self.layout: Layout | None = None
     self._task, self._optimizer = task, optimizer
@@ -89,6 +114,8 @@ class LocalProgram:
     self._ring: list[jax.Array | None] = [None, None]
     self._calls = 0
     self._host_width: int | None = None  # k: the host vector's length, fixed by the first call.
+    self._grad: dict[int, Any] = {}             # blocks per device -> compiled program
+    self._update_then_grad: dict[int, Any] = {}
 
   def _build(self, state: TrainState, example: dict[str, np.ndarray], rng: jax.Array,
              host_width: int) -> None:
@@ -112,37 +139,48 @@ class LocalProgram:
       position = batch.pop(_POSITION)[0]
       step, block, first, real = (position[i] for i in range(_POSITION_FIELDS))
       host = jax.lax.bitcast_convert_type(position[_POSITION_FIELDS:], jnp.float32)
-      batch[MASK] = (jnp.arange(m) < real).astype(jnp.float32)
-      rng = jax.random.fold_in(jax.random.fold_in(key, step), block)
+      j = len(next(iter(batch.values()))) // m  # Blocks on this device.
       scale = state.loss_scale.scale
-      row = layout.sums.pack(block_sums(task, params, state.model_state, batch, rng, scale,
-                                        self.precision, self.blocks_full))["float32"]
+      step_key = jax.random.fold_in(key, step)
+      if j == 1:
+        batch[MASK] = (jnp.arange(m) < real).astype(jnp.float32)
+        sums = block_sums(task, params, state.model_state, batch, jax.random.fold_in(
+            step_key, block), scale, self.precision, self.blocks_full)
+      else:
+        # Block i of the device: its own rows, real count, mask and key.
+        blocks = {k: v.reshape((j, m) + v.shape[1:]) for k, v in batch.items()}
+        reals = jnp.clip(real - jnp.arange(j) * m, 0, m)
+        blocks[MASK] = (jnp.arange(m)[None] < reals[:, None]).astype(jnp.float32)
+        keys = jax.vmap(lambda b: jax.random.fold_in(step_key, b))(block + jnp.arange(j))
+        sums = blocks_sums(task, params, state.model_state, blocks, keys, scale, self.precision,
+                           self.blocks_full)
+      row = layout.sums.pack(sums)["float32"]
       # The first micro-batch of a step starts from zero in a recycled buffer;
       # the scale and host vector are set, not summed. One elementwise pass, in place.
       row = jnp.concatenate([row, scale[None], host])[None]
-      if sums is None:
-        return row
-      keep = (first == 0) & (jnp.arange(n + 1 + host.size) < n)
+      return row, first
+
+    def accumulate(state, sums, batch, key):
+      row, first = grad_row(state, sums, batch, key)
+      keep = (first == 0) & (jnp.arange(row.shape[-1]) < n)
       return jnp.where(keep[None], sums, 0.0) + row
 
     def update_then_grad(state, total, batch, key):
       # Always a step's first micro-batch: its row starts the sums, so the
       # recycled buffer is neither read nor cleared (a pass over the row saved).
       state, lr = apply_update(optimizer, state, total, layout)
-      return state, lr, grad_row(state, None, batch, key)
+      return state, lr, grad_row(state, None, batch, key)[0]
 
     replica = self.replica
 
     def unpack_then_grad(packed, batch, key):
       # The sharded update's new state, gathered: unpacked where it is first read.
       state = replica.unpack(packed)
-      return state, grad_row(state, None, batch, key)
+      return state, grad_row(state, None, batch, key)[0]
 
     local, d, k = self.meshes.local, self.meshes.local_devices, host_width
     self._host_width = k
     like = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-    micro = dict(next(padded_chunks(example, self.micro))[0])
-    micro[_POSITION] = _position_rows(0, 0, True, 0, m, d, np.zeros(k, np.float32))
     replicated = lambda shape, dtype: jax.ShapeDtypeStruct(
         shape, dtype, sharding=self.meshes.local_replicated)
     sums_like = jax.ShapeDtypeStruct((d, n + 1 + k), jnp.float32,
@@ -150,16 +188,20 @@ class LocalProgram:
     total_like = sums_like if self.meshes.one_device else replicated((n,), jnp.float32)
     if replica is not None:
       total_like = {g: replicated((size,), jnp.dtype(g)) for g, size in replica.sizes.items()}
-    micro_like = jax.tree.map(like, jax.device_put(micro, self.meshes.local_by_device))
-    self._abstract = (micro_like, total_like)
+    one_row = {key: v[:1] for key, v in example.items()}
+    self._micro_like = {}
+    for j in self.ladder.sizes:
+      micro = _pad(one_row, j * self.micro)
+      micro[_POSITION] = _position_rows(0, 0, True, 0, m, d, np.zeros(k, np.float32), j)
+      self._micro_like[j] = jax.tree.map(like, jax.device_put(micro, self.meshes.local_by_device))
+    self._total_like = total_like
     # Every program is compiled at a step every host reaches, whatever its
     # share: the first call (and, for the update, the first with one pending).
     # A new share then compiles nothing on any host (invariant 4).
-    self._grad = jax.jit(
-        jax.shard_map(grad_row, mesh=local, in_specs=(P(), P(DEV), P(DEV), P()),
-                      out_specs=P(DEV)),
-        donate_argnums=(1,)).lower(state, sums_like, micro_like, rng).compile()
-    self._update_then_grad = None
+    grad = jax.jit(jax.shard_map(accumulate, mesh=local, in_specs=(P(), P(DEV), P(DEV), P()),
+                                 out_specs=P(DEV)), donate_argnums=(1,))
+    self._grad = {j: grad.lower(state, sums_like, self._micro_like[j], rng).compile()
+                  for j in self.ladder.sizes}
     if replica is not None:
       self._fused_program = jax.jit(
           jax.shard_map(unpack_then_grad, mesh=local, in_specs=(P(), P(DEV), P()),
@@ -179,6 +221,16 @@ class LocalProgram:
         in_shardings=self.meshes.local_replicated,
         out_shardings=self.meshes.local_by_device).lower(
             scalar, jax.ShapeDtypeStruct((k,), jnp.float32)).compile()
+
+  def programs(self, rows: int) -> list[int]:
+    """Blocks per device of each micro-batch a share of `rows` samples runs, in order.
+
+    The ladder's decomposition (`Ladder.programs`), largest first: the
+    balancer prices exactly these.
+    """
+    blocks = -(-int(rows) // self.per_device)
+    runs = self.ladder.programs(blocks)
+    return [j for j in sorted(runs, reverse=True) for _ in range(runs[j])]
 
   def __call__(self, state: TrainState, pending: jax.Array | None, batch: dict[str, np.ndarray],
                example: dict[str, np.ndarray], key: jax.Array, step: int,
@@ -204,30 +256,35 @@ class LocalProgram:
     local_key = self._key[1]
     if self.layout is None:
       self._build(state, example, local_key, host.size)
-    if pending is not None and self._update_then_grad is None:
-      micro_like, total_like = self._abstract
+    if pending is not None and not self._update_then_grad:
       head = () if self.replica is not None else (state,)
-      self._update_then_grad = self._fused_program.lower(
-          *head, total_like, micro_like, local_key).compile()
+      self._update_then_grad = {
+          j: self._fused_program.lower(*head, self._total_like, self._micro_like[j],
+                                       local_key).compile() for j in self.ladder.sizes}
     slot = self._calls % 2
     sums, first, lr = self._ring[slot], True, None
-    d = self.meshes.local_devices
-    for i, (micro, real) in enumerate(padded_chunks(batch, self.micro)):
+    d, m = self.meshes.local_devices, self.per_device
+    rows = len(next(iter(batch.values()))) if batch else 0
+    start = 0
+    for j in self.programs(rows):
+      size = j * self.micro
+      micro = _pad({k: v[start:start + size] for k, v in batch.items()}, size)
       # Position, mask and host vector ride in the batch's one transfer.
-      micro[_POSITION] = _position_rows(step, first_block + i * d, first, real, self.per_device,
-                                        d, host)
+      micro[_POSITION] = _position_rows(step, first_block + start // m, first,
+                                        min(size, rows - start), m, d, host, j)
       micro = jax.device_put(micro, self.meshes.local_by_device)
       if pending is not None and self.replica is not None:
-        state, sums = self._update_then_grad(pending, micro, local_key)
+        state, sums = self._update_then_grad[j](pending, micro, local_key)
         pending = None
       elif pending is not None:
-        state, lr, sums = self._update_then_grad(state, pending, micro, local_key)
+        state, lr, sums = self._update_then_grad[j](state, pending, micro, local_key)
         pending = None
       else:
         if sums is None or sums.is_deleted():
           sums = self._zeros(state.loss_scale.scale, host)
-        sums = self._grad(state, sums, micro, local_key)
+        sums = self._grad[j](state, sums, micro, local_key)
       first = False
+      start += size
     if pending is not None:  # No micro-batch: the update alone.
       state, lr = self.update(state, pending)
     if first:  # No micro-batch: the recycled buffer still holds old sums.
