@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from hetjax import cli
-from hetjax.checkpoint import manager
+from hetjax.checkpoint import manager, quiet
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FLAGS = ["train", "--model", "examples.custom_model:task", "--dataset",
@@ -120,7 +120,7 @@ def test_only_callbacks_on_a_closed_event_loop_are_kept_off_stderr():
   except RuntimeError as e:
     error, tb = e, e.__traceback__
   # What tensorstore's completion callback raises: no Python caller above asyncio.
-  assert manager._from_a_closed_loop(RuntimeError, error, tb.tb_next)
+  assert quiet._from_a_closed_loop(RuntimeError, error, tb.tb_next)
   # The same error from user code (a frame of ours first) is left to the usual hook.
-  assert not manager._from_a_closed_loop(RuntimeError, error, tb)
-  assert not manager._from_a_closed_loop(ValueError, ValueError("x"), tb.tb_next)
+  assert not quiet._from_a_closed_loop(RuntimeError, error, tb)
+  assert not quiet._from_a_closed_loop(ValueError, ValueError("x"), tb.tb_next)

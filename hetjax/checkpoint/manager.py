@@ -30,15 +30,16 @@ training programs in different orders on different hosts (tried: gloo
 aborts with "collective mismatch"). The hosts' workers run the same saves in
 the same order (the main threads decide them at the same step), so their
 barriers match.
+
+Beside it: which job a checkpoint belongs to (`jobs`), the one message of a
+write that failed (`write_failed`), and orbax's noise after a failure
+silenced (`quiet`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
-import os
-import shlex
-import shutil
 import sys
 import time
 from typing import Any, Callable
@@ -49,11 +50,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from hetjax.checkpoint import quiet
 from hetjax.checkpoint import snapshot as snapshot_lib
-from hetjax.cluster import signals
+from hetjax.checkpoint import write_failed
+from hetjax.checkpoint.jobs import describe_job, job_differences  # noqa: F401 (public names)
+from hetjax.checkpoint.write_failed import (  # noqa: F401 (public names)
+    WRITE_FAILED_EXIT, CheckpointWriteFailed, WriteError)
 from hetjax.config import CheckpointConfig, is_remote, resolve  # noqa: F401 (public names)
 
-PyTree = Any
 FORMAT = 1
 # TrainState fields a checkpoint may lack because it predates them: each is
 # filled from the fresh state of this run (for `loss_scale`, the default
@@ -61,110 +65,7 @@ FORMAT = 1
 ADDED_FIELDS = ("loss_scale",)
 _COMMIT_MARKER = "commit_success.txt"  # Written by orbax when a step folder is complete.
 DAMAGED_SUFFIX = ".damaged"  # A skipped step folder is renamed STEP.damaged, kept for inspection.
-# A checkpoint that cannot be written stops every host with this exit code
-# (EX_IOERR from sysexits.h: an input/output error, not a usage error (2)).
-WRITE_FAILED_EXIT = 74
 log = logging.getLogger("hetjax.checkpoint")
-
-
-class CheckpointWriteFailed(signals.Stopped):
-  """A checkpoint could not be written; every host stops with one message.
-
-  The message names the folder, the free space against a checkpoint's
-  size, the last good checkpoint (left intact) and the command that
-  resumes; the command line exits with `WRITE_FAILED_EXIT`.
-  """
-
-  exit_code = WRITE_FAILED_EXIT
-
-  def __init__(self, message: str, step: int | None = None, directory: str | None = None):
-    self.step, self.directory, self.during = step, directory, None
-    RuntimeError.__init__(self, message)  # pylint: disable=non-parent-init-called
-
-
-class _WriteError(Exception):
-  """A save that failed on the worker thread: its step and orbax's error, described later."""
-
-  def __init__(self, step: int, cause: BaseException, nbytes: int):
-    super().__init__(str(cause))
-    self.step, self.cause, self.nbytes = step, cause, nbytes
-
-
-class _QuietOrbax(logging.Filter):
-  """Drops orbax's own tracebacks of a failed read or write: hetjax reports those itself.
-
-  A damaged checkpoint that is skipped, or a write that fails, is said once
-  in one line (or one message) by this module; orbax would add a traceback
-  per background thread (`logging.exception`) for the same event.
-  """
-
-  def filter(self, record: logging.LogRecord) -> bool:
-    from_orbax = f"{os.sep}orbax{os.sep}" in (record.pathname or "")
-    return not (from_orbax and record.exc_info and record.levelno >= logging.WARNING)
-
-
-_QUIET = _QuietOrbax()
-
-
-def _from_a_closed_loop(kind: type, error: BaseException, tb: Any) -> bool:
-  """A tensorstore callback that woke an asyncio loop orbax had already closed.
-
-  After a failed read or write, tensorstore's completion callbacks still
-  call `loop.call_soon_threadsafe` on the event loop of an orbax operation
-  that has ended; the RuntimeError has no Python caller, so the interpreter
-  prints it through `sys.excepthook`, once per pending array. Nothing is
-  lost: the failure itself is reported by this module. Recognised by its
-  traceback starting inside asyncio (no user frame), so no other error is
-  hidden.
-  """
-  if kind is not RuntimeError or str(error) != "Event loop is closed" or tb is None:
-    return False
-  return os.path.basename(tb.tb_frame.f_code.co_filename) == "base_events.py"
-
-
-def _install_quiet_hook() -> None:
-  previous = sys.excepthook
-  if getattr(previous, "_hetjax_quiet", False):
-    return
-
-  def hook(kind, error, tb):
-    if _from_a_closed_loop(kind, error, tb):
-      log.debug("dropped a callback on a closed event loop after a failed checkpoint read/write")
-      return
-    previous(kind, error, tb)
-
-  hook._hetjax_quiet = True  # type: ignore[attr-defined]
-  sys.excepthook = hook
-
-
-def describe_job(state: Any, job: dict[str, Any]) -> dict[str, Any]:
-  """What a checkpoint must match to be continued: shapes, optimizer, settings."""
-  def shapes(tree: PyTree) -> dict[str, str]:
-    return {jax.tree_util.keystr(path): f"{tuple(x.shape)} {x.dtype}"
-            for path, x in jax.tree_util.tree_leaves_with_path(tree)}
-
-  return {"params": shapes(state.params), "model_state": shapes(state.model_state),
-          "optimizer": str(jax.tree.structure(state.opt_state)), **job}
-
-
-def job_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-  """Human lines naming what differs between two `describe_job` results."""
-  out = []
-  for key in sorted(set(saved) | set(current)):
-    a, b = saved.get(key), current.get(key)
-    if a == b:
-      continue
-    if isinstance(a, dict) and isinstance(b, dict):
-      names = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
-      shown = ", ".join(f"{n}: saved {a.get(n, 'absent')}, now {b.get(n, 'absent')}"
-                        for n in names[:3])
-      more = f" (and {len(names) - 3} more)" if len(names) > 3 else ""
-      out.append(f"{key} differ ({len(names)} entries): {shown}{more}")
-    elif key == "optimizer":
-      out.append("optimizer state has another structure (another optimizer or schedule)")
-    else:
-      out.append(f"{key}: saved {a!r}, now {b!r}")
-  return out
 
 
 class Checkpointer:
@@ -190,10 +91,7 @@ class Checkpointer:
             active_processes=set(range(jax.process_count()))))
     # Handlers named up front so `item_metadata` can tell which fields a
     # checkpoint holds before its arrays are read (an older one lacks some).
-    for name in ("absl", ""):  # orbax logs through absl's logger (the root one without absl).
-      if _QUIET not in logging.getLogger(name).filters:
-        logging.getLogger(name).addFilter(_QUIET)
-    _install_quiet_hook()
+    quiet.install()
     self._manager = ocp.CheckpointManager(
         self._path, options=options,
         item_handlers={"state": ocp.StandardCheckpointHandler(),
@@ -218,7 +116,7 @@ class Checkpointer:
       try:
         self._hand_over(step, state, meta)
         self.last_saved = step
-      except _WriteError as e:
+      except WriteError as e:
         failure = e
     self._raise_if_any_failed(failure)
 
@@ -243,35 +141,35 @@ class Checkpointer:
         lambda: self._hand_over(step, snapshot.as_global(), meta))
 
   def _hand_over(self, step: int, state: Any, meta: dict[str, Any]) -> None:
-    """orbax's save; its error (this one, or an earlier background write's) as a `_WriteError`."""
+    """orbax's save; its error (this one, or an earlier background write's) as a `WriteError`."""
     t0 = time.perf_counter()
     meta = {"format": FORMAT, "step": step, **meta}
     try:
       self._manager.save(step, force=True, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state._asdict()), meta=ocp.args.JsonSave(meta)))
     except Exception as e:  # pylint: disable=broad-except
-      raise _WriteError(step, e, _nbytes(state)) from e
+      raise WriteError(step, e, _nbytes(state)) from e
     self._handed.append(step)
     self.handover_s.append(time.perf_counter() - t0)
 
-  def _finished_hand_over(self) -> _WriteError | None:
+  def _finished_hand_over(self) -> WriteError | None:
     """Waits for the worker's hand-over; its failure, if any (other errors re-raised)."""
     handing_over, self._handing_over = self._handing_over, None
     if handing_over is None:
       return None
     try:
       handing_over.result()
-    except _WriteError as e:
+    except WriteError as e:
       return e
     return None
 
-  def _raise_if_any_failed(self, failure: _WriteError | None) -> None:
+  def _raise_if_any_failed(self, failure: WriteError | None) -> None:
     """Every host stops together when a write failed on any of them (a collective)."""
     if self._agree(failure is None):
       return
     raise self._write_failed(failure)
 
-  def _write_failed(self, failure: _WriteError | None) -> CheckpointWriteFailed:
+  def _write_failed(self, failure: WriteError | None) -> CheckpointWriteFailed:
     """The one message of a failed write: folder, space, last good checkpoint, how to resume."""
     try:
       self._manager.wait_until_finished()  # An earlier save still committing counts as good.
@@ -285,21 +183,11 @@ class Checkpointer:
     step = min(failed) if failed else (failure.step if failure is not None else self.last_saved)
     good = [s for s in complete if step is None or s < step]
     last_good = good[0] if good else None
-    size = _folder_bytes(self._path / str(last_good)) if last_good is not None else None
+    size = (write_failed.folder_bytes(str(self._path / str(last_good)))
+            if last_good is not None else None)
     size = size or (failure.nbytes if failure is not None else None)
-    cause = "it failed on another host" if failure is None else _first_line(failure.cause)
-    text = (f"cannot write checkpoint {self.directory}/{step}: {cause}. "
-            f"Free space there: {_free_space(self.directory)}; a checkpoint takes about "
-            f"{_megabytes(size)}. ")
-    if last_good is None:
-      text += "No earlier checkpoint is complete; the run must start afresh. "
-    else:
-      text += f"The last good checkpoint, {self.directory}/{last_good}, is intact. "
-    partial = _partial_folders(self.directory)
-    if partial:
-      text += f"The unfinished {', '.join(partial)} there may be deleted. "
-    text += (f"Free space (or point --ckpt-dir at a larger disk, copying that checkpoint "
-             f"along), then resume with: {_resume_command()}  (exit code {WRITE_FAILED_EXIT})")
+    text = write_failed.message(self.directory, step, None if failure is None else failure.cause,
+                                size, last_good)
     return CheckpointWriteFailed(text, step, self.directory)
 
   def wait(self) -> None:
@@ -313,7 +201,7 @@ class Checkpointer:
       try:
         self._manager.wait_until_finished()
       except Exception as e:  # pylint: disable=broad-except
-        failure = _WriteError(self.last_saved, e, 0)
+        failure = WriteError(self.last_saved, e, 0)
     self._raise_if_any_failed(failure)
 
   def close(self) -> None:
@@ -449,64 +337,6 @@ def _describe_fill(name: str, value: Any) -> str:
 
 def _nbytes(state: Any) -> int:
   return int(sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(state)))
-
-
-def _folder_bytes(path: epath.Path) -> int | None:
-  """Bytes under a local step folder (None for a URL or an unreadable folder)."""
-  if is_remote(str(path)):
-    return None
-  total = 0
-  for root, _, files in os.walk(str(path)):
-    for name in files:
-      try:
-        total += os.path.getsize(os.path.join(root, name))
-      except OSError:
-        pass
-  return total or None
-
-
-def _partial_folders(directory: str) -> list[str]:
-  """orbax's unfinished step folders (STEP.orbax-checkpoint-tmp...) in a local folder."""
-  if is_remote(directory):
-    return []
-  try:
-    return sorted(n for n in os.listdir(directory) if ".orbax-checkpoint-tmp" in n)
-  except OSError:
-    return []
-
-
-def _megabytes(n: int | None) -> str:
-  if not n:
-    return "an unknown size"
-  return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
-
-
-def _free_space(directory: str) -> str:
-  if is_remote(directory):
-    return "unknown (a URL)"
-  try:
-    return f"{shutil.disk_usage(directory).free / 1e6:.1f} MB"
-  except OSError:
-    return "unknown"
-
-
-def _first_line(error: BaseException) -> str:
-  lines = [l.strip() for l in str(error).splitlines() if l.strip()]
-  text = lines[0] if lines else type(error).__name__
-  return text if len(text) <= 300 else text[:297] + "..."
-
-
-def _resume_command() -> str:
-  """This process's command, as a user would type it again (it resumes from the newest)."""
-  argv = list(sys.argv)
-  if not argv or argv[0] == "-c":
-    return "the same command again"
-  if os.path.basename(argv[0]) == "hetjax":
-    argv[0] = "hetjax"
-  elif argv and argv[0].endswith(".py"):
-    argv = ["python"] + argv
-  return shlex.join(argv) if argv else "the same command"
-
 
 def _say(message: str) -> None:
   if jax.process_index() == 0:

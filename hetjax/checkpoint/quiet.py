@@ -1,0 +1,72 @@
+"""orbax's own noise after a failed read or write, dropped: hetjax reports the event once.
+
+A damaged checkpoint that is skipped, or a write that fails, is said in one
+line (or one message) by `hetjax.checkpoint.manager`; orbax would add a
+traceback per background thread, and tensorstore a stray "Event loop is
+closed" per pending array.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+log = logging.getLogger("hetjax.checkpoint")
+
+
+class _QuietOrbax(logging.Filter):
+  """Drops orbax's own tracebacks of a failed read or write: hetjax reports those itself.
+
+  A damaged checkpoint that is skipped, or a write that fails, is said once
+  in one line (or one message) by the manager; orbax would add a traceback
+  per background thread (`logging.exception`) for the same event.
+  """
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    from_orbax = f"{os.sep}orbax{os.sep}" in (record.pathname or "")
+    return not (from_orbax and record.exc_info and record.levelno >= logging.WARNING)
+
+
+_QUIET = _QuietOrbax()
+
+
+def _from_a_closed_loop(kind: type, error: BaseException, tb: Any) -> bool:
+  """A tensorstore callback that woke an asyncio loop orbax had already closed.
+
+  After a failed read or write, tensorstore's completion callbacks still
+  call `loop.call_soon_threadsafe` on the event loop of an orbax operation
+  that has ended; the RuntimeError has no Python caller, so the interpreter
+  prints it through `sys.excepthook`, once per pending array. Nothing is
+  lost: the failure itself is reported by the manager. Recognised by its
+  traceback starting inside asyncio (no user frame), so no other error is
+  hidden.
+  """
+  if kind is not RuntimeError or str(error) != "Event loop is closed" or tb is None:
+    return False
+  return os.path.basename(tb.tb_frame.f_code.co_filename) == "base_events.py"
+
+
+def install() -> None:
+  """Filters orbax's tracebacks out of its loggers and hides the closed-loop callbacks (idempotent)."""
+  for name in ("absl", ""):  # orbax logs through absl's logger (the root one without absl).
+    if _QUIET not in logging.getLogger(name).filters:
+      logging.getLogger(name).addFilter(_QUIET)
+  _install_hook()
+
+
+
+def _install_hook() -> None:
+  previous = sys.excepthook
+  if getattr(previous, "_hetjax_quiet", False):
+    return
+
+  def hook(kind, error, tb):
+    if _from_a_closed_loop(kind, error, tb):
+      log.debug("dropped a callback on a closed event loop after a failed checkpoint read/write")
+      return
+    previous(kind, error, tb)
+
+  hook._hetjax_quiet = True  # type: ignore[attr-defined]
+  sys.excepthook = hook
