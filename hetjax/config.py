@@ -89,6 +89,14 @@ class TrainConfig:
     watchdog_s: stop the job when no step completes for this many seconds,
       naming the hosts that held it up (`hetjax.cluster.watchdog`); None: the
       larger of 20 x the median step and 5 minutes; 0: no watchdog.
+    device_batch: blocks per device in a host's largest micro-batch (its
+      device batch `k`): one value for every host, one per host (e.g.
+      (16, 8, 2)), or 'auto' (each host picks from its device's memory and
+      speed, `hetjax.step.device_batch`). The blocks stay separate blocks, so
+      the math does not depend on it; a share runs as programs of `k, k/2,
+      ..., 1` blocks per device, all compiled at start.
+    device_batch_memory_fraction: under 'auto', the share of a device's
+      memory the largest micro-batch may fill.
   """
 
   global_batch: int
@@ -101,6 +109,8 @@ class TrainConfig:
   check_every: int = 100
   precision: str = "fp32"
   watchdog_s: float | None = None
+  device_batch: int | tuple[int, ...] | str = 1
+  device_batch_memory_fraction: float = 0.8
 
   def validate(self, num_hosts: int | None = None) -> None:
     """Raises ValueError naming the value, the limit and the fix.
@@ -136,6 +146,66 @@ class TrainConfig:
     if self.watchdog_s is not None and not self.watchdog_s >= 0:
       raise ValueError(f"--watchdog must be >= 0 seconds (0: off; unset: 20 x the median step, "
                        f"at least 5 minutes), got {self.watchdog_s}.")
+    check_device_batch(self.device_batch, self.device_batch_memory_fraction, num_hosts)
+
+  def device_batches(self, num_hosts: int) -> tuple[int, ...] | None:
+    """Every host's device batch `k`; None under 'auto' (the hosts choose at start)."""
+    return device_batches(self.device_batch, num_hosts)
+
+
+AUTO = "auto"
+
+
+def parse_device_batch(value: int | str | tuple[int, ...] | list) -> tuple[int, ...] | str:
+  """`--device-batch` as given ('16,8,2', 4, (4, 2), 'auto') -> a tuple of ints or 'auto'."""
+  if isinstance(value, str):
+    text = value.strip()
+    if text.lower() == AUTO:
+      return AUTO
+    parts = [p.strip() for p in text.split(",")]
+  elif isinstance(value, (list, tuple)):
+    parts = list(value)
+  else:
+    parts = [value]
+  out = []
+  for p in parts:
+    if isinstance(p, bool) or (isinstance(p, float) and not p.is_integer()):
+      p = str(p)
+    try:
+      out.append(int(p))
+    except (TypeError, ValueError):
+      raise ValueError(f"--device-batch {value!r}: {p!r} is not a whole number of blocks; give "
+                       "one count per host (e.g. 16,8,2), one for every host (e.g. 4) or "
+                       "'auto'.") from None
+  return tuple(out)
+
+
+def check_device_batch(value: int | str | tuple[int, ...], memory_fraction: float = 0.8,
+                       num_hosts: int | None = None) -> None:
+  """Raises ValueError naming the value, the limit and the fix (no JAX)."""
+  parsed = parse_device_batch(value)
+  if not 0 < memory_fraction <= 1:
+    raise ValueError(f"--device-batch-memory-fraction must be in (0, 1], got {memory_fraction}: "
+                     "the share of a device's memory 'auto' may fill (default 0.8).")
+  if parsed == AUTO:
+    return
+  shown = ",".join(map(str, parsed))
+  if not parsed or any(k < 1 for k in parsed):
+    raise ValueError(f"--device-batch {shown}: every host needs >= 1 block per device per "
+                     "micro-batch (1: one block, the default; or 'auto').")
+  if num_hosts is not None and len(parsed) not in (1, num_hosts):
+    raise ValueError(f"--device-batch {shown} gives {len(parsed)} values for {num_hosts} "
+                     f"host(s); give one per host (e.g. {','.join(['4'] * num_hosts)}), one for "
+                     "every host, or 'auto'.")
+
+
+def device_batches(value: int | str | tuple[int, ...], num_hosts: int) -> tuple[int, ...] | None:
+  """One `k` per host from a checked `--device-batch` value; None under 'auto'."""
+  parsed = parse_device_batch(value)
+  if parsed == AUTO:
+    return None
+  check_device_batch(parsed, num_hosts=num_hosts)
+  return parsed * num_hosts if len(parsed) == 1 else parsed
 
 
 @dataclasses.dataclass(frozen=True)

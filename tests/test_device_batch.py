@@ -16,7 +16,7 @@ import optax
 import pytest
 
 import hetjax
-from hetjax import mesh, step
+from hetjax import cli, mesh, step
 from hetjax.balancer import ladder
 from hetjax.step import local as local_step
 
@@ -79,3 +79,22 @@ def test_device_batches_give_the_sums_of_single_blocks():
 def test_a_device_batch_below_one_is_refused():
   with pytest.raises(ValueError, match="--device-batch must be >= 1"):
     step.LocalProgram(_task(), optax.sgd(0.1), mesh.Meshes.create(), 4, device_batch=0)
+
+
+@pytest.mark.parametrize("value, message", [
+    ("0", "--device-batch 0: every host needs >= 1 block per device"),
+    ("4,2", "--device-batch 4,2 gives 2 values for 1 host(s)"),
+    ("two", "--device-batch 'two': 'two' is not a whole number of blocks"),
+])
+def test_a_bad_device_batch_fails_before_jax_with_the_fix(capsys, value, message):
+  with pytest.raises(SystemExit) as stop:
+    cli.main(["train", "--device-batch", value, "--print-config"])
+  assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_config_file_gives_one_device_batch_per_host(tmp_path):
+  path = tmp_path / "run.yaml"  # A config file's list is the flag's comma-separated value.
+  path.write_text("device-batch: [4, 2, 1]\ndevice-batch-memory-fraction: 0.5\n")
+  args = cli.parse_args(["train", "--config", str(path)])
+  assert cli.commands._train_config(args).device_batches(3) == (4, 2, 1)
+  assert cli.commands._train_config(args).device_batch_memory_fraction == 0.5

@@ -84,7 +84,15 @@ def _parser() -> argparse.ArgumentParser:
                       "number of --microbatch blocks, e.g. 4,24,36")
   t.add_argument("--balancer", default=None, choices=("equal", "static", "dynamic"),
                  help="size shares from measured step times (default: follow --assignment)")
-  t.add_argument("--microbatch", type=int, default=16, help="samples per device per micro-batch")
+  t.add_argument("--microbatch", type=int, default=16,
+                 help="samples per block: the unit of the math (a BatchNorm group, a dropout "
+                      "key) and of balancing")
+  t.add_argument("--device-batch", default="1", metavar="K[,K...]|auto",
+                 help="blocks per device in a host's largest micro-batch: one per host (e.g. "
+                      "16,8,2), one for all, or 'auto' (from each device's memory and speed); "
+                      "the blocks stay separate, so the math is that of 1")
+  t.add_argument("--device-batch-memory-fraction", type=float, default=0.8, metavar="F",
+                 help="the share of a device's memory --device-batch auto may fill")
   t.add_argument("--reduction", default="device", choices=("device", "host"),
                  help="cross-host reduction backend")
   t.add_argument("--out", default="runs/latest",
@@ -217,6 +225,8 @@ def _train_config(args: argparse.Namespace) -> config_lib.TrainConfig:
       global_batch=args.global_batch, microbatch=args.microbatch, seed=args.seed,
       assignment=assignment, reduction=args.reduction, balancer=args.balancer,
       precision=args.precision, watchdog_s=args.watchdog,
+      device_batch=config_lib.parse_device_batch(args.device_batch),
+      device_batch_memory_fraction=args.device_batch_memory_fraction,
       augment="none" if args.image_size is not None else args.augment)  # Else the recipe's.
 
 
