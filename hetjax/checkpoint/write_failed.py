@@ -15,12 +15,13 @@ import shlex
 import shutil
 import sys
 
-from hetjax.cluster import signals
+from hetjax.cluster import signals, supervise
 from hetjax.config import is_remote
 
 # A checkpoint that cannot be written stops every host with this exit code
 # (EX_IOERR from sysexits.h: an input/output error, not a usage error (2)).
-WRITE_FAILED_EXIT = 74
+# It lives with the other exit codes the launchers read, which never restart it.
+WRITE_FAILED_EXIT = supervise.WRITE_FAILED_EXIT
 
 
 class CheckpointWriteFailed(signals.Stopped):

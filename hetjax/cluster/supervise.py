@@ -12,6 +12,9 @@ Exit codes the launchers understand, from the hosts:
 - 69 (`hetjax.cluster.watchdog.STALLED_EXIT`): the step watchdog stopped a
   stuck job; a failure, restarted from the last checkpoint under
   --max-restarts, and the message names the stuck host(s).
+- 74 (`WRITE_FAILED_EXIT`): a checkpoint could not be written (a full or
+  unwritable disk); never restarted: the restart would fail at the same
+  save, so the job exits 74 and the host's message says how to resume.
 - a host that JAX aborts (SIGABRT) because the coordination service saw
   another host stop sending heartbeats: a failure, and the message names the
   host that stopped responding, not the one that aborted.
@@ -40,6 +43,10 @@ PREEMPTED_EXIT = 75
 # Restarts after preemptions are not failures, so they have their own budget;
 # a bound still stops a job that reports preemption at every start.
 DEFAULT_MAX_PREEMPTIONS = 20
+# Every host exits with this code when a checkpoint cannot be written
+# (`hetjax.checkpoint.write_failed`; EX_IOERR from sysexits.h). A restart
+# would meet the same full disk at the same save, so it is not restarted.
+WRITE_FAILED_EXIT = 74
 # A host that exits with this code (or dies by SIGINT) was stopped by a user's
 # Ctrl-C: reported as a stop, never restarted.
 USER_STOP_EXIT = 128 + signal.SIGINT
@@ -94,6 +101,12 @@ class Outcome:
     """Whether the hosts stopped because one was preempted (exit PREEMPTED_EXIT), not failed."""
     return (self.signal is None and not self.timed_out and self.failed_host is not None
             and self.returncodes[self.failed_host] == PREEMPTED_EXIT)
+
+  @property
+  def write_failed(self) -> bool:
+    """Whether the hosts stopped because a checkpoint could not be written (WRITE_FAILED_EXIT)."""
+    return (self.signal is None and not self.timed_out and self.failed_host is not None
+            and self.returncodes[self.failed_host] == WRITE_FAILED_EXIT)
 
   def exit_code(self) -> int:
     """A shell-style exit code: 0, the failed host's code, or 128 + signal."""
@@ -168,7 +181,9 @@ def supervise(attempt: Callable[[int], Outcome], *, max_restarts: int = 0,
     `max_restarts`. Its default is DEFAULT_MAX_PREEMPTIONS when
     `max_restarts > 0` and 0 otherwise, so a plain run that is preempted
     exits PREEMPTED_EXIT and an outer scheduler can requeue it.
-  The launcher being interrupted, or a deadline, is never restarted.
+  The launcher being interrupted, a deadline, or a checkpoint that could
+  not be written (WRITE_FAILED_EXIT: the disk is still full) is never
+  restarted.
 
   Args:
     attempt: starts all hosts, waits for them (`run_group`), returns how they
@@ -196,6 +211,12 @@ def supervise(attempt: Callable[[int], Outcome], *, max_restarts: int = 0,
     if outcome.signal is not None or outcome.timed_out or outcome.stopped_by_user:
       return code  # A user's stop, our own stop or a deadline: never restarted.
     what = failure(outcome)
+    if outcome.write_failed:
+      if max_restarts:
+        note(f"not restarting (--max-restarts {max_restarts}): a restart would fail at the same "
+             f"save; make room as the host's message says, then run the same command again "
+             f"(it resumes from the last good checkpoint); exiting {code}.")
+      return code
     if outcome.preempted:
       if preemptions >= max_preemptions:
         if max_preemptions:
@@ -251,6 +272,8 @@ def failure(outcome: Outcome) -> str:
             "holds its threads' stacks)")
   if rc == PREEMPTED_EXIT:
     return f"host {i} was preempted (exit code {rc})"
+  if rc == WRITE_FAILED_EXIT:
+    return f"host {i} could not write a checkpoint (exit code {rc}: a full or unwritable disk)"
   if outcome.stopped_by_user:
     return f"host {i} was stopped by the user ({'exit code' if rc > 0 else 'signal'} " \
            f"{rc if rc > 0 else _signal_name(-rc)})"
