@@ -48,10 +48,10 @@ import sys
 from typing import Callable, Mapping, Sequence
 
 try:
-  from hetjax.cluster import procs
+  from hetjax.cluster import launcher_cli, procs
 except ImportError:  # Run from a checkout without installing hetjax.
   sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  from hetjax.cluster import procs
+  from hetjax.cluster import launcher_cli, procs
 from hetjax.config import Env
 
 DEFAULT_PORT = 29517
@@ -209,19 +209,17 @@ def _parser() -> argparse.ArgumentParser:
                       help="extra environment for every host (repeatable)")
   parser.add_argument("--init-timeout", type=float, default=None,
                       help="seconds a host may take to join the cluster")
-  parser.add_argument("--grace", type=float, default=procs.DEFAULT_GRACE_S,
-                      help="seconds between SIGTERM and SIGKILL when stopping the ssh processes")
   parser.add_argument("--dry-run", action="store_true",
                       help="print each host's ssh command, one per line, and start nothing")
-  procs.add_restart_arguments(parser)
+  launcher_cli.add_stop_arguments(
+      parser, "seconds between SIGTERM and SIGKILL when stopping the ssh processes")
   return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
   """Parses `argv` (default: sys.argv[1:]), runs the hosts, returns the exit code."""
-  own, command = procs.split_command(sys.argv[1:] if argv is None else argv)
   parser = _parser()
-  args = parser.parse_args(own)
+  args, command = launcher_cli.parse(parser, argv)
   try:
     if not command:
       raise ValueError("no host command given; put it after '--', e.g. "
@@ -233,9 +231,6 @@ def main(argv: Sequence[str] | None = None) -> int:
       raise ValueError(f"cannot read --hostfile {args.hostfile!r}: {e.strerror}.") from e
     if args.init_timeout is not None and not args.init_timeout > 0:
       raise ValueError(f"--init-timeout must be > 0 seconds, got {args.init_timeout!r}.")
-    if args.grace < 0:
-      raise ValueError(f"--grace must be >= 0 seconds, got {args.grace!r}.")
-    procs.check_restarts(args.max_restarts, args.max_preemptions)
     coordinator_address(hosts, args.port, args.coordinator)  # Checks the port.
     extra_env = parse_env(args.env)
 

@@ -36,12 +36,10 @@ import sys
 from typing import Sequence
 
 try:
-  from hetjax.cluster import emulate
-  from hetjax.cluster import procs
+  from hetjax.cluster import emulate, launcher_cli, procs
 except ImportError:  # Run from a checkout without installing hetjax.
   sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  from hetjax.cluster import emulate
-  from hetjax.cluster import procs
+  from hetjax.cluster import emulate, launcher_cli, procs
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -71,22 +69,18 @@ def _parser() -> argparse.ArgumentParser:
                       help="seconds without heartbeats before a host counts as dead (frozen or "
                            "unreachable) and the job stops naming it (default 100, JAX's; "
                            "HETJAX_HEARTBEAT_TIMEOUT)")
-  parser.add_argument("--grace", type=float, default=procs.DEFAULT_GRACE_S,
-                      help="seconds between SIGTERM and SIGKILL when stopping hosts (after a "
-                           "Ctrl-C: once the first host has ended)")
-  procs.add_restart_arguments(parser)
+  launcher_cli.add_stop_arguments(
+      parser, "seconds between SIGTERM and SIGKILL when stopping hosts (after a Ctrl-C: once "
+              "the first host has ended)")
   return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
   """Parses `argv` (default: sys.argv[1:]), runs the hosts, returns the exit code."""
-  own, command = procs.split_command(sys.argv[1:] if argv is None else argv)
   parser = _parser()
-  args = parser.parse_args(own)
+  args, command = launcher_cli.parse(parser, argv)
   try:
     speeds = None if args.speeds is None else emulate.parse_speeds(args.speeds)
-    if args.grace < 0:
-      raise ValueError(f"--grace must be >= 0 seconds, got {args.grace!r}.")
     return procs.launch_local(command, hosts=args.hosts, devices_per_host=args.devices_per_host,
                               speeds=speeds, init_timeout_s=args.init_timeout,
                               grace_s=args.grace, slowdown=args.slowdown,
