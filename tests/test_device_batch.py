@@ -15,10 +15,16 @@ import numpy as np
 import optax
 import pytest
 
+import _device_batch_entries as ent
 import hetjax
 from hetjax import cli, mesh, step
 from hetjax.balancer import ladder
+from hetjax.input import data
 from hetjax.step import local as local_step
+from hetjax.task import MASK, split_losses
+from hetjax.testing import run_hosts
+
+RTOL, ATOL = 1e-4, 1e-5
 
 
 class _BatchNormDropout(nn.Module):
@@ -98,3 +104,135 @@ def test_a_config_file_gives_one_device_batch_per_host(tmp_path):
   args = cli.parse_args(["train", "--config", str(path)])
   assert cli.commands._train_config(args).device_batches(3) == (4, 2, 1)
   assert cli.commands._train_config(args).device_batch_memory_fraction == 0.5
+
+
+# ---- (b) 3 hosts x 2 devices with device batches (4, 2, 1) against an oracle ----
+
+
+def oracle(model: str, snapshots=(ent.FIXED_STEPS, ent.STEPS)):
+  """{steps: (params, model state)} of a plain `jax.grad` + optax loop: the semantics.
+
+  Each block of `m` consecutive positions of the sampler's global batch is
+  its own BatchNorm group, with the key `fold_in(fold_in(key(seed), step),
+  block)`; gradients are summed over real examples and divided by their
+  count (or weight), and the model state is the count-weighted mean of the
+  blocks' states. A partial block is padded with large noise (not a copy of
+  a real row, as hetjax pads), so a mask lost anywhere shows.
+  """
+  source, task, optimizer = ent.build(model)
+  sampler = data.GlobalSampler(len(source), ent.GLOBAL_BATCH, ent.SEED)
+  m, noise = ent.BLOCK, np.random.default_rng(7)
+
+  def block_of(batch, b):
+    rows = {k: v[b * m:(b + 1) * m] for k, v in batch.items()}
+    pad = m - len(rows["y"] if "y" in rows else next(iter(rows.values())))
+    fill = lambda v: ((1e3 * noise.standard_normal((pad,) + v.shape[1:])).astype(v.dtype)
+                      if np.issubdtype(v.dtype, np.floating) else
+                      noise.choice(v.reshape(-1), (pad,) + v.shape[1:]))
+    out = {k: np.concatenate([v, fill(v)]) for k, v in rows.items()}
+    out[MASK] = (np.arange(m) < m - pad).astype(np.float32)
+    return out
+
+  params, state = jax.jit(task.init)(jax.random.key(ent.SEED), block_of(source[np.arange(1)], 0))
+  opt_state = optimizer.init(params)
+
+  @jax.jit
+  def block_grad(params, state, block, step, b):
+    rng = jax.random.fold_in(jax.random.fold_in(jax.random.key(ent.SEED), step), b)
+    real = block[MASK] > 0
+
+    def loss(p):
+      losses, _, new_state = task.loss(p, state, block, rng)
+      values, weights = split_losses(losses)
+      weight = jnp.sum(real) if weights is None else jnp.sum(jnp.where(real, weights, 0.0))
+      return jnp.sum(jnp.where(real, values, 0.0)), (new_state, weight)
+
+    return jax.grad(loss, has_aux=True)(params)
+
+  @jax.jit
+  def update(params, opt_state, grads, weight):
+    updates, opt_state = optimizer.update(jax.tree.map(lambda g: g / weight, grads), opt_state,
+                                          params)
+    return optax.apply_updates(params, updates), opt_state
+
+  out = {}
+  for s in range(max(snapshots)):
+    batch = source[sampler.indices(s)]
+    grads, weight, states, counts = None, 0.0, [], []
+    for b in range(-(-ent.GLOBAL_BATCH // m)):
+      block = block_of(batch, b)
+      g, (new_state, w) = block_grad(params, state, block, s, b)
+      grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+      weight += float(w)
+      states.append(new_state)
+      counts.append(float(block[MASK].sum()))
+    params, opt_state = update(params, opt_state, grads, weight)
+    state = jax.tree.map(lambda *xs: sum(c * x for c, x in zip(counts, xs)) / sum(counts),
+                         *states)
+    if s + 1 in snapshots:
+      out[s + 1] = jax.device_get((params, state))
+  return out
+
+
+@pytest.fixture(scope="module")
+def cluster():
+  return run_hosts("_device_batch_entries:cluster", hosts=3, devices_per_host=2, timeout_s=900)
+
+
+def _assert_close(got, want, what):
+  assert jax.tree.structure(got) == jax.tree.structure(want), what
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want),
+                          strict=True):
+    np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL,
+                               err_msg=f"{what}: {jax.tree_util.keystr(path)}")
+
+
+@pytest.mark.parametrize("model", ent.MODELS)
+def test_device_batches_on_any_split_give_the_oracles_parameters_and_state(cluster, model):
+  want = oracle(model)
+  got = cluster[0]["splits"][model]
+  for steps in want:  # After the fixed uneven split, then after the balanced one.
+    _assert_close(got[steps][0], want[steps][0], f"{model} params after {steps} steps")
+    _assert_close(got[steps][1], want[steps][1], f"{model} model state after {steps} steps")
+  shares = got["shares"]
+  assert all(r["splits"][model]["shares"] == shares for r in cluster)  # Invariant 3.
+  assert shares[:ent.FIXED_STEPS] == [ent.UNEVEN] * ent.FIXED_STEPS
+  # The balancer moved the split off the fixed one, in whole blocks, by the hosts' speeds.
+  assert shares[-1] != ent.UNEVEN and shares[-1][0] > shares[-1][1] > shares[-1][2], shares
+  assert all(sum(s) == ent.GLOBAL_BATCH and s[0] % ent.BLOCK == s[1] % ent.BLOCK == 0
+             for s in shares)
+  # 1 host x 1 device with k = 1 (this process), on the same oracle.
+  source, task, optimizer = ent.build(model)
+  tr = hetjax.Trainer(task, optimizer, source, hetjax.TrainConfig(
+      global_batch=ent.GLOBAL_BATCH, microbatch=ent.BLOCK, seed=ent.SEED, check_every=0))
+  tr.fit(ent.FIXED_STEPS)
+  _assert_close(tr.params(), want[ent.FIXED_STEPS][0], f"{model} 1x1 params")
+  _assert_close(jax.device_get(tr.state.model_state), want[ent.FIXED_STEPS][1],
+                f"{model} 1x1 model state")
+  tr.close()
+
+
+def test_moving_shares_with_device_batches_compile_nothing_after_the_start(cluster):
+  runs = [r["dynamic"] for r in cluster]
+  assert all(r["after_start"] == 0 for r in runs), [r["after_start"] for r in runs]
+  shares = runs[0]["shares"]
+  assert len(shares) == 200 and all(r["shares"] == shares for r in runs)
+  assert len(set(shares)) >= 3, sorted(set(shares))  # The balancer did move them.
+  assert runs[0]["device_batches"] == list(ent.DEVICE_BATCHES)
+
+
+def test_a_rounds_local_step_with_device_batches_is_the_one_of_single_blocks():
+  from hetjax.modes import rounds
+  meshes = mesh.Meshes.create()
+  rng = np.random.default_rng(1)
+  batch = {"x": rng.standard_normal((26, 5)).astype(np.float32),
+           "y": rng.integers(0, 3, 26).astype(np.int32)}
+  task, optimizer = _task(), optax.sgd(0.1)
+  init = next(step.micro_batches({k: v[:1] for k, v in batch.items()}, 4))
+  out = {}
+  for k in (1, 4):  # 7 blocks: 7 rounds of one, or 4 + 2 + 1 (the step donates its inputs).
+    local = rounds.LocalStep(task, optimizer, meshes, 4, 26, device_batch=k)
+    p, ms = jax.jit(task.init, out_shardings=meshes.local_replicated)(jax.random.key(0), init)
+    out[k] = jax.device_get(local(p, local.init_opt_state(p), ms, batch, jax.random.key(2), 3, 5))
+  for a, b in zip(jax.tree.leaves(out[4]), jax.tree.leaves(out[1]), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -29,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from hetjax import blocks as blocks_lib
 from hetjax.balancer import taus_from_speeds  # noqa: F401 (numpy only, shared with the simulator)
+from hetjax.balancer.ladder import Ladder
 from hetjax.step import precision as precision_lib
 from hetjax import mesh as mesh_lib
 from hetjax import step as step_lib
@@ -127,9 +128,11 @@ class LocalStep:
   """One local step: `b` samples in blocks on this host's devices, then the inner update.
 
   One compiled program per step: each device scans over its blocks
-  (device j of micro-round r runs block `first + r * d + j`, the order of
-  `hetjax.step.LocalProgram`), the sums meet in a psum over this host's
-  devices only, and the inner optax update follows. Parameters and inner
+  (device j of micro-round r runs block `first + r * d + j`), the sums meet
+  in a psum over this host's devices only, and the inner optax update
+  follows. With a device batch `k` a device runs `k` micro-rounds' blocks at
+  once (`blocks_sums`, each block still its own), the rest through the
+  ladder's smaller sizes: the same blocks, keys and sums. Parameters and inner
   state are arrays on this host's devices (the local mesh).
 
   Precision as in the sync step (`hetjax.step.precision`). Under fp16 each host
@@ -140,11 +143,15 @@ class LocalStep:
   """
 
   def __init__(self, task: Task, optimizer: optax.GradientTransformation, meshes: Meshes,
-               microbatch: int, local_batch: int, precision: str = "fp32"):
+               microbatch: int, local_batch: int, precision: str = "fp32",
+               device_batch: int = 1):
     self.meshes, self.m, self.b = meshes, int(microbatch), int(local_batch)
     self.precision = precision_lib.check(precision)
     d = meshes.local_devices
     self.micro_rounds = -(-blocks_lib.num_blocks(self.b, self.m) // d)
+    # Device batches: rounds in runs of k (and the ladder's smaller ones).
+    self.device_batch = int(device_batch)
+    self.ladder = Ladder.of(d, self.device_batch)
     self.optimizer = optimizer
 
     self.task = task
@@ -166,21 +173,47 @@ class LocalStep:
       batch = jax.tree.map(lambda x: x[0], batch)   # [micro_rounds, m, ...]
       device = jax.lax.axis_index(DEV)
 
-      def one_block(carry, xs):
-        block, r = xs
-        rng = jax.random.fold_in(jax.random.fold_in(key, round_index), first_block + r * d + device)
-        b = step_lib.block_sums(task, params, model_state, block, rng, scale, precision,
-                                blocks_full)
+      def add(carry, b):
         sums = {"grads": b.grads, "weight": b.weight, "count": b.count, "loss": b.loss,
                 "metrics": {k: b.metrics[k] for k in metric_names},
                 "model_state": b.model_state}
-        return jax.tree.map(lambda a, x: a + x.astype(a.dtype), carry, sums), None
+        return jax.tree.map(lambda a, x: a + x.astype(a.dtype), carry, sums)
+
+      def one_block(carry, xs):
+        block, r = xs
+        rng = jax.random.fold_in(jax.random.fold_in(key, round_index), first_block + r * d + device)
+        return add(carry, step_lib.block_sums(task, params, model_state, block, rng, scale,
+                                              precision, blocks_full)), None
+
+      def rounds_of(carry, xs):
+        # `j` micro-rounds at once: the device's `j` blocks stay separate blocks.
+        blocks, r = xs  # [j, m, ...], the first round's index
+        j = len(blocks[MASK])
+        keys = jax.vmap(lambda g: jax.random.fold_in(jax.random.fold_in(key, round_index), g))(
+            first_block + (r + jnp.arange(j)) * d + device)
+        return add(carry, step_lib.blocks_sums(task, params, model_state, blocks, keys, scale,
+                                               precision, blocks_full)), None
 
       zero = lambda x: jax.lax.pcast(jnp.zeros(jnp.shape(x), jnp.float32), DEV, to="varying")
       init = {"grads": jax.tree.map(zero, params), "weight": zero(0.0), "count": zero(0.0),
               "loss": zero(0.0), "metrics": {k: zero(0.0) for k in metric_names},
               "model_state": jax.tree.map(zero, model_state)}
-      sums, _ = jax.lax.scan(one_block, init, (batch, jnp.arange(self.micro_rounds)))
+      if self.device_batch == 1:
+        sums, _ = jax.lax.scan(one_block, init, (batch, jnp.arange(self.micro_rounds)))
+        return jax.lax.psum(sums, DEV)
+      # The ladder's decomposition of the rounds: full runs of k in a scan, the rest unrolled.
+      runs, k, start = self.ladder.decompose(self.micro_rounds), self.device_batch, 0
+      sums = init
+      if runs.get(k):
+        n = runs.pop(k)
+        chunks = jax.tree.map(lambda x: x[:n * k].reshape((n, k) + x.shape[1:]), batch)
+        sums, _ = jax.lax.scan(rounds_of, sums, (chunks, jnp.arange(n) * k))
+        start = n * k
+      for j in sorted(runs, reverse=True):
+        for _ in range(runs[j]):
+          part = jax.tree.map(lambda x: x[start:start + j], batch)
+          sums, _ = rounds_of(sums, (part, start))
+          start += j
       return jax.lax.psum(sums, DEV)
 
     sums_of = jax.shard_map(per_device, mesh=meshes.local,
