@@ -85,8 +85,8 @@ def _perturb_on(host: int, after: int):
       def bump(x):
         shards = [s.data + 1e-3 for s in x.addressable_shards]
         return jax.make_array_from_single_device_arrays(x.shape, x.sharding, shards)
-      live = tr._replica()  # pylint: disable=protected-access
-      tr._live = live._replace(params=jax.tree.map(bump, live.params))  # pylint: disable=protected-access
+      live = tr.replica.applied()
+      tr.replica.live = live._replace(params=jax.tree.map(bump, live.params))
   return on_step
 
 

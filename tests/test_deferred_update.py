@@ -144,6 +144,6 @@ def test_steps_that_nobody_read_between_donate_the_state_without_a_copy():
   trainer = _trainer(8)
   trainer.fit(2)
   trainer.block_until_ready()  # Waits without lending the state.
-  live = trainer._live
+  live = trainer.replica.live
   trainer.fit(1)
   assert all(x.is_deleted() for x in jax.tree.leaves(live.params))

@@ -178,7 +178,8 @@ def test_bf16_and_fp16_local_steps_train_and_fp16_skips_a_hosts_overflowing_step
   import optax
   import hetjax
   from hetjax import models as zoo
-  from hetjax.step import precision as precision_lib, trainer
+  from hetjax import trainer
+  from hetjax.step import precision as precision_lib
   from hetjax.input import data
   from hetjax.modes import RoundsConfig
   from hetjax.modes.rounds_trainer import RoundsTrainer

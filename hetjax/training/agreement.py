@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hetjax import mesh as mesh_lib
 from hetjax.config import fingerprint as text_fingerprint  # noqa: F401 (JAX-free, shared with the doctor)
 
 PyTree = Any
@@ -106,3 +107,16 @@ def check_all_equal(rows: np.ndarray, *, what: str, fix: str) -> None:
   differ = [h for h in range(len(rows)) if not np.array_equal(rows[h], rows[0])]
   if differ:
     raise ValueError(f"host(s) {differ} run a different {what} from host 0: {fix}")
+
+
+def agree_on(description: Any, meshes: mesh_lib.Meshes, *, what: str, fix: str) -> None:
+  """Every host hashes `repr(description)`; a ValueError names the hosts that differ, and `fix`."""
+  everyone = mesh_lib.gather_host_values(text_fingerprint(repr(description)), meshes)
+  check_all_equal(everyone, what=what, fix=fix)
+
+
+def check_replicas(step: int, local_params: PyTree, meshes: mesh_lib.Meshes,
+                   what: str = "parameters") -> None:
+  """Compares every host's fingerprint of `local_params` (every host must call it)."""
+  rows = mesh_lib.gather_host_values(params_fingerprint(local_params), meshes)
+  check_fingerprints(step, rows, what=what)

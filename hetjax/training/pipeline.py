@@ -1,0 +1,239 @@
+"""The sync step pipeline: dispatch step s, finish step s - 1, feed the balancer.
+
+One step (docs/design.md, "One step, as the data flows"): balancer -> this
+host's share -> its slice of the global batch -> LOCAL program -> measured
+(and, under emulation, paced) compute seconds -> the cross-host reduction,
+which also carries every host's timings -> balancer. `Trainer.fit` overlaps
+consecutive steps (docs/design.md, "Overlapped steps"): a step's statistics
+are fetched after the next step is dispatched, so the devices never wait
+for Python.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, NamedTuple
+
+import jax
+import numpy as np
+
+from hetjax import balancer as balancer_lib
+from hetjax import blocks as blocks_lib
+from hetjax import mesh as mesh_lib
+from hetjax import step as step_lib
+from hetjax.cluster import signals
+from hetjax.cluster import watchdog
+from hetjax.input import loader as loader_lib
+from hetjax.observe.history import History
+from hetjax.training import agreement
+from hetjax.training import readiness
+from hetjax.training.replica import Replica
+
+
+class _InFlight(NamedTuple):
+  """A step whose programs are dispatched and whose results are not yet fetched."""
+
+  step: int
+  shares: tuple[int, ...]
+  t0: float                          # when its dispatch began
+  t1: float                          # when its local programs were dispatched (and paced)
+  ready: readiness.Pending | None    # when its local sums, then its update, were ready
+  paced: float | None                # emulated compute seconds (emulation only)
+  reduced: step_lib.Reduced
+
+
+class StepPipeline:
+  """Runs sync steps on this host, at most one in flight, and records them in `history`.
+
+  The rows of step `s` carry this host's compute and wait seconds of step
+  `s - 2`, and its stop request: every host learns every host's figures
+  from the same collective, so the balancer and the stop follow the same
+  figures at the same step on every host, overlapped or not (invariant 3).
+  """
+
+  def __init__(self, config: Any, meshes: mesh_lib.Meshes, replica: Replica,
+               reduction: Any, loader: loader_lib.HostLoader, example: dict[str, np.ndarray],
+               balancer: balancer_lib.Balancer, history: History,
+               pace: Callable[[float, int, int], float] | None):
+    self.config, self.meshes, self.replica, self.reduction = config, meshes, replica, reduction
+    self.loader, self.example, self.balancer, self.history = loader, example, balancer, history
+    self.pace = pace
+    self.base_key = jax.random.key(config.seed)
+    self.start_step = 0  # The step this trainer started from (a resumed one's checkpoint).
+    # XLA:CPU's "devices" are the loop's own cores: stamped where the loop looks.
+    self.clock = readiness.ReadyClock(on_loop=meshes.local.devices.flat[0].platform == "cpu")
+    self.flight: _InFlight | None = None  # The step dispatched but not yet fetched.
+    self._timings: dict[int, tuple[float, float]] = {}  # step -> this host's (compute, wait)
+    self._shares_of: dict[int, tuple[int, ...]] = {}    # step -> shares, for the balancer
+    self._observations: list[tuple[int, int, list[float]]] = []  # (from step, step, compute)
+    self._last_update_ready: float | None = None
+    self._stop_code = 0.0  # The largest stop signal any host sent (hetjax.cluster.signals).
+    self._stop_at: int | None = None  # The step boundary where every host acts on it.
+
+  @property
+  def step(self) -> int:
+    """The index of the next step to run (a dispatched step counts as run)."""
+    return self.start_step + self.history.steps + (self.flight is not None)
+
+  def advance(self) -> bool:
+    """Dispatches the next step, then finishes the one before (now that the devices are busy).
+
+    Returns whether a step was finished.
+    """
+    previous, self.flight = self.flight, self.dispatch()
+    if previous is None:
+      return False
+    self.finish(previous)
+    return True
+
+  def drain(self) -> dict[str, float] | None:
+    """Finishes the step in flight, if any; its metrics."""
+    flight, self.flight = self.flight, None
+    return None if flight is None else self.finish(flight)
+
+  def settle_after_error(self) -> None:
+    """Finishes the step still in flight, so the trainer's step matches its state.
+
+    That step's update has already happened on every host; its own error,
+    if any, is dropped: the first one is the one raised.
+    """
+    try:
+      self.drain()
+    except Exception:  # noqa: BLE001 (reported through the error being raised)
+      pass
+
+  def stopping(self) -> bool:
+    """Whether every host has reached the boundary where it acts on a stop request."""
+    return self._stop_at is not None and self.step >= self._stop_at
+
+  def take_stop(self) -> float:
+    """The stop request's code, acted on now (cleared)."""
+    code, self._stop_code, self._stop_at = self._stop_code, 0.0, None
+    return code
+
+  def dispatch(self) -> _InFlight:
+    """Launches one step (local programs, then the reduction) without waiting for it.
+
+    The balancer decides step `s` from rows up to step `s - 2`.
+    """
+    step, config, replica = self.step, self.config, self.replica
+    watchdog.entered(step)
+    t0 = time.perf_counter()
+    self._look_at_last_step()
+    self._feed_balancer(step)
+    block = config.microbatch
+    shares = blocks_lib.check_aligned(balancer_lib.validate_shares(
+        self.balancer.shares(step), config.global_batch, self.meshes.num_hosts),
+        config.global_batch, block)
+    self._shares_of[step] = shares
+    batch = self.loader.get(step, shares)
+    self.loader.prefetch(step + 1, shares)  # A guess: shares rarely change.
+    timed = self._timings.pop(step - 2, (0.0, 0.0))
+    host_values = np.array([*timed, signals.REQUESTS.code, *shares], np.float32)
+    self._look_at_last_step()
+    live, applied, pending = replica.take()
+    local = replica.local(live, pending, batch, self.example, self.base_key, step,
+                          blocks_lib.first_block(shares, self.meshes.host_id, block), host_values)
+    replica.stepped(local, applied)
+    paced = None
+    if self.pace is not None:
+      jax.block_until_ready(local.sums)
+      unit = config.microbatch * self.meshes.local_devices
+      # Paced steps are finished one by one: the devices were idle at t0.
+      paced = self.pace(time.perf_counter() - t0, step,
+                        -(-shares[self.meshes.host_id] // unit) * unit)
+    t1 = time.perf_counter()
+    watchdog.reducing(step)
+    if replica.sharded is None:
+      reduced = self.reduction(local.sums)
+    else:  # The update runs in the reduction.
+      reduced = self.reduction(local.sums, replica.shards)
+    replica.reduced(step, reduced)
+    ready = None
+    if self.pace is None:
+      ready = self.clock.defer(local.sums, reduced.report)
+      # The step before first, so that stamps taken on the loop never run backwards.
+      self._look_at_last_step()
+      ready.look()
+    return _InFlight(step, shares, t0, t1, ready, paced, reduced)
+
+  def _look_at_last_step(self) -> None:
+    """Stamps the step in flight's stages done by now (on XLA:CPU; else a no-op)."""
+    if self.flight is not None and self.flight.ready is not None:
+      self.flight.ready.look()
+
+  def finish(self, flight: _InFlight) -> dict[str, float]:
+    """Fetches a dispatched step's statistics and rows; records and checks them."""
+    stats, rows = flight.reduced.fetch()
+    watchdog.completed(flight.step)
+    fetched = time.perf_counter()
+    step, shares = flight.step, flight.shares
+    code = float(rows[:, 2].max())
+    if code and self._stop_at is None:
+      # Acted on two steps later: by then every host has this row, whether
+      # or not its loop overlaps steps.
+      self._stop_code, self._stop_at = code, step + 2
+    if self.pace is None:
+      local_ready, update_ready = flight.ready.result()
+      # The devices start a step when the previous update is done, or when it is dispatched.
+      busy_from = max(flight.t0, self._last_update_ready or flight.t0)
+      self._timings[step] = (local_ready - busy_from, update_ready - local_ready)
+    else:
+      update_ready = fetched
+      self._timings[step] = (flight.paced, fetched - flight.t1)
+    self._last_update_ready = update_ready
+    h = self.history
+    h.shares.append(shares)
+    timed = step - 2
+    if timed >= self.start_step:  # Every host's compute and wait seconds of step s - 2.
+      if h.dropped + len(h.compute_s) == timed - self.start_step:  # Not yet gathered at the end.
+        h.compute_s.append([float(r) for r in rows[:, 0]])
+        h.wait_s.append([float(r) for r in rows[:, 1]])
+      self._observations.append((step, timed, rows[:, 0].tolist()))
+    h.step_s.append(fetched - flight.t0)
+    self.read_learning_rates(before=step)
+    metrics = {k: float(v) for k, v in stats.items() if k != "count"}
+    h.loss.append(metrics["loss"])
+    h.metrics.append(metrics)
+    # Checked once recorded: the update has happened, whatever the check says.
+    agreement.check_shares(step, rows[:, 3:3 + self.meshes.num_hosts])
+    if stats["count"] <= 0:
+      raise RuntimeError(f"step {step}: the hosts processed 0 examples in total; the "
+                         f"assignment {shares} must give the global batch at least one sample.")
+    return metrics
+
+  def _feed_balancer(self, step: int) -> None:
+    """Gives the balancer the figures that arrived with steps up to `step - 2`."""
+    while self._observations and self._observations[0][0] <= step - 2:
+      _, timed, compute = self._observations.pop(0)
+      self.balancer.observe(timed, self._shares_of[timed], compute)
+    for old in [s for s in self._shares_of if s < step - 4]:
+      del self._shares_of[old]
+
+  def read_learning_rates(self, before: int | None = None) -> None:
+    """Records the learning rate of every applied update of a step before `before`."""
+    for s, lr in self.replica.learning_rates(before).items():
+      index = s - self.start_step
+      if index >= self.history.dropped:
+        self.history.lr[index] = lr
+
+  def settle_update(self) -> None:
+    """Applies the last update and reads every learning rate due: every host, same step."""
+    self.replica.apply_pending()
+    self.read_learning_rates()
+
+  def final_waits(self) -> None:
+    """The compute and wait seconds no step's rows carried yet travel in one small collective."""
+    self.drain()
+    h = self.history
+    missing = range(h.dropped + len(h.compute_s), h.steps)  # At most the last two steps.
+    if missing:  # Every host misses the same steps.
+      mine = [x for i in missing for x in self._timings.get(self.start_step + i, (0.0, 0.0))]
+      # Always four values: one compiled gather, however many steps are missing.
+      rows = mesh_lib.gather_host_values(np.array(mine + [0.0] * (4 - len(mine))), self.meshes)
+      for k in range(len(missing)):
+        h.compute_s.append([float(r) for r in rows[:, 2 * k]])
+        h.wait_s.append([float(r) for r in rows[:, 2 * k + 1]])
+
+  def close(self) -> None:
+    self.clock.close()
