@@ -17,7 +17,10 @@ the target (0.97) or after `--max-epochs` of samples.
 Figures per mode, median over the seeds: wall-clock seconds to the target,
 the accuracy reached within a common budget (the median time-to-target of
 sync-equal, unless `--budget-s`), samples/s, and each mode's time-to-target
-over sync-equal's. All run inside one cluster start; all times are EMULATED
+over sync-equal's; then, for each rounds mode, the reduction's share of a
+sync step above which it would reach the target before sync-dynamic (from
+the reductions each needed: `reduction_threshold`). All run inside one
+cluster start; all times are EMULATED
 and the machine is shared: read the ratios. The last line is one JSON object.
 
 Learning rates: `--sweep` runs seed 0 of every mode at each of `--lrs` and
@@ -82,15 +85,19 @@ def host_main(runs: list, global_batch: int, microbatch: int, target: float,
       config = hetjax.TrainConfig(global_batch=global_batch, microbatch=microbatch, seed=seed,
                                   balancer=settings.get("balancer"))
       tr = hetjax.Trainer(task, inner, source, config)
-      seconds = lambda: tr.history.step_s
-      samples = lambda: global_batch * len(tr.history.step_s)
+      # A step's (round's) seconds and its reduction: the least wait of any host
+      # (the last to arrive waits for the reduction alone), as `hetjax report` counts it.
+      timed = lambda h, i: (h.step_s[i], min(h.wait_s[i]), global_batch)
+      rows = lambda h: min(len(h.step_s), len(h.wait_s))
     else:
       config = hetjax.TrainConfig(global_batch=global_batch, microbatch=microbatch, seed=seed)
       tr = hetjax.RoundsTrainer(task, inner, source, config,
                                 hetjax.RoundsConfig(mode=kind, **settings))
-      seconds = lambda: tr.history.round_s
-      samples = lambda: int(sum(sum(s) for s in tr.history.samples))
-    curve = []  # (clock seconds, samples, accuracy), evaluation off the clock
+      timed = lambda h, i: (h.round_s[i], min(h.wait_s[i]), int(sum(h.samples[i])))
+      rows = lambda h: min(len(h.round_s), len(h.wait_s))
+    # (clock seconds, samples, accuracy, reductions, reduction seconds), evaluation
+    # off the clock; step (round) 0 compiles and stays off it too.
+    curve, totals = [], {"rows": 0, "s": 0.0, "samples": 0, "reductions": 0, "reduction_s": 0.0}
 
     def evaluate(tr_, metrics):
       del metrics
@@ -98,8 +105,19 @@ def host_main(runs: list, global_batch: int, microbatch: int, target: float,
       # `state` would make the next step copy the state before donating it,
       # time the clock would count); the CNN has no model state to read.
       acc = float(accuracy(tr_.params(), no_state))
-      curve.append((float(np.sum(seconds()[1:])), samples(), acc))  # Step 0 compiles.
-      if acc >= target or samples() >= max_samples:
+      # A sync step's timings arrive a step late (the pipeline), so count the
+      # history's new rows, whenever they came.
+      while totals["rows"] < rows(tr_.history):
+        step_s, reduction_s, samples = timed(tr_.history, totals["rows"])
+        totals["samples"] += samples
+        if totals["rows"]:
+          totals["s"] += step_s
+          totals["reductions"] += 1
+          totals["reduction_s"] += reduction_s
+        totals["rows"] += 1
+      curve.append((totals["s"], totals["samples"], acc, totals["reductions"],
+                    totals["reduction_s"]))
+      if acc >= target or totals["samples"] >= max_samples:
         raise _Reached()
 
     try:
@@ -114,16 +132,44 @@ def host_main(runs: list, global_batch: int, microbatch: int, target: float,
   return results if jax.process_index() == 0 else None
 
 
+def at_target(curve: list, target: float) -> tuple | None:
+  """The curve's first point at or over `target`: (s, samples, accuracy, reductions, reduction s)."""
+  return next((point for point in curve if point[2] >= target), None)
+
+
 def time_to_target(curve: list, target: float) -> float | None:
-  for t, _, acc in curve:
-    if acc >= target:
-      return t
-  return None
+  point = at_target(curve, target)
+  return None if point is None else point[0]
 
 
 def accuracy_within(curve: list, budget_s: float) -> float:
-  inside = [acc for t, _, acc in curve if t <= budget_s]
+  inside = [point[2] for point in curve if point[0] <= budget_s]
   return inside[-1] if inside else 0.0
+
+
+def reduction_threshold(sync: list, rounds: list) -> dict | None:
+  """Where a rounds mode would reach the target as soon as sync: the reduction's share of
+  a sync step at the crossover, from each run's points at the target (medians over seeds).
+
+  Time to target grows by `n * L` when every reduction costs `L` seconds more
+  (`n` the reductions to the target), and a rounds mode makes fewer. So the
+  two times meet at `L* = (T_rounds - T_sync) / (n_sync - n_rounds)`, where
+  sync's step is `t + L*` and its reduction `r + L*` (`t`, `r` measured per
+  step). A rounds mode already faster gives `L* < 0`: its threshold lies
+  below the share measured here. The added `L` is EMULATED arithmetic.
+  """
+  if not sync or not rounds or None in sync or None in rounds:
+    return None
+  med = lambda points, i: float(np.median([p[i] for p in points]))
+  t_s, n_s, r_s = med(sync, 0), med(sync, 3), med(sync, 4)
+  t_r, n_r = med(rounds, 0), med(rounds, 3)
+  step, reduction = t_s / n_s, r_s / n_s
+  out = {"sync_reduction_share": reduction / step, "samples_ratio": med(rounds, 1) / med(sync, 1)}
+  if n_r >= n_s:
+    return {**out, "added_reduction_s": None, "threshold_share": None}
+  added = (t_r - t_s) / (n_s - n_r)
+  share = (reduction + added) / (step + added) if step + added > 0 else 0.0
+  return {**out, "added_reduction_s": added, "threshold_share": min(max(share, 0.0), 1.0)}
 
 
 def _median(values: list) -> float | None:
@@ -199,9 +245,27 @@ def main(argv=None) -> dict:
     ratio = f"{f['time_ratio_to_sync_equal']:.2f}x" if f["time_ratio_to_sync_equal"] else "-"
     print(f"{n:13s} {(f'{t:.1f} s' if t else '-'):>10s} {f['reached']:>8s} "
           f"{f['accuracy_within_budget']:10.3f} {f['samples_per_s']:10.0f} {ratio:>14s}")
+  thresholds = {}
+  sync_points = [at_target(r["curve"], args.target) for r in by_mode.get("sync-dynamic", [])]
+  for n in names:
+    if MODES[n][0] == "sync":
+      continue
+    found = reduction_threshold(sync_points, [at_target(r["curve"], args.target)
+                                              for r in by_mode[n]])
+    if found is None:
+      continue
+    thresholds[n] = found
+    if found["threshold_share"] is None:
+      where = "never (it needs as many reductions as sync)"
+    else:
+      where = (f"{found['threshold_share']:.0%} of a sync step (arithmetic: an EMULATED "
+               f"{found['added_reduction_s'] * 1e3:+.1f} ms on each reduction)")
+    print(f"{n} reaches {args.target} as soon as sync-dynamic once the reduction is "
+          f"{where}; measured here: {found['sync_reduction_share']:.0%}; it needed "
+          f"{found['samples_ratio']:.2f}x sync's samples")
   out = {"emulated": True, "speeds": SPEEDS, "sample_ms": args.sample_ms, "target": args.target,
          "seeds": args.seeds, "budget_s": budget, "global_batch": args.global_batch,
-         "wall_s": time.time() - t0, "modes": figures}
+         "wall_s": time.time() - t0, "modes": figures, "reduction_thresholds": thresholds}
   print(json.dumps(out))
   return out
 

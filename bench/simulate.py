@@ -23,6 +23,11 @@ with per-host `auto` device batches, next to the bound; then the speedups
 over one node of each mode. Its last line is the ratio of m = 8 with auto
 device batches (dynamic balancer) over the best single m with k = 1, and the
 fraction of the ideal it reaches.
+
+`--mode-threshold R` (a few seconds) sweeps the link bandwidth at 16 hosts
+and prints the reduction's share of a sync step above which hybrid's
+SIMULATED throughput over sync-dynamic's passes R, the samples-to-target
+ratio bench/modes.py MEASURED: there hybrid reaches the target first.
 """
 
 from __future__ import annotations
@@ -290,6 +295,49 @@ def device_batches_main(steps: int, seeds) -> dict:
   return out
 
 
+BANDWIDTHS = (100e9, 25e9, 10e9, 5e9, 2.5e9, 1e9, 0.5e9, 0.25e9)  # bytes/s per host link
+
+
+def mode_threshold(samples_ratio: float, steps: int, seeds, hosts: int = 16) -> dict:
+  """The reduction's share of a sync step above which hybrid reaches a target first.
+
+  A mode reaches a target when it has processed the samples it needs, so
+  hybrid (H = 4, 8) wins on time when its throughput over sync-dynamic's
+  exceeds `samples_ratio`, the samples it needs over sync's (measured on a
+  real model by bench/modes.py). The link's bandwidth is swept, which moves
+  the all-reduce's share of a balanced sync step; the share where the
+  throughput ratio first passes `samples_ratio` is the threshold.
+  """
+  print(f"\nMode threshold, SIMULATED throughput x MEASURED samples-to-target ratio "
+        f"{samples_ratio:.2f} (bench/modes.py): {hosts} hosts of the default mix, the link's "
+        f"bandwidth swept; hybrid reaches a target first where hybrid / sync-dynamic samples/s "
+        f"> {samples_ratio:.2f}.")
+  print(f"{'link GB/s':>10} {'reduction share':>16} " + " ".join(
+      f"{f'hybrid H={h} / sync':>18}" for h in ROUND_STEPS))
+  rows, threshold = [], {h: None for h in ROUND_STEPS}
+  for bandwidth in BANDWIDTHS:
+    spec = sim.ClusterSpec(sim.mix(hosts), straggler_rate=DEFAULT_RATE, bandwidth=bandwidth)
+    runs = [sim.simulate(spec, sim.make("dynamic", spec), steps, seed=s) for s in seeds]
+    sync_rate = float(np.mean([r.samples_per_s for r in runs]))
+    share = spec.comm_s() / float(np.mean([r.step_s[10:].mean() for r in runs]))
+    ratios = {h: float(np.mean([sim_rounds.simulate_rounds(spec, h, steps, seed=s).samples_per_s
+                                for s in seeds])) / sync_rate for h in ROUND_STEPS}
+    for h, ratio in ratios.items():
+      if threshold[h] is None and ratio > samples_ratio:
+        threshold[h] = share
+    rows.append({"bandwidth_gb_s": bandwidth / 1e9, "reduction_share": round(share, 3),
+                 **{f"hybrid{h}_over_sync": round(r, 3) for h, r in ratios.items()}})
+    print(f"{bandwidth / 1e9:>10g} {share:>16.1%} " + " ".join(
+        f"{ratios[h]:>18.2f}" for h in ROUND_STEPS))
+  found = {h: (f"{t:.0%}" if t is not None else "none in the sweep") for h, t in threshold.items()}
+  print("Threshold (SIMULATED): hybrid first once the reduction is at least "
+        + ", ".join(f"H={h}: {v}" for h, v in found.items()) + " of a sync step.")
+  out = {"simulated": True, "samples_ratio": samples_ratio, "hosts": hosts, "rows": rows,
+         "threshold_share": {str(h): t for h, t in threshold.items()}}
+  print(json.dumps(out))
+  return out
+
+
 def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--steps", type=int, default=80)
@@ -298,9 +346,18 @@ def main(argv=None) -> dict:
   p.add_argument("--device-batches", action="store_true",
                  help="only issue 27's figure: block size m against per-host device batches, "
                       "with the micro-batch priced (16 hosts x 8 GPUs)")
+  p.add_argument("--mode-threshold", type=float, default=None, metavar="SAMPLES_RATIO",
+                 help="only the sync/hybrid threshold: the reduction share above which hybrid "
+                      "reaches a target first, given hybrid's samples-to-target over sync's "
+                      "(bench/modes.py prints it)")
   args = p.parse_args(argv)
   steps = 40 if args.quick else args.steps
   seeds = tuple(range(args.seeds))
+  if args.mode_threshold is not None:
+    if args.mode_threshold <= 0:
+      p.error(f"--mode-threshold must be > 0 (hybrid's samples to a target over sync's, e.g. "
+              f"1.3), got {args.mode_threshold}.")
+    return mode_threshold(args.mode_threshold, steps, seeds)
   if args.device_batches:
     return device_batches_main(steps, seeds)
   hosts = (16, 1024) if args.quick else HOSTS
