@@ -38,6 +38,7 @@ from hetjax.cluster import signals
 from hetjax.cluster import watchdog
 from hetjax.input import sources as sources_lib
 from hetjax import mesh as mesh_lib
+from hetjax.step import device_batch as device_batch_lib
 from hetjax.step import sharding as sharding_lib
 from hetjax import step as step_lib
 from hetjax import task as task_lib
@@ -102,7 +103,6 @@ class Trainer:
     self.meshes = mesh_lib.Meshes.create()
     self.host_id, self.num_hosts = self.meshes.host_id, self.meshes.num_hosts
     self._custom_balancer = balancer is not None
-    balancer = balancer or self._default_balancer(start_step=0)
     self.sampler = data_lib.GlobalSampler(len(source), config.global_batch, config.seed,
                                           name=source.info.name)
     agreement.agree_on(f"{config!r}|{source.info!r}|{len(source)}|{identity}|{checkpoint!r}",
@@ -128,6 +128,10 @@ class Trainer:
     agreement.agree_on(ckpt_lib.describe_job(initial, {}), self.meshes, what="model or optimizer",
                        fix="parameter shapes or optimizer state structure differ; every host "
                        "must run the same code (check each host's checkout and installed packages).")
+    # Each host's blocks per device per micro-batch (issue 27), every host's known.
+    self.device_batches = device_batch_lib.for_hosts(config, task, initial.params,
+                                                     initial.model_state, example, self.meshes)
+    balancer = balancer or self._default_balancer(start_step=0)
     self.reduction = step_lib.make_reduction(config.reduction, self.meshes)
     # Every slice of the state updated by one device, then gathered (issue 25):
     # replicas stay bit-identical on hosts that compile differently.
@@ -138,7 +142,8 @@ class Trainer:
     self.local = step_lib.LocalProgram(
         task, optimizer, self.meshes, config.microbatch, config.precision,
         blocks_lib.every_block_whole(config.global_batch, config.microbatch),
-        replica=None if self.sharded is None else self.sharded.replica_packer)
+        replica=None if self.sharded is None else self.sharded.replica_packer,
+        device_batch=self.device_batches[self.host_id])
     self.replica = Replica(self.local, self.meshes, self.sharded,
                            optimizers_lib.find_learning_rate(initial.opt_state) is not None)
     self.replica.replace(initial)
@@ -227,7 +232,8 @@ class Trainer:
       options["start_step"] = start_step
     return blocks_lib.make_block_balancer(
         config.assignment, config.global_batch, config.microbatch,
-        self.meshes.devices_per_host(), mode=config.balancer, **options)
+        self.meshes.devices_per_host(), mode=config.balancer,
+        device_batches=self.device_batches, **options)
 
   def _check_contract(self, block: dict[str, np.ndarray]) -> None:
     """Per-example losses and metrics, checked abstractly before anything runs."""
@@ -244,7 +250,8 @@ class Trainer:
     return run_common.layout(self.meshes, self.config.microbatch)
 
   def _checkpoint_meta(self) -> dict[str, Any]:
-    meta = {"job": self.job, "layout": self._layout(), "data": self.sampler.state_dict(self.step)}
+    meta = {"job": self.job, "layout": self._layout(), "data": self.sampler.state_dict(self.step),
+            "device_batches": list(self.device_batches)}
     if hasattr(self.balancer, "state_dict"):
       meta["balancer"] = self.balancer.state_dict()
     return meta
@@ -259,7 +266,9 @@ class Trainer:
     step = self.sampler.restore(meta["data"])
     self.pipeline.start_step = self.resumed_from = step
     try:
-      if meta["layout"] != self._layout() or "balancer" not in meta:
+      # Other device batches price other programs (a resume may choose anew).
+      if meta["layout"] != self._layout() or "balancer" not in meta or meta.get(
+          "device_batches", [1] * meta["layout"]["hosts"]) != list(self.device_batches):
         raise ValueError("another host layout")
       self.balancer.load_state_dict(meta["balancer"])
     except (ValueError, AttributeError):
@@ -462,6 +471,7 @@ class Trainer:
         params_digest=params_digest(self.params()) if digest else None,
         evaluation=self._last_eval(), emulated=self.emulated, per_host=per_host)
     summary["memory_per_device"] = self.memory_per_device()
+    summary["device_batches"] = list(self.device_batches)
     return summary
 
   def memory_per_device(self) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from hetjax.cluster import signals
 from hetjax.cluster import watchdog
 from hetjax import mesh as mesh_lib
 from hetjax import step as step_lib
+from hetjax.step import device_batch as device_batch_lib
 from hetjax import task as task_lib
 from hetjax.observe import progress as progress_lib
 from hetjax.modes import elastic as elastic_lib
@@ -105,7 +106,8 @@ class RoundsTrainer:
       optimizer: the inner optax optimizer (its state stays on each host).
       source: random-access records.
       config: a `hetjax.TrainConfig` (global batch, micro-batch, seed,
-        reduction backend, augmentation; `assignment`/`balancer` do not apply).
+        reduction backend, augmentation, device batch; `assignment`/`balancer` do not
+        apply).
       rounds: the mode and its settings.
       pace: emulation hook, as for `hetjax.Trainer`.
       identity: extra text the hosts must agree on.
@@ -150,8 +152,12 @@ class RoundsTrainer:
     else:
       self.mode = elastic_lib.Elastic(rounds.elastic_beta, self.meshes)
     self.centre = self.mode.init_centre(params, model_state)
+    # Each host's blocks per device at once (issue 27); the math does not change.
+    self.device_batches = device_batch_lib.for_hosts(config, task, params, model_state, example,
+                                                     self.meshes, samples=self.local_batch)
     self.local = rounds_lib.LocalStep(task, optimizer, self.meshes, config.microbatch,
-                                      self.local_batch, config.precision)
+                                      self.local_batch, config.precision,
+                                      self.device_batches[self.host_id])
     self.host_params, self.host_model_state = None, None
     self.host_opt_state = self.local.init_opt_state(rounds_lib.to_host_mesh(params, self.meshes))
     self.reduction = rounds_lib.RoundReduction(config.reduction, self.meshes)
@@ -363,7 +369,8 @@ class RoundsTrainer:
                 balancer_mode=f"{self.rounds.mode} rounds, taus {taus}", balancer_decisions=[],
                 samples_per_sec=samples / seconds if seconds else 0.0, losses=h.loss,
                 metrics=h.metrics, params_digest=params_digest(self.params()) if digest else None,
-                evaluation=self._last_eval(), emulated=self.emulated, per_host=per_host)}
+                evaluation=self._last_eval(), emulated=self.emulated, per_host=per_host),
+            "device_batches": list(self.device_batches)}
 
   def params(self) -> PyTree:
     """The centre's parameters as host numpy arrays."""
@@ -430,7 +437,8 @@ class RoundsTrainer:
     if self.checkpointer.last_saved != self.round:
       self.check_centre_agrees()
     meta = {"job": self.job, "layout": self._layout(), "position": self.position,
-            "round": self.round, "taus": self.taus.state_dict()}
+            "round": self.round, "taus": self.taus.state_dict(),
+            "device_batches": list(self.device_batches)}
     self.checkpointer.save(self.round, self._saved(), meta)
     if wait:
       self.checkpointer.wait()

@@ -136,3 +136,28 @@ def agree(k: int, meshes: Meshes) -> tuple[int, ...]:
     return (int(k),)
   rows = gather_host_values(np.array([float(k)], np.float32), meshes)
   return tuple(int(round(float(v))) for v in rows[:, 0])
+
+
+def for_hosts(config: Any, task: Task, params: Any, model_state: Any,
+              example: dict[str, np.ndarray], meshes: Meshes, samples: int | None = None,
+              log: Callable[[str], None] | None = None) -> tuple[int, ...]:
+  """Every host's device batch for a run: `config.device_batch` (a `TrainConfig`) as
+  given, or under 'auto' each host's `choose` (printed), gathered (`agree`).
+
+  `params` and `model_state` are global replicated arrays (each host reads
+  its own copy); `samples` is the most a host computes in one program's
+  step (default: the global batch), which caps `k`.
+  """
+  fixed = config.device_batches(meshes.num_hosts)
+  if fixed is not None:
+    return fixed
+  mine = jax.tree.map(lambda x: x.addressable_data(0), (params, model_state))
+  blocks = -(-int(samples or config.global_batch) // int(config.microbatch))
+  choice = choose(task, *mine, example, int(config.microbatch),
+                  device=meshes.local.devices.flat[0], precision=config.precision,
+                  blocks_full=int(config.global_batch) % int(config.microbatch) == 0,
+                  fraction=config.device_batch_memory_fraction,
+                  cap=-(-blocks // meshes.local_devices))
+  (log or (lambda line: print(line, flush=True)))(
+      f"hetjax: host {meshes.host_id}: {choice.describe()}")
+  return agree(choice.k, meshes)
