@@ -7,10 +7,10 @@ summed row the reduction left, then every micro-batch adds its gradients.
 The host's share, a whole number of blocks of `m` positions
 (`hetjax.blocks`), is fed as fixed-shape micro-batches of `j` blocks per
 device, `j` from the host's ladder `k, k/2, ..., 1` (`k` its device batch;
-the last micro-batch padded and masked), the blocks of a device kept apart; each device keeps running sums of
-per-example gradients, losses, metrics, weights and the count of real
-examples. A block's PRNG key is `fold_in(fold_in(key(seed), step), block)`,
-whichever device runs it. No cross-host collective runs here, so hosts may
+the last micro-batch padded and masked), the blocks of a device kept
+apart; each device keeps running sums of per-example gradients, losses,
+metrics, weights and the count of real examples. A block's PRNG key is
+`fold_in(fold_in(key(seed), step), block)`, whichever device runs it. No cross-host collective runs here, so hosts may
 run different numbers of micro-batches, and a new share changes only how
 often the same compiled programs run (invariant 4).
 
@@ -54,6 +54,6 @@ from hetjax.step.update import apply_update, optimizer_step, overflowed, step_st
 from hetjax.step.reduction import (DeviceReduction, HostReduction, Reduced, make_reduction)
 
 __all__ = ["DeviceReduction", "HostReduction", "Layout", "Local", "LocalProgram", "LocalSums",
-           "Reduced", "Sums", "TrainState", "apply_update", "block_sums", "blocks_sums", "init_state",
-           "make_reduction", "micro_batches", "optimizer_step", "overflowed", "padded_chunks",
-           "step_stats", "summed_row"]
+           "Reduced", "Sums", "TrainState", "apply_update", "block_sums", "blocks_sums",
+           "init_state", "make_reduction", "micro_batches", "optimizer_step", "overflowed",
+           "padded_chunks", "step_stats", "summed_row"]

@@ -111,7 +111,8 @@ def choose(task: Task, params: Any, model_state: Any, example: dict[str, np.ndar
   if stats and stats.get("bytes_limit"):
     memory = program.lower(*inputs(1)).compile().memory_analysis()
     fits = memory_k(stats, memory, block_bytes, fraction, cap)
-  k = fits if fits is not None else min(power_of_two_at_most(CPU_DEFAULT), power_of_two_at_most(cap))
+  k = fits if fits is not None else min(power_of_two_at_most(CPU_DEFAULT),
+                                        power_of_two_at_most(cap))
   if k == 1:
     return Choice(1, fits, {})
   candidates = (k, k // 2)
