@@ -4,8 +4,12 @@ Four models that a split could change if blocks were not the unit: ResNet-18
 (BatchNorm; sgd), the transformer with dropout (adam), an NNX model and a
 linen model (using `deterministic`) each with BatchNorm and Dropout. Each is
 trained `STEPS` steps with the reduction backends asked for (both by
-default); hosts return their final parameters, model state and the shares
-every step used.
+default); hosts return their final parameters, model state, the shares
+every step used and the optimizer state's memory.
+
+`clusters` runs both 3x2 layouts in one cluster start, and saves the
+`SAVED` models' uneven runs for tests/test_sharded_update.py, which resumes
+them on 2 hosts x 1 device: one start of 3 hosts serves both files.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ import optax
 
 import hetjax
 from hetjax import models as zoo
-from hetjax import blocks, trainer
+from hetjax import blocks, checkpoint, trainer
+from hetjax.step import sharding
 from hetjax.input import data
 
 STEPS = 6
@@ -101,6 +106,11 @@ def build(model: str):
 
 
 MODELS = ("resnet18", "transformer", "linen", "nnx")
+# Each 3x2 layout's reduction backend: a backend only sums one float32 row
+# per device whatever the model and split, so each model meets each backend
+# and each layout across hosts with half the clusters' trainers.
+CLUSTER_REDUCTION = {"uneven": ("device",), "static": ("host",)}
+SAVED = ("resnet18", "transformer")  # Checkpointed at STEPS by `clusters` (see the docstring).
 
 
 def _static_balancer(tr_devices):
@@ -124,8 +134,13 @@ def recorded_timings(compute_s: float, step: int, samples: int = 0) -> float:
 
 
 def matrix(layout: str, models=MODELS, reductions=("device", "host"),
-           global_batch: int = GLOBAL_BATCH):
-  """Every (model, reduction) on this cluster; `layout` is 'equal', 'uneven' or 'static'."""
+           global_batch: int = GLOBAL_BATCH, save_to: str | None = None):
+  """Every (model, reduction) on this cluster; `layout` is 'equal', 'uneven' or 'static'.
+
+  Returns {(model, reduction): (params, model state, shares, memory)}; with
+  `save_to`, the `SAVED` models write their step-`STEPS` checkpoint to
+  `save_to/<model>`.
+  """
   hetjax.initialize()
   out = {}
   for model in models:
@@ -138,9 +153,29 @@ def matrix(layout: str, models=MODELS, reductions=("device", "host"),
       if layout == "static":
         custom = _static_balancer([jax.local_device_count()] * jax.process_count())
         pace = recorded_timings
-      tr = trainer.Trainer(task, optimizer, source, config, balancer=custom, pace=pace)
-      tr.fit(STEPS)
+      saving = None
+      if save_to is not None and model in SAVED:
+        saving = checkpoint.CheckpointConfig(f"{save_to}/{model}", every=STEPS)
+      tr = trainer.Trainer(task, optimizer, source, config, balancer=custom, pace=pace,
+                           checkpoint=saving)
+      summary = tr.fit(STEPS)
       state = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tr.state.model_state)
-      out[(model, reduction)] = (tr.params(), state, list(tr.history.shares))
+      out[(model, reduction)] = (tr.params(), state, list(tr.history.shares),
+                                 optimizer_memory(tr, summary))
       tr.close()
   return out
+
+
+def optimizer_memory(tr: trainer.Trainer, summary: dict) -> tuple:
+  """(bytes of optimizer state one device holds, its unsplit bytes, the summary's figure)."""
+  state = tr.local_state
+  held = tr.replica.shards.opt_state if tr.sharded is not None else state.opt_state
+  per_device = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(held))
+  return per_device, sharding.tree_bytes(state.opt_state), summary["memory_per_device"]
+
+
+def clusters(save_to: str):
+  """Both 3x2 layouts in one cluster start: {layout: matrix(layout, every model, its backend)}."""
+  return {layout: matrix(layout, MODELS, CLUSTER_REDUCTION[layout],
+                         save_to=save_to if layout == "uneven" else None)
+          for layout in CLUSTER_REDUCTION}

@@ -11,6 +11,9 @@ from __future__ import annotations
 import numpy as np
 
 import hetjax
+# The models, batch, blocks and split of tests/_exact_entries.py, whose 3x2 run
+# saves the checkpoints that `train_and_save` resumes.
+from _exact_entries import BLOCK, GLOBAL_BATCH, SEED, UNEVEN, build, optimizer_memory  # noqa: F401
 from hetjax import models as zoo
 from hetjax import optimizers, trainer
 from hetjax.input import data
@@ -61,41 +64,20 @@ def mixed_compilers_all(steps: int, check_every: int, rounds: int):
   return out
 
 
-# ---- 1 x 1 against 3 uneven hosts x 2 devices, and a checkpoint resumed on 2 x 1 ----
+# ---- a checkpoint of the exactness matrix's 3 uneven hosts x 2 devices, resumed on 2 x 1 ----
 
-GLOBAL_BATCH = 62    # Not a multiple of the block: the last block is partial.
-BLOCK = 4            # --microbatch: positions per block.
-UNEVEN = (4, 24, 34)  # Host 0 fills half a device round; host 2 ends with the partial block.
-SEED = 3
-MODELS = ("resnet18", "transformer")
-
-
-def build(model: str):
-  """(source, task, optimizer) of one model; the test's oracle uses the same."""
-  import optax
-  if model == "resnet18":  # BatchNorm; 32x32 digits, 4 channels wide (see _exact_entries).
-    digits = data.load("digits")
-    upscale = lambda x: np.repeat(np.repeat(x, 4, axis=1), 4, axis=2)
-    source = data.ArraySource({"x": upscale(digits.arrays["x"]), "y": digits.arrays["y"]},
-                              digits.info)
-    return source, zoo.build("resnet18", kind="image", num_classes=10, width=4), optax.sgd(0.02)
-  if model == "transformer":  # Dropout; adam.
-    source = data.load("tokens")
-    task = zoo.build("transformer", kind="tokens", vocab_size=source.info.vocab_size,
-                     num_layers=1, d_model=32, dropout=0.1)
-    return source, task, optax.adam(3e-3)
-  raise ValueError(model)
+MODELS = ("resnet18", "transformer")  # BatchNorm (sgd); dropout (adam).
 
 
 def train_and_save(until: int, reduction: str, assignment, folder: str, resume: bool):
   """Every model trained to step `until` with checkpoints in `folder/<model>`.
 
-  Returns, per model: (params, model state, the step it resumed from, the
-  per-device bytes of the optimizer state it holds and unsplit, the
-  summary's memory figure).
+  Returns, per model, what `_exact_entries.matrix` does, with the step it
+  resumed from in place of the shares: (params, model state, resumed from,
+  (optimizer bytes per device, unsplit, the summary's memory figure)).
   """
   import jax
-  from hetjax import checkpoint, sharding
+  from hetjax import checkpoint
   hetjax.initialize()
   out = {}
   for model in MODELS:
@@ -105,13 +87,8 @@ def train_and_save(until: int, reduction: str, assignment, folder: str, resume: 
     tr = trainer.Trainer(task, optimizer, source, config, checkpoint=checkpoint.CheckpointConfig(
         f"{folder}/{model}", every=until, resume=resume))
     summary = tr.fit(until=until)
-    state = tr.local_state
-    held = tr._shards.opt_state if tr.sharded is not None else state.opt_state
-    per_device = lambda tree: sum(x.addressable_shards[0].data.nbytes
-                                  for x in jax.tree.leaves(tree))
     out[model] = (tr.params(), jax.tree.map(lambda x: np.asarray(x.addressable_data(0)),
-                                            state.model_state),
-                  tr.resumed_from, (per_device(held), sharding.tree_bytes(state.opt_state)),
-                  summary["memory_per_device"])
+                                            tr.local_state.model_state),
+                  tr.resumed_from, optimizer_memory(tr, summary))
     tr.close()
   return out

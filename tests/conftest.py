@@ -36,3 +36,32 @@ from hypothesis import settings as _hypothesis_settings  # noqa: E402
 _hypothesis_settings.register_profile("ci", derandomize=True, database=None, deadline=None)
 _hypothesis_settings.register_profile("explore", derandomize=False, deadline=None)
 _hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+# ---- the exactness matrix's runs, shared by two test files ----------------------
+# tests/test_exactness.py and tests/test_sharded_update.py check the same 3x2
+# uneven layout and the same 1x1 runs (the sharded update against the fused
+# one): one run of each serves both (cluster starts and compiles are most of
+# their cost). Imported inside the fixtures: collecting a test that needs no
+# JAX should not load it.
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def exact_one_device():
+  """1 host x 1 device: every (model, reduction) of the matrix, in this process."""
+  import jax
+  import _exact_entries as ex
+  results = ex.matrix("equal")
+  assert (jax.process_count(), jax.local_device_count()) == (1, 1)
+  return results
+
+
+@pytest.fixture(scope="session")
+def exact_clusters(tmp_path_factory):
+  """3 hosts x 2 devices, one start: ({layout: per-host results}, the uneven run's checkpoints)."""
+  from hetjax.testing import run_hosts
+  folder = str(tmp_path_factory.mktemp("exact-ckpt"))
+  hosts = run_hosts("_exact_entries:clusters", hosts=3, devices_per_host=2, args=(folder,),
+                    timeout_s=900)
+  return {layout: [host[layout] for host in hosts] for layout in hosts[0]}, folder

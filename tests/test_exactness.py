@@ -15,7 +15,9 @@ clusters the uneven split uses the device backend and the moving static
 split the host backend. A backend only sums one float32 row per device,
 whatever the model and the split, so each model still meets each backend
 and each layout across hosts, with half the clusters' trainers (the
-matrix took a quarter of the suite's time).
+matrix took a quarter of the suite's time). Both 3x2 layouts run in one
+cluster start, and tests/test_sharded_update.py reads the same runs (the
+session fixtures `exact_one_device` and `exact_clusters` in conftest.py).
 """
 
 import functools
@@ -29,14 +31,18 @@ import pytest
 import _exact_entries as ex
 from hetjax.input import data
 from hetjax.task import MASK, split_losses
-from hetjax.testing import run_hosts
 
 RTOL, ATOL = 1e-4, 1e-5
-CLUSTER_REDUCTION = {"uneven": ("device",), "static": ("host",)}  # See the module docstring.
+CLUSTER_REDUCTION = ex.CLUSTER_REDUCTION  # See the module docstring.
 
 
 def oracle(model: str, global_batch: int = ex.GLOBAL_BATCH):
   """Final (params, model state) of the plain loop: the semantics, written out."""
+  return oracle_snapshots(model, (ex.STEPS,), global_batch)[ex.STEPS]
+
+
+def oracle_snapshots(model: str, steps: tuple[int, ...], global_batch: int = ex.GLOBAL_BATCH):
+  """{step: (params, model state) after it} of the plain loop, up to the last of `steps`."""
   source, task, optimizer = ex.build(model)
   sampler = data.GlobalSampler(len(source), global_batch, ex.SEED)
   m = ex.BLOCK
@@ -84,7 +90,8 @@ def oracle(model: str, global_batch: int = ex.GLOBAL_BATCH):
     return (optax.apply_updates(params, updates), opt_state,
             jax.tree.map(lambda s: s / global_batch, new_state))
 
-  for step in range(ex.STEPS):
+  out = {}
+  for step in range(max(steps)):
     batch = source[sampler.indices(step)]
     grads, new_state = zeros(params), zeros(state)
     for k in range(-(-global_batch // m)):
@@ -92,33 +99,37 @@ def oracle(model: str, global_batch: int = ex.GLOBAL_BATCH):
       g, s = block_grad(params, state, block, step, k)
       grads, new_state = accumulate(grads, new_state, g, s, block[MASK].sum())
     params, opt_state, state = update(params, opt_state, grads, new_state)
-  return jax.device_get(params), jax.device_get(state)
+    if step + 1 in steps:
+      out[step + 1] = jax.device_get((params, state))
+  return out
+
+
+# The matrix's end, and for the models it saves, the end of the sharded-update
+# test's run resumed from them: one oracle run serves both files.
+RESUMED_END = ex.STEPS + 2
 
 
 @functools.cache
-def _oracle(model):
-  return oracle(model)
+def cached_oracle(model: str) -> dict:
+  """`oracle_snapshots` at ex.STEPS (and RESUMED_END for the saved models), once per session."""
+  return oracle_snapshots(model, (ex.STEPS, RESUMED_END) if model in ex.SAVED else (ex.STEPS,))
 
 
 @pytest.fixture(scope="module")
-def one_device():
+def one_device(exact_one_device):
   """1 host x 1 device: the matrix in this process (one cluster start fewer)."""
-  results = ex.matrix("equal")
-  assert (jax.process_count(), jax.local_device_count()) == (1, 1)
-  return results
+  return exact_one_device
 
 
 @pytest.fixture(scope="module")
-def uneven():
-  return run_hosts("_exact_entries:matrix", hosts=3, devices_per_host=2,
-                   args=("uneven", ex.MODELS, CLUSTER_REDUCTION["uneven"]), timeout_s=900)
+def uneven(exact_clusters):
+  return exact_clusters[0]["uneven"]
 
 
 @pytest.fixture(scope="module")
-def static():
+def static(exact_clusters):
   # Recorded timings (`ex.recorded_timings`), not measured ones: the same split every run.
-  return run_hosts("_exact_entries:matrix", hosts=3, devices_per_host=2,
-                   args=("static", ex.MODELS, CLUSTER_REDUCTION["static"]), timeout_s=900)
+  return exact_clusters[0]["static"]
 
 
 def assert_close(got, want, what):
@@ -133,7 +144,7 @@ def assert_close(got, want, what):
 @pytest.mark.parametrize("model", ex.MODELS)
 @pytest.mark.parametrize("reduction", ["device", "host"])
 def test_every_layout_matches_the_oracle(model, reduction, one_device, uneven, static):
-  params, state = _oracle(model)
+  params, state = cached_oracle(model)[ex.STEPS]
   assert_close(one_device[(model, reduction)][0], params, f"1x1 {model} params")
   assert_close(one_device[(model, reduction)][1], state, f"1x1 {model} state")
   for layout, results in (("uneven", uneven), ("static", static)):
