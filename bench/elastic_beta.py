@@ -66,7 +66,7 @@ def host_main(betas: list, rounds: int, every: int, optimizer: str, lr: float,
       row = {"round": t.round, "accuracy": float(accuracy(centre))}
       if ema is not None:
         row["ema_accuracy"] = float(accuracy(average))
-      recent = t.history.spread[-every:]  # Known one round late: the last `every` known.
+      recent = t.history.series["spread"][-every:]  # Known one round late: the last `every` known.
       row["spread"] = np.mean(recent, axis=0).round(4).tolist()
       rows.append(row)
 

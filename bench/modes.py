@@ -93,8 +93,8 @@ def host_main(runs: list, global_batch: int, microbatch: int, target: float,
       config = hetjax.TrainConfig(global_batch=global_batch, microbatch=microbatch, seed=seed)
       tr = hetjax.RoundsTrainer(task, inner, source, config,
                                 hetjax.RoundsConfig(mode=kind, **settings))
-      timed = lambda h, i: (h.round_s[i], min(h.wait_s[i]), int(sum(h.samples[i])))
-      rows = lambda h: min(len(h.round_s), len(h.wait_s))
+      timed = lambda h, i: (h.step_s[i], min(h.wait_s[i]), int(sum(h.shares[i])))
+      rows = lambda h: min(len(h.step_s), len(h.wait_s))
     # (clock seconds, samples, accuracy, reductions, reduction seconds), evaluation
     # off the clock; step (round) 0 compiles and stays off it too.
     curve, totals = [], {"rows": 0, "s": 0.0, "samples": 0, "reductions": 0, "reduction_s": 0.0}

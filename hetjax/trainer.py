@@ -9,15 +9,12 @@ modes share.
 
 from __future__ import annotations
 
-import hashlib
-import os
 from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
 import optax
 
-from hetjax import config as config_lib
 from hetjax.config import TrainConfig  # noqa: F401 (public name)
 from hetjax.training import agreement
 from hetjax.input import augment as augment_lib
@@ -25,17 +22,12 @@ from hetjax import balancer as balancer_lib
 from hetjax import blocks as blocks_lib
 from hetjax.checkpoint import manager as ckpt_lib
 from hetjax.input import data as data_lib
-from hetjax.training import evaluate as evaluate_lib
 from hetjax.input import loader as loader_lib
-from hetjax.observe import metrics as metrics_lib
-from hetjax.observe import progress as progress_lib
 from hetjax import optimizers as optimizers_lib
-from hetjax.training import lifecycle as run_common
+from hetjax.training import lifecycle
+from hetjax.training.lifecycle import params_digest  # noqa: F401 (public name)
 from hetjax.training.pipeline import StepPipeline
 from hetjax.training.replica import Replica
-from hetjax.cluster import runtime
-from hetjax.cluster import signals
-from hetjax.cluster import watchdog
 from hetjax.input import sources as sources_lib
 from hetjax import mesh as mesh_lib
 from hetjax.step import device_batch as device_batch_lib
@@ -48,14 +40,6 @@ from hetjax.task import Task
 
 PyTree = Any
 WARMUP_STEPS = 2  # Steps excluded from throughput: compilation and first transfers.
-
-
-def params_digest(params: PyTree) -> str:
-  """sha256 over the float32 bytes of the parameter leaves, in tree order."""
-  h = hashlib.sha256()
-  for leaf in jax.tree.leaves(params):
-    h.update(np.ascontiguousarray(np.asarray(leaf, dtype=np.float32)).tobytes())
-  return h.hexdigest()
 
 
 class Trainer:
@@ -93,9 +77,7 @@ class Trainer:
       data_workers: input worker processes on this host (0: threads); may
         differ between hosts (see `hetjax.input.loader`).
     """
-    if int(os.environ.get(config_lib.Env.NUM_HOSTS, "1")) > 1 and not runtime.is_initialized():
-      raise RuntimeError(f"{config_lib.Env.NUM_HOSTS} asks for several hosts but the cluster is not joined: "
-                         "call hetjax.initialize() before building a Trainer.")
+    lifecycle.check_joined("a Trainer")
     config.validate()
     if checkpoint is not None:
       checkpoint.validate()  # An unwritable folder fails before anything compiles.
@@ -108,11 +90,7 @@ class Trainer:
     agreement.agree_on(f"{config!r}|{source.info!r}|{len(source)}|{identity}|{checkpoint!r}",
                        self.meshes, what="configuration", fix="(config hash mismatch): every "
                        "host must run the same command and arguments.")
-    self.emulated = pace is not None or config_lib.emulated_from_env()
-    if pace is None and self.emulated:
-      from hetjax.cluster import emulate  # Emulation stays off the real path.
-      pace = emulate.pacing_from_env(self.host_id)
-    self.pace = pace
+    self.emulated, self.pace = lifecycle.pacing(pace, self.host_id)
     self.loader = loader_lib.HostLoader(source, self.sampler, self.host_id, workers=data_workers,
                                         augment=augment_lib.parse(config.augment),
                                         inline_below_s=loader_lib.INLINE_BELOW_S)
@@ -150,17 +128,15 @@ class Trainer:
     self._check_contract(init_batch)
     self.history = History()
     self.pipeline = StepPipeline(config, self.meshes, self.replica, self.reduction, self.loader,
-                                 example, balancer, self.history, pace)
-    self._evaluator: evaluate_lib.Evaluator | None = None
+                                 example, balancer, self.history, self.pace)
+    self._evaluations = lifecycle.Evaluations(task, self.meshes)
     self.resumed_from: int | None = None
     self.job = ckpt_lib.describe_job(self.replica.global_view(), {
         "global_batch": config.global_batch, "seed": config.seed,
         "dataset": repr(source.info), "num_records": len(source), "identity": identity})
-    self.checkpointer = None
-    if checkpoint is not None:
-      self.checkpointer = ckpt_lib.Checkpointer(checkpoint, self._all_hosts_agree)
-      if checkpoint.resume:
-        self._resume()
+    self.checkpointer = lifecycle.checkpointer(checkpoint, self.meshes)
+    if checkpoint is not None and checkpoint.resume:
+      self._resume()
 
   @property
   def state(self) -> step_lib.TrainState:
@@ -215,6 +191,11 @@ class Trainer:
     """The index of the next step to run (a dispatched step counts as run)."""
     return self.pipeline.step
 
+  @property
+  def start_step(self) -> int:
+    """The step this trainer started from: 0, or the checkpoint's it resumed."""
+    return self.pipeline.start_step
+
   def block_until_ready(self) -> "Trainer":
     """Waits until every dispatched step's work on this host's devices is done.
 
@@ -243,11 +224,8 @@ class Trainer:
     if self.task.eval_loss is not None:
       task_lib.check_contract(self.task.eval_loss, *args, what="the task's evaluation loss")
 
-  def _all_hosts_agree(self, flag: bool) -> bool:
-    return run_common.all_hosts_agree(flag, self.meshes)
-
   def _layout(self) -> dict[str, Any]:
-    return run_common.layout(self.meshes, self.config.microbatch)
+    return lifecycle.layout(self.meshes, self.config.microbatch)
 
   def _checkpoint_meta(self) -> dict[str, Any]:
     meta = {"job": self.job, "layout": self._layout(), "data": self.sampler.state_dict(self.step),
@@ -334,40 +312,35 @@ class Trainer:
         TensorBoard events there, as `hetjax train --out` does, so
         `hetjax report OUT` reads API runs too.
     """
-    run_common.check_fit_args(steps, until, eval_every, eval_source, "steps")
-    target = self.step + steps if until is None else until
-    if log_every:  # The progress line of `hetjax train`, through `log`.
-      sinks = [*sinks, progress_lib.log_sink(target, host_id=self.host_id, every=log_every, log=log)]
-    writer, sinks = run_common.open_run_folder(out, self.host_id, self.step, sinks)
     pipeline = self.pipeline
-    # Records are built only for someone to read them: the step loop stays lean.
-    stream = None if not sinks else metrics_lib.RecordStream(
-        self.history, global_batch=self.config.global_batch, emulated=self.emulated,
-        first_step=pipeline.start_step, sinks=sinks)
-    try:
-      with signals.REQUESTS.installed(), watchdog.watching(self.config.watchdog_s, self.host_id,
-                                                            self.num_hosts):
+    with lifecycle.Run(self, steps, until=until, unit="steps", warmup=WARMUP_STEPS,
+                       log_every=log_every, log=log, sinks=sinks, eval_every=eval_every,
+                       eval_source=eval_source, out=out,
+                       global_batch=self.config.global_batch) as run:
+      with run.watching():
         pipeline.drain()  # A step an earlier call left in flight.
         try:
-          while self.step < target:
+          while self.step < run.target:
             if pipeline.advance():
-              self._record(stream)
+              run.record()
             step = self.step
             every = lambda n: bool(n) and step % n == 0
             checkpoint_due = self.checkpointer is not None and every(self.checkpointer.config.every)
             stopping = pipeline.stopping()
-            if not (step >= target or stopping or on_step is not None or self.pace is not None
-                    or every(eval_every) or every(self.config.check_every)
+            if not (step >= run.target or stopping or on_step is not None or self.pace is not None
+                    or run.evaluation_due(step) or every(self.config.check_every)
                     or checkpoint_due):
               continue
             metrics = pipeline.drain()  # A step boundary where something happens.
-            if every(eval_every):
-              self._evaluate_into_history(eval_source)
-            self._record(stream)
+            if run.evaluation_due(step):
+              run.evaluate()
+            run.record()
             if on_step is not None:
               on_step(self, metrics)
             if stopping:
-              self._stop(stream, out)
+              code = pipeline.take_stop()
+              pipeline.settle_update()
+              run.stop(code)
             if every(self.config.check_every):
               self.check_params_agree()
             if checkpoint_due:
@@ -375,34 +348,10 @@ class Trainer:
         except Exception:
           pipeline.settle_after_error()
           raise
-      if stream is not None and self.replica.shows_learning_rate:
+      if run.records and self.replica.shows_learning_rate:
         pipeline.settle_update()  # The last records carry the last update's learning rate.
-      # Also when nothing was left to run (a finished job started again).
-      if eval_source is not None and (self.history.steps - 1) not in self.history.evals:
-        self._evaluate_into_history(eval_source)
-      return run_common.close_run(self.checkpointer, lambda: self.save_checkpoint(wait=True),
-                                  self.summary, stream.pop if stream else lambda: None, out,
-                                  self.host_id)
-    finally:
-      if writer is not None:
-        writer.close()
-
-  def _record(self, stream: metrics_lib.RecordStream | None) -> None:
-    """Hands the complete records to the sinks; keeps the history's memory O(1) in steps."""
-    if stream is not None:
-      stream.pop()
-    self.history.trim(WARMUP_STEPS)
-
-  def _stop(self, stream: metrics_lib.RecordStream | None, out: str | None) -> None:
-    """Every host got the stop flag in the same step: save, write what is known, raise."""
-    code = self.pipeline.take_stop()
-    self.pipeline.settle_update()
-    run_common.stop_run(code, self.step, self.checkpointer, lambda: self.save_checkpoint(wait=True),
-                        self.summary, stream.pop if stream else lambda: None, out, self.host_id)
-
-  def _evaluate_into_history(self, source: data_lib.ArraySource) -> None:
-    figures = self.evaluate(source)
-    self.history.evals[self.history.steps - 1] = figures
+      run.evaluate_at_end()
+      return run.close()
 
   def learning_rate(self) -> float | None:
     """The learning rate of the last update, when the optimizer exposes it.
@@ -414,7 +363,7 @@ class Trainer:
 
   def write_summary(self, out: str, summary: dict[str, Any]) -> None:
     """Writes OUT/summary.json on process 0 (what `hetjax report` reads)."""
-    run_common.write_summary(out, summary, self.host_id)
+    lifecycle.write_summary(out, summary, self.host_id)
 
   def close(self) -> None:
     """Stops the input threads and finishes any checkpoint being written."""
@@ -455,21 +404,16 @@ class Trainer:
     """
     self.pipeline.final_waits()
     h = self.history
-    steady, steady_s, busy_compute, busy_wait = h.steady_totals(WARMUP_STEPS, self.num_hosts)
-    samples_per_sec = self.config.global_batch * steady / steady_s if steady_s > 0 else 0.0
+    _, _, busy_compute, busy_wait = h.steady_totals(WARMUP_STEPS, self.num_hosts)
     per_host = []
     for i in range(self.num_hosts):
       busy = busy_compute[i] + busy_wait[i]
       per_host.append({"batch": [s[i] for s in h.shares], "compute_s": [c[i] for c in h.compute_s],
                        "wait_s": [w[i] for w in h.wait_s],
                        "idle_fraction": busy_wait[i] / busy if busy else 0.0})
-    summary = run_common.summary_fields(
-        steps=h.steps, last_step=self.step, resumed_from=self.resumed_from, config=self.config,
-        meshes=self.meshes, balancer_mode=self.balancer.name,
-        balancer_decisions=list(getattr(self.balancer, "decisions", [])),
-        samples_per_sec=samples_per_sec, losses=h.loss, metrics=h.metrics,
-        params_digest=params_digest(self.params()) if digest else None,
-        evaluation=self._last_eval(), emulated=self.emulated, per_host=per_host)
+    summary = lifecycle.summary(self, warmup=WARMUP_STEPS, balancer_mode=self.balancer.name,
+                                balancer_decisions=list(getattr(self.balancer, "decisions", [])),
+                                per_host=per_host, digest=digest)
     summary["memory_per_device"] = self.memory_per_device()
     summary["device_batches"] = list(self.device_batches)
     return summary
@@ -482,7 +426,7 @@ class Trainer:
 
   def params(self) -> PyTree:
     """The current parameters as host numpy arrays (this host's replica)."""
-    return run_common.host_copy(self.replica.applied().params)
+    return lifecycle.host_copy(self.replica.applied().params)
 
   def evaluate(self, source: data_lib.ArraySource, batch_size: int = 256) -> dict[str, float]:
     """Mean loss and metrics over all of `source`; every host must call it.
@@ -491,13 +435,9 @@ class Trainer:
     `batch_size` records per device at a time and spread over every host
     (slices sized by the current shares, i.e. by speed) and its devices.
     """
-    self._evaluator = run_common.evaluator_for(self._evaluator, self.task, self.meshes, batch_size)
     weights = self.history.shares[-1] if self.history.shares else [1] * self.num_hosts
     state = self.replica.applied()
-    return self._evaluator.evaluate(state.params, state.model_state, source, weights)
-
-  def _last_eval(self) -> dict[str, Any] | None:
-    return run_common.last_eval(self.history.evals, self.pipeline.start_step)
+    return self._evaluations.evaluate(state.params, state.model_state, source, weights, batch_size)
 
 
 def train(task: Task, optimizer: optax.GradientTransformation, source: data_lib.ArraySource,

@@ -14,7 +14,6 @@ every host (each local step of a host takes `global_batch / hosts` unless
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -23,21 +22,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from hetjax.config import Env
-from hetjax import config as config_lib
 from hetjax.training import agreement
 from hetjax.input import augment as augment_lib
 from hetjax.checkpoint import manager as ckpt_lib
 from hetjax.input import data as data_lib
-from hetjax.training import lifecycle as run_common
-from hetjax.cluster import runtime
+from hetjax.training import lifecycle
 from hetjax.cluster import signals
 from hetjax.cluster import watchdog
 from hetjax import mesh as mesh_lib
 from hetjax import step as step_lib
 from hetjax.step import device_batch as device_batch_lib
 from hetjax import task as task_lib
-from hetjax.observe import progress as progress_lib
+from hetjax.observe.history import History
 from hetjax.modes import elastic as elastic_lib
 from hetjax.modes import hybrid as hybrid_lib
 from hetjax.modes import rounds as rounds_lib
@@ -69,21 +65,6 @@ class Saved(NamedTuple):
   host_model_state: PyTree
 
 
-@dataclasses.dataclass
-class RoundsHistory:
-  """Per-round records; per-host lists are `[rounds][hosts]`."""
-
-  taus: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
-  samples: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
-  compute_s: list[list[float]] = dataclasses.field(default_factory=list)
-  wait_s: list[list[float]] = dataclasses.field(default_factory=list)
-  spread: list[list[float]] = dataclasses.field(default_factory=list)  # ||x_i - mean||
-  round_s: list[float] = dataclasses.field(default_factory=list)
-  loss: list[float] = dataclasses.field(default_factory=list)
-  metrics: list[dict[str, float]] = dataclasses.field(default_factory=list)
-  evals: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)  # round -> figures
-
-
 class RoundsTrainer:
   """Hybrid or elastic training over whatever hosts this process belongs to.
 
@@ -113,9 +94,7 @@ class RoundsTrainer:
       identity: extra text the hosts must agree on.
       checkpoint: where and how often (in rounds) to save; resumes by default.
     """
-    if int(os.environ.get(Env.NUM_HOSTS, "1")) > 1 and not runtime.is_initialized():
-      raise RuntimeError(f"{Env.NUM_HOSTS} asks for several hosts but the cluster is not "
-                         "joined: call hetjax.initialize() before building a trainer.")
+    lifecycle.check_joined("a trainer")
     config.validate()
     if config.balancer is not None or config.assignment != "equal":
       raise ValueError(f"--mode {rounds.mode} sizes the hosts' work by local steps; the "
@@ -129,15 +108,10 @@ class RoundsTrainer:
     self.local_batch = rounds.local_batch_for(config.global_batch, self.num_hosts)
     self.sampler = data_lib.GlobalSampler(len(source), config.global_batch, config.seed,
                                           name=source.info.name)
-    mine = f"{config!r}|{rounds!r}|{source.info!r}|{len(source)}|{identity}|{checkpoint!r}"
-    everyone = mesh_lib.gather_host_values(agreement.text_fingerprint(mine), self.meshes)
-    agreement.check_all_equal(everyone, what="configuration", fix="(config hash mismatch): "
-                              "every host must run the same command and arguments.")
-    self.emulated = pace is not None or config_lib.emulated_from_env()
-    if pace is None and self.emulated:
-      from hetjax.cluster import emulate  # Emulation stays off the real path.
-      pace = emulate.pacing_from_env(self.host_id)
-    self.pace = pace
+    agreement.agree_on(f"{config!r}|{rounds!r}|{source.info!r}|{len(source)}|{identity}|"
+                       f"{checkpoint!r}", self.meshes, what="configuration", fix="(config hash "
+                       "mismatch): every host must run the same command and arguments.")
+    self.emulated, self.pace = lifecycle.pacing(pace, self.host_id)
     self.augment = augment_lib.parse(config.augment)
     example = source[np.arange(1)]
     task_lib.check_batch_keys(list(example))
@@ -162,34 +136,38 @@ class RoundsTrainer:
     self.host_opt_state = self.local.init_opt_state(rounds_lib.to_host_mesh(params, self.meshes))
     self.reduction = rounds_lib.RoundReduction(config.reduction, self.meshes)
     self.taus = rounds_lib.TauPolicy(rounds.round_steps, self.num_hosts, rounds.local_steps)
-    self.history = RoundsHistory()
+    # A round is the history's step: shares are the samples each host processed.
+    self.history = History(series={"tau": [], "spread": []})  # spread: ||x_i - mean||
     self.position = 0          # The data cursor: next position of the global stream.
     self._start_round = 0
     self._base_key = jax.random.key(config.seed)
     self._last_wait = self._last_spread = 0.0
     self._stop_code = 0.0  # The largest stop signal any host sent (hetjax.cluster.signals).
-    self._evaluator = None
+    self._evaluations = lifecycle.Evaluations(task, self.meshes)
     self.resumed_from: int | None = None
     self.job = ckpt_lib.describe_job(self.centre, {
         "mode": rounds.mode, "global_batch": config.global_batch, "seed": config.seed,
         "dataset": repr(source.info), "num_records": len(source), "identity": identity,
         "rounds": repr(dataclasses.replace(rounds, local_steps=None))})
-    self.checkpointer = None
-    if checkpoint is not None:
-      self.checkpointer = ckpt_lib.Checkpointer(checkpoint, self._all_hosts_agree)
-      if checkpoint.resume:
-        self._resume()
+    self.checkpointer = lifecycle.checkpointer(checkpoint, self.meshes)
+    if checkpoint is not None and checkpoint.resume:
+      self._resume()
 
   # ---- one round ----------------------------------------------------------
 
   @property
   def round(self) -> int:
     """The index of the next round to run."""
-    return self._start_round + len(self.history.taus)
+    return self._start_round + self.history.steps
 
   @property
   def step(self) -> int:
     return self.round
+
+  @property
+  def start_step(self) -> int:
+    """The round this trainer started from: 0, or the checkpoint's it resumed."""
+    return self._start_round
 
   @property
   def state(self) -> hybrid_lib.Centre:
@@ -241,49 +219,37 @@ class RoundsTrainer:
     if "skipped" in stats:  # fp16: local steps skipped for overflow, over every host.
       metrics["skipped"] = float(stats["skipped"])
     h = self.history
-    h.taus.append(taus)
-    h.samples.append(n)
+    h.shares.append(n)
+    h.series["tau"].append(taus)
     h.compute_s.append(rows[:, _COMPUTE_S].tolist())
-    if len(h.wait_s) < len(h.taus) - 1:  # The round before's, now that every host sent them.
+    if h.dropped + len(h.wait_s) < h.steps - 1:  # The round before's, now that every host sent them.
       h.wait_s.append(rows[:, _WAIT_S].tolist())
-      h.spread.append(rows[:, _SPREAD].tolist())
-    h.round_s.append(t2 - t0)
+      h.series["spread"].append(rows[:, _SPREAD].tolist())
+    h.step_s.append(t2 - t0)
     h.loss.append(metrics["loss"])
     h.metrics.append(metrics)
     return metrics
 
   # ---- records ------------------------------------------------------------
 
-  def _record(self, i: int, time_s: float) -> dict[str, Any]:
-    """Round `i` of this run (0-based in history; the record counts rounds done) in the metrics schema.
-
-    A round is a "step" of the schema: shares are the samples each host
-    processed, and the round's figures (tau, distance to the hosts' mean,
-    reduction seconds) ride in `metrics` as `tau/<host>`, `spread/<host>`,
-    `reduction_s`.
-    """
-    h = self.history
-    metrics = {k: v for k, v in h.metrics[i].items() if k != "loss"}
+  def _round_metrics(self, k: int) -> dict[str, float]:
+    """A record's own figures of the round in window entry `k`: each host's tau and
+    distance to the hosts' mean, and the reduction's seconds (the least wait)."""
+    h, metrics = self.history, {}
     for host in range(self.num_hosts):
-      metrics[f"tau/{host}"] = float(h.taus[i][host])
-      metrics[f"spread/{host}"] = float(h.spread[i][host])
-    metrics["reduction_s"] = float(min(h.wait_s[i]))
-    record = {"step": self._start_round + i + 1, "time_s": time_s, "loss": h.loss[i],
-              "metrics": metrics, "samples_per_sec": sum(h.samples[i]) / h.round_s[i],
-              "step_s": h.round_s[i], "global_batch": sum(h.samples[i]),
-              "shares": list(h.samples[i]), "compute_s": h.compute_s[i], "wait_s": h.wait_s[i],
-              "emulated": self.emulated}
-    if i in h.evals:
-      record["eval"] = h.evals[i]
-    return record
+      metrics[f"tau/{host}"] = float(h.series["tau"][k][host])
+      metrics[f"spread/{host}"] = float(h.series["spread"][k][host])
+    metrics["reduction_s"] = float(min(h.wait_s[k]))
+    return metrics
 
   def _final_waits(self) -> None:
     """The last round's reduction seconds and spreads travel in one extra small collective."""
-    if len(self.history.wait_s) < len(self.history.taus):
+    h = self.history
+    if h.dropped + len(h.wait_s) < h.steps:
       rows = mesh_lib.gather_host_values(np.array([self._last_wait, self._last_spread]),
                                          self.meshes)
-      self.history.wait_s.append([float(r) for r in rows[:, 0]])
-      self.history.spread.append([float(r) for r in rows[:, 1]])
+      h.wait_s.append([float(r) for r in rows[:, 0]])
+      h.series["spread"].append([float(r) for r in rows[:, 1]])
 
   # ---- the loop -------------------------------------------------------------
 
@@ -299,94 +265,65 @@ class RoundsTrainer:
     alias of `on_round`): callbacks and evaluations run after a round,
     outside its clock, and a stop signal to any host makes every host stop
     at the next round boundary (saving first when there is a checkpoint folder).
+    A round's record is the metrics schema's step: shares are the samples
+    each host processed, and `metrics` carries `tau/<host>`,
+    `spread/<host>` and `reduction_s`.
     """
-    run_common.check_fit_args(rounds, until, eval_every, eval_source, "rounds")
     callback = on_round or on_step
-    target = self.round + rounds if until is None else until
-    if log_every:  # The progress line of `hetjax train`, through `log`.
-      sinks = [*sinks, progress_lib.log_sink(target, host_id=self.host_id, every=log_every, log=log)]
-    writer, sinks = run_common.open_run_folder(out, self.host_id, self.round, sinks)
-    emitted, clock = len(self.history.wait_s), 0.0
-
-    def emit() -> None:
-      nonlocal emitted, clock
-      while sinks and emitted < len(self.history.wait_s):
-        clock += self.history.round_s[emitted]
-        record = self._record(emitted, clock)
-        for sink in sinks:
-          sink(record)
-        emitted += 1
-
-    try:
-      with signals.REQUESTS.installed(), watchdog.watching(self.config.watchdog_s, self.host_id,
-                                                            self.num_hosts):
-        while self.round < target:
+    with lifecycle.Run(self, rounds, until=until, unit="rounds", warmup=WARMUP_ROUNDS,
+                       log_every=log_every, log=log, sinks=sinks, eval_every=eval_every,
+                       eval_source=eval_source, out=out, extra=self._round_metrics) as run:
+      with run.watching():
+        while self.round < run.target:
           metrics = self.train_round()
-          if eval_every and self.round % eval_every == 0:
-            self.history.evals[len(self.history.taus) - 1] = self.evaluate(eval_source)
-          emit()
+          if run.evaluation_due(self.round):
+            run.evaluate()
+          run.record()
           if callback is not None:
             callback(self, metrics)
           if self._stop_code:
             code, self._stop_code = self._stop_code, 0.0
-            run_common.stop_run(code, self.round, self.checkpointer,
-                                lambda: self.save_checkpoint(wait=True), self.summary, emit, out,
-                                self.host_id)
+            run.stop(code)
           if self.config.check_every and self.round % self.config.check_every == 0:
             self.check_centre_agrees()
           if self.checkpointer is not None and self.round % self.checkpointer.config.every == 0:
             self.save_checkpoint()
-      if eval_source is not None and (len(self.history.taus) - 1) not in self.history.evals:
-        self.history.evals[len(self.history.taus) - 1] = self.evaluate(eval_source)
-      return run_common.close_run(self.checkpointer, lambda: self.save_checkpoint(wait=True),
-                                  self.summary, emit, out, self.host_id)
-    finally:
-      if writer is not None:
-        writer.close()
+      run.evaluate_at_end()
+      return run.close()
 
   def write_summary(self, out: str, summary: dict[str, Any]) -> None:
     """Writes OUT/summary.json on process 0 (what `hetjax report` reads)."""
-    run_common.write_summary(out, summary, self.host_id)
+    lifecycle.write_summary(out, summary, self.host_id)
 
   def summary(self, digest: bool = False) -> dict[str, Any]:
     """The figures of the run so far; identical on every host (`digest`: hash the centre too)."""
-    from hetjax.trainer import params_digest
     self._final_waits()
     h = self.history
-    steady = list(range(min(WARMUP_ROUNDS, max(len(h.round_s) - 1, 0)), len(h.round_s)))
-    seconds = sum(h.round_s[i] for i in steady)
-    samples = sum(sum(h.samples[i]) for i in steady)
     per_host = []
     for i in range(self.num_hosts):
-      per_host.append({"batch": [s[i] for s in h.samples], "tau": [t[i] for t in h.taus],
+      per_host.append({"batch": [s[i] for s in h.shares], "tau": [t[i] for t in h.series["tau"]],
                        "compute_s": [c[i] for c in h.compute_s],
-                       "wait_s": [w[i] for w in h.wait_s], "spread": [d[i] for d in h.spread]})
+                       "wait_s": [w[i] for w in h.wait_s],
+                       "spread": [d[i] for d in h.series["spread"]]})
     taus = "from speeds" if self.rounds.local_steps is None else "fixed (--local-steps)"
     return {"mode": self.rounds.mode, "local_batch": self.local_batch,
-            "data_position": self.position, **run_common.summary_fields(
-                steps=len(h.taus), last_step=self.round, resumed_from=self.resumed_from,
-                config=self.config, meshes=self.meshes,
-                balancer_mode=f"{self.rounds.mode} rounds, taus {taus}", balancer_decisions=[],
-                samples_per_sec=samples / seconds if seconds else 0.0, losses=h.loss,
-                metrics=h.metrics, params_digest=params_digest(self.params()) if digest else None,
-                evaluation=self._last_eval(), emulated=self.emulated, per_host=per_host),
+            "data_position": self.position, **lifecycle.summary(
+                self, warmup=WARMUP_ROUNDS, balancer_mode=f"{self.rounds.mode} rounds, taus {taus}",
+                balancer_decisions=[], per_host=per_host, digest=digest),
             "device_batches": list(self.device_batches)}
 
   def params(self) -> PyTree:
     """The centre's parameters as host numpy arrays."""
-    return run_common.host_copy(self.centre.params)
+    return lifecycle.host_copy(self.centre.params)
 
   def evaluate(self, source: data_lib.ArraySource, batch_size: int = 256) -> dict[str, float]:
     """Mean loss and metrics of the centre over all of `source`; every host must call it.
 
     Spread over the hosts by the samples they processed last round (their speed).
     """
-    self._evaluator = run_common.evaluator_for(self._evaluator, self.task, self.meshes, batch_size)
-    weights = self.history.samples[-1] if self.history.samples else [1] * self.num_hosts
-    return self._evaluator.evaluate(self.centre.params, self.centre.model_state, source, weights)
-
-  def _last_eval(self) -> dict[str, Any] | None:
-    return run_common.last_eval(self.history.evals, self._start_round)
+    weights = self.history.shares[-1] if self.history.shares else [1] * self.num_hosts
+    return self._evaluations.evaluate(self.centre.params, self.centre.model_state, source,
+                                      weights, batch_size)
 
   def close(self) -> None:
     if self.checkpointer is not None:
@@ -408,14 +345,11 @@ class RoundsTrainer:
       agreement.HostsDisagree: naming the hosts whose centre differs.
     """
     local = jax.tree.map(lambda x: mesh_lib.to_local(x, self.meshes), self.centre)
-    rows = mesh_lib.gather_host_values(agreement.params_fingerprint(local), self.meshes)
-    agreement.check_fingerprints(self.round, rows, what="centres (parameters, outer state)")
-
-  def _all_hosts_agree(self, flag: bool) -> bool:
-    return run_common.all_hosts_agree(flag, self.meshes)
+    agreement.check_replicas(self.round, local, self.meshes,
+                             what="centres (parameters, outer state)")
 
   def _layout(self) -> dict[str, Any]:
-    return run_common.layout(self.meshes, self.config.microbatch)
+    return lifecycle.layout(self.meshes, self.config.microbatch)
 
   def _rows(self, tree: PyTree) -> PyTree:
     """This host's arrays as its rows of `[all devices, ...]` global arrays."""

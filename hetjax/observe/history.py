@@ -1,5 +1,10 @@
 """The trainer's per-step records, bounded: a window of recent steps plus running totals.
 
+One history for every trainer: the sync steps (`hetjax.Trainer`) and the
+rounds of the rounds modes, which record a round as a step (shares: the
+samples each host processed) plus their own per-host series (`series`:
+taus, spreads).
+
 A million-step run must not keep a million per-host rows in memory: the
 complete per-step records go to metrics.jsonl as they complete (one step
 late, see `hetjax.observe.metrics.RecordStream`); here only the last steps stay, for
@@ -25,6 +30,7 @@ class Folded:
   time_s: float = 0.0            # all step seconds (the records' clock)
   steady_steps: int = 0
   steady_step_s: float = 0.0
+  steady_samples: int = 0
   steady_compute_s: list[float] = dataclasses.field(default_factory=list)  # per host
   steady_wait_s: list[float] = dataclasses.field(default_factory=list)
 
@@ -33,9 +39,10 @@ class Folded:
 class History:
   """Per-step records of the recent steps; `compute_s` and `wait_s` are `[steps][hosts]`.
 
-  `compute_s` and `wait_s` lag two steps behind the others: a step's compute
+  `compute_s` and `wait_s` lag behind the others: a sync step's compute
   and wait seconds are measured off the critical path and travel in the
-  collective two steps later (or the final small one in `summary`).
+  collective two steps later, a round's wait one round later (or in the
+  final small collective of `summary`). A series that lags lags as `wait_s` does.
   """
 
   shares: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
@@ -47,6 +54,8 @@ class History:
   # By history index: the learning rate (while records are built) and evaluations.
   lr: dict[int, float] = dataclasses.field(default_factory=dict)
   evals: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
+  # A mode's own per-host figures, `[steps][hosts]` each (the rounds modes: "tau", "spread").
+  series: dict[str, list[list[float]]] = dataclasses.field(default_factory=dict)
   dropped: int = 0               # history indices before the window
   folded: Folded = dataclasses.field(default_factory=Folded)
 
@@ -74,26 +83,37 @@ class History:
       if self.dropped + k >= warmup:
         f.steady_steps += 1
         f.steady_step_s += self.step_s[k]
+        f.steady_samples += sum(self.shares[k])
         for h in range(hosts):
           f.steady_compute_s[h] += self.compute_s[k][h]
           f.steady_wait_s[h] += self.wait_s[k][h]
     f.steps += cut
     for name in ("shares", "compute_s", "wait_s", "step_s", "loss", "metrics"):
       del getattr(self, name)[:cut]
+    for values in self.series.values():
+      del values[:cut]
     self.dropped += cut
     self.lr = {i: v for i, v in self.lr.items() if i >= self.dropped}
     latest = max(self.evals, default=None)  # The summary reports it, however old.
     self.evals = {i: e for i, e in self.evals.items() if i >= self.dropped or i == latest}
 
-  def steady_totals(self, warmup: int, hosts: int) -> tuple[int, float, list[float], list[float]]:
-    """(steps, step seconds, compute per host, wait per host) after warm-up, whole run.
-
-    A run shorter than the warm-up counts all but its first step, or all.
-    """
+  def _steady_from(self, warmup: int) -> int:
+    """The first window entry after warm-up; a run shorter than it counts all but its first step, or all."""
     skip = max(0, warmup - self.dropped)
     if self.dropped == 0 and len(self.step_s) <= warmup:
       skip = 1 if len(self.step_s) > 1 else 0
-    f = self.folded
+    return skip
+
+  def samples_per_sec(self, warmup: int) -> float:
+    """Samples over step seconds after warm-up, whole run (0.0 before any timed step)."""
+    skip, f = self._steady_from(warmup), self.folded
+    seconds = f.steady_step_s + sum(self.step_s[skip:])
+    samples = f.steady_samples + sum(sum(s) for s in self.shares[skip:])
+    return samples / seconds if seconds > 0 else 0.0
+
+  def steady_totals(self, warmup: int, hosts: int) -> tuple[int, float, list[float], list[float]]:
+    """(steps, step seconds, compute per host, wait per host) after warm-up, whole run."""
+    skip, f = self._steady_from(warmup), self.folded
     step_s = self.step_s[skip:]
     compute = [sum(c[h] for c in self.compute_s[skip:]) for h in range(hosts)]
     wait = [sum(w[h] for w in self.wait_s[skip:]) for h in range(hosts)]

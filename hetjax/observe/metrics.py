@@ -158,16 +158,18 @@ class RecordStream:
   make its own.
   """
 
-  def __init__(self, history: Any, *, global_batch: int, emulated: bool, first_step: int = 0,
-               sinks: Sequence[Callable[[dict[str, Any]], Any]] = ()):
+  def __init__(self, history: Any, *, global_batch: int | None, emulated: bool, first_step: int = 0,
+               sinks: Sequence[Callable[[dict[str, Any]], Any]] = (),
+               extra: Callable[[int], dict[str, float]] | None = None):
     """Args:
       history: a `hetjax.trainer.History` (read, never changed).
-      global_batch: samples per step.
+      global_batch: samples per step (None: each step's shares' sum, as a round's).
       emulated: whether host speeds are emulated.
       first_step: the absolute step of history index 0 (non-zero after resume).
       sinks: callables fed each new record, e.g. `MetricsWriter.write`.
+      extra: a mode's own metrics of window entry k (the rounds modes' taus).
     """
-    self._history, self._sinks = history, list(sinks)
+    self._history, self._sinks, self._extra = history, list(sinks), extra
     self._global_batch, self._emulated, self._first_step = global_batch, emulated, first_step
     # Records complete before this stream began were someone else's to emit
     # (an earlier `fit` call); the clock keeps running from them.
@@ -192,10 +194,12 @@ class RecordStream:
       k = i - dropped
       self._time_s += h.step_s[k]
       metrics = {name: v for name, v in h.metrics[k].items() if name != "loss"}
+      metrics.update(self._extra(k) if self._extra else {})
+      batch = self._global_batch or sum(h.shares[k])
       record = {
           "step": self._first_step + i + 1, "time_s": self._time_s, "loss": h.loss[k],
-          "metrics": metrics, "samples_per_sec": self._global_batch / h.step_s[k] if h.step_s[k] > 0 else 0.0,
-          "step_s": h.step_s[k], "global_batch": self._global_batch, "shares": list(h.shares[k]),
+          "metrics": metrics, "samples_per_sec": batch / h.step_s[k] if h.step_s[k] > 0 else 0.0,
+          "step_s": h.step_s[k], "global_batch": batch, "shares": list(h.shares[k]),
           "compute_s": list(h.compute_s[k]), "wait_s": list(h.wait_s[k]),
           "emulated": self._emulated}
       lr = getattr(h, "lr", {})

@@ -1,84 +1,88 @@
-"""What the sync trainer and the rounds trainer share around their loops.
+"""What every trainer shares around its loop: the run lifecycle.
 
 `hetjax.Trainer` (one reduction per step) and `hetjax.modes.RoundsTrainer`
 (one per round) train differently but present a run the same way: the
 same `fit()` arguments, the same run folder (metrics.jsonl, TensorBoard,
-summary.json), the same summary fields, the same checkpoint layout record
-and vote, the same evaluation bookkeeping. Those pieces live here, as
-functions of explicit arguments, so neither trainer reaches into the other.
+summary.json), the same records and summary fields, the same stop, save
+and evaluation bookkeeping. `Run` is one `fit()` call of either; a trainer
+is anything with the attributes `Trained` names, so the next mode writes
+its loop and its state, not its lifecycle.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, NoReturn, Sequence
+import contextlib
+import hashlib
+import os
+from typing import Any, Callable, Iterator, NoReturn, Protocol, Sequence
 
 import jax
 import numpy as np
 
-from hetjax.input import data as data_lib
-from hetjax.training import evaluate as evaluate_lib
-from hetjax.observe import metrics as metrics_lib
-from hetjax.cluster import signals
+from hetjax import config as config_lib
 from hetjax import mesh as mesh_lib
+from hetjax.checkpoint import manager as ckpt_lib
+from hetjax.cluster import runtime
+from hetjax.cluster import signals
+from hetjax.cluster import watchdog
+from hetjax.input import data as data_lib
+from hetjax.observe import metrics as metrics_lib
+from hetjax.observe import progress as progress_lib
+from hetjax.observe.history import History
+from hetjax.training import evaluate as evaluate_lib
 from hetjax.task import Task
 
 PyTree = Any
 Sink = Callable[[dict[str, Any]], Any]
 
 
-def check_fit_args(count: int | None, until: int | None, eval_every: int,
-                   eval_source: data_lib.ArraySource | None, unit: str = "steps") -> None:
-  """`fit()`'s argument checks; `unit` names what the run counts ('steps' or 'rounds')."""
-  if (count is None) == (until is None):
-    raise ValueError(f"give fit() exactly one of {unit} (how many more) or until (the last "
-                     f"{unit[:-1]}).")
-  if count is not None and count < 0:
-    raise ValueError(f"{unit} must be >= 0, got {count}.")
-  if eval_every < 0:
-    raise ValueError(f"eval_every must be >= 0 {unit} (0: evaluate only at the end), got "
-                     f"{eval_every}.")
-  if eval_every and eval_source is None:
-    raise ValueError(f"eval_every={eval_every} needs eval_source, the split to evaluate on.")
+class Trained(Protocol):
+  """What `Run` reads of a trainer; `step` counts the steps (or rounds) run."""
+
+  config: Any
+  meshes: mesh_lib.Meshes
+  host_id: int
+  num_hosts: int
+  history: History
+  emulated: bool
+  checkpointer: ckpt_lib.Checkpointer | None
+  resumed_from: int | None
+
+  @property
+  def step(self) -> int: ...
+  @property
+  def start_step(self) -> int: ...
+  def save_checkpoint(self, wait: bool = False) -> None: ...
+  def summary(self, digest: bool = False) -> dict[str, Any]: ...
+  def evaluate(self, source: data_lib.ArraySource, batch_size: int = 256) -> dict[str, float]: ...
+  def params(self) -> PyTree: ...
 
 
-def open_run_folder(out: str | None, host_id: int, resume_step: int,
-                    sinks: Sequence[Sink]) -> tuple[metrics_lib.MetricsWriter | None, list[Sink]]:
-  """Process 0's metrics writer for `out` (None elsewhere or without `out`), and the sinks with it."""
-  if out is None or host_id != 0:
-    return None, list(sinks)
-  writer = metrics_lib.MetricsWriter(out, resume_step=resume_step or None)
-  return writer, [*sinks, writer.write]
+# ---- building a trainer --------------------------------------------------------
 
 
-def close_run(checkpointer: Any, save: Callable[[], None], summarize: Callable[[], dict],
-              flush: Callable[[], Any], out: str | None, host_id: int) -> dict[str, Any]:
-  """The end of `fit()`, finished or stopped: save (waiting), summarise, flush the records, write.
-
-  `flush` hands the sinks the last record, whose wait seconds `summarize`
-  gathered.
-  """
-  if checkpointer is not None:
-    save()
-  summary = summarize()
-  flush()
-  if out is not None:
-    write_summary(out, summary, host_id)
-  return summary
+def check_joined(what: str) -> None:
+  """A multi-host launch must join the cluster before building `what`."""
+  if int(os.environ.get(config_lib.Env.NUM_HOSTS, "1")) > 1 and not runtime.is_initialized():
+    raise RuntimeError(f"{config_lib.Env.NUM_HOSTS} asks for several hosts but the cluster is not "
+                       f"joined: call hetjax.initialize() before building {what}.")
 
 
-def stop_run(code: float, at: int, checkpointer: Any, save: Callable[[], None],
-             summarize: Callable[[], dict], flush: Callable[[], Any], out: str | None,
-             host_id: int) -> NoReturn:
-  """Every host got the stop flag at the same boundary `at`: close the run as `close_run`, raise."""
-  signals.REQUESTS.clear()
-  close_run(checkpointer, save, summarize, flush, out, host_id)
-  raise signals.stopped(code, at, None if checkpointer is None else checkpointer.directory)
+def pacing(pace: Callable[..., float] | None, host_id: int) -> tuple[bool, Callable[..., float] | None]:
+  """(emulated, pace): the given pace, or the launcher's emulation of this host's speed."""
+  emulated = pace is not None or config_lib.emulated_from_env()
+  if pace is None and emulated:
+    from hetjax.cluster import emulate  # Emulation stays off the real path.
+    pace = emulate.pacing_from_env(host_id)
+  return emulated, pace
 
 
-def write_summary(out: str, summary: dict[str, Any], host_id: int) -> None:
-  """OUT/summary.json, written by process 0 (what `hetjax report` reads)."""
-  if host_id == 0:
-    metrics_lib.write_summary(out, summary)
+def checkpointer(checkpoint: ckpt_lib.CheckpointConfig | None,
+                 meshes: mesh_lib.Meshes) -> ckpt_lib.Checkpointer | None:
+  """The checkpointer of `checkpoint` (None without), voting over every host."""
+  if checkpoint is None:
+    return None
+  return ckpt_lib.Checkpointer(checkpoint, lambda flag: all_hosts_agree(flag, meshes))
 
 
 def all_hosts_agree(flag: bool, meshes: mesh_lib.Meshes) -> bool:
@@ -98,44 +102,188 @@ def host_copy(params: PyTree) -> PyTree:
   return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), params)
 
 
-def evaluator_for(current: evaluate_lib.Evaluator | None, task: Task, meshes: mesh_lib.Meshes,
-                  batch_size: int) -> evaluate_lib.Evaluator:
-  """`current` if it evaluates `batch_size` per device, else a new one (compiled once per size)."""
-  if current is None or current.batch != batch_size * meshes.local_devices:
-    current = evaluate_lib.Evaluator(task, meshes, batch_size)
-  return current
+class Evaluations:
+  """A trainer's evaluator, compiled once per batch size, and its newest figures."""
+
+  def __init__(self, task: Task, meshes: mesh_lib.Meshes):
+    self.task, self.meshes = task, meshes
+    self._evaluator: evaluate_lib.Evaluator | None = None
+
+  def evaluate(self, params: PyTree, model_state: PyTree, source: data_lib.ArraySource,
+               weights: Sequence[int], batch_size: int) -> dict[str, float]:
+    """Mean loss and metrics over `source`, spread over the hosts by `weights`."""
+    if self._evaluator is None or self._evaluator.batch != batch_size * self.meshes.local_devices:
+      self._evaluator = evaluate_lib.Evaluator(self.task, self.meshes, batch_size)
+    return self._evaluator.evaluate(params, model_state, source, weights)
 
 
-def last_eval(evals: dict[int, dict[str, float]], first_step: int) -> dict[str, Any] | None:
-  """The newest evaluation as `{step, figures...}`; `evals` is keyed by history index."""
-  if not evals:
-    return None
-  index = max(evals)
-  return {"step": first_step + index + 1, **evals[index]}  # Steps done, as the records count.
+# ---- one fit() call ----------------------------------------------------------
 
 
-def summary_fields(*, steps: int, last_step: int, resumed_from: int | None, config: Any,
-                   meshes: mesh_lib.Meshes, balancer_mode: str, balancer_decisions: list,
-                   samples_per_sec: float, losses: Sequence[float],
-                   metrics: Sequence[dict[str, float]], params_digest: str | None,
-                   evaluation: dict[str, Any] | None, emulated: bool,
-                   per_host: list[dict[str, Any]]) -> dict[str, Any]:
-  """The summary every trainer returns from `fit()` (a mode adds its own fields)."""
+def check_fit_args(count: int | None, until: int | None, eval_every: int,
+                   eval_source: data_lib.ArraySource | None, unit: str = "steps") -> None:
+  """`fit()`'s argument checks; `unit` names what the run counts ('steps' or 'rounds')."""
+  if (count is None) == (until is None):
+    raise ValueError(f"give fit() exactly one of {unit} (how many more) or until (the last "
+                     f"{unit[:-1]}).")
+  if count is not None and count < 0:
+    raise ValueError(f"{unit} must be >= 0, got {count}.")
+  if eval_every < 0:
+    raise ValueError(f"eval_every must be >= 0 {unit} (0: evaluate only at the end), got "
+                     f"{eval_every}.")
+  if eval_every and eval_source is None:
+    raise ValueError(f"eval_every={eval_every} needs eval_source, the split to evaluate on.")
+
+
+class Run:
+  """One `fit()` call: run folder, sinks and records, evaluations, the stop, the save at the end.
+
+  A context manager: the run folder's writer is closed however the run ends.
+
+  Example (a trainer's `fit`):
+    >>> with Run(self, steps, until=until, unit="steps", warmup=2, ...) as run:
+    ...   with run.watching():
+    ...     while self.step < run.target:
+    ...       ...; run.record()
+    ...   run.evaluate_at_end()
+    ...   return run.close()
+  """
+
+  def __init__(self, trainer: Trained, count: int | None, *, until: int | None, unit: str,
+               warmup: int, log_every: int = 0, log: Callable[[str], None] = print,
+               sinks: Sequence[Sink] = (), eval_every: int = 0,
+               eval_source: data_lib.ArraySource | None = None, out: str | None = None,
+               global_batch: int | None = None,
+               extra: Callable[[int], dict[str, float]] | None = None):
+    """Checks the arguments and opens the run folder.
+
+    Args:
+      trainer: the trainer whose `fit` this is.
+      count, until, log_every, log, sinks, eval_every, eval_source, out: `fit()`'s.
+      unit: what `count` counts, for messages ('steps' or 'rounds').
+      warmup: leading steps kept out of throughput (the history folds the rest).
+      global_batch, extra: the records' (`hetjax.observe.metrics.RecordStream`).
+    """
+    check_fit_args(count, until, eval_every, eval_source, unit)
+    self.trainer, self.warmup, self.out = trainer, warmup, out
+    self.eval_every, self.eval_source = eval_every, eval_source
+    self.target = trainer.step + count if until is None else until
+    sinks = list(sinks)
+    if log_every:  # The progress line of `hetjax train`, through `log`.
+      sinks.append(progress_lib.log_sink(self.target, host_id=trainer.host_id, every=log_every,
+                                         log=log))
+    self.writer = None
+    if out is not None and trainer.host_id == 0:
+      self.writer = metrics_lib.MetricsWriter(out, resume_step=trainer.step or None)
+      sinks.append(self.writer.write)
+    # Records are built only for someone to read them: the loop stays lean.
+    self.stream = None if not sinks else metrics_lib.RecordStream(
+        trainer.history, global_batch=global_batch, emulated=trainer.emulated,
+        first_step=trainer.start_step, sinks=sinks, extra=extra)
+
+  def __enter__(self) -> "Run":
+    return self
+
+  def __exit__(self, *exc: Any) -> None:
+    if self.writer is not None:
+      self.writer.close()
+
+  @contextlib.contextmanager
+  def watching(self) -> Iterator[None]:
+    """The loop's surroundings: stop signals caught, the watchdog on."""
+    t = self.trainer
+    with signals.REQUESTS.installed(), watchdog.watching(t.config.watchdog_s, t.host_id,
+                                                          t.num_hosts):
+      yield
+
+  @property
+  def records(self) -> bool:
+    """Whether anyone reads the records (sinks, a log line, a run folder)."""
+    return self.stream is not None
+
+  def record(self) -> None:
+    """Hands the complete records to the sinks; keeps the history's memory O(1) in steps."""
+    if self.stream is not None:
+      self.stream.pop()
+    self.trainer.history.trim(self.warmup)
+
+  def evaluation_due(self, step: int) -> bool:
+    return bool(self.eval_every) and step % self.eval_every == 0
+
+  def evaluate(self) -> None:
+    """Evaluates on the run's split; the figures join the last step's record."""
+    h = self.trainer.history
+    h.evals[h.steps - 1] = self.trainer.evaluate(self.eval_source)
+
+  def evaluate_at_end(self) -> None:
+    """The final evaluation, unless the last step had one (also when nothing was left to run)."""
+    h = self.trainer.history
+    if self.eval_source is not None and (h.steps - 1) not in h.evals:
+      self.evaluate()
+
+  def close(self) -> dict[str, Any]:
+    """The end of `fit()`, finished or stopped: save (waiting), summarise, flush the records, write.
+
+    The last record's wait seconds are known once `summary` gathered them.
+    """
+    t = self.trainer
+    if t.checkpointer is not None:
+      t.save_checkpoint(wait=True)
+    summary = t.summary()
+    if self.stream is not None:
+      self.stream.pop()
+    if self.out is not None:
+      write_summary(self.out, summary, t.host_id)
+    return summary
+
+  def stop(self, code: float) -> NoReturn:
+    """Every host got the stop flag at this same boundary: close the run as `close`, raise."""
+    signals.REQUESTS.clear()
+    self.close()
+    t = self.trainer
+    raise signals.stopped(code, t.step, None if t.checkpointer is None else t.checkpointer.directory)
+
+
+def write_summary(out: str, summary: dict[str, Any], host_id: int) -> None:
+  """OUT/summary.json, written by process 0 (what `hetjax report` reads)."""
+  if host_id == 0:
+    metrics_lib.write_summary(out, summary)
+
+
+def summary(trainer: Trained, *, warmup: int, balancer_mode: str, balancer_decisions: list,
+            per_host: list[dict[str, Any]], digest: bool) -> dict[str, Any]:
+  """The summary every trainer returns from `fit()` (a mode adds its own fields).
+
+  Call after the history holds every step's wait seconds.
+  """
+  t, h = trainer, trainer.history
+  evaluation = None
+  if h.evals:
+    index = max(h.evals)  # Steps done, as the records count.
+    evaluation = {"step": t.start_step + index + 1, **h.evals[index]}
   return {
-      "steps": steps,
-      "last_step": last_step,
-      "resumed_from": resumed_from,
-      "global_batch": config.global_batch,
-      "hosts": meshes.num_hosts,
-      "devices_per_host": meshes.local_devices,
-      "reduction": config.reduction,
+      "steps": h.steps,
+      "last_step": t.step,
+      "resumed_from": t.resumed_from,
+      "global_batch": t.config.global_batch,
+      "hosts": t.meshes.num_hosts,
+      "devices_per_host": t.meshes.local_devices,
+      "reduction": t.config.reduction,
       "balancer_mode": balancer_mode,
       "balancer_decisions": balancer_decisions,
-      "samples_per_sec": samples_per_sec,
-      "final_loss": losses[-1] if losses else None,
-      "final_metrics": metrics[-1] if metrics else {},
-      "params_digest": params_digest,
+      "samples_per_sec": h.samples_per_sec(warmup),
+      "final_loss": h.loss[-1] if h.loss else None,
+      "final_metrics": h.metrics[-1] if h.metrics else {},
+      "params_digest": params_digest(t.params()) if digest else None,
       "eval": evaluation,
-      "emulated_speeds": emulated,
+      "emulated_speeds": t.emulated,
       "per_host": per_host,
   }
+
+
+def params_digest(params: PyTree) -> str:
+  """sha256 over the float32 bytes of the parameter leaves, in tree order."""
+  h = hashlib.sha256()
+  for leaf in jax.tree.leaves(params):
+    h.update(np.ascontiguousarray(np.asarray(leaf, dtype=np.float32)).tobytes())
+  return h.hexdigest()
