@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-import jax
 import numpy as np
 import optax
 
@@ -26,6 +25,8 @@ from hetjax.input import loader as loader_lib
 from hetjax import optimizers as optimizers_lib
 from hetjax.training import lifecycle
 from hetjax.training.lifecycle import params_digest  # noqa: F401 (public name)
+from hetjax.training import pipeline as pipeline_lib
+from hetjax.training import sync_checkpoint
 from hetjax.training.pipeline import StepPipeline
 from hetjax.training.replica import Replica
 from hetjax.input import sources as sources_lib
@@ -109,7 +110,7 @@ class Trainer:
     # Each host's blocks per device per micro-batch (issue 27), every host's known.
     self.device_batches = device_batch_lib.for_hosts(config, task, initial.params,
                                                      initial.model_state, example, self.meshes)
-    balancer = balancer or self._default_balancer(start_step=0)
+    balancer = balancer or pipeline_lib.default_balancer(config, self.meshes, self.device_batches)
     self.reduction = step_lib.make_reduction(config.reduction, self.meshes)
     # Every slice of the state updated by one device, then gathered (issue 25):
     # replicas stay bit-identical on hosts that compile differently.
@@ -125,7 +126,8 @@ class Trainer:
     self.replica = Replica(self.local, self.meshes, self.sharded,
                            optimizers_lib.find_learning_rate(initial.opt_state) is not None)
     self.replica.replace(initial)
-    self._check_contract(init_batch)
+    state = self.replica.global_view()  # Per-example losses, checked before anything runs.
+    lifecycle.check_task(task, state.params, state.model_state, init_batch)
     self.history = History()
     self.pipeline = StepPipeline(config, self.meshes, self.replica, self.reduction, self.loader,
                                  example, balancer, self.history, self.pace)
@@ -136,23 +138,19 @@ class Trainer:
         "dataset": repr(source.info), "num_records": len(source), "identity": identity})
     self.checkpointer = lifecycle.checkpointer(checkpoint, self.meshes)
     if checkpoint is not None and checkpoint.resume:
-      self._resume()
+      sync_checkpoint.resume(self, custom_balancer=self._custom_balancer)
 
   @property
   def state(self) -> step_lib.TrainState:
     """The train state after every dispatched step, as global replicated arrays.
 
-    What orbax saves and what a user may inspect, keep or replace. Applies a
-    pending update first (`local_state`) and re-wraps every leaf (zero-copy,
-    ~15 us a leaf), so the step loop never reads it. The arrays stay valid
-    after later steps: the next step copies the state once before donating
-    it (`block_until_ready` waits without that). In a world of several
-    devices the optimizer state lives split over them (`hetjax.step.sharding`);
-    this view holds it whole, gathered for the read (a copy).
+    What orbax saves and what a user may inspect, keep or replace: the
+    pending update is applied first and every leaf re-wrapped (zero-copy),
+    so the step loop never reads it. The arrays stay valid after later
+    steps (the next step donates a copy). A sharded update's optimizer
+    state is gathered whole for the read (a copy).
     """
-    view = self.replica.global_view()
-    self.replica.lend()
-    return view
+    return self.replica.lend(self.replica.global_view())
 
   @state.setter
   def state(self, state: step_lib.TrainState) -> None:
@@ -161,21 +159,16 @@ class Trainer:
     The arrays stay the caller's: the next step donates a copy of them.
     """
     self.replica.replace(state)
-    self.replica.lend()
+    self.replica.lend(None)
 
   @property
   def local_state(self) -> step_lib.TrainState:
     """This host's replica of the train state, on its own devices, every update applied.
 
-    The last step's update (one device) or its gathered result (several)
-    waits for the next step's first program; reading the state applies it
-    alone, with the same function. Valid after later steps, as `state` is.
-    In a world of several devices the optimizer state is gathered whole
-    from its slices for this read (a copy; the run keeps it split).
+    Valid after later steps, as `state` is; a sharded update's optimizer
+    state gathered whole for the read (a copy; the run keeps it split).
     """
-    live = self.replica.settled()
-    self.replica.lend()
-    return live
+    return self.replica.lend(self.replica.settled())
 
   @property
   def balancer(self) -> balancer_lib.Balancer:
@@ -205,60 +198,6 @@ class Trainer:
     self.replica.block_until_ready()
     return self
 
-  def _default_balancer(self, start_step: int) -> balancer_lib.Balancer:
-    """The configured policy, deciding in blocks (one device round = granularity)."""
-    config = self.config
-    options = {}
-    if config.balancer in ("static", "dynamic"):
-      options["start_step"] = start_step
-    return blocks_lib.make_block_balancer(
-        config.assignment, config.global_batch, config.microbatch,
-        self.meshes.devices_per_host(), mode=config.balancer,
-        device_batches=self.device_batches, **options)
-
-  def _check_contract(self, block: dict[str, np.ndarray]) -> None:
-    """Per-example losses and metrics, checked abstractly before anything runs."""
-    state = self.replica.global_view()
-    args = (state.params, state.model_state, block, jax.random.key(0))
-    task_lib.check_contract(self.task.loss, *args)
-    if self.task.eval_loss is not None:
-      task_lib.check_contract(self.task.eval_loss, *args, what="the task's evaluation loss")
-
-  def _layout(self) -> dict[str, Any]:
-    return lifecycle.layout(self.meshes, self.config.microbatch)
-
-  def _checkpoint_meta(self) -> dict[str, Any]:
-    meta = {"job": self.job, "layout": self._layout(), "data": self.sampler.state_dict(self.step),
-            "device_batches": list(self.device_batches)}
-    if hasattr(self.balancer, "state_dict"):
-      meta["balancer"] = self.balancer.state_dict()
-    return meta
-
-  def _resume(self) -> None:
-    """Continues from the newest complete checkpoint, if the folder has one."""
-    restored = self.checkpointer.restore_latest(self.replica.global_view(), self.job)
-    if restored is None:
-      return
-    state, meta = restored
-    self.replica.replace(state)
-    step = self.sampler.restore(meta["data"])
-    self.pipeline.start_step = self.resumed_from = step
-    try:
-      # Other device batches price other programs (a resume may choose anew).
-      if meta["layout"] != self._layout() or "balancer" not in meta or meta.get(
-          "device_batches", [1] * meta["layout"]["hosts"]) != list(self.device_batches):
-        raise ValueError("another host layout")
-      self.balancer.load_state_dict(meta["balancer"])
-    except (ValueError, AttributeError):
-      # Another layout or policy: the old timings say nothing about these
-      # hosts, so a profiling balancer warms up afresh from this step.
-      if not self._custom_balancer:
-        self.balancer = self._default_balancer(start_step=step)
-    if self.host_id == 0:
-      print(f"hetjax: resumed from {self.checkpointer.directory}/{step} (written by "
-            f"{meta['layout']['hosts']} host(s) x {meta['layout']['devices_per_host']} device(s))",
-            flush=True)
-
   def check_params_agree(self) -> None:
     """Compares every host's parameter fingerprint (every host must call it).
 
@@ -273,9 +212,7 @@ class Trainer:
     `fit` overlaps steps instead: it fetches a step's metrics after
     dispatching the next one, so the devices never wait for Python.
     """
-    self.pipeline.drain()  # A step `fit` left in flight.
-    self.pipeline.flight = self.pipeline.dispatch()
-    return self.pipeline.drain()
+    return self.pipeline.one_step()
 
   def fit(self, steps: int | None = None, *, until: int | None = None, log_every: int = 0,
           log: Callable[[str], None] = print,
@@ -312,42 +249,27 @@ class Trainer:
         TensorBoard events there, as `hetjax train --out` does, so
         `hetjax report OUT` reads API runs too.
     """
-    pipeline = self.pipeline
+    pipeline, config = self.pipeline, self.config
     with lifecycle.Run(self, steps, until=until, unit="steps", warmup=WARMUP_STEPS,
                        log_every=log_every, log=log, sinks=sinks, eval_every=eval_every,
-                       eval_source=eval_source, out=out,
-                       global_batch=self.config.global_batch) as run:
+                       eval_source=eval_source, out=out, global_batch=config.global_batch) as run:
+      every = lambda n, step: bool(n) and step % n == 0
+      saves = 0 if self.checkpointer is None else self.checkpointer.config.every
+      due = lambda step: (on_step is not None or self.pace is not None or run.evaluation_due(step)
+                          or every(config.check_every, step) or every(saves, step))
       with run.watching():
-        pipeline.drain()  # A step an earlier call left in flight.
-        try:
-          while self.step < run.target:
-            if pipeline.advance():
-              run.record()
-            step = self.step
-            every = lambda n: bool(n) and step % n == 0
-            checkpoint_due = self.checkpointer is not None and every(self.checkpointer.config.every)
-            stopping = pipeline.stopping()
-            if not (step >= run.target or stopping or on_step is not None or self.pace is not None
-                    or run.evaluation_due(step) or every(self.config.check_every)
-                    or checkpoint_due):
-              continue
-            metrics = pipeline.drain()  # A step boundary where something happens.
-            if run.evaluation_due(step):
-              run.evaluate()
-            run.record()
-            if on_step is not None:
-              on_step(self, metrics)
-            if stopping:
-              code = pipeline.take_stop()
-              pipeline.settle_update()
-              run.stop(code)
-            if every(self.config.check_every):
-              self.check_params_agree()
-            if checkpoint_due:
-              self.save_checkpoint()
-        except Exception:
-          pipeline.settle_after_error()
-          raise
+        for step, metrics in pipeline.boundaries(run.target, due, run.record):
+          if run.evaluation_due(step):
+            run.evaluate()
+          run.record()
+          if on_step is not None:
+            on_step(self, metrics)
+          if pipeline.stopping():
+            run.stop(pipeline.take_stop())
+          if every(config.check_every, step):
+            self.check_params_agree()
+          if every(saves, step):
+            self.save_checkpoint()
       if run.records and self.replica.shows_learning_rate:
         pipeline.settle_update()  # The last records carry the last update's learning rate.
       run.evaluate_at_end()
@@ -379,17 +301,7 @@ class Trainer:
     The hosts' parameter fingerprints are compared first: a checkpoint never
     records replicas that diverged.
     """
-    if self.checkpointer is None:
-      raise ValueError("this trainer has no checkpoint folder; pass checkpoint=CheckpointConfig(...).")
-    if self.checkpointer.last_saved != self.step:
-      self.check_params_agree()
-    if wait or not self.checkpointer.config.async_save:
-      self.checkpointer.save(self.step, self.replica.global_view(), self._checkpoint_meta())
-      if wait:
-        self.checkpointer.wait()
-    else:  # A device copy; a worker thread hands it to orbax while training goes on.
-      self.checkpointer.save_in_background(self.step, self.replica.settled(),
-                                           self._checkpoint_meta(), self.meshes.world)
+    sync_checkpoint.save(self, wait)
 
   def summary(self, digest: bool = False) -> dict[str, Any]:
     """The figures of the run so far; identical on every host.
@@ -403,17 +315,10 @@ class Trainer:
         whole model to host memory, so only on request.
     """
     self.pipeline.final_waits()
-    h = self.history
-    _, _, busy_compute, busy_wait = h.steady_totals(WARMUP_STEPS, self.num_hosts)
-    per_host = []
-    for i in range(self.num_hosts):
-      busy = busy_compute[i] + busy_wait[i]
-      per_host.append({"batch": [s[i] for s in h.shares], "compute_s": [c[i] for c in h.compute_s],
-                       "wait_s": [w[i] for w in h.wait_s],
-                       "idle_fraction": busy_wait[i] / busy if busy else 0.0})
     summary = lifecycle.summary(self, warmup=WARMUP_STEPS, balancer_mode=self.balancer.name,
                                 balancer_decisions=list(getattr(self.balancer, "decisions", [])),
-                                per_host=per_host, digest=digest)
+                                per_host=self.history.per_host(self.num_hosts, WARMUP_STEPS),
+                                digest=digest)
     summary["memory_per_device"] = self.memory_per_device()
     summary["device_batches"] = list(self.device_batches)
     return summary

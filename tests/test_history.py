@@ -14,7 +14,7 @@ from hetjax.observe import metrics
 
 def test_a_long_run_keeps_a_window_and_exact_totals():
   rng = np.random.default_rng(0)
-  h, seen = history.History(), []
+  h, seen = history.History(series={"tau": [], "spread": []}), []  # A rounds mode's series.
   stream = metrics.RecordStream(h, global_batch=8, emulated=False, sinks=[seen.append])
   steps = 5000
   step_s = rng.uniform(0.1, 0.2, steps)
@@ -23,8 +23,10 @@ def test_a_long_run_keeps_a_window_and_exact_totals():
   for i in range(steps):
     h.shares.append((4, 4))
     h.compute_s.append(list(compute[i]))
+    h.series["tau"].append([i, i])
     if i:
       h.wait_s.append(list(wait[i - 1]))
+      h.series["spread"].append([float(i - 1)] * 2)  # Lags as wait_s does.
     h.step_s.append(float(step_s[i]))
     h.loss.append(1.0)
     h.metrics.append({"loss": 1.0})
@@ -35,7 +37,15 @@ def test_a_long_run_keeps_a_window_and_exact_totals():
     h.trim(warmup=2, window=100)
     assert len(h.shares) < 200 and len(h.lr) < 200
   h.wait_s.append(list(wait[-1]))
+  h.series["spread"].append([float(steps - 1)] * 2)
   stream.pop()
+  # The series are trimmed with the window, entry for entry.
+  hosts = h.per_host(2, warmup=2)
+  assert hosts[0]["tau"] == list(range(h.dropped, steps)) == [s[0] for s in h.series["tau"]]
+  assert hosts[1]["spread"] == [float(i) for i in range(h.dropped, steps)]
+  assert h.samples_per_sec(warmup=2) == pytest.approx(8 * (steps - 2) / step_s[2:].sum())
+  idle = wait[2:].sum(0) / (compute[2:].sum(0) + wait[2:].sum(0))
+  np.testing.assert_allclose([hosts[0]["idle_fraction"], hosts[1]["idle_fraction"]], idle)
   assert [r["step"] for r in seen] == list(range(1, steps + 1)) and all(r["lr"] == 0.5 for r in seen)
   assert [r["step"] for r in seen if "eval" in r] == [11] and h.evals == {10: {"accuracy": 0.25}}
   assert seen[-1]["time_s"] == pytest.approx(step_s.sum())

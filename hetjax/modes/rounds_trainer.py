@@ -118,7 +118,7 @@ class RoundsTrainer:
     block = next(step_lib.micro_batches(example, config.microbatch))
     init = jax.jit(task.init, out_shardings=self.meshes.replicated)
     params, model_state = init(jax.random.key(config.seed), block)
-    task_lib.check_contract(task.loss, params, model_state, block, jax.random.key(0))
+    lifecycle.check_task(task, params, model_state, block, eval_loss=False)
     if rounds.mode == "hybrid":
       outer = hybrid_lib.outer_optimizer(rounds.outer_optimizer, rounds.outer_lr,
                                          rounds.outer_momentum)
@@ -298,18 +298,11 @@ class RoundsTrainer:
   def summary(self, digest: bool = False) -> dict[str, Any]:
     """The figures of the run so far; identical on every host (`digest`: hash the centre too)."""
     self._final_waits()
-    h = self.history
-    per_host = []
-    for i in range(self.num_hosts):
-      per_host.append({"batch": [s[i] for s in h.shares], "tau": [t[i] for t in h.series["tau"]],
-                       "compute_s": [c[i] for c in h.compute_s],
-                       "wait_s": [w[i] for w in h.wait_s],
-                       "spread": [d[i] for d in h.series["spread"]]})
     taus = "from speeds" if self.rounds.local_steps is None else "fixed (--local-steps)"
     return {"mode": self.rounds.mode, "local_batch": self.local_batch,
             "data_position": self.position, **lifecycle.summary(
                 self, warmup=WARMUP_ROUNDS, balancer_mode=f"{self.rounds.mode} rounds, taus {taus}",
-                balancer_decisions=[], per_host=per_host, digest=digest),
+                balancer_decisions=[], per_host=self.history.per_host(self.num_hosts), digest=digest),
             "device_batches": list(self.device_batches)}
 
   def params(self) -> PyTree:

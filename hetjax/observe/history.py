@@ -18,6 +18,7 @@ Indices: entry `k` of the lists is the run's history index `dropped + k`
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 WINDOW = 1000  # Steps kept; the lists are trimmed back to this when they reach twice it.
 
@@ -110,6 +111,22 @@ class History:
     seconds = f.steady_step_s + sum(self.step_s[skip:])
     samples = f.steady_samples + sum(sum(s) for s in self.shares[skip:])
     return samples / seconds if seconds > 0 else 0.0
+
+  def per_host(self, hosts: int, warmup: int | None = None) -> list[dict[str, Any]]:
+    """Each host's window lists (`batch`: its shares, `compute_s`, `wait_s`, each series) and,
+    with `warmup`, the part of its busy seconds after warm-up it waited (`idle_fraction`)."""
+    out = []
+    for i in range(hosts):
+      row = {"batch": [s[i] for s in self.shares], "compute_s": [c[i] for c in self.compute_s],
+             "wait_s": [w[i] for w in self.wait_s],
+             **{name: [v[i] for v in values] for name, values in self.series.items()}}
+      out.append(row)
+    if warmup is not None:
+      _, _, compute, wait = self.steady_totals(warmup, hosts)
+      for i, row in enumerate(out):
+        busy = compute[i] + wait[i]
+        row["idle_fraction"] = wait[i] / busy if busy else 0.0
+    return out
 
   def steady_totals(self, warmup: int, hosts: int) -> tuple[int, float, list[float], list[float]]:
     """(steps, step seconds, compute per host, wait per host) after warm-up, whole run."""

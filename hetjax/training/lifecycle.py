@@ -30,6 +30,7 @@ from hetjax.observe import metrics as metrics_lib
 from hetjax.observe import progress as progress_lib
 from hetjax.observe.history import History
 from hetjax.training import evaluate as evaluate_lib
+from hetjax import task as task_lib
 from hetjax.task import Task
 
 PyTree = Any
@@ -115,6 +116,15 @@ class Evaluations:
     if self._evaluator is None or self._evaluator.batch != batch_size * self.meshes.local_devices:
       self._evaluator = evaluate_lib.Evaluator(self.task, self.meshes, batch_size)
     return self._evaluator.evaluate(params, model_state, source, weights)
+
+
+def check_task(task: Task, params: PyTree, model_state: PyTree, block: dict[str, np.ndarray],
+               eval_loss: bool = True) -> None:
+  """Per-example losses and metrics, checked abstractly before anything runs."""
+  args = (params, model_state, block, jax.random.key(0))
+  task_lib.check_contract(task.loss, *args)
+  if eval_loss and task.eval_loss is not None:
+    task_lib.check_contract(task.eval_loss, *args, what="the task's evaluation loss")
 
 
 # ---- one fit() call ----------------------------------------------------------

@@ -12,7 +12,7 @@ for Python.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
 import numpy as np
@@ -28,6 +28,18 @@ from hetjax.observe.history import History
 from hetjax.training import agreement
 from hetjax.training import readiness
 from hetjax.training.replica import Replica
+
+
+def default_balancer(config: Any, meshes: mesh_lib.Meshes, device_batches: Any,
+                     start_step: int = 0) -> balancer_lib.Balancer:
+  """The configured policy, deciding in blocks (one device round = granularity)."""
+  options = {}
+  if config.balancer in ("static", "dynamic"):
+    options["start_step"] = start_step
+  return blocks_lib.make_block_balancer(
+      config.assignment, config.global_batch, config.microbatch,
+      meshes.devices_per_host(), mode=config.balancer,
+      device_batches=device_batches, **options)
 
 
 class _InFlight(NamedTuple):
@@ -75,16 +87,36 @@ class StepPipeline:
     """The index of the next step to run (a dispatched step counts as run)."""
     return self.start_step + self.history.steps + (self.flight is not None)
 
-  def advance(self) -> bool:
-    """Dispatches the next step, then finishes the one before (now that the devices are busy).
+  def boundaries(self, target: int, due: Callable[[int], bool],
+                 finished: Callable[[], None]) -> Iterator[tuple[int, dict[str, float] | None]]:
+    """Runs the steps up to `target`, each dispatched before the one before is finished.
 
-    Returns whether a step was finished.
+    Yields (step, the last step's metrics) at each boundary where something
+    happens (`due(step)`, a stop, the target), with nothing in flight;
+    calls `finished()` after every step finished on the way. An error
+    finishes the step still in flight first.
     """
-    previous, self.flight = self.flight, self.dispatch()
-    if previous is None:
-      return False
-    self.finish(previous)
-    return True
+    self.drain()  # A step an earlier call left in flight.
+    while self.step < target:
+      try:
+        previous, self.flight = self.flight, self.dispatch()
+        if previous is not None:  # Fetched now that the next step keeps the devices busy.
+          self.finish(previous)
+          finished()
+        step = self.step
+        if not (step >= target or self.stopping() or due(step)):
+          continue
+        metrics = self.drain()
+      except Exception:
+        self.settle_after_error()
+        raise
+      yield step, metrics
+
+  def one_step(self) -> dict[str, float]:
+    """Runs one step alone (a step `fit` left in flight finished first); its metrics."""
+    self.drain()
+    self.flight = self.dispatch()
+    return self.drain()
 
   def drain(self) -> dict[str, float] | None:
     """Finishes the step in flight, if any; its metrics."""
@@ -107,8 +139,9 @@ class StepPipeline:
     return self._stop_at is not None and self.step >= self._stop_at
 
   def take_stop(self) -> float:
-    """The stop request's code, acted on now (cleared)."""
+    """The stop request's code, acted on now (cleared); the last update applied first."""
     code, self._stop_code, self._stop_at = self._stop_code, 0.0, None
+    self.settle_update()
     return code
 
   def dispatch(self) -> _InFlight:

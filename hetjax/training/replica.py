@@ -60,9 +60,10 @@ class Replica:
       pending = (None, self.sharded.replica(self.shards, self.meshes))
     self.live, self.pending, self._global, self._whole = live, pending, None, None
 
-  def lend(self) -> None:
-    """The live buffers were handed out: the next step donates a copy of them."""
+  def lend(self, view: Any) -> Any:
+    """`view` of the live buffers goes to a user: the next step donates a copy of them."""
     self._lent = self.live
+    return view
 
   def apply_pending(self) -> None:
     """Applies the last step's update alone, if it still waits for a program."""
