@@ -236,3 +236,32 @@ def test_a_rounds_local_step_with_device_batches_is_the_one_of_single_blocks():
     out[k] = jax.device_get(local(p, local.init_opt_state(p), ms, batch, jax.random.key(2), 3, 5))
   for a, b in zip(jax.tree.leaves(out[4]), jax.tree.leaves(out[1]), strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_auto_fits_the_largest_power_of_two_in_the_memory_fraction():
+  from hetjax.step import device_batch
+
+  class Memory:  # What `compiled.memory_analysis()` reports of the one-block program.
+    temp_size_in_bytes, output_size_in_bytes = 100, 50
+
+  stats = {"bytes_limit": 10_000, "bytes_in_use": 1_000}
+  # 0.8 x 10000 - 1000 - 50 = 6950 bytes for blocks of 100 + 20: 57 fit, 32 is taken.
+  assert device_batch.memory_k(stats, Memory, 20, 0.8, cap=64) == 32
+  assert device_batch.memory_k(stats, Memory, 20, 0.8, cap=12) == 8  # Never past the cap.
+  assert device_batch.memory_k(stats, Memory, 20, 0.1, cap=64) == 1  # Nothing fits: one block.
+  assert device_batch.memory_k(None, Memory, 20, 0.8, cap=64) is None  # XLA:CPU reports none.
+
+
+def test_a_resume_may_run_another_device_batch(tmp_path):
+  rng = np.random.default_rng(3)
+  source = hetjax.ArraySource({"x": rng.standard_normal((64, 5)).astype(np.float32),
+                               "y": rng.integers(0, 3, 64).astype(np.int32)},
+                              hetjax.DatasetInfo("points", "image", num_classes=3))
+  ckpt = hetjax.CheckpointConfig(str(tmp_path), every=2, async_save=False)
+  for k, steps in ((2, 2), (1, 3)):  # Written with k = 2, resumed with k = 1.
+    config = hetjax.TrainConfig(global_batch=16, microbatch=4, device_batch=k, check_every=0)
+    tr = hetjax.Trainer(_task(), optax.sgd(0.1), source, config, checkpoint=ckpt)
+    summary = tr.fit(until=steps)
+    tr.close()
+    assert summary["device_batches"] == [k]
+  assert tr.resumed_from == 2 and summary["last_step"] == 3
