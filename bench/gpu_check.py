@@ -32,8 +32,13 @@ Sections:
                   process's (rtol 1e-5) and each process's step time.
   checkpoint      the save call's share of a step, asynchronous (the
                   device snapshot) against synchronous (`bench/checkpoint.py`).
-  device_batches  per-host micro-batches of several blocks (issue 27): not
-                  built yet; the section says so.
+  device_batches  per-host micro-batches of several blocks (issue 27):
+                  `Trainer.fit` samples/s with `TrainConfig(device_batch=k)`
+                  for each k (1, 2, 4, 8 on resnet50), timed interleaved,
+                  as ratios over k = 1; then what `--device-batch auto`
+                  picks on this device (`hetjax.step.device_batch.choose`),
+                  with the memory it read and the per-block times it
+                  compared.
   precision       bf16 against fp32, per model, from the overhead rows (no
                   GPU time of its own: run it with `overhead`).
 """
@@ -74,13 +79,6 @@ TWO_HOSTS_RTOL, TWO_HOSTS_ATOL = 1e-5, 1e-6
 _CHEAP_PASSES = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
 MAIN_MEMORY_FRACTION = "0.5"  # Leaves room for the two_hosts processes beside this one.
 HOST_MEMORY_FRACTION = "0.2"  # Each two_hosts process.
-DEVICE_BATCH_TODO = (
-    "TODO(issue 27): per-host device batches do not exist yet. When they do, time "
-    "`TrainConfig(device_batch=k)` (CLI `--device-batch k`) for k in 1, 2, 4, 8 blocks on "
-    "resnet50 and report samples/s against k, then `--device-batch auto`: the k it picks and "
-    "the device memory it read.")
-
-
 @dataclasses.dataclass(frozen=True)
 class Size:
   """One model at one size: its data, batch and timed steps.
@@ -110,6 +108,15 @@ class TwoHosts:
 
 
 @dataclasses.dataclass(frozen=True)
+class DeviceBatches:
+  """The device-batch check: a size, its block size and the device batches timed."""
+
+  size: Size
+  microbatch: int
+  ks: tuple[int, ...] = (1, 2, 4, 8)
+
+
+@dataclasses.dataclass(frozen=True)
 class Profile:
   """Every size the sections use, for a GPU or for the CPU smoke run."""
 
@@ -123,6 +130,7 @@ class Profile:
   process_s: float  # Estimated: one more process joining (imports, backend, cluster).
   # The rows the ratio target applies to first: a deadline cuts the last ones.
   default_models: tuple[str, ...] = ("resnet50", "resnet18", "transformer", "cnn", "mlp")
+  device_batches: DeviceBatches | None = None
 
 
 _IMAGENET = (224, 224, 3)
@@ -141,7 +149,10 @@ GPU = Profile(
                             {"width": 8, "stage_sizes": (1, 1, 1, 1)}, 6, 5.0),
                        microbatch=32, shares=(32, 96)),
     checkpoint=dataclasses.replace(_GPU_MODELS["resnet50"], steps=24), checkpoint_every=6,
-    startup_s=20, process_s=10)
+    startup_s=20, process_s=10,
+    # 8 blocks of 8 images: k = 8 runs the batch as one program, k = 1 as eight.
+    device_batches=DeviceBatches(dataclasses.replace(_GPU_MODELS["resnet50"], steps=5),
+                                 microbatch=8))
 
 _TINY = (8, 8, 1)
 _SMOKE_MODELS = {
@@ -161,7 +172,8 @@ SMOKE = Profile(
     two_hosts=TwoHosts(Size("mlp", _TINY, 10, 32, 3, {"hidden": (16,), "dropout": 0.1}),
                        microbatch=8, shares=(8, 24)),
     checkpoint=dataclasses.replace(_SMOKE_MODELS["mlp"], steps=4), checkpoint_every=2,
-    startup_s=0, process_s=0, default_models=("mlp", "transformer"))
+    startup_s=0, process_s=0, default_models=("mlp", "transformer"),
+    device_batches=DeviceBatches(_SMOKE_MODELS["mlp"], microbatch=4, ks=(1, 4)))
 
 
 # ---- Data and models ---------------------------------------------------------
@@ -385,8 +397,56 @@ def checkpoint_section(ctx: Context) -> dict[str, Any]:
 
 
 def device_batches_section(ctx: Context) -> dict[str, Any]:
-  """Not built: the feature it measures does not exist yet (issue 27)."""
-  return {"status": "not built", "todo": DEVICE_BATCH_TODO}
+  """samples/s per device batch k (interleaved repeats, ratios over k = 1), then `auto`'s pick."""
+  import jax
+  import optax
+  import hetjax
+  from hetjax.step import device_batch as device_batch_lib
+  check = ctx.profile.device_batches
+  size = check.size
+  source = make_source(size)
+  task = make_task(size, source)
+  trainers = {}
+  for k in check.ks:
+    config = hetjax.TrainConfig(global_batch=size.global_batch, microbatch=check.microbatch,
+                                device_batch=k, check_every=0)
+    trainers[k] = hetjax.Trainer(task, optax.adam(1e-3), source, config)
+    trainers[k].fit(2)  # Compiles every program of its ladder.
+    trainers[k].block_until_ready()
+  samples_s: dict[int, list[float]] = {k: [] for k in check.ks}
+  try:
+    for _ in range(ctx.profile.repeats):
+      for k, tr in trainers.items():
+        t0 = time.perf_counter()
+        tr.fit(size.steps)
+        tr.block_until_ready()
+        samples_s[k].append(size.global_batch * size.steps / (time.perf_counter() - t0))
+    tr = trainers[check.ks[0]]
+    state = tr.state
+    device = jax.local_devices()[0]
+    blocks = -(-size.global_batch // check.microbatch)
+    choice = device_batch_lib.choose(task, state.params, state.model_state,
+                                     source[np.arange(1)], check.microbatch, device=device,
+                                     cap=blocks)
+  finally:
+    for tr in trainers.values():
+      tr.close()
+    del trainers
+    gc.collect()
+  base = samples_s[check.ks[0]]
+  rows = {str(k): {"samples_s": round(float(np.median(v)), 2),
+                   "over_k1": round(float(np.median(np.array(v) / np.array(base))), 4)}
+          for k, v in samples_s.items()}
+  stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+  return {"model": size.model, "global_batch": size.global_batch, "input": list(size.shape),
+          "microbatch": check.microbatch, "steps": size.steps, "repeats": ctx.profile.repeats,
+          "rows": rows,
+          "auto": {"k": choice.k, "memory_k": choice.memory_k,
+                   "ms_per_block": {str(j): round(v * 1e3, 4)
+                                    for j, v in choice.seconds_per_block.items()},
+                   "bytes_limit": None if not stats else stats.get("bytes_limit"),
+                   "bytes_in_use": None if not stats else stats.get("bytes_in_use"),
+                   "says": choice.describe()}}
 
 
 def precision_section(ctx: Context) -> dict[str, Any]:
@@ -439,9 +499,16 @@ def plan(profile: Profile, sections: list[str], models: list[str]) -> dict[str, 
     # After the overhead section its programs come from the compilation cache.
     compiles = 0.4 if "overhead" in sections else 2.0
     est["checkpoint"] = compiles * s.compile_s + 2 * steps_s(s, s.steps + 4, "fp32") + saves
-  for name in ("device_batches", "precision"):
-    if name in sections:
-      est[name] = 0.0
+  if "device_batches" in sections:
+    check = profile.device_batches
+    s = check.size
+    # The largest k's ladder holds every smaller k's programs (two per size;
+    # the others come from the compilation cache); then auto's three.
+    programs = 2 * (int(math.log2(max(check.ks))) + 1) + 3
+    est["device_batches"] = 0.5 * programs * s.compile_s + len(check.ks) * steps_s(
+        s, 2 + s.steps * profile.repeats, "fp32")
+  if "precision" in sections:
+    est["precision"] = 0.0
   return {name: round(v) for name, v in est.items()}
 
 
@@ -614,8 +681,11 @@ def print_table(results: dict[str, Any]) -> None:
           print(f"   {s['model']} {mode:>5}: step {r['step_s'] * 1e3:.1f} ms, save call "
                 f"{r['blocking_s'] * 1e3:.1f} ms = {r['blocking_fraction']:.1%} of a step, "
                 f"stall {r['stall_fraction']:.1%}")
-    elif name == "device_batches":
-      print(f"   {s.get('todo', '')}")
+    elif name == "device_batches" and "rows" in s:
+      print(f"   {s['model']} global batch {s['global_batch']}, blocks of {s['microbatch']}: "
+            + ", ".join(f"k={k} {r['samples_s']:.1f}/s (x{r['over_k1']:.2f})"
+                        for k, r in s["rows"].items()))
+      print(f"   auto: {s['auto']['says']}")
     elif name == "precision":
       for model, r in s.get("speedup", {}).items():
         print(f"   {model:>11}: bf16 over fp32 x{r['hetjax']:.2f} (plain loop x{r['plain']:.2f})")

@@ -31,9 +31,10 @@ from hetjax.mesh import Meshes, gather_host_values
 from hetjax.step.block import blocks_sums
 from hetjax.task import MASK, Task
 
-# Where a device reports no memory (XLA:CPU): device batches of 8 blocks ran
-# cnn 1.4x and resnet18 1.1x the samples/s of single blocks at --microbatch 4
-# on 2 emulated devices (bench/device_batch.py); larger ones only add padding.
+# Where a device reports no memory (XLA:CPU): bench/device_batch.py measured
+# device batches of 8 blocks well ahead of single blocks there (cnn and
+# resnet18 at --microbatch 4, 2 devices); a larger k needs more blocks per
+# device per step before it runs a full program.
 CPU_DEFAULT = 8
 MAX_K = 64      # A ladder of 7 programs; more compile time than any device gains.
 REPEATS = 3     # Timed runs of each candidate (after one warm-up run each).
