@@ -51,22 +51,26 @@ import pytest  # noqa: E402
 def exact_runs(tmp_path_factory):
   """(1x1 results, {layout: per-host 3x2 results}, the folder of the uneven run's checkpoints).
 
-  The 3x2 cluster runs in a thread while this process runs the 1x1 matrix:
-  alone, the 1x1 run leaves cores idle (XLA compiles a program on one
-  core) and so does the cluster (its hosts start up, then wait on each
-  other in collectives: host 0 holds 4 of 62 samples). The results do not
-  depend on timing (the static layout paces with recorded timings).
+  The 3x2 cluster runs in a thread while this process runs the 1x1 matrix,
+  then test_exactness's oracle: alone, the 1x1 run leaves cores idle (XLA
+  compiles a program on one core) and so does the cluster (its hosts start
+  up, then wait on each other in collectives: host 0 holds 4 of 62
+  samples). The results do not depend on timing (the static layout paces
+  with recorded timings).
   """
   import concurrent.futures
   import jax
   import _exact_entries as ex
   from hetjax.testing import run_hosts
+  from test_exactness import cached_oracle
   folder = str(tmp_path_factory.mktemp("exact-ckpt"))
   with concurrent.futures.ThreadPoolExecutor(1) as pool:
     cluster = pool.submit(run_hosts, "_exact_entries:clusters", hosts=3, devices_per_host=2,
                           args=(folder,), timeout_s=900)
     one = ex.matrix("equal")
     assert (jax.process_count(), jax.local_device_count()) == (1, 1)
+    for model in ex.MODELS:  # Cached for the tests that compare with it.
+      cached_oracle(model)
     hosts = cluster.result()
   return one, {layout: [host[layout] for host in hosts] for layout in hosts[0]}, folder
 
