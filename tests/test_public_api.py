@@ -51,7 +51,7 @@ def test_public_names_resolve_to_the_objects_their_modules_define():
 def test_the_launcher_balancer_simulator_and_configs_load_without_jax():
   modules = ["hetjax.config", "hetjax.balancer", "hetjax.blocks", "hetjax.sim",
              "hetjax.sim.rounds", "hetjax.cluster.procs", "hetjax.cluster.hostgroup",
-             "hetjax.cluster.hostenv", "hetjax.cluster.emulate",
+             "hetjax.cluster.hostenv", "hetjax.cluster.launcher_cli", "hetjax.cluster.emulate",
              "hetjax.cluster.signals", "hetjax.cluster.hostguard", "hetjax.modes.options",
              "hetjax.observe.report", "hetjax.observe.progress", "hetjax.testing"]
   code = _BLOCK_JAX + "".join(f"import {m}\n" for m in modules) + (
