@@ -8,6 +8,8 @@ against an independent `jax.grad` + optax oracle written here; and 200
 dynamic-balancer steps whose shares move compile nothing after the start.
 """
 
+import concurrent.futures
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -174,9 +176,35 @@ def oracle(model: str, snapshots=(ent.FIXED_STEPS, ent.STEPS)):
   return out
 
 
+def one_device(model: str):
+  """(params, model state) of hetjax on 1 host x 1 device with k = 1, after the fixed steps."""
+  source, task, optimizer = ent.build(model)
+  tr = hetjax.Trainer(task, optimizer, source, hetjax.TrainConfig(
+      global_batch=ent.GLOBAL_BATCH, microbatch=ent.BLOCK, seed=ent.SEED, check_every=0))
+  tr.fit(ent.FIXED_STEPS)
+  out = jax.device_get((tr.params(), tr.state.model_state))
+  tr.close()
+  return out
+
+
 @pytest.fixture(scope="module")
-def cluster():
-  return run_hosts("_device_batch_entries:cluster", hosts=3, devices_per_host=2, timeout_s=900)
+def runs():
+  """The 3x2 cluster in a thread while this process runs the oracle and the 1x1 runs.
+
+  Alone, each leaves cores idle (XLA compiles a program on one core; the
+  hosts wait on each other in collectives); no result depends on timing
+  (the balancers see recorded timings).
+  """
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    cluster = pool.submit(run_hosts, "_device_batch_entries:cluster", hosts=3,
+                          devices_per_host=2, timeout_s=900)
+    here = {model: (oracle(model), one_device(model)) for model in ent.MODELS}
+    return cluster.result(), here
+
+
+@pytest.fixture(scope="module")
+def cluster(runs):
+  return runs[0]
 
 
 def _assert_close(got, want, what):
@@ -188,8 +216,8 @@ def _assert_close(got, want, what):
 
 
 @pytest.mark.parametrize("model", ent.MODELS)
-def test_device_batches_on_any_split_give_the_oracles_parameters_and_state(cluster, model):
-  want = oracle(model)
+def test_device_batches_on_any_split_give_the_oracles_parameters_and_state(runs, model):
+  cluster, (want, one) = runs[0], runs[1][model]
   got = cluster[0]["splits"][model]
   for steps in want:  # After the fixed uneven split, then after the balanced one.
     _assert_close(got[steps][0], want[steps][0], f"{model} params after {steps} steps")
@@ -201,15 +229,9 @@ def test_device_batches_on_any_split_give_the_oracles_parameters_and_state(clust
   assert shares[-1] != ent.UNEVEN and shares[-1][0] > shares[-1][1] > shares[-1][2], shares
   assert all(sum(s) == ent.GLOBAL_BATCH and s[0] % ent.BLOCK == s[1] % ent.BLOCK == 0
              for s in shares)
-  # 1 host x 1 device with k = 1 (this process), on the same oracle.
-  source, task, optimizer = ent.build(model)
-  tr = hetjax.Trainer(task, optimizer, source, hetjax.TrainConfig(
-      global_batch=ent.GLOBAL_BATCH, microbatch=ent.BLOCK, seed=ent.SEED, check_every=0))
-  tr.fit(ent.FIXED_STEPS)
-  _assert_close(tr.params(), want[ent.FIXED_STEPS][0], f"{model} 1x1 params")
-  _assert_close(jax.device_get(tr.state.model_state), want[ent.FIXED_STEPS][1],
-                f"{model} 1x1 model state")
-  tr.close()
+  # 1 host x 1 device with k = 1, on the same oracle.
+  _assert_close(one[0], want[ent.FIXED_STEPS][0], f"{model} 1x1 params")
+  _assert_close(one[1], want[ent.FIXED_STEPS][1], f"{model} 1x1 model state")
 
 
 def test_moving_shares_with_device_batches_compile_nothing_after_the_start(cluster):
