@@ -17,7 +17,7 @@ def _run_folder(path, records, summary=True):
   if summary:
     (path / "summary.json").write_text(json.dumps(
         {"steps": len(records), "balancer_mode": "dynamic", "emulated_speeds": True,
-         "balancer_decisions": fixture.DECISIONS}))
+         "balancer_decisions": fixture.DECISIONS, "device_batches": [8, 4, 1]}))
   return path
 
 
@@ -62,6 +62,7 @@ def test_report_on_a_recorded_run(tmp_path, capsys):
   for i in range(3):
     assert f"{own[i]:13,.1f}  {records[-1]['shares'][i]:10d}  {idle[i]:.1%}" in text
   assert "dynamic, 3 moves after warm-up (6 decisions); the split changed 3 times" in text
+  assert "device batches (blocks per device per program): 8/4/1" in text
 
 
 def test_a_crashed_run_without_summary_still_reports(tmp_path, capsys):
@@ -71,6 +72,7 @@ def test_a_crashed_run_without_summary_still_reports(tmp_path, capsys):
   assert report.main([str(out)]) == 0
   text = capsys.readouterr().out
   assert "12 steps" in text and "balancer: unknown (summary.json missing" in text
+  assert "device batches" not in text
   assert (out / "report.png").stat().st_size > 0
 
 

@@ -45,6 +45,7 @@ class Figures:
   step_s: float = 0.0           # mean step seconds after warm-up
   reduction_s: float = 0.0      # mean of the fastest host's wait per step: the reduction itself
   resumes: list[int] = dataclasses.field(default_factory=list)  # steps a restarted run resumed at
+  device_batches: list[int] | None = None  # blocks per device per program, per host (summary)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +160,8 @@ def analyze(summary: dict[str, Any] | None, records: list[dict[str, Any]]) -> Fi
       evaluations=len(evaluated), last_eval=evaluated[-1]["eval"] if evaluated else None,
       last_eval_step=evaluated[-1]["step"] if evaluated else None,
       rounds=analyze_rounds(summary, records, hosts) if is_rounds(records) else None,
-      step_s=step_s / len(run), reduction_s=reduction, resumes=resumed_at(records))
+      step_s=step_s / len(run), reduction_s=reduction, resumes=resumed_at(records),
+      device_batches=(summary or {}).get("device_batches"))
 
 
 def resumed_at(records: Sequence[dict[str, Any]]) -> list[int]:

@@ -85,9 +85,18 @@ def format_text(fig: Figures, out_dir: str) -> str:
     shown = ", ".join(f"{k} {v:.4f}" for k, v in sorted(fig.last_eval.items()))
     lines.append(f"evaluation: {shown} after step {fig.last_eval_step} "
                  f"({_count(fig.evaluations, 'evaluation')} during training)")
+  lines += _device_batch_lines(fig)
   if fig.resumes:
     lines.append(f"resumed after step {', '.join(map(str, fig.resumes))} (a restart)")
   return "\n".join(lines) + "\n"
+
+
+def _device_batch_lines(fig: Figures) -> list[str]:
+  """Each host's device batch, where the summary records it and some host runs more than one."""
+  if not fig.device_batches or max(fig.device_batches) <= 1:
+    return []
+  return [f"device batches (blocks per device per program): "
+          f"{'/'.join(map(str, fig.device_batches))}"]
 
 
 def _format_rounds(fig: Figures, out_dir: str) -> str:
@@ -115,7 +124,7 @@ def _format_rounds(fig: Figures, out_dir: str) -> str:
     shown = ", ".join(f"{k} {v:.4f}" for k, v in sorted(fig.last_eval.items()))
     lines.append(f"evaluation of the centre: {shown} after round {fig.last_eval_step} "
                  f"({_count(fig.evaluations, 'evaluation')} during training)")
-  return "\n".join(lines) + "\n"
+  return "\n".join(lines + _device_batch_lines(fig)) + "\n"
 
 
 def make_report(out_dir: str) -> tuple[Figures, str]:
