@@ -88,13 +88,11 @@ def host_main(runs: list, global_batch: int, microbatch: int, target: float,
       # A step's (round's) seconds and its reduction: the least wait of any host
       # (the last to arrive waits for the reduction alone), as `hetjax report` counts it.
       timed = lambda h, i: (h.step_s[i], min(h.wait_s[i]), global_batch)
-      rows = lambda h: min(len(h.step_s), len(h.wait_s))
     else:
       config = hetjax.TrainConfig(global_batch=global_batch, microbatch=microbatch, seed=seed)
       tr = hetjax.RoundsTrainer(task, inner, source, config,
                                 hetjax.RoundsConfig(mode=kind, **settings))
       timed = lambda h, i: (h.step_s[i], min(h.wait_s[i]), int(sum(h.shares[i])))
-      rows = lambda h: min(len(h.step_s), len(h.wait_s))
     # (clock seconds, samples, accuracy, reductions, reduction seconds), evaluation
     # off the clock; step (round) 0 compiles and stays off it too.
     curve, totals = [], {"rows": 0, "s": 0.0, "samples": 0, "reductions": 0, "reduction_s": 0.0}
@@ -107,8 +105,9 @@ def host_main(runs: list, global_batch: int, microbatch: int, target: float,
       acc = float(accuracy(tr_.params(), no_state))
       # A sync step's timings arrive a step late (the pipeline), so count the
       # history's new rows, whenever they came.
-      while totals["rows"] < rows(tr_.history):
-        step_s, reduction_s, samples = timed(tr_.history, totals["rows"])
+      h = tr_.history  # Keeps a window: row `i` of the run is list index `i - h.dropped`.
+      while totals["rows"] < h.dropped + min(len(h.step_s), len(h.wait_s)):
+        step_s, reduction_s, samples = timed(h, totals["rows"] - h.dropped)
         totals["samples"] += samples
         if totals["rows"]:
           totals["s"] += step_s
