@@ -25,12 +25,13 @@ def optimizer(name: str, lr: float = 1e-3):
 
 def _trainer(model: str, dataset: str, *, assignment="equal", reduction="device",
              global_batch=64, microbatch=4, balancer_=None, lr=1e-3, optimizer_="adam",
-             **overrides) -> trainer.Trainer:
+             device_batch=1, **overrides) -> trainer.Trainer:
   source = data.load(dataset)
   task = zoo.build(model, kind=source.info.kind, num_classes=source.info.num_classes,
                              vocab_size=source.info.vocab_size, **overrides)
   config = trainer.TrainConfig(global_batch=global_batch, microbatch=microbatch,
-                               assignment=assignment, reduction=reduction)
+                               assignment=assignment, reduction=reduction,
+                               device_batch=device_batch)
   return trainer.Trainer(task, optimizer(optimizer_, lr), source, config, balancer=balancer_)
 
 
@@ -63,20 +64,32 @@ class Alternating:
     pass
 
 
+# Whole blocks of 4, with device batches (4, 2, 1). The two warm-up steps
+# run only host 0's largest program (16 and 8 blocks) and nothing on host 1;
+# then host 0 runs 7 blocks (4 + 2 + 1) and 1, host 1 5 (2 + 2 + 1): programs
+# no earlier step ran, so they must have been compiled at the start.
+MOVING_SPLITS = [(64, 0, 0), (32, 0, 32), (28, 0, 36), (4, 20, 40)]
+MOVING_DEVICE_BATCHES = (4, 2, 1)
+
+
 def compiles_while_shares_move(reduction: str = "device"):
-  """Counts backend compilations after warm-up while the split changes every step."""
+  """Counts backend compilations after warm-up while the split changes every step.
+
+  Each host runs its own device batch (`MOVING_DEVICE_BATCHES`, issue 27):
+  its ladder of programs is compiled at the start, and every share runs on it.
+  """
   hetjax.initialize()
   compiles = []
   jax.monitoring.register_event_duration_secs_listener(
       lambda event, duration, **kw: compiles.append(event)
       if event == "/jax/core/compile/backend_compile_duration" else None)
-  splits = [(4, 24, 36), (32, 0, 32), (4, 0, 60), (64, 0, 0)]  # Whole blocks of 4.
-  tr = _trainer("mlp", "digits", balancer_=Alternating(splits), reduction=reduction)
+  tr = _trainer("mlp", "digits", balancer_=Alternating(MOVING_SPLITS), reduction=reduction,
+                device_batch=MOVING_DEVICE_BATCHES)
   tr.fit(2)
   warm = len(compiles)
-  tr.fit(6)
+  summary = tr.fit(6)
   return {"after_warmup": len(compiles) - warm, "shares": tr.history.shares,
-          "params": tr.params()}
+          "params": tr.params(), "device_batches": summary["device_batches"]}
 
 
 def mismatched_config():

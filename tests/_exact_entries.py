@@ -5,11 +5,13 @@ Four models that a split could change if blocks were not the unit: ResNet-18
 linen model (using `deterministic`) each with BatchNorm and Dropout. Each is
 trained `STEPS` steps with the reduction backends asked for (both by
 default); hosts return their final parameters, model state, the shares
-every step used and the optimizer state's memory.
+every step used, the optimizer state's memory and the device batches.
 
-`clusters` runs both 3x2 layouts in one cluster start, and saves the
-`SAVED` models' uneven runs for tests/test_sharded_update.py, which resumes
-them on 2 hosts x 1 device: one start of 3 hosts serves both files.
+`clusters` runs both 3x2 layouts in one cluster start, every host with its
+own device batch (`DEVICE_BATCHES`, issue 27), and saves the `SAVED` models'
+uneven runs for tests/test_sharded_update.py, which resumes them on 2 hosts
+x 1 device: one start of 3 hosts serves three test files
+(tests/test_device_batch.py checks the device batches on these runs).
 """
 
 from __future__ import annotations
@@ -29,7 +31,11 @@ from hetjax.input import data
 STEPS = 6
 GLOBAL_BATCH = 62   # Not a multiple of the block: the last block is partial.
 BLOCK = 4           # --microbatch: positions per block.
-UNEVEN = (4, 24, 34)  # Host 0 fills half a device round; host 2 ends with the partial block.
+# 9, 5 and 2 blocks: on 2 devices with device batches (4, 2, 1), host 0 runs
+# 5 rounds as programs of 4 + 1 and host 1 3 rounds as 2 + 1, each filling
+# half its last round; host 2 runs 1 round, ending with the partial block.
+UNEVEN = (36, 20, 6)
+DEVICE_BATCHES = (4, 2, 1)  # Blocks per device in each host's largest program, on 3x2.
 SEED = 3
 SPEEDS = (1.0, 0.5, 0.25)  # The static layout's recorded device speeds, by host.
 SAMPLE_S = 1e-3            # Its recorded seconds per sample on the fastest device.
@@ -113,13 +119,14 @@ CLUSTER_REDUCTION = {"uneven": ("device",), "static": ("host",)}
 SAVED = ("resnet18", "transformer")  # Checkpointed at STEPS by `clusters` (see the docstring).
 
 
-def _static_balancer(tr_devices):
+def _static_balancer(tr_devices, device_batches=None):
   # The static policy with the shortest warm-up, so that the solved split
   # runs within the test's few steps: step 1's timings reach the balancer
   # at step 5 (they travel in step 3's rows, fetched after step 4 is
-  # dispatched), which runs the solved split.
+  # dispatched), which runs the solved split (whole blocks, priced on each
+  # host's ladder of programs).
   return blocks.make_block_balancer("equal", GLOBAL_BATCH, BLOCK, tr_devices, mode="static",
-                                    warmup_steps=2)
+                                    warmup_steps=2, device_batches=device_batches)
 
 
 def recorded_timings(compute_s: float, step: int, samples: int = 0) -> float:
@@ -134,12 +141,14 @@ def recorded_timings(compute_s: float, step: int, samples: int = 0) -> float:
 
 
 def matrix(layout: str, models=MODELS, reductions=("device", "host"),
-           global_batch: int = GLOBAL_BATCH, save_to: str | None = None):
+           global_batch: int = GLOBAL_BATCH, save_to: str | None = None,
+           device_batches: tuple[int, ...] | None = None):
   """Every (model, reduction) on this cluster; `layout` is 'equal', 'uneven' or 'static'.
 
-  Returns {(model, reduction): (params, model state, shares, memory)}; with
-  `save_to`, the `SAVED` models write their step-`STEPS` checkpoint to
-  `save_to/<model>`.
+  Returns {(model, reduction): (params, model state, shares, memory, the
+  summary's device batches)}; with `save_to`, the `SAVED` models write their
+  step-`STEPS` checkpoint to `save_to/<model>`. `device_batches`: one per
+  host (default: one block per device everywhere).
   """
   hetjax.initialize()
   out = {}
@@ -148,10 +157,11 @@ def matrix(layout: str, models=MODELS, reductions=("device", "host"),
       source, task, optimizer = build(model)
       config = trainer.TrainConfig(
           global_batch=global_batch, microbatch=BLOCK, seed=SEED, reduction=reduction,
-          assignment=UNEVEN if layout == "uneven" else "equal")
+          assignment=UNEVEN if layout == "uneven" else "equal", device_batch=device_batches or 1)
       custom, pace = None, None
       if layout == "static":
-        custom = _static_balancer([jax.local_device_count()] * jax.process_count())
+        custom = _static_balancer([jax.local_device_count()] * jax.process_count(),
+                                  device_batches)
         pace = recorded_timings
       saving = None
       if save_to is not None and model in SAVED:
@@ -161,7 +171,7 @@ def matrix(layout: str, models=MODELS, reductions=("device", "host"),
       summary = tr.fit(STEPS)
       state = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tr.state.model_state)
       out[(model, reduction)] = (tr.params(), state, list(tr.history.shares),
-                                 optimizer_memory(tr, summary))
+                                 optimizer_memory(tr, summary), summary["device_batches"])
       tr.close()
   return out
 
@@ -175,7 +185,9 @@ def optimizer_memory(tr: trainer.Trainer, summary: dict) -> tuple:
 
 
 def clusters(save_to: str):
-  """Both 3x2 layouts in one cluster start: {layout: matrix(layout, every model, its backend)}."""
+  """Both 3x2 layouts in one cluster start, with device batches `DEVICE_BATCHES`:
+  {layout: matrix(layout, every model, its backend)}."""
   return {layout: matrix(layout, MODELS, CLUSTER_REDUCTION[layout],
-                         save_to=save_to if layout == "uneven" else None)
+                         save_to=save_to if layout == "uneven" else None,
+                         device_batches=DEVICE_BATCHES)
           for layout in CLUSTER_REDUCTION}

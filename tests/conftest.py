@@ -38,11 +38,12 @@ _hypothesis_settings.register_profile("explore", derandomize=False, deadline=Non
 _hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-# ---- the exactness matrix's runs, shared by two test files ----------------------
-# tests/test_exactness.py and tests/test_sharded_update.py check the same 3x2
-# uneven layout and the same 1x1 runs (the sharded update against the fused
-# one): one run of each serves both (cluster starts and compiles are most of
-# their cost). Imported inside the fixtures: collecting a test that needs no
+# ---- the exactness matrix's runs, shared by three test files --------------------
+# tests/test_exactness.py, tests/test_sharded_update.py and
+# tests/test_device_batch.py check the same 3x2 layouts (run with device
+# batches 4, 2, 1) and the same 1x1 runs (the sharded update against the
+# fused one; k = 1): one run of each serves all three (cluster starts and
+# compiles are most of their cost). Imported inside the fixtures: collecting a test that needs no
 # JAX should not load it.
 import pytest  # noqa: E402
 
@@ -54,7 +55,7 @@ def exact_runs(tmp_path_factory):
   The 3x2 cluster runs in a thread while this process runs the 1x1 matrix,
   then test_exactness's oracle: alone, the 1x1 run leaves cores idle (XLA
   compiles a program on one core) and so does the cluster (its hosts start
-  up, then wait on each other in collectives: host 0 holds 4 of 62
+  up, then wait on each other in collectives: host 2 holds 6 of 62
   samples). The results do not depend on timing (the static layout paces
   with recorded timings).
   """

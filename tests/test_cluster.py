@@ -46,7 +46,9 @@ def test_moving_shares_never_recompiles(three_hosts):
   results = [r["moving"] for r in three_hosts]
   for r in results:
     assert r["after_warmup"] == 0
-    assert r["shares"][2:] == [(4, 0, 60), (64, 0, 0), (4, 24, 36), (32, 0, 32), (4, 0, 60), (64, 0, 0)]
+    splits = _cluster_entries.MOVING_SPLITS
+    assert r["shares"][2:] == splits[2:] + splits  # Shares moved every step,
+    assert r["device_batches"] == list(_cluster_entries.MOVING_DEVICE_BATCHES)  # on device batches.
   _close(results[0]["params"], results[2]["params"])
   for r in results[1:]:  # Hosts took the update-alone path at different steps.
     jax.tree.map(np.testing.assert_array_equal, r["params"], results[0]["params"])

@@ -4,11 +4,11 @@
 the same sums on a BatchNorm + Dropout model, with an uneven share and a
 partial last block; (b) on a 3 hosts x 2 devices cluster with device
 batches (4, 2, 1): four models, a fixed uneven split and a balanced one,
-against an independent `jax.grad` + optax oracle written here; and 200
-dynamic-balancer steps whose shares move compile nothing after the start.
+against an independent `jax.grad` + optax oracle (the exactness matrix's
+runs and oracle, one cluster start for both). That moving shares with
+device batches compile nothing after the start is
+tests/test_cluster.py::test_moving_shares_never_recompiles.
 """
-
-import concurrent.futures
 
 import flax.linen as nn
 import jax
@@ -17,16 +17,22 @@ import numpy as np
 import optax
 import pytest
 
-import _device_batch_entries as ent
+import _exact_entries as ex
 import hetjax
 from hetjax import cli, mesh, step
 from hetjax.balancer import ladder
-from hetjax.input import data
 from hetjax.step import local as local_step
-from hetjax.task import MASK, split_losses
-from hetjax.testing import run_hosts
+from test_exactness import cached_oracle
 
 RTOL, ATOL = 1e-4, 1e-5
+
+
+def _assert_close(got, want, what):
+  assert jax.tree.structure(got) == jax.tree.structure(want), what
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want),
+                          strict=True):
+    np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL,
+                               err_msg=f"{what}: {jax.tree_util.keystr(path)}")
 
 
 class _BatchNormDropout(nn.Module):
@@ -109,138 +115,50 @@ def test_a_config_file_gives_one_device_batch_per_host(tmp_path):
 
 
 # ---- (b) 3 hosts x 2 devices with device batches (4, 2, 1) against an oracle ----
+# The exactness matrix's cluster runs with these device batches (conftest.py's
+# session fixtures, tests/_exact_entries.py): one cluster start and one oracle
+# serve tests/test_exactness.py, tests/test_sharded_update.py and this test.
 
 
-def oracle(model: str, snapshots=(ent.FIXED_STEPS, ent.STEPS)):
-  """{steps: (params, model state)} of a plain `jax.grad` + optax loop: the semantics.
+@pytest.mark.parametrize("model", ex.MODELS)
+def test_device_batches_on_any_split_give_the_oracles_parameters_and_state(
+    model, exact_one_device, exact_clusters):
+  """1x1 with k = 1 and 3x2 with (4, 2, 1) on the fixed uneven and the balanced split.
 
-  Each block of `m` consecutive positions of the sampler's global batch is
-  its own BatchNorm group, with the key `fold_in(fold_in(key(seed), step),
-  block)`; gradients are summed over real examples and divided by their
-  count (or weight), and the model state is the count-weighted mean of the
-  blocks' states. A partial block is padded with large noise (not a copy of
-  a real row, as hetjax pads), so a mask lost anywhere shows.
+  The oracle (`test_exactness.oracle_snapshots`) is a plain `jax.grad` +
+  optax loop over blocks padded with junk, each block keyed
+  `fold_in(fold_in(key(seed), step), block)`: a block key or a mask wrong
+  for k > 1 changes hetjax's result and not the oracle's.
   """
-  source, task, optimizer = ent.build(model)
-  sampler = data.GlobalSampler(len(source), ent.GLOBAL_BATCH, ent.SEED)
-  m, noise = ent.BLOCK, np.random.default_rng(7)
-
-  def block_of(batch, b):
-    rows = {k: v[b * m:(b + 1) * m] for k, v in batch.items()}
-    pad = m - len(rows["y"] if "y" in rows else next(iter(rows.values())))
-    fill = lambda v: ((1e3 * noise.standard_normal((pad,) + v.shape[1:])).astype(v.dtype)
-                      if np.issubdtype(v.dtype, np.floating) else
-                      noise.choice(v.reshape(-1), (pad,) + v.shape[1:]))
-    out = {k: np.concatenate([v, fill(v)]) for k, v in rows.items()}
-    out[MASK] = (np.arange(m) < m - pad).astype(np.float32)
-    return out
-
-  params, state = jax.jit(task.init)(jax.random.key(ent.SEED), block_of(source[np.arange(1)], 0))
-  opt_state = optimizer.init(params)
-
-  @jax.jit
-  def block_grad(params, state, block, step, b):
-    rng = jax.random.fold_in(jax.random.fold_in(jax.random.key(ent.SEED), step), b)
-    real = block[MASK] > 0
-
-    def loss(p):
-      losses, _, new_state = task.loss(p, state, block, rng)
-      values, weights = split_losses(losses)
-      weight = jnp.sum(real) if weights is None else jnp.sum(jnp.where(real, weights, 0.0))
-      return jnp.sum(jnp.where(real, values, 0.0)), (new_state, weight)
-
-    return jax.grad(loss, has_aux=True)(params)
-
-  @jax.jit
-  def update(params, opt_state, grads, weight):
-    updates, opt_state = optimizer.update(jax.tree.map(lambda g: g / weight, grads), opt_state,
-                                          params)
-    return optax.apply_updates(params, updates), opt_state
-
-  out = {}
-  for s in range(max(snapshots)):
-    batch = source[sampler.indices(s)]
-    grads, weight, states, counts = None, 0.0, [], []
-    for b in range(-(-ent.GLOBAL_BATCH // m)):
-      block = block_of(batch, b)
-      g, (new_state, w) = block_grad(params, state, block, s, b)
-      grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
-      weight += float(w)
-      states.append(new_state)
-      counts.append(float(block[MASK].sum()))
-    params, opt_state = update(params, opt_state, grads, weight)
-    state = jax.tree.map(lambda *xs: sum(c * x for c, x in zip(counts, xs)) / sum(counts),
-                         *states)
-    if s + 1 in snapshots:
-      out[s + 1] = jax.device_get((params, state))
-  return out
+  want = cached_oracle(model)[ex.STEPS]
+  for reduction in ("device", "host"):
+    one = exact_one_device[(model, reduction)]
+    assert one[4] == [1]
+    _assert_close(one[0], want[0], f"1x1 {model} {reduction} params")
+    _assert_close(one[1], want[1], f"1x1 {model} {reduction} model state")
+  layouts = exact_clusters[0]
+  for layout, (reduction,) in ex.CLUSTER_REDUCTION.items():
+    results = [host[(model, reduction)] for host in layouts[layout]]
+    shares = results[0][2]
+    for host, result in enumerate(results):
+      assert result[4] == list(ex.DEVICE_BATCHES), (layout, host, result[4])
+      assert result[2] == shares, (layout, host)  # Invariant 3: every host runs one split.
+      _assert_close(result[0], want[0], f"3x2 {layout} host {host} {model} params")
+      _assert_close(result[1], want[1], f"3x2 {layout} host {host} {model} model state")
+    assert all(sum(s) == ex.GLOBAL_BATCH and s[0] % ex.BLOCK == s[1] % ex.BLOCK == 0
+               for s in shares), shares
+    if layout == "uneven":
+      assert shares == [ex.UNEVEN] * ex.STEPS
+    else:  # The balancer moved the split off equal, in whole blocks, by the hosts' speeds.
+      assert shares[-1] != shares[0] and shares[-1][0] > shares[-1][2], shares
 
 
-def one_device(model: str):
-  """(params, model state) of hetjax on 1 host x 1 device with k = 1, after the fixed steps."""
-  source, task, optimizer = ent.build(model)
-  tr = hetjax.Trainer(task, optimizer, source, hetjax.TrainConfig(
-      global_batch=ent.GLOBAL_BATCH, microbatch=ent.BLOCK, seed=ent.SEED, check_every=0))
-  tr.fit(ent.FIXED_STEPS)
-  out = jax.device_get((tr.params(), tr.state.model_state))
-  tr.close()
-  return out
-
-
-@pytest.fixture(scope="module")
-def runs():
-  """The 3x2 cluster in a thread while this process runs the oracle and the 1x1 runs.
-
-  Alone, each leaves cores idle (XLA compiles a program on one core; the
-  hosts wait on each other in collectives); no result depends on timing
-  (the balancers see recorded timings).
-  """
-  with concurrent.futures.ThreadPoolExecutor(1) as pool:
-    cluster = pool.submit(run_hosts, "_device_batch_entries:cluster", hosts=3,
-                          devices_per_host=2, timeout_s=900)
-    here = {model: (oracle(model), one_device(model)) for model in ent.MODELS}
-    return cluster.result(), here
-
-
-@pytest.fixture(scope="module")
-def cluster(runs):
-  return runs[0]
-
-
-def _assert_close(got, want, what):
-  assert jax.tree.structure(got) == jax.tree.structure(want), what
-  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want),
-                          strict=True):
-    np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL,
-                               err_msg=f"{what}: {jax.tree_util.keystr(path)}")
-
-
-@pytest.mark.parametrize("model", ent.MODELS)
-def test_device_batches_on_any_split_give_the_oracles_parameters_and_state(runs, model):
-  cluster, (want, one) = runs[0], runs[1][model]
-  got = cluster[0]["splits"][model]
-  for steps in want:  # After the fixed uneven split, then after the balanced one.
-    _assert_close(got[steps][0], want[steps][0], f"{model} params after {steps} steps")
-    _assert_close(got[steps][1], want[steps][1], f"{model} model state after {steps} steps")
-  shares = got["shares"]
-  assert all(r["splits"][model]["shares"] == shares for r in cluster)  # Invariant 3.
-  assert shares[:ent.FIXED_STEPS] == [ent.UNEVEN] * ent.FIXED_STEPS
-  # The balancer moved the split off the fixed one, in whole blocks, by the hosts' speeds.
-  assert shares[-1] != ent.UNEVEN and shares[-1][0] > shares[-1][1] > shares[-1][2], shares
-  assert all(sum(s) == ent.GLOBAL_BATCH and s[0] % ent.BLOCK == s[1] % ent.BLOCK == 0
-             for s in shares)
-  # 1 host x 1 device with k = 1, on the same oracle.
-  _assert_close(one[0], want[ent.FIXED_STEPS][0], f"{model} 1x1 params")
-  _assert_close(one[1], want[ent.FIXED_STEPS][1], f"{model} 1x1 model state")
-
-
-def test_moving_shares_with_device_batches_compile_nothing_after_the_start(cluster):
-  runs = [r["dynamic"] for r in cluster]
-  assert all(r["after_start"] == 0 for r in runs), [r["after_start"] for r in runs]
-  shares = runs[0]["shares"]
-  assert len(shares) == 200 and all(r["shares"] == shares for r in runs)
-  assert len(set(shares)) >= 3, sorted(set(shares))  # The balancer did move them.
-  assert runs[0]["device_batches"] == list(ent.DEVICE_BATCHES)
+def test_the_uneven_split_runs_every_hosts_largest_program():
+  """Guards the test above: on 3x2 each host's device batch really runs (a k that never runs
+  would compare k = 1 with itself)."""
+  blocks = [-(-s // ex.BLOCK) for s in ex.UNEVEN]
+  programs = [ladder.Ladder.of(2, k).programs(b) for k, b in zip(ex.DEVICE_BATCHES, blocks)]
+  assert programs == [{4: 1, 1: 1}, {2: 1, 1: 1}, {1: 1}], programs
 
 
 def test_a_rounds_local_step_with_device_batches_is_the_one_of_single_blocks():

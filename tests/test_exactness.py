@@ -15,9 +15,12 @@ clusters the uneven split uses the device backend and the moving static
 split the host backend. A backend only sums one float32 row per device,
 whatever the model and the split, so each model still meets each backend
 and each layout across hosts, with half the clusters' trainers (the
-matrix took a quarter of the suite's time). Both 3x2 layouts run in one
-cluster start, and tests/test_sharded_update.py reads the same runs (the
-session fixtures `exact_one_device` and `exact_clusters` in conftest.py).
+matrix took a quarter of the suite's time). On 3x2 every host runs its own
+device batch (4, 2, 1 blocks per device per program, issue 27); on 1x1 one
+block. Both 3x2 layouts run in one cluster start, and
+tests/test_sharded_update.py and tests/test_device_batch.py read the same
+runs (the session fixtures `exact_one_device` and `exact_clusters` in
+conftest.py).
 """
 
 import functools
@@ -156,10 +159,13 @@ def test_every_layout_matches_the_oracle(model, reduction, one_device, uneven, s
 
 
 def test_the_layouts_really_differ(uneven, static):
-  """Guards the test above: the splits are uneven, and static moved off the equal split."""
+  """Guards the test above: the splits are uneven, static moved off the equal split, and the
+  clusters ran their device batches."""
   assert {r for rs in CLUSTER_REDUCTION.values() for r in rs} == {"device", "host"}
   shares = uneven[0][("resnet18", "device")][2]
   assert set(shares) == {ex.UNEVEN}
+  for results in (uneven, static):
+    assert all(r[4] == list(ex.DEVICE_BATCHES) for host in results for r in host.values())
   static_shares = static[0][("resnet18", "host")][2]
   assert static_shares[-1] != static_shares[0]          # The solved split differs from equal,
   assert static_shares[-1][0] > static_shares[-1][2]    # and follows the emulated speeds.
