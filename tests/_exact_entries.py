@@ -7,11 +7,13 @@ trained `STEPS` steps with the reduction backends asked for (both by
 default); hosts return their final parameters, model state, the shares
 every step used, the optimizer state's memory and the device batches.
 
-`clusters` runs both 3x2 layouts in one cluster start, every host with its
-own device batch (`DEVICE_BATCHES`, issue 27), and saves the `SAVED` models'
-uneven runs for tests/test_sharded_update.py, which resumes them on 2 hosts
-x 1 device: one start of 3 hosts serves three test files
-(tests/test_device_batch.py checks the device batches on these runs).
+`clusters` trains every model once on 3x2, in one cluster start: the fixed
+uneven split for `FIXED_STEPS` steps, then the split a static balancer
+solves from recorded timings, every host with its own device batch
+(`DEVICE_BATCHES`, issue 27). It saves the `SAVED` models' runs for
+tests/test_sharded_update.py, which resumes them on 2 hosts x 1 device: one
+start of 3 hosts serves three test files (tests/test_device_batch.py
+checks the device batches on these runs).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from hetjax.step import sharding
 from hetjax.input import data
 
 STEPS = 6
+FIXED_STEPS = 3     # On 3x2: UNEVEN for these steps, then the balancer's split (`FixedThenStatic`).
 GLOBAL_BATCH = 62   # Not a multiple of the block: the last block is partial.
 BLOCK = 4           # --microbatch: positions per block.
 # 9, 5 and 2 blocks: on 2 devices with device batches (4, 2, 1), host 0 runs
@@ -37,7 +40,7 @@ BLOCK = 4           # --microbatch: positions per block.
 UNEVEN = (36, 20, 6)
 DEVICE_BATCHES = (4, 2, 1)  # Blocks per device in each host's largest program, on 3x2.
 SEED = 3
-SPEEDS = (1.0, 0.5, 0.25)  # The static layout's recorded device speeds, by host.
+SPEEDS = (1.0, 0.5, 0.25)  # The balanced split's recorded device speeds, by host.
 SAMPLE_S = 1e-3            # Its recorded seconds per sample on the fastest device.
 
 
@@ -112,10 +115,13 @@ def build(model: str):
 
 
 MODELS = ("resnet18", "transformer", "linen", "nnx")
-# Each 3x2 layout's reduction backend: a backend only sums one float32 row
-# per device whatever the model and split, so each model meets each backend
-# and each layout across hosts with half the clusters' trainers.
-CLUSTER_REDUCTION = {"uneven": ("device",), "static": ("host",)}
+# Each model's reduction backend on 3x2 (both on 1x1): a backend only sums
+# one float32 row per device whatever the model and split, so each meets two
+# models on both splits, with a quarter of the trainers of every model on
+# every backend and split (compiling each host's ladder of programs is most
+# of a trainer's cost). The saved models take the device backend: on it the
+# sharded update splits adam's state over all 6 devices.
+CLUSTER_REDUCTION = {"resnet18": "device", "transformer": "device", "linen": "host", "nnx": "host"}
 SAVED = ("resnet18", "transformer")  # Checkpointed at STEPS by `clusters` (see the docstring).
 
 
@@ -129,8 +135,32 @@ def _static_balancer(tr_devices, device_batches=None):
                                     warmup_steps=2, device_batches=device_batches)
 
 
+class FixedThenStatic:
+  """UNEVEN for the first `FIXED_STEPS` steps, then a static balancer's split.
+
+  One trainer per model meets both splits. The static policy sees every
+  step's recorded timings from the start; its solved split runs at the last
+  step (see `_static_balancer`).
+  """
+
+  name = "fixed-then-static"
+
+  def __init__(self, inner):
+    self.inner = inner
+
+  def shares(self, step):
+    return UNEVEN if step < FIXED_STEPS else self.inner.shares(step)
+
+  def observe(self, step, shares, compute_s):
+    self.inner.observe(step, shares, compute_s)
+
+  @property
+  def decisions(self):
+    return self.inner.decisions
+
+
 def recorded_timings(compute_s: float, step: int, samples: int = 0) -> float:
-  """The pace hook of the static layout: this host's compute time, as recorded, not measured.
+  """The pace hook of the balanced split: this host's compute time, as recorded, not measured.
 
   `samples x SAMPLE_S / speed`, never the clock: the split the balancer
   solves from it is the same in every run, whatever the machine's load
@@ -143,7 +173,7 @@ def recorded_timings(compute_s: float, step: int, samples: int = 0) -> float:
 def matrix(layout: str, models=MODELS, reductions=("device", "host"),
            global_batch: int = GLOBAL_BATCH, save_to: str | None = None,
            device_batches: tuple[int, ...] | None = None):
-  """Every (model, reduction) on this cluster; `layout` is 'equal', 'uneven' or 'static'.
+  """Every (model, reduction) on this cluster; `layout` is 'equal' or 'uneven-then-static'.
 
   Returns {(model, reduction): (params, model state, shares, memory, the
   summary's device batches)}; with `save_to`, the `SAVED` models write their
@@ -157,11 +187,11 @@ def matrix(layout: str, models=MODELS, reductions=("device", "host"),
       source, task, optimizer = build(model)
       config = trainer.TrainConfig(
           global_batch=global_batch, microbatch=BLOCK, seed=SEED, reduction=reduction,
-          assignment=UNEVEN if layout == "uneven" else "equal", device_batch=device_batches or 1)
+          device_batch=device_batches or 1)
       custom, pace = None, None
-      if layout == "static":
-        custom = _static_balancer([jax.local_device_count()] * jax.process_count(),
-                                  device_batches)
+      if layout == "uneven-then-static":
+        custom = FixedThenStatic(_static_balancer(
+            [jax.local_device_count()] * jax.process_count(), device_batches))
         pace = recorded_timings
       saving = None
       if save_to is not None and model in SAVED:
@@ -185,9 +215,10 @@ def optimizer_memory(tr: trainer.Trainer, summary: dict) -> tuple:
 
 
 def clusters(save_to: str):
-  """Both 3x2 layouts in one cluster start, with device batches `DEVICE_BATCHES`:
-  {layout: matrix(layout, every model, its backend)}."""
-  return {layout: matrix(layout, MODELS, CLUSTER_REDUCTION[layout],
-                         save_to=save_to if layout == "uneven" else None,
-                         device_batches=DEVICE_BATCHES)
-          for layout in CLUSTER_REDUCTION}
+  """Every model on its 3x2 backend, the uneven then the balanced split, with device batches
+  `DEVICE_BATCHES`: {(model, reduction): ...} as `matrix` gives."""
+  out = {}
+  for model in MODELS:
+    out.update(matrix("uneven-then-static", (model,), (CLUSTER_REDUCTION[model],),
+                      save_to=save_to, device_batches=DEVICE_BATCHES))
+  return out

@@ -40,8 +40,8 @@ _hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # ---- the exactness matrix's runs, shared by three test files --------------------
 # tests/test_exactness.py, tests/test_sharded_update.py and
-# tests/test_device_batch.py check the same 3x2 layouts (run with device
-# batches 4, 2, 1) and the same 1x1 runs (the sharded update against the
+# tests/test_device_batch.py check the same 3x2 runs (with device batches
+# 4, 2, 1, on an uneven then a balanced split) and the same 1x1 runs (the sharded update against the
 # fused one; k = 1): one run of each serves all three (cluster starts and
 # compiles are most of their cost). Imported inside the fixtures: collecting a test that needs no
 # JAX should not load it.
@@ -50,14 +50,14 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="session")
 def exact_runs(tmp_path_factory):
-  """(1x1 results, {layout: per-host 3x2 results}, the folder of the uneven run's checkpoints).
+  """(1x1 results, per-host 3x2 results, the folder of the 3x2 runs' checkpoints).
 
   The 3x2 cluster runs in a thread while this process runs the 1x1 matrix,
   then test_exactness's oracle: alone, the 1x1 run leaves cores idle (XLA
   compiles a program on one core) and so does the cluster (its hosts start
   up, then wait on each other in collectives: host 2 holds 6 of 62
-  samples). The results do not depend on timing (the static layout paces
-  with recorded timings).
+  samples). The results do not depend on timing (the balancer sees
+  recorded timings).
   """
   import concurrent.futures
   import jax
@@ -73,7 +73,7 @@ def exact_runs(tmp_path_factory):
     for model in ex.MODELS:  # Cached for the tests that compare with it.
       cached_oracle(model)
     hosts = cluster.result()
-  return one, {layout: [host[layout] for host in hosts] for layout in hosts[0]}, folder
+  return one, hosts, folder
 
 
 @pytest.fixture(scope="session")
@@ -84,5 +84,5 @@ def exact_one_device(exact_runs):
 
 @pytest.fixture(scope="session")
 def exact_clusters(exact_runs):
-  """3 hosts x 2 devices, one start: ({layout: per-host results}, the uneven run's checkpoints)."""
+  """3 hosts x 2 devices, one start: (per-host results, the folder of their checkpoints)."""
   return exact_runs[1:]

@@ -1,8 +1,8 @@
 """DESIGN invariant 2: any host layout reaches the parameters of one device, for every model.
 
-Three hetjax runs (1 host x 1 device; 3 hosts x 2 devices with a fixed uneven
-split; 3 hosts x 2 devices with the split the static balancer solved from
-recorded device timings) are compared with an independent oracle: a plain
+hetjax runs on 1 host x 1 device and on 3 hosts x 2 devices (a fixed uneven
+split for 3 steps, then the split a static balancer solved from recorded
+device timings) are compared with an independent oracle: a plain
 `jax.grad` + optax loop written here, over the sampler's global batches, cut
 into blocks of `m` positions with the block keys the contract names. The
 oracle pads a partial block with junk (large noise), not with copies of a
@@ -10,14 +10,14 @@ real row as hetjax does, so a mask lost anywhere (the loss, BatchNorm's
 statistics, an adapter) changes the oracle's result and not hetjax's, or the
 other way round.
 
-Every model runs with both reduction backends on one device; on the 3x2
-clusters the uneven split uses the device backend and the moving static
-split the host backend. A backend only sums one float32 row per device,
-whatever the model and the split, so each model still meets each backend
-and each layout across hosts, with half the clusters' trainers (the
-matrix took a quarter of the suite's time). On 3x2 every host runs its own
-device batch (4, 2, 1 blocks per device per program, issue 27); on 1x1 one
-block. Both 3x2 layouts run in one cluster start, and
+Every model runs with both reduction backends on one device; on 3x2,
+ResNet-18 and the transformer with the device backend, the linen and NNX
+models with the host backend (`ex.CLUSTER_REDUCTION`). A backend only sums
+one float32 row per device, whatever the model and the split, so each
+backend meets two models on both splits, with a quarter of the trainers of
+the full product (the matrix took a quarter of the suite's time). On 3x2
+every host runs its own device batch (4, 2, 1 blocks per device per
+program, issue 27); on 1x1 one block. The 3x2 runs share one cluster start, and
 tests/test_sharded_update.py and tests/test_device_batch.py read the same
 runs (the session fixtures `exact_one_device` and `exact_clusters` in
 conftest.py).
@@ -125,14 +125,9 @@ def one_device(exact_one_device):
 
 
 @pytest.fixture(scope="module")
-def uneven(exact_clusters):
-  return exact_clusters[0]["uneven"]
-
-
-@pytest.fixture(scope="module")
-def static(exact_clusters):
+def cluster(exact_clusters):
   # Recorded timings (`ex.recorded_timings`), not measured ones: the same split every run.
-  return exact_clusters[0]["static"]
+  return exact_clusters[0]
 
 
 def assert_close(got, want, what):
@@ -146,31 +141,29 @@ def assert_close(got, want, what):
 
 @pytest.mark.parametrize("model", ex.MODELS)
 @pytest.mark.parametrize("reduction", ["device", "host"])
-def test_every_layout_matches_the_oracle(model, reduction, one_device, uneven, static):
+def test_every_layout_matches_the_oracle(model, reduction, one_device, cluster):
   params, state = cached_oracle(model)[ex.STEPS]
   assert_close(one_device[(model, reduction)][0], params, f"1x1 {model} params")
   assert_close(one_device[(model, reduction)][1], state, f"1x1 {model} state")
-  for layout, results in (("uneven", uneven), ("static", static)):
-    if reduction not in CLUSTER_REDUCTION[layout]:
-      continue
-    for host, result in enumerate(results):
-      assert_close(result[(model, reduction)][0], params, f"3x2 {layout} host {host} {model}")
-      assert_close(result[(model, reduction)][1], state, f"3x2 {layout} host {host} {model} state")
+  if reduction == CLUSTER_REDUCTION[model]:
+    for host, result in enumerate(cluster):
+      assert_close(result[(model, reduction)][0], params, f"3x2 host {host} {model}")
+      assert_close(result[(model, reduction)][1], state, f"3x2 host {host} {model} state")
 
 
-def test_the_layouts_really_differ(uneven, static):
-  """Guards the test above: the splits are uneven, static moved off the equal split, and the
-  clusters ran their device batches."""
-  assert {r for rs in CLUSTER_REDUCTION.values() for r in rs} == {"device", "host"}
-  shares = uneven[0][("resnet18", "device")][2]
-  assert set(shares) == {ex.UNEVEN}
-  for results in (uneven, static):
-    assert all(r[4] == list(ex.DEVICE_BATCHES) for host in results for r in host.values())
-  static_shares = static[0][("resnet18", "host")][2]
-  assert static_shares[-1] != static_shares[0]          # The solved split differs from equal,
-  assert static_shares[-1][0] > static_shares[-1][2]    # and follows the emulated speeds.
-  for shares in static_shares:
-    assert all(e % ex.BLOCK == 0 or e == ex.GLOBAL_BATCH for e in np.cumsum(shares))
+def test_the_layouts_really_differ(cluster):
+  """Guards the test above: each 3x2 run met the uneven split, then the balancer moved it by the
+  hosts' speeds; both backends ran; every host ran its device batch."""
+  assert set(CLUSTER_REDUCTION.values()) == {"device", "host"} and set(CLUSTER_REDUCTION) == set(
+      ex.MODELS)
+  for key in cluster[0]:
+    shares = cluster[0][key][2]
+    assert all(host[key][2] == shares for host in cluster), key  # Invariant 3.
+    assert shares[:ex.FIXED_STEPS] == [ex.UNEVEN] * ex.FIXED_STEPS, (key, shares)
+    assert shares[-1] != ex.UNEVEN and shares[-1][0] > shares[-1][2], (key, shares)
+    for split in shares:
+      assert all(e % ex.BLOCK == 0 or e == ex.GLOBAL_BATCH for e in np.cumsum(split))
+    assert all(host[key][4] == list(ex.DEVICE_BATCHES) for host in cluster), key
 
 
 def test_the_models_really_use_their_randomness_and_statistics():

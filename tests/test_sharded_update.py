@@ -6,13 +6,14 @@
    steps, checking agreement every 50: with per-host updates the check
    failed at step 50 (measured before this change); now every check passes
    and the final parameters are bit-identical. Both reduction backends.
-2. 1 host x 1 device (the fused update) and 3 uneven hosts x 2 devices
-   (sharded, device backend) reach an independent oracle (plain `jax.grad` +
+2. 1 host x 1 device (the fused update) and 3 hosts x 2 devices (sharded,
+   device backend; an uneven, then a balanced split, device batches 4, 2,
+   1) reach an independent oracle (plain `jax.grad` +
    optax on the whole global batch, cut into blocks padded with junk),
    parameters and BatchNorm state; a checkpoint written on 3x2 resumes on 2x1 (sharded
    over the host backend's CPU mesh) and still matches the oracle. The 1x1
    and 3x2 runs and the oracle are tests/test_exactness.py's (the same
-   models, batch, blocks and uneven split; conftest.py's session fixtures
+   models, batch, blocks and splits; conftest.py's session fixtures
    and `cached_oracle` run each once).
 """
 
@@ -57,12 +58,12 @@ def runs(exact_one_device, exact_clusters):
   held per device, unsplit, the summary's memory figure))}.
   """
   (clusters, folder), backend = exact_clusters, "device"
-  assert ex.CLUSTER_REDUCTION["uneven"] == (backend,) and ex.UNEVEN == ent.UNEVEN
+  assert all(ex.CLUSTER_REDUCTION[model] == backend for model in ent.MODELS)
   assert set(ent.MODELS) <= set(ex.SAVED)
   of_backend = lambda results: {model: results[(model, backend)] for model in ent.MODELS}
   narrow = run_hosts("_sharded_entries:train_and_save", hosts=2, devices_per_host=1,
                      args=(SECOND, "host", "equal", folder, True), timeout_s=900)
-  return of_backend(exact_one_device), [of_backend(host) for host in clusters["uneven"]], narrow
+  return of_backend(exact_one_device), [of_backend(host) for host in clusters], narrow
 
 
 @pytest.mark.parametrize("model", ent.MODELS)
