@@ -7,24 +7,36 @@ import _cluster_entries
 from hetjax.testing import run_hosts
 
 SLOWDOWN_STEP = 16
-STEPS = 36
+RECOVERY_STEP = 120
+STEPS = 200
+DEVICE_BATCHES = (4, 2)
 
 
 def test_dynamic_balancer_moves_work_away_from_a_slowed_host_without_changing_the_math():
-  # Two hosts; host 1's device becomes 8x slower at step 16. Compute times
-  # are a recorded model (samples x seconds per sample), not the clock, so
-  # the decisions are the same in every run.
+  # Two hosts with device batches of 4 and 2 blocks; host 1's device is 8x
+  # slower from step 16 to step 120. Compute times are a recorded model
+  # (samples x seconds per sample), not the clock, so the decisions are the
+  # same in every run.
   results = run_hosts("_balancing_entries:dynamic_balancing_on_recorded_timings", hosts=2,
-                      args=(STEPS, 1, 8.0, SLOWDOWN_STEP), timeout_s=600)
+                      args=(STEPS, 1, 8.0, SLOWDOWN_STEP, RECOVERY_STEP, DEVICE_BATCHES),
+                      timeout_s=600)
   shares = results[0]["shares"]
   # Invariant 3: every host held the same assignment at every step.
   assert all(r["shares"] == shares for r in results)
   assert all(sum(s) == 256 and min(s) >= 0 for s in shares)
-  before, after = shares[SLOWDOWN_STEP - 1][1], shares[-1][1]
+  before, slow = shares[SLOWDOWN_STEP - 1][1], shares[RECOVERY_STEP - 1][1]
   # Equal speeds: an equal split. Then 8x slower: about 1/9 of the batch, in 16-sample blocks.
   assert before == 128, shares
-  assert after <= 256 / 9 + 16 and after < 0.75 * before, f"host 1: {before} -> {after}: {shares}"
-  assert any(d["step"] >= SLOWDOWN_STEP for d in results[0]["decisions"])
+  assert slow <= 256 / 9 + 16 and slow < 0.75 * before, f"host 1: {before} -> {slow}: {shares}"
+  # Its speed back: back towards half the batch.
+  assert shares[-1][1] >= 96, f"host 1 after step {RECOVERY_STEP}: {shares[-1][1]}: {shares}"
+  decided = [d["step"] for d in results[0]["decisions"]]
+  assert any(SLOWDOWN_STEP <= s < RECOVERY_STEP for s in decided)
+  assert any(s >= RECOVERY_STEP for s in decided)
+  # Issue 27: 200 dynamic steps of moving shares on device batches compile nothing after the start.
+  for r in results:
+    assert r["device_batches"] == list(DEVICE_BATCHES)
+    assert r["compiles_after_warmup"] == 0
   # Invariant 2 while shares move: the parameters of one device on the whole batch.
   reference = _cluster_entries.one_host_reference(256, 16, len(shares), optimizer_="sgd")
   for a, b in zip(jax.tree.leaves(results[0]["params"]), jax.tree.leaves(reference), strict=True):

@@ -131,7 +131,9 @@ def test_a_host_stuck_in_its_step_is_named_and_the_job_restarts_from_its_checkpo
   assert re.search(rf"\[host \d\] {re.escape(watchdog.MARKER)} 1$", first, re.M)
   idle = float(re.search(r"\[host \d\] hetjax: watchdog: no step completed for ([\d.]+) s",
                          first).group(1))
-  assert limit < idle < 2 * limit
+  # The watchdog trips once the stall exceeds the limit; printed to 0.1 s, a
+  # stall just over it reads as the limit itself (10.04 s -> "10.0").
+  assert limit <= idle < 2 * limit
   assert "host 1: entered step 20, inside it, before its reduction" in first
   assert re.search(r"\[host 0\] hetjax: resumed from \S+/20 ", second)
   assert "all hosts exited 0 after 1 restart" in second
