@@ -31,6 +31,12 @@ sys.meta_path.insert(0, _NoJax())
 """
 
 
+def _without_jax(code: str) -> subprocess.CompletedProcess:
+  """Runs `code` in a fresh interpreter that refuses to import JAX."""
+  return subprocess.run([sys.executable, "-c", _BLOCK_JAX + code], capture_output=True,
+                        text=True, timeout=120)
+
+
 def test_the_package_exports_exactly_its_public_names():
   assert sorted(hetjax.__all__) == PUBLIC
   for name in SUBMODULES:
@@ -54,20 +60,19 @@ def test_the_launcher_balancer_simulator_and_configs_load_without_jax():
              "hetjax.cluster.hostenv", "hetjax.cluster.launcher_cli", "hetjax.cluster.emulate",
              "hetjax.cluster.signals", "hetjax.cluster.hostguard", "hetjax.modes.options",
              "hetjax.observe.report", "hetjax.observe.progress", "hetjax.testing"]
-  code = _BLOCK_JAX + "".join(f"import {m}\n" for m in modules) + (
+  code = "".join(f"import {m}\n" for m in modules) + (
       "import runpy, sys\n"
       "sys.argv = ['launch/local.py', '--help']\n"
       "try:\n  runpy.run_path('launch/local.py', run_name='__main__')\n"
       "except SystemExit as e:\n  assert e.code == 0, e.code\n")
-  run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+  run = _without_jax(code)
   assert run.returncode == 0, run.stderr[-2000:]
   assert "--hosts" in run.stdout
 
 
 def test_the_cli_rejects_bad_arguments_before_jax_loads():
-  code = _BLOCK_JAX + ("from hetjax import cli\n"
-                       "raise SystemExit(cli.main(['train', '--global-batch', '0']))\n")
-  run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+  run = _without_jax("from hetjax import cli\n"
+                     "raise SystemExit(cli.main(['train', '--global-batch', '0']))\n")
   assert run.returncode == 2, run.stderr[-2000:]
   assert "--global-batch must be >= 1, got 0" in run.stderr
 
@@ -97,7 +102,7 @@ CLI_FLAGS = {
 
 def test_the_cli_flags_are_the_pinned_ones():
   # Read from the parser in a fresh interpreter with JAX blocked: building it must stay cheap.
-  code = _BLOCK_JAX + (
+  code = (
       "import argparse, json\n"
       "from hetjax.cli import commands\n"
       "parser = commands._parser()\n"
@@ -105,7 +110,7 @@ def test_the_cli_flags_are_the_pinned_ones():
       "print(json.dumps({name: sorted(o for a in p._actions for o in a.option_strings\n"
       "                               if o.startswith('--') and o != '--help')\n"
       "                  for name, p in sub.choices.items()}))\n")
-  run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+  run = _without_jax(code)
   assert run.returncode == 0, run.stderr[-2000:]
   found = json.loads(run.stdout)
   for command in sorted(set(found) | set(CLI_FLAGS)):

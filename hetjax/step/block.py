@@ -25,12 +25,15 @@ def padded_chunks(batch: dict[str, np.ndarray],
   """
   n = len(next(iter(batch.values())))
   for start in range(0, n, size):
-    part = {k: v[start:start + size] for k, v in batch.items()}
-    real = min(size, n - start)
-    if real < size:
-      part = {k: np.concatenate([v, np.repeat(v[:1], size - real, axis=0)])
-              for k, v in part.items()}
-    yield part, real
+    yield pad_rows({k: v[start:start + size] for k, v in batch.items()}, size), min(size, n - start)
+
+
+def pad_rows(part: dict[str, np.ndarray], size: int) -> dict[str, np.ndarray]:
+  """`part` padded to `size` rows with copies of its first row (see `padded_chunks`)."""
+  real = len(next(iter(part.values())))
+  if real == size:
+    return dict(part)
+  return {k: np.concatenate([v, np.repeat(v[:1], size - real, axis=0)]) for k, v in part.items()}
 
 
 def micro_batches(batch: dict[str, np.ndarray], size: int) -> Iterator[dict[str, np.ndarray]]:

@@ -16,7 +16,7 @@ from hetjax.mesh import DEV, Meshes
 from hetjax.task import MASK, Task
 from hetjax.step.state import Layout, LocalSums, Sums, TrainState
 from hetjax.balancer.ladder import Ladder
-from hetjax.step.block import block_sums, blocks_sums, micro_batches
+from hetjax.step.block import block_sums, blocks_sums, micro_batches, pad_rows
 from hetjax.step.update import apply_update
 
 
@@ -39,14 +39,6 @@ def _position_rows(step: int, first_block: int, first: bool, real: int, per_devi
                      np.clip(real - d * rows, 0, rows)], axis=1)
   bits = np.broadcast_to(host_values.view(np.int32), (devices, host_values.size))
   return np.concatenate([fields.astype(np.int32), bits], axis=1)
-
-
-def _pad(part: dict[str, np.ndarray], size: int) -> dict[str, np.ndarray]:
-  """Pads a chunk to `size` rows with copies of its first row (see `padded_chunks`)."""
-  real = len(next(iter(part.values())))
-  if real == size:
-    return dict(part)
-  return {k: np.concatenate([v, np.repeat(v[:1], size - real, axis=0)]) for k, v in part.items()}
 
 
 class Local(NamedTuple):
@@ -191,7 +183,7 @@ class LocalProgram:
     one_row = {key: v[:1] for key, v in example.items()}
     self._micro_like = {}
     for j in self.ladder.sizes:
-      micro = _pad(one_row, j * self.micro)
+      micro = pad_rows(one_row, j * self.micro)
       micro[_POSITION] = _position_rows(0, 0, True, 0, m, d, np.zeros(k, np.float32), j)
       self._micro_like[j] = jax.tree.map(like, jax.device_put(micro, self.meshes.local_by_device))
     self._total_like = total_like
@@ -268,7 +260,7 @@ class LocalProgram:
     start = 0
     for j in self.programs(rows):
       size = j * self.micro
-      micro = _pad({k: v[start:start + size] for k, v in batch.items()}, size)
+      micro = pad_rows({k: v[start:start + size] for k, v in batch.items()}, size)
       # Position, mask and host vector ride in the batch's one transfer.
       micro[_POSITION] = _position_rows(step, first_block + start // m, first,
                                         min(size, rows - start), m, d, host, j)
