@@ -2,14 +2,17 @@
 
 The decisions (who is behind, what the hosts' lines say, when the watchdog
 is armed) are tested on their own; two `launch/local.py ... hetjax train`
-runs on 2 hosts test them end to end: one host stuck inside its step (its
-threads alive, emulated with a huge slowdown on the first attempt only), and
-one host frozen by SIGSTOP.
+runs on 2 hosts, side by side, test them end to end: one host stuck inside
+its step (its threads alive, emulated with a huge slowdown on the first
+attempt only), and one host frozen by SIGSTOP.
 """
 
+import concurrent.futures
 import re
 import signal
 import sys
+
+import pytest
 
 import _cli_job
 from hetjax.cluster import procs
@@ -107,18 +110,49 @@ def _shell(command: list[str], first_attempt_env: str) -> list[str]:
                       f"fi; exec {quoted}"]
 
 
-def test_a_host_stuck_in_its_step_is_named_and_the_job_restarts_from_its_checkpoint(tmp_path):
-  limit = 10  # Far above a healthy step of this job, however loaded the machine.
+_LIMIT_S = 10  # The stuck job's --watchdog: far above a healthy step, however loaded the machine.
+
+
+def _stuck_job(tmp_path) -> _cli_job.Job:
+  """Host 1 stuck inside step 20 on the first attempt (a huge slowdown); --max-restarts 1."""
   ckpt = tmp_path / "ckpt"
   command = _cli_job.train_command(tmp_path / "run", "--ckpt-dir", str(ckpt), "--ckpt-every",
-                                   "10", "--sync-save", "--watchdog", str(limit))
+                                   "10", "--sync-save", "--watchdog", str(_LIMIT_S))
   command[command.index("--steps") + 1] = "30"
-  job = _cli_job.Job(["--max-restarts", "1"], _shell(command, "HETJAX_SLOWDOWN=1:100000@20"))
+  return _cli_job.Job(["--max-restarts", "1"], _shell(command, "HETJAX_SLOWDOWN=1:100000@20"))
+
+
+def _freeze_host_1(job: _cli_job.Job) -> int:
+  job.wait_for_step(5)
+  job.signal_hosts([1], signal.SIGSTOP)
+  return job.finish()
+
+
+@pytest.fixture(scope="module")
+def ended_jobs(tmp_path_factory):
+  """{"stuck": (exit code, output), "frozen": (...)}: both jobs run side by side.
+
+  Each is mostly waiting (the stuck host's 10 s, the frozen host's 12 s of
+  missed heartbeats): run one after the other, the suite would wait twice.
+  What each job prints depends on its own hosts only.
+  """
+  stuck = _stuck_job(tmp_path_factory.mktemp("stuck"))
+  frozen = _cli_job.Job(["--heartbeat-timeout", "12"],
+                        _cli_job.train_command(tmp_path_factory.mktemp("frozen") / "run"))
   try:
-    assert job.finish() == 0
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+      frozen_code = pool.submit(_freeze_host_1, frozen)
+      stuck_code = stuck.finish()
+      frozen_code = frozen_code.result()
   finally:
-    job.kill()
-  text = job.text()
+    stuck.kill()
+    frozen.kill()
+  return {"stuck": (stuck_code, stuck.text()), "frozen": (frozen_code, frozen.text())}
+
+
+def test_a_host_stuck_in_its_step_is_named_and_the_job_restarts_from_its_checkpoint(ended_jobs):
+  code, text = ended_jobs["stuck"]
+  assert code == 0, text[-3000:]
   first, second = text.split("[launcher] restart 1/1", 1)
   # The launcher's own one-line summary depends on which host it saw end first
   # (one fresh-clone run in four summarised otherwise); the hosts' words below
@@ -133,21 +167,14 @@ def test_a_host_stuck_in_its_step_is_named_and_the_job_restarts_from_its_checkpo
                          first).group(1))
   # The watchdog trips once the stall exceeds the limit; printed to 0.1 s, a
   # stall just over it reads as the limit itself (10.04 s -> "10.0").
-  assert limit <= idle < 2 * limit
+  assert _LIMIT_S <= idle < 2 * _LIMIT_S
   assert "host 1: entered step 20, inside it, before its reduction" in first
   assert re.search(r"\[host 0\] hetjax: resumed from \S+/20 ", second)
   assert "all hosts exited 0 after 1 restart" in second
 
 
-def test_a_frozen_host_is_named_not_the_host_that_aborted_because_of_it(tmp_path):
-  job = _cli_job.Job(["--heartbeat-timeout", "12"], _cli_job.train_command(tmp_path / "run"))
-  try:
-    job.wait_for_step(5)
-    job.signal_hosts([1], signal.SIGSTOP)
-    code = job.finish()
-  finally:
-    job.kill()
-  text = job.text()
+def test_a_frozen_host_is_named_not_the_host_that_aborted_because_of_it(ended_jobs):
+  code, text = ended_jobs["frozen"]
   assert code == 128 + signal.SIGABRT, text[-3000:]
   assert ("[launcher] host 1 stopped responding: frozen, or its machine is unreachable (the "
           "coordination service got no heartbeat from it") in text
@@ -158,5 +185,4 @@ def test_a_frozen_host_is_named_not_the_host_that_aborted_because_of_it(tmp_path
 
 
 if __name__ == "__main__":
-  import pytest
   sys.exit(pytest.main([__file__, "-x", "-q"]))
