@@ -25,7 +25,7 @@ def digits_accuracy(steps: int):
   for precision in ("bf16", "fp16"):
     config = trainer.TrainConfig(global_batch=64, microbatch=8, assignment=(8, 24, 32),
                                  precision=precision)
-    tr = trainer.Trainer(task, optax.adam(1e-3), source, config)
+    tr = trainer.Trainer(task, optax.adam(3e-3), source, config)
     summary = tr.fit(steps)
     out[precision] = {"accuracy": tr.evaluate(test)["accuracy"],
                       "final_metrics": summary["final_metrics"]}

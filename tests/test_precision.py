@@ -13,8 +13,12 @@ import _precision_entries as entries
 
 @pytest.fixture(scope="module")
 def three_hosts():
-  """One 3-host cluster runs both multi-host tests' training: starting it is a large part."""
-  return run_hosts("_precision_entries:accuracy_and_overflow", hosts=3, args=(150,),
+  """One 3-host cluster runs both multi-host tests' training: starting it is a large part.
+
+  100 steps of adam(3e-3): one host reaches 0.983 in both precisions (150
+  of adam(1e-3), the earlier setting, 0.981-0.986).
+  """
+  return run_hosts("_precision_entries:accuracy_and_overflow", hosts=3, args=(100,),
                    timeout_s=900)
 
 
