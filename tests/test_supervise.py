@@ -10,11 +10,16 @@ from hetjax.cluster import procs, supervise
 
 
 def test_a_host_that_could_not_write_a_checkpoint_is_not_restarted(tmp_path, capsys):
-  # Each host notes its attempt, then exits as a host whose checkpoint write failed does.
+  # Each host notes its attempt, waits until both hosts of its attempt did
+  # (the first to exit gets the other stopped, perhaps before it started),
+  # then exits as a host whose checkpoint write failed does.
   log = tmp_path / "attempts"
-  host = ("import os, sys\n"
+  host = ("import os, sys, time\n"
           f"with open({str(log)!r}, 'a') as f:\n"
           "  f.write(os.environ['HETJAX_HOST_ID'] + ' ' + os.environ['HETJAX_RESTART_COUNT'] + '\\n')\n"
+          "deadline = time.monotonic() + 120\n"
+          f"while open({str(log)!r}).read().count('\\n') % 2 and time.monotonic() < deadline:\n"
+          "  time.sleep(0.01)\n"
           "print('cannot write checkpoint /ckpt/4: No space left on device.', flush=True)\n"
           f"sys.exit({supervise.WRITE_FAILED_EXIT})\n")
   code = procs.launch_local([sys.executable, "-c", host], hosts=2, max_restarts=3,
