@@ -141,9 +141,9 @@ def ended_jobs(tmp_path_factory):
                         _cli_job.train_command(tmp_path_factory.mktemp("frozen") / "run"))
   try:
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-      frozen_code = pool.submit(_freeze_host_1, frozen)
+      freezing = pool.submit(_freeze_host_1, frozen)
       stuck_code = stuck.finish()
-      frozen_code = frozen_code.result()
+      frozen_code = freezing.result()
   finally:
     stuck.kill()
     frozen.kill()
