@@ -88,10 +88,9 @@ class DeviceReduction:
       return total, _report(step_stats(total, scale, layout), names, rows)
 
     def sharded_program(world, shards):
-      # Reduce, update each slice once, gather: one program, one collective pass.
-      total, report = program(world)
-      new, packed, lr = sharded.update(shards, total, layout)
-      return new, packed, report, lr
+      # Reduce-scatter, update each slice once, gather: one program, one collective pass.
+      new, packed, stats, rows, lr = sharded.reduce_update(world, shards, layout)
+      return new, packed, _report(stats, names, rows[:, 1:]), lr
 
     report_only = lambda world: program(world)[1]
     if sharded is not None:
@@ -171,15 +170,14 @@ class HostReduction:
     on_cpus = NamedSharding(self._cpu_mesh, P())
     self._reduce = jax.jit(reduce, out_shardings=on_cpus)
     sharded = self.sharded
+    self._names = names = stat_names(layout)
     if sharded is not None:
       def reduce_update(x, shards):  # Each host's CPU updates its slice; the slices gathered.
-        total, rows = reduce(x)
-        new, packed, lr = sharded.update(shards, total, layout)
-        return new, packed, total, rows, lr
+        new, packed, stats, rows, lr = sharded.reduce_update(x, shards, layout)
+        return new, packed, _report(stats, names), rows, lr
       self._reduce_update = jax.jit(
           reduce_update, out_shardings=(sharded.shardings, on_cpus, on_cpus, on_cpus, on_cpus),
           donate_argnums=(1,))
-    self._names = names = stat_names(layout)
     self._stats = jax.jit(lambda total, scale: _report(step_stats(total, scale, layout), names),
                           out_shardings=self.meshes.local_replicated)
 
@@ -196,12 +194,12 @@ class HostReduction:
     mine = np.asarray(self._device_sum(sums.flat).addressable_data(0))
     laid = jax.make_array_from_process_local_data(self._by_host, mine[None])
     if self.sharded is not None:
-      new, packed, summed, rows, lr = self._reduce_update(laid, shards)
-      packed, summed, rows = jax.device_get((packed, summed, rows))
+      new, packed, report, rows, lr = self._reduce_update(laid, shards)
+      packed, rows = jax.device_get((packed, rows))
       local = {g: jax.device_put(x, self.meshes.local_replicated) for g, x in packed.items()}
-      total = jax.device_put(summed, self.meshes.local_replicated)
-      return Reduced(self._stats(total, rows[0, 0]), self._names, rows[:, 1:], self.meshes,
-                     local, new, lr)
+      # This host's copy of the statistics (a one-device array: fetched later, like a device's).
+      return Reduced(report.addressable_data(0), self._names, rows[:, 1:], self.meshes, local,
+                     new, lr)
     summed, rows = jax.device_get(self._reduce(laid))
     total = jax.device_put(summed, self.meshes.local_replicated)
     # rows: [hosts, scale and host vector]; every host ran with host 0's scale.

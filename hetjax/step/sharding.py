@@ -6,9 +6,15 @@ itself drift apart bit by bit (issue 25). Here every parameter, model-state
 and optimizer-state leaf is flattened, zero-padded to a multiple of the
 shard mesh's size `S` and held as an `[S, c]` array split over that mesh:
 device `i` holds row `i` of every leaf and is the only one to update it.
-The new parameters and model state are then all-gathered (an explicit
-`all_gather`, so no device recomputes another's slice) and packed into one
-buffer per dtype, which the next local programs unpack (`Replica`).
+The step's sums reach it by one reduce-scatter (device `i` receives only the
+summed row `i` of every leaf); the new parameters and model state are then
+all-gathered (an explicit `all_gather`, so no device recomputes another's
+slice: one per dtype, the leaves side by side) and packed into one buffer
+per dtype, which the next local programs unpack (`Replica`). Three
+collectives a step whatever the number of leaves (and what the optimizer
+needs itself: clipping's global norm), where letting GSPMD split the summed
+row and gather leaf by leaf made 24 for the digits mlp and 30 for the cnn
+(`bench/multihost_step.py`).
 
 The optax update runs under GSPMD on the split leaves, so per-leaf
 structure survives: masks, `clip_by_global_norm` (its norm becomes an
@@ -40,6 +46,7 @@ from hetjax import mesh as mesh_lib
 from hetjax.step import packing
 from hetjax.step import precision as precision_lib
 from hetjax.step import update as update_lib
+from hetjax.step.state import Layout, Sums
 
 PyTree = Any
 
@@ -227,32 +234,82 @@ class ShardedUpdate:
   # ---- The update, traced inside a reduction's program over the shard mesh ----
 
   def _gather(self, tree: PyTree) -> PyTree:
-    """Every device's rows of every split leaf, to every device: an explicit all-gather,
-    so each value comes from the one device that computed it."""
-    leaves, treedef = jax.tree.flatten(tree)
-    if not leaves:
-      return tree
-    gathered = jax.shard_map(
-        lambda *xs: [jax.lax.all_gather(x, self.axis, tiled=True) for x in xs],
-        mesh=self.mesh, in_specs=P(self.axis), out_specs=P(),
-        # An all-gather's result is the same on every device; the check cannot
-        # infer it (jax.lax.all_gather_invariant is not public in this JAX).
-        check_vma=False)(*leaves)
-    return jax.tree.unflatten(treedef, list(gathered))
+    """Every device's rows of every split leaf, to every device (`gather_rows`)."""
+    return gather_rows(tree, self.mesh, self.axis)
 
-  def update(self, shards: Shards, total: jax.Array, layout: Any
-             ) -> tuple[Shards, packing.Packed, jax.Array]:
-    """One optimizer step on the slices: (new shards, the packed replica, learning rate or NaN).
+  def reduce_update(self, world: jax.Array, shards: Shards, layout: Layout
+                    ) -> tuple[Shards, packing.Packed, dict[str, jax.Array], jax.Array, jax.Array]:
+    """Every device's sums added slice by slice, each slice updated once, the replica gathered.
 
-    `total` is the summed sums row (`hetjax.step.Layout`), replicated; the
-    rule is `hetjax.step.optimizer_step`'s, the one an unsplit state runs,
-    with each summed leaf split as the state is.
+    `world` holds one row per device of the shard mesh (`[S, n + 1 + k]`:
+    sums, loss scale, host vector), split over it. Each device lays its
+    gradient and model-state sums out as the state's `[S, c]` slices, and one
+    reduce-scatter hands device `i` the summed row `i`: the only sums it
+    updates with, and half an all-reduce's traffic. One small all-gather
+    carries the scalar sums and every row's loss scale and host vector; the
+    new slices come back in one all-gather per dtype (`gather_rows`).
+    Traced inside a reduction's program (traced: jit it over the shard mesh).
+
+    Returns:
+      (new shards, the packed replica, the step's statistics
+      (`hetjax.step.step_stats`), every row's `[loss scale, host vector]`
+      `[S, 1 + k]`, the update's learning rate or NaN).
     """
-    split_sharding = NamedSharding(self.mesh, P(self.axis))
-    split = lambda x: jax.lax.with_sharding_constraint(split_leaf(x, self.size), split_sharding)
-    new, lr = update_lib.optimizer_step(self.optimizer, shards, total, layout, view=split)
+    n, size = layout.row_size, self.size
+    sums_like = layout.sums.treedef.unflatten(
+        [jax.ShapeDtypeStruct(slot.shape, dt)
+         for slot, dt in zip(layout.sums.slots, layout.sums.leaf_dtypes)])
+    # The sliced sums side by side, `[S, C]`; the scalars in a row of their own.
+    sliced = packing.Packer(jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((columns(math.prod(x.shape), size),), x.dtype),
+        (sums_like.grads, sums_like.model_state)), dtype=jnp.float32)
+    scalars = packing.Packer((sums_like.weight, sums_like.count, sums_like.loss,
+                              sums_like.metrics), dtype=jnp.float32)
+
+    def scatter(row):  # One device's `[1, n + 1 + k]`.
+      sums = layout.sums.unpack({"float32": row[0, :n]}, cast=False)
+      laid = jax.tree.map(lambda x: split_leaf(x, size), (sums.grads, sums.model_state))
+      mine = jax.lax.psum_scatter(sliced.pack(laid, batch_dims=1)["float32"], self.axis,
+                                  scatter_dimension=0, tiled=True)
+      small = scalars.pack((sums.weight, sums.count, sums.loss, sums.metrics))["float32"]
+      return mine, jax.lax.all_gather(jnp.concatenate([small, row[0, n:]]), self.axis)
+
+    mine, small = jax.shard_map(
+        scatter, mesh=self.mesh, in_specs=P(self.axis), out_specs=(P(self.axis), P()),
+        # An all-gather's result is the same on every device (see `gather_rows`).
+        check_vma=False)(world)
+    grads, model_state = sliced.unpack({"float32": mine}, batch_dims=1)
+    m = scalars.sizes["float32"]
+    weight, count, loss, metrics = scalars.unpack({"float32": jnp.sum(small[:, :m], axis=0)})
+    totals = Sums(grads, weight, count, loss, metrics, model_state)
+    # fp16: some slice's or scalar's sum not finite, found wherever it lies.
+    overflow = update_lib.overflowed(mine, layout) | update_lib.overflowed(small[:, :m], layout)
+    new, lr = update_lib.optimizer_step(self.optimizer, shards, totals, overflow, layout)
     new = jax.lax.with_sharding_constraint(new, self.shardings)
-    return new, self._gathered_replica(new), lr
+    rows = small[:, m:]
+    stats = update_lib.stats_of(totals, overflow, rows[0, 0], layout)
+    return new, self._gathered_replica(new), stats, rows, lr
+
+
+def gather_rows(tree: PyTree, mesh: Mesh, axis: str) -> PyTree:
+  """Every device's rows of every `[S, c]` leaf, to every device, in one all-gather per dtype.
+
+  An explicit all-gather, so each value comes from the one device that
+  computed it. The leaves travel side by side (`[S, sum of c]` per dtype):
+  one collective whatever the number of leaves, where one per leaf would
+  cost a ResNet-50 hundreds of collectives a step.
+  """
+  leaves, treedef = jax.tree.flatten(tree)
+  if not leaves:
+    return tree
+  rows = packing.Packer([jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in leaves])
+  gathered = jax.shard_map(
+      lambda packed: {g: jax.lax.all_gather(x, axis, tiled=True) for g, x in packed.items()},
+      mesh=mesh, in_specs=P(axis), out_specs=P(),
+      # An all-gather's result is the same on every device; the check cannot
+      # infer it (jax.lax.all_gather_invariant is not public in this JAX).
+      check_vma=False)(rows.pack(leaves, batch_dims=1))
+  return jax.tree.unflatten(treedef, rows.unpack(gathered, batch_dims=1))
 
 
 def split_tree(tree: PyTree, mesh: Mesh, axis: str, keep: PyTree = None) -> PyTree:
@@ -272,11 +329,7 @@ def gather_tree(tree: PyTree, like: PyTree, mesh: Mesh, axis: str, keep: PyTree 
   keep = jax.tree.map(lambda _: False, like) if keep is None else keep
   leaves, treedef = jax.tree.flatten(tree)
   kept, shapes = jax.tree.leaves(keep), jax.tree.leaves(like)
-  moving = [x for x, k in zip(leaves, kept) if not k]
-  if moving:
-    moving = list(jax.shard_map(
-        lambda *xs: [jax.lax.all_gather(x, axis, tiled=True) for x in xs],
-        mesh=mesh, in_specs=P(axis), out_specs=P(), check_vma=False)(*moving))
+  moving = gather_rows([x for x, k in zip(leaves, kept) if not k], mesh, axis)
   out, it = [], iter(moving)
   for x, k, shape in zip(leaves, kept, shapes):
     out.append(x if k else join_leaf(next(it), np.shape(shape)))

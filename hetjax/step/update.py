@@ -3,7 +3,7 @@ weights, the optax update, the count-weighted model state, the fp16 skip."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +11,7 @@ import optax
 
 from hetjax import optimizers as optimizers_lib
 from hetjax.step import precision as precision_lib
-from hetjax.step.state import Layout, TrainState
+from hetjax.step.state import Layout, Sums, TrainState
 
 
 def apply_update(optimizer: optax.GradientTransformation, state: TrainState, total: jax.Array,
@@ -23,32 +23,31 @@ def apply_update(optimizer: optax.GradientTransformation, state: TrainState, tot
   halved, the same on every host. Also returns the update's learning rate
   (NaN when the optimizer hides it).
   """
-  return optimizer_step(optimizer, state, summed_row(total, layout), layout)
+  row = summed_row(total, layout)
+  return optimizer_step(optimizer, state, layout.sums.unpack({"float32": row}),
+                        overflowed(row, layout), layout)
 
 
-def optimizer_step(optimizer: optax.GradientTransformation, state: Any, total: jax.Array,
-                   layout: Layout, view: Callable[[jax.Array], jax.Array] = lambda x: x
-                   ) -> tuple[Any, jax.Array]:
+def optimizer_step(optimizer: optax.GradientTransformation, state: Any, totals: Sums,
+                   overflow: jax.Array, layout: Layout) -> tuple[Any, jax.Array]:
   """The one update rule, on a whole state or on its slices: (new state, learning rate).
 
   `state` is a `TrainState` or the sharded update's `Shards` (the same
-  fields); `view` lays a summed gradient or model-state leaf out as the
-  state's leaves are laid out (the sharded update passes its split), so
-  both paths divide, update, average and skip an fp16 overflow alike.
+  fields); `totals` holds the summed gradient and model-state leaves laid
+  out as the state's are (whole, or the sharded update's `[S, c]` slices),
+  so both paths divide, update, average and skip an fp16 overflow alike.
   """
-  overflow = overflowed(total, layout)
-  totals = layout.sums.unpack({"float32": total})
   count = totals.count
   # count == 0 is reported by the trainer as an error; a zero total weight
   # leaves the gradient zero rather than NaN.
   norm = jnp.where(totals.weight != 0, totals.weight, 1.0)
   # Divided leaf by leaf, so XLA fuses each division into the optimizer's first pass.
-  grads = jax.tree.map(lambda g, p: (view(g) / norm).astype(p.dtype), totals.grads, state.params)
+  grads = jax.tree.map(lambda g, p: (g / norm).astype(p.dtype), totals.grads, state.params)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   safe = jnp.maximum(count, 1.0)
   model_state = jax.tree.map(
-      lambda old, s: jnp.where(count > 0, view(s) / safe, old).astype(old.dtype),
+      lambda old, s: jnp.where(count > 0, s / safe, old).astype(old.dtype),
       state.model_state, totals.model_state)
   if precision_lib.uses_loss_scale(layout.precision):
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(overflow, b, a), new, old)
@@ -76,12 +75,17 @@ def overflowed(total: jax.Array, layout: Layout) -> jax.Array:
 
 def step_stats(total: jax.Array, scale: jax.Array, layout: Layout) -> dict[str, jax.Array]:
   """A step's global statistics from `total` and the loss scale it ran with."""
-  totals = layout.sums.unpack({"float32": total})
+  return stats_of(layout.sums.unpack({"float32": total}), overflowed(total, layout), scale, layout)
+
+
+def stats_of(totals: Sums, overflow: jax.Array, scale: jax.Array, layout: Layout
+             ) -> dict[str, jax.Array]:
+  """`step_stats` from the summed scalars (`totals`' loss, weight, count, metrics)."""
   norm = jnp.where(totals.weight != 0, totals.weight, 1.0)
   stats = {"count": totals.count, "loss": totals.loss / norm}
   stats.update({k: v / norm for k, v in totals.metrics.items()})
   if precision_lib.uses_loss_scale(layout.precision):
-    stats.update(loss_scale=scale, skipped=overflowed(total, layout).astype(jnp.float32))
+    stats.update(loss_scale=scale, skipped=overflow.astype(jnp.float32))
   return stats
 
 
