@@ -248,7 +248,7 @@ class ShardedUpdate:
     updates with, and half an all-reduce's traffic. One small all-gather
     carries the scalar sums and every row's loss scale and host vector; the
     new slices come back in one all-gather per dtype (`gather_rows`).
-    Traced inside a reduction's program (traced: jit it over the shard mesh).
+    Called while tracing a reduction's program, jitted over the shard mesh.
 
     Returns:
       (new shards, the packed replica, the step's statistics
