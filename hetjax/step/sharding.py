@@ -224,7 +224,7 @@ class ShardedUpdate:
     return self.to_local(self._replica(shards), meshes)
 
   def _gathered_replica(self, shards: Shards) -> packing.Packed:
-    params, model_state = self._gather((shards.params, shards.model_state))
+    params, model_state = gather_rows((shards.params, shards.model_state), self.mesh, self.axis)
     join = lambda x, like: join_leaf(x, like.shape)
     return self.replica_packer.pack(self.like._replace(
         step=shards.step, params=jax.tree.map(join, params, self.like.params), opt_state=None,
@@ -232,10 +232,6 @@ class ShardedUpdate:
         loss_scale=shards.loss_scale))
 
   # ---- The update, traced inside a reduction's program over the shard mesh ----
-
-  def _gather(self, tree: PyTree) -> PyTree:
-    """Every device's rows of every split leaf, to every device (`gather_rows`)."""
-    return gather_rows(tree, self.mesh, self.axis)
 
   def reduce_update(self, world: jax.Array, shards: Shards, layout: Layout
                     ) -> tuple[Shards, packing.Packed, dict[str, jax.Array], jax.Array, jax.Array]:
