@@ -97,6 +97,11 @@ class TrainConfig:
       ..., 1` blocks per device, all compiled at start.
     device_batch_memory_fraction: under 'auto', the share of a device's
       memory the largest micro-batch may fill.
+    update_layout: how the sharded update (more than one device) lays out
+      the optimizer: 'auto' (probe the optimizer at start: slices for an
+      element-wise one, whole leaves for one whose update depends on leaf
+      shapes), 'whole' (skip the probe) or 'sliced' (refuse an optimizer
+      that needs whole leaves). Every choice computes what one device would.
   """
 
   global_batch: int
@@ -111,6 +116,7 @@ class TrainConfig:
   watchdog_s: float | None = None
   device_batch: int | tuple[int, ...] | str = 1
   device_batch_memory_fraction: float = 0.8
+  update_layout: str = "auto"
 
   def validate(self, num_hosts: int | None = None) -> None:
     """Raises ValueError naming the value, the limit and the fix.
@@ -147,6 +153,9 @@ class TrainConfig:
       raise ValueError(f"--watchdog must be >= 0 seconds (0: off; unset: 20 x the median step, "
                        f"at least 5 minutes), got {self.watchdog_s}.")
     check_device_batch(self.device_batch, self.device_batch_memory_fraction, num_hosts)
+    if self.update_layout not in UPDATE_LAYOUTS:
+      raise ValueError(f"unknown update layout {self.update_layout!r}; choose one of "
+                       f"{', '.join(UPDATE_LAYOUTS)}.")
 
   def device_batches(self, num_hosts: int) -> tuple[int, ...] | None:
     """Every host's device batch `k`; None under 'auto' (the hosts choose at start)."""
@@ -154,6 +163,7 @@ class TrainConfig:
 
 
 AUTO = "auto"
+UPDATE_LAYOUTS = ("auto", "sliced", "whole")  # the sharded update's (hetjax.step.optimizer_layout)
 
 
 def parse_device_batch(value: int | str | tuple[int, ...] | list) -> tuple[int, ...] | str:

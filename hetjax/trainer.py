@@ -32,6 +32,7 @@ from hetjax.training.replica import Replica
 from hetjax.input import sources as sources_lib
 from hetjax import mesh as mesh_lib
 from hetjax.step import device_batch as device_batch_lib
+from hetjax.step import optimizer_layout as layout_lib
 from hetjax.step import sharding as sharding_lib
 from hetjax import step as step_lib
 from hetjax import task as task_lib
@@ -116,7 +117,12 @@ class Trainer:
     # replicas stay bit-identical on hosts that compile differently.
     self.sharded: sharding_lib.ShardedUpdate | None = None
     if not self.meshes.one_device:
-      self.sharded = sharding_lib.ShardedUpdate(optimizer, *self.reduction.shard_mesh, initial)
+      shard_mesh = self.reduction.shard_mesh
+      self.update_layout = layout_lib.for_hosts(optimizer, initial.params, initial.opt_state,
+                                                shard_mesh[0].devices.size, config.update_layout,
+                                                self.meshes)
+      self.sharded = sharding_lib.ShardedUpdate(optimizer, *shard_mesh, initial,
+                                                self.update_layout.layout)
       self.reduction.attach(self.sharded)
     self.local = step_lib.LocalProgram(
         task, optimizer, self.meshes, config.microbatch, config.precision,

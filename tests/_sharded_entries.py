@@ -61,7 +61,36 @@ def mixed_compilers_all(steps: int, check_every: int, rounds: int):
     tr.fit(rounds)
     out.append((None, tr.params()))
     tr.close()
-  return out
+  return out, unsharded_loop(steps)
+
+
+def unsharded_loop(steps: int):
+  """The negative control: the same mlp, optimizer and batches trained by a plain
+  `jax.jit` loop on this host alone (each host updating its own replica, as before
+  the sharded update); returns the final parameters, which the hosts' compilers
+  make differ."""
+  import jax
+  import optax
+  task = zoo.build("mlp", kind="image", num_classes=10, hidden=(32,))
+  source = data.load("digits")
+  from hetjax.task import MASK
+  batch = {**source[np.arange(32)], MASK: np.ones(32, np.float32)}
+  optimizer = optimizers.make("adam", 0.003, clip_norm=1.0)
+  params, model_state = task.init(jax.random.key(0), batch)
+  opt_state = optimizer.init(params)
+
+  @jax.jit
+  def step(params, opt_state, i):
+    def loss(p):
+      losses, _, _ = task.loss(p, model_state, batch, jax.random.fold_in(jax.random.key(0), i))
+      return jnp_mean(losses)
+    updates, opt_state = optimizer.update(jax.grad(loss)(params), opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  jnp_mean = lambda losses: getattr(losses, "values", losses).mean()
+  for i in range(steps):
+    params, opt_state = step(params, opt_state, i)
+  return jax.tree.map(np.asarray, params)
 
 
 # ---- a checkpoint of the exactness matrix's 3 uneven hosts x 2 devices, resumed on 2 x 1 ----
@@ -97,15 +126,41 @@ def train_and_save(until: int, reduction: str, assignment, folder: str, resume: 
 # ---- the reduction program's collectives, on one process with several devices ----
 
 COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "collective-permute", "all-to-all")
+# (name, leaves, optimizer, precision, a device's sums overflow): fp32 rows with distinct
+# weights and counts; fp16 rows, finite and with one device's sum infinite; the whole layout.
+CASES = (("adam, 3 leaves", 3, "adam", "fp32", False),
+         ("adam, 12 leaves", 12, "adam", "fp32", False),
+         ("adam, fp16", 3, "adam", "fp16", False),
+         ("adam, fp16 overflow", 3, "adam", "fp16", True),
+         ("adafactor (whole)", 3, "adafactor", "fp32", False))
 
 
-def reduction_program(leaf_counts, devices: int = 4):
-  """Per leaf count: (collectives in the compiled sharded update by kind, the largest
-  difference of its new parameters, model state and loss from the unsplit rule's).
+def _plain_rule(optimizer, params, opt_state, model_state, parts, precision_scale):
+  """The update rule written with optax and numpy alone, from each device's sums:
+  sum(grad sums) / sum(weights), optax, sum(model-state sums) / sum(counts); an
+  fp16 sum that is not finite skips the update and halves the scale."""
+  import jax
+  import optax
+  total = lambda key: jax.tree.map(lambda *xs: np.sum(np.stack(xs), 0),
+                                   *[part[key] for part in parts])
+  grads, states = total("grads"), total("model_state")
+  weight = sum(part["weight"] for part in parts)
+  count = sum(part["count"] for part in parts)
+  finite = all(np.all(np.isfinite(x)) for x in jax.tree.leaves((grads, states)))
+  if precision_scale is not None and not finite:
+    return params, opt_state, model_state, precision_scale / 2
+  updates, opt_state = optimizer.update(jax.tree.map(lambda g: g / weight, grads), opt_state,
+                                        params)
+  return (optax.apply_updates(params, updates), opt_state,
+          jax.tree.map(lambda s: s / count, states), precision_scale)
 
-  A model of `leaf_count` parameter leaves and one model-state leaf; every
-  device's sums row drawn at random; adam. The unsplit rule (`apply_update`
-  on the rows' sum) is the oracle.
+
+def reduction_program(cases=CASES, devices: int = 4):
+  """Per case of `cases`: (collectives in the compiled sharded update by kind, the largest
+  difference of its new parameters, model state and optimizer state from `_plain_rule`'s,
+  the loss scale after the step, the layout).
+
+  Every device's sums drawn at random, weights and counts distinct per device.
   """
   import re
   import jax
@@ -121,24 +176,31 @@ def reduction_program(leaf_counts, devices: int = 4):
   mesh = Mesh(np.array(jax.devices()), ("d",))
   rng = np.random.default_rng(0)
   out = []
-  for leaves in leaf_counts:
+  for _, leaves, name, precision, overflow in cases:
     params = {f"w{i}": rng.normal(size=(3 + i, 5)).astype(np.float32) for i in range(leaves)}
+    params["b"] = rng.normal(size=5).astype(np.float32)
     model_state = {"mean": rng.normal(size=7).astype(np.float32)}
-    optimizer = optax.adam(1e-2)
-    state = step_lib.TrainState(np.int32(0), params, optimizer.init(params), model_state,
-                                jax.device_get(precision_lib.initial_scale("fp32")))
+    optimizer = (optax.adam(1e-2) if name == "adam" else
+                 optax.adafactor(1e-2, min_dim_size_to_factor=2))
+    scale = jax.device_get(precision_lib.initial_scale(precision))
+    state = step_lib.TrainState(np.int32(0), params, optimizer.init(params), model_state, scale)
     scalar = np.float32(0)
-    sums_like = Sums(params, scalar, scalar, scalar, {"accuracy": scalar}, model_state)
-    layout = Layout(packing.Packer(sums_like, dtype=jnp.float32), "fp32")
-    rows = [layout.sums.pack(Sums(
-        jax.tree.map(lambda p: rng.normal(size=p.shape).astype(np.float32), params),
-        np.float32(8), np.float32(8), np.float32(rng.uniform(1, 3)),
-        {"accuracy": np.float32(rng.uniform(0, 8))},
-        jax.tree.map(lambda s: 8 * rng.normal(size=s.shape).astype(np.float32), model_state))
-    )["float32"] for _ in range(devices)]
-    world = np.concatenate([np.stack(rows), np.ones((devices, 1)), rng.normal(size=(devices, 2))],
-                           axis=1).astype(np.float32)
-    update = sharding.ShardedUpdate(optimizer, mesh, "d", state)
+    layout = Layout(packing.Packer(Sums(params, scalar, scalar, scalar, {"accuracy": scalar},
+                                        model_state), dtype=jnp.float32), precision)
+    parts = [{"grads": jax.tree.map(lambda p: rng.normal(size=p.shape).astype(np.float32), params),
+              "weight": np.float32(rng.uniform(2, 9)), "count": np.float32(rng.integers(1, 9)),
+              "model_state": jax.tree.map(lambda s: 8 * rng.normal(size=s.shape).astype(np.float32),
+                                          model_state)} for _ in range(devices)]
+    if overflow:
+      parts[2]["grads"]["w0"][1, 1] = np.inf
+    rows = [layout.sums.pack(Sums(part["grads"], part["weight"], part["count"],
+                                  np.float32(rng.uniform(1, 3)),
+                                  {"accuracy": np.float32(rng.uniform(0, 8))},
+                                  part["model_state"]))["float32"] for part in parts]
+    world = np.concatenate([np.stack(rows), np.full((devices, 1), scale.scale),
+                            rng.normal(size=(devices, 2))], axis=1).astype(np.float32)
+    layout_name = "whole" if name == "adafactor" else "sliced"
+    update = sharding.ShardedUpdate(optimizer, mesh, "d", state, layout_name)
     program = jax.jit(lambda w, s: update.reduce_update(w, s, layout))
     laid = jax.device_put(world, NamedSharding(mesh, P("d")))
     shards = update.split(state)
@@ -147,14 +209,12 @@ def reduction_program(leaf_counts, devices: int = 4):
               if (n := len(re.findall(rf"= [^=]*\b{k}(-start)?\(", text)))}
     new, _, stats, host_rows, _ = program(laid, shards)
     new = jax.device_get(update.join(new))
-    expected, _ = step_lib.apply_update(optimizer, jax.tree.map(jnp.asarray, state),
-                                        jnp.asarray(world[:, :layout.row_size].sum(0)), layout)
-    expected_stats = step_lib.step_stats(jnp.asarray(world[:, :layout.row_size].sum(0)),
-                                         jnp.float32(1), layout)
+    fp16_scale = float(scale.scale) if precision == "fp16" else None
+    want_params, want_opt, want_state, want_scale = _plain_rule(
+        optimizer, params, optimizer.init(params), model_state, parts, fp16_scale)
     diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(
         jax.tree.leaves((new.params, new.model_state, new.opt_state)),
-        jax.tree.leaves((expected.params, expected.model_state, expected.opt_state))))
-    diff = max(diff, *(abs(float(stats[k]) - float(expected_stats[k])) for k in expected_stats))
+        jax.tree.leaves((want_params, want_state, want_opt)), strict=True))
     assert np.array_equal(np.asarray(host_rows)[:, 1:], world[:, -2:])
-    out.append((counts, diff))
+    out.append((counts, diff, float(new.loss_scale.scale), want_scale, layout_name))
   return out

@@ -5,7 +5,9 @@
    generation; emulation) train adam with a clipped global norm for 300
    steps, checking agreement every 50: with per-host updates the check
    failed at step 50 (measured before this change); now every check passes
-   and the final parameters are bit-identical. Both reduction backends.
+   and the final parameters are bit-identical. Both reduction backends. The
+   negative control: the same training as a plain `jax.jit` loop on each
+   host alone ends with parameters that differ between the hosts.
 2. 1 host x 1 device (the fused update) and 3 hosts x 2 devices (sharded,
    device backend; an uneven, then a balanced split, device batches 4, 2,
    1) reach an independent oracle (plain `jax.grad` +
@@ -39,8 +41,13 @@ MIXED = {0: {"XLA_FLAGS": ""}, 1: {"XLA_FLAGS": "--xla_backend_optimization_leve
 
 def test_hosts_compiled_differently_keep_identical_replicas():
   """Sync on both backends (300 steps, checks every 50); hybrid's and elastic's centres."""
-  results = run_hosts("_sharded_entries:mixed_compilers_all", hosts=2, args=(300, 50, 25),
-                      host_env=MIXED, timeout_s=900)
+  hosts = run_hosts("_sharded_entries:mixed_compilers_all", hosts=2, args=(300, 50, 25),
+                    host_env=MIXED, timeout_s=900)
+  # The negative control: updating its own replica, each host ends elsewhere.
+  (_, control0), (_, control1) = hosts
+  assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(control0),
+                                                       jax.tree.leaves(control1), strict=True))
+  results = [runs for runs, _ in hosts]
   runs = list(ent.BACKENDS) + [f"{mode} ({backend})" for mode, backend in ent.ROUND_MODES]
   assert len(results[0]) == len(runs)
   for run, (host0, host1) in zip(runs, zip(*results)):
@@ -97,12 +104,16 @@ def test_the_optimizer_state_is_split_over_every_device(runs):
   assert one["transformer"][3][2]["split_over"] == 1 and "split" not in one["transformer"][3][2]
 
 
-def test_a_factored_optimizer_is_refused_before_anything_runs():
+def test_a_factored_optimizer_is_refused_under_the_sliced_layout_only():
+  """Asked for slices, adafactor is refused before anything compiles, naming why and
+  what to do; left to choose, it gets whole leaves."""
+  from hetjax.step import optimizer_layout
   params = {"w": jax.ShapeDtypeStruct((6, 4), jnp.float32)}
   opt = optax.adafactor(1e-3, min_dim_size_to_factor=2)
   like = jax.eval_shape(opt.init, params)
-  with pytest.raises(ValueError, match="element-wise"):
-    sharding._split_opt_leaves(opt, params, like, 2)
+  with pytest.raises(ValueError, match="not element-wise.*'auto' or 'whole'"):
+    optimizer_layout.choose(opt, params, like, 2, "sliced")
+  assert optimizer_layout.choose(opt, params, like, 2).layout == "whole"
 
 
 def test_split_and_join_round_trip():
@@ -115,10 +126,20 @@ def test_split_and_join_round_trip():
 def test_the_sharded_update_makes_three_collectives_whatever_the_leaves_and_follows_the_rule():
   """One reduce-scatter of the laid-out sums, one small all-gather (scalars and host
   vectors), one all-gather of the new slices: 3 or 12 leaves alike (GSPMD's own
-  split made 24 for the digits mlp). The result is the unsplit rule's on the summed
-  rows (adam, 4 devices)."""
+  split made 24 for the digits mlp). The result is the rule's, written with optax and
+  numpy alone, on rows whose weights and counts differ from device to device; fp16
+  skips the update and halves the scale when one device's sum is infinite; the whole
+  layout (adafactor) adds the gathers of what the slices hold (4 devices)."""
   results = run_hosts("_sharded_entries:reduction_program", hosts=1, devices_per_host=4,
-                      args=((3, 12),), timeout_s=300)[0]
-  for counts, diff in results:
-    assert counts == {"reduce-scatter": 1, "all-gather": 2}, counts
-    assert diff < 1e-5, diff
+                      timeout_s=300)[0]
+  for case, (counts, diff, scale, want_scale, layout) in zip(ent.CASES, results, strict=True):
+    name, _, _, precision, overflow = case
+    if layout == "sliced":
+      # fp16 adds one tiny all-reduce: whether any device's summed slice overflowed.
+      extra = {"all-reduce": 1} if precision == "fp16" else {}
+      assert counts == {"reduce-scatter": 1, "all-gather": 2, **extra}, (name, counts)
+    else:  # Plus what the slices hold, gathered per dtype (float32; int32 for the counts).
+      assert counts == {"reduce-scatter": 1, "all-gather": 4}, (name, counts)
+    assert diff < 1e-5, (name, diff)
+    if precision == "fp16":
+      assert scale == want_scale == (2.0 ** 14 if overflow else 2.0 ** 15), (name, scale)

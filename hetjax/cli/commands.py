@@ -95,6 +95,10 @@ def _parser() -> argparse.ArgumentParser:
                  help="the share of a device's memory --device-batch auto may fill")
   t.add_argument("--reduction", default="device", choices=("device", "host"),
                  help="cross-host reduction backend")
+  t.add_argument("--update-layout", default="auto", choices=config_lib.UPDATE_LAYOUTS,
+                 help="the sharded update's optimizer layout: auto (probe: slices for an "
+                      "element-wise optimizer, whole leaves otherwise), whole, or sliced "
+                      "(refuse an optimizer that needs whole leaves)")
   t.add_argument("--out", default="runs/latest",
                  help="folder for summary.json, metrics.jsonl and tensorboard/ (host 0)")
   t.add_argument("--wandb", default=None, metavar="PROJECT",
@@ -227,6 +231,7 @@ def _train_config(args: argparse.Namespace) -> config_lib.TrainConfig:
       precision=args.precision, watchdog_s=args.watchdog,
       device_batch=config_lib.parse_device_batch(args.device_batch),
       device_batch_memory_fraction=args.device_batch_memory_fraction,
+      update_layout=args.update_layout,
       augment="none" if args.image_size is not None else args.augment)  # Else the recipe's.
 
 

@@ -2,11 +2,11 @@
 
 Hosts whose accelerators differ compile the same update differently (fusions,
 reduction tilings, matmul precision), so replicas that each host updates
-itself drift apart bit by bit (issue 25). Here every parameter, model-state
-and optimizer-state leaf is flattened, zero-padded to a multiple of the
-shard mesh's size `S` and held as an `[S, c]` array split over that mesh:
-device `i` holds row `i` of every leaf and is the only one to update it.
-The step's sums reach it by one reduce-scatter (device `i` receives only the
+itself drift apart bit by bit. Here every parameter, model-state and
+optimizer-state leaf is flattened, zero-padded to a multiple of the shard
+mesh's size `S` and held as an `[S, c]` array split over that mesh: device
+`i` holds row `i` of every leaf and is the only one to update it. The
+step's sums reach it by one reduce-scatter (device `i` receives only the
 summed row `i` of every leaf); the new parameters and model state are then
 all-gathered (an explicit `all_gather`, so no device recomputes another's
 slice: one per dtype, the leaves side by side) and packed into one buffer
@@ -16,14 +16,21 @@ needs itself: clipping's global norm), where letting GSPMD split the summed
 row and gather leaf by leaf made 24 for the digits mlp and 30 for the cnn
 (`bench/multihost_step.py`).
 
-The optax update runs under GSPMD on the split leaves, so per-leaf
-structure survives: masks, `clip_by_global_norm` (its norm becomes an
-all-reduce of per-slice partial sums) and per-leaf norms keep working, and
-zero padding adds nothing to any sum. Optimizer-state leaves must be
-element-wise (the shape of their parameter) or scalars (a step count,
-an injected learning rate: kept replicated, as every device computes the
-same integer or the same schedule value); a factored optimizer (adafactor)
-would factor `[S, c]` instead of the real shape and is refused.
+The optimizer must compute what it would on one device, whatever it is
+(`hetjax.step.optimizer_layout` chooses, by probing it at start):
+- **sliced** (element-wise optimizers: sgd, adam, lion, lamb, clipping,
+  masks and labels by ndim): the optax update runs under GSPMD on the slices,
+  each seen flat with its real leaf's ndim (`optimizer_layout.view`), so
+  per-leaf structure survives: masks, `clip_by_global_norm` (its norm an
+  all-reduce of per-slice partial sums), per-leaf norms; zero padding adds
+  nothing to any sum. Scalar state (a step count, an injected learning
+  rate) is kept replicated.
+- **whole** (adafactor, Muon, Shampoo-like, shape-dependent masks, anything
+  the probe tells apart): the slices of the gradients, parameters and state
+  are gathered (one all-gather per dtype), the update runs on the real
+  leaves on every device, and each device keeps its own slice of the result:
+  still the only copy gathered into every replica. Every state leaf,
+  scalars too, is split, so each value has one owner.
 
 The optimizer state then costs `1/S` of its unsplit bytes per device
 (`memory_per_device`). The device reduction shards over the world mesh
@@ -43,9 +50,11 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from hetjax import mesh as mesh_lib
+from hetjax.step import optimizer_layout as layout_lib
 from hetjax.step import packing
 from hetjax.step import precision as precision_lib
 from hetjax.step import update as update_lib
+from hetjax.step.optimizer_layout import columns, join_leaf, split_leaf  # noqa: F401
 from hetjax.step.state import Layout, Sums
 
 PyTree = Any
@@ -61,58 +70,27 @@ class Shards(NamedTuple):
   loss_scale: precision_lib.LossScale    # replicated
 
 
-def columns(size: int, shards: int) -> int:
-  """The row length `c` of a leaf of `size` values split `shards` ways (at least 1)."""
-  return max(1, -(-size // shards))
-
-
-def split_leaf(x: jax.Array, shards: int) -> jax.Array:
-  """`x` flattened, zero-padded and laid out `[shards, c]` (traced)."""
-  flat = jnp.ravel(x)
-  c = columns(flat.size, shards)
-  return jnp.pad(flat, (0, shards * c - flat.size)).reshape(shards, c)
-
-
-def join_leaf(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-  """`split_leaf` undone: the first `prod(shape)` values in `shape` (traced)."""
-  return jnp.ravel(x)[:math.prod(shape)].reshape(shape)
-
-
 def _abstract(tree: PyTree) -> PyTree:
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
 
 
-def _split_opt_leaves(optimizer: optax.GradientTransformation, params: PyTree,
-                      opt_state: PyTree, shards: int) -> list[bool]:
-  """For each optimizer-state leaf: True when it is split, False when a replicated scalar.
+def opt_kinds(optimizer: optax.GradientTransformation, params: PyTree, opt_state: PyTree,
+              shards: int, layout: str) -> list[bool]:
+  """Per optimizer-state leaf: True when it is split `[S, c]`, False when a replicated scalar.
+
+  The whole layout splits every leaf, scalars too, so every value of the
+  state has one owner.
 
   Raises:
-    ValueError: a leaf that is neither element-wise nor a scalar (a factored
-      optimizer), before anything compiles.
+    ValueError: the sliced layout for a state that is not element-wise.
   """
-  split_params = jax.tree.map(
-      lambda p: jax.ShapeDtypeStruct((shards, columns(math.prod(p.shape), shards)), p.dtype),
-      params)
-  split_state = jax.eval_shape(optimizer.init, split_params)
-  full, treedef = jax.tree.flatten(opt_state)
-  split, split_def = jax.tree.flatten(split_state)
-  if treedef != split_def:
-    raise ValueError("the optimizer state's structure depends on the parameters' shapes; the "
-                     "sharded update needs an element-wise optimizer (sgd, momentum, adam, "
-                     "adamw, ...), not a factored one such as adafactor.")
-  kinds = []
-  for f, s in zip(full, split):
-    if np.shape(f) == () and s.shape == ():
-      kinds.append(False)
-    elif s.shape == (shards, columns(math.prod(np.shape(f)), shards)) and np.ndim(f) > 0:
-      kinds.append(True)
-    else:
-      raise ValueError(
-          f"an optimizer-state leaf of shape {tuple(np.shape(f))} becomes {s.shape} when the "
-          f"parameters are split {shards} ways: the optimizer keeps state that is not "
-          "element-wise (a factored optimizer such as adafactor?). The sharded update splits "
-          "every leaf across devices; use an element-wise optimizer (sgd, momentum, adam, "
-          "adamw, ...), or train on one device.")
+  if layout == "whole":
+    return [True] * len(jax.tree.leaves(opt_state))
+  kinds = layout_lib.sliced_kinds(optimizer, params, opt_state, shards)
+  if kinds is None:
+    raise ValueError("the optimizer state is not element-wise (a factored optimizer such as "
+                     "adafactor): its slices cannot be updated on their own; the update must "
+                     "see whole leaves (update layout 'whole').")
   return kinds
 
 
@@ -125,15 +103,19 @@ class ShardedUpdate:
     axis: its axis name.
     like: the train state (a `hetjax.step.TrainState`, arrays or shapes),
       unsplit: fixes shapes, dtypes and which optimizer leaves are split.
+    layout: 'sliced' (the optax update runs on the slices: element-wise
+      optimizers) or 'whole' (on the real leaves, each device keeping its
+      slice of the result: any optimizer); `optimizer_layout.choose` picks.
   """
 
-  def __init__(self, optimizer: optax.GradientTransformation, mesh: Mesh, axis: str, like: Any):
-    self.optimizer, self.mesh, self.axis = optimizer, mesh, axis
+  def __init__(self, optimizer: optax.GradientTransformation, mesh: Mesh, axis: str, like: Any,
+               layout: str = "sliced"):
+    self.optimizer, self.mesh, self.axis, self.layout = optimizer, mesh, axis, layout
     self.size = mesh.devices.size
     self._state_type = type(like)
     self.like = _abstract(like)
-    self._opt_split = _split_opt_leaves(optimizer, self.like.params, self.like.opt_state,
-                                        self.size)
+    self._opt_split = opt_kinds(optimizer, self.like.params, self.like.opt_state, self.size,
+                                layout)
     split = NamedSharding(mesh, P(axis))
     self.replicated = NamedSharding(mesh, P())
     opt_def = jax.tree.structure(self.like.opt_state)
@@ -280,11 +262,83 @@ class ShardedUpdate:
     totals = Sums(grads, weight, count, loss, metrics, model_state)
     # fp16: some slice's or scalar's sum not finite, found wherever it lies.
     overflow = update_lib.overflowed(mine, layout) | update_lib.overflowed(small[:, :m], layout)
-    new, lr = update_lib.optimizer_step(self.optimizer, shards, totals, overflow, layout)
+    if self.layout == "whole":
+      new, lr = self._whole_step(shards, totals, overflow, layout)
+    else:
+      new, lr = self._sliced_step(shards, totals, overflow, layout)
     new = jax.lax.with_sharding_constraint(new, self.shardings)
     rows = small[:, m:]
     stats = update_lib.stats_of(totals, overflow, rows[0, 0], layout)
     return new, self._gathered_replica(new), stats, rows, lr
+
+
+  def _sliced_step(self, shards: Shards, totals: Sums, overflow: jax.Array, layout: Layout
+                   ) -> tuple[Shards, jax.Array]:
+    """The update rule on the slices, each seen with its real leaf's ndim
+    (`optimizer_layout.view`), so masks and labels by ndim choose as on one device."""
+    like, size = self.like, self.size
+    see = lambda tree, shapes: jax.tree.map(lambda x, s: layout_lib.view(x, s.shape), tree, shapes)
+    back = lambda tree: jax.tree.map(lambda x: layout_lib.unview(x, size), tree)
+    leaves, opt_def = jax.tree.flatten(shards.opt_state)
+    opt = [layout_lib.view(x, s.shape) if split else x
+           for x, s, split in zip(leaves, jax.tree.leaves(like.opt_state), self._opt_split)]
+    seen = shards._replace(params=see(shards.params, like.params),
+                           opt_state=jax.tree.unflatten(opt_def, opt),
+                           model_state=see(shards.model_state, like.model_state))
+    totals = totals._replace(grads=see(totals.grads, like.params),
+                             model_state=see(totals.model_state, like.model_state))
+    new, lr = update_lib.optimizer_step(self.optimizer, seen, totals, overflow, layout)
+    leaves = jax.tree.leaves(new.opt_state)
+    opt = [layout_lib.unview(x, size) if split else x for x, split in zip(leaves, self._opt_split)]
+    return new._replace(params=back(new.params), opt_state=jax.tree.unflatten(opt_def, opt),
+                        model_state=back(new.model_state)), lr
+
+  def _whole_step(self, shards: Shards, totals: Sums, overflow: jax.Array, layout: Layout
+                  ) -> tuple[Shards, jax.Array]:
+    """The update rule on the real leaves: what the slices hold gathered (one all-gather
+    per dtype), the optax update on every device, each device's slice of the result kept.
+
+    Any optimizer sees the shapes it would on one device; the kept slices are
+    then the only copies, gathered into every replica as the sliced layout's.
+    Spelled out per device (`shard_map`), so GSPMD adds no collectives of its
+    own to partition the optimizer (it made 17 for adafactor on 4 devices).
+    """
+    like, size, axis = self.like, self.size, self.axis
+    join = lambda tree, shapes: jax.tree.map(lambda x, s: join_leaf(x, s.shape), tree, shapes)
+
+    def per_device(rows, step, loss_scale, weight, count, overflow):
+      grads, sums_state, params, opt_state, model_state = _all_gather_rows(rows, axis)
+      whole = self._state_type(step, join(params, like.params), join(opt_state, like.opt_state),
+                               join(model_state, like.model_state), loss_scale)
+      sums = Sums(join(grads, like.params), weight, count, jnp.float32(0), {},
+                  join(sums_state, like.model_state))
+      new, lr = update_lib.optimizer_step(self.optimizer, whole, sums, overflow, layout)
+      mine = lambda x: jax.lax.dynamic_slice_in_dim(split_leaf(x, size),
+                                                    jax.lax.axis_index(axis), 1)
+      own = jax.tree.map(mine, (new.params, new.opt_state, new.model_state))
+      return own, new.step, new.loss_scale, lr
+
+    rows = (totals.grads, totals.model_state, shards.params, shards.opt_state,
+            shards.model_state)
+    (params, opt_state, model_state), step, loss_scale, lr = jax.shard_map(
+        per_device, mesh=self.mesh, in_specs=(P(axis), P(), P(), P(), P(), P()),
+        out_specs=(P(axis), P(), P(), P()),
+        # Replicated outputs are computed alike on every device from replicated inputs.
+        check_vma=False)(rows, shards.step, shards.loss_scale, totals.weight, totals.count,
+                         overflow)
+    return Shards(step, params, opt_state, model_state, loss_scale), lr
+
+
+def _all_gather_rows(tree: PyTree, axis: str) -> PyTree:
+  """Inside a `shard_map`: every leaf's `[1, c]` row from every device, `[S, c]`, in
+  one all-gather per dtype (the leaves side by side)."""
+  leaves, treedef = jax.tree.flatten(tree)
+  if not leaves:
+    return tree
+  rows = packing.Packer([jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in leaves])
+  gathered = {g: jax.lax.all_gather(x, axis, tiled=True)
+              for g, x in rows.pack(leaves, batch_dims=1).items()}
+  return jax.tree.unflatten(treedef, rows.unpack(gathered, batch_dims=1))
 
 
 def gather_rows(tree: PyTree, mesh: Mesh, axis: str) -> PyTree:
@@ -295,17 +349,13 @@ def gather_rows(tree: PyTree, mesh: Mesh, axis: str) -> PyTree:
   one collective whatever the number of leaves, where one per leaf would
   cost a ResNet-50 hundreds of collectives a step.
   """
-  leaves, treedef = jax.tree.flatten(tree)
-  if not leaves:
+  if not jax.tree.leaves(tree):
     return tree
-  rows = packing.Packer([jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in leaves])
-  gathered = jax.shard_map(
-      lambda packed: {g: jax.lax.all_gather(x, axis, tiled=True) for g, x in packed.items()},
-      mesh=mesh, in_specs=P(axis), out_specs=P(),
+  return jax.shard_map(
+      lambda rows: _all_gather_rows(rows, axis), mesh=mesh, in_specs=P(axis), out_specs=P(),
       # An all-gather's result is the same on every device; the check cannot
       # infer it (jax.lax.all_gather_invariant is not public in this JAX).
-      check_vma=False)(rows.pack(leaves, batch_dims=1))
-  return jax.tree.unflatten(treedef, rows.unpack(gathered, batch_dims=1))
+      check_vma=False)(tree)
 
 
 def split_tree(tree: PyTree, mesh: Mesh, axis: str, keep: PyTree = None) -> PyTree:
@@ -336,7 +386,7 @@ def scalar_leaves(optimizer: optax.GradientTransformation, params: PyTree, opt_s
                   shards: int) -> PyTree:
   """A tree like `opt_state`: True for the scalars a split update keeps whole
   (raises for a factored optimizer, as `ShardedUpdate` does)."""
-  split = _split_opt_leaves(optimizer, _abstract(params), _abstract(opt_state), shards)
+  split = opt_kinds(optimizer, _abstract(params), _abstract(opt_state), shards, "sliced")
   return jax.tree.unflatten(jax.tree.structure(opt_state), [not s for s in split])
 
 
@@ -347,7 +397,7 @@ def tree_bytes(tree: PyTree) -> int:
 
 
 def memory_per_device(like: Any, shards: int, optimizer: optax.GradientTransformation | None
-                      = None) -> dict[str, dict[str, int]]:
+                      = None, layout: str = "sliced") -> dict[str, dict[str, int]]:
   """Each device's bytes of parameters, optimizer state and gradients, unsplit and split.
 
   From the arrays' sizes: `unsplit` is every device holding the whole state
@@ -355,17 +405,20 @@ def memory_per_device(like: Any, shards: int, optimizer: optax.GradientTransform
   Under the split update each device holds the whole parameters (the local
   programs need them) plus its slice of the master parameters, its slice of
   the optimizer state, and its own gradient sums row (float32, whole: the
-  reduction splits it).
+  reduction splits it). The whole layout also gathers, for the length of
+  the update only, the whole gradients and optimizer state (`transient`).
   """
   like = _abstract(like)
   params, opt, grads = tree_bytes(like.params), tree_bytes(like.opt_state), 4 * sum(
       math.prod(x.shape) for x in jax.tree.leaves(like.params))
   out = {"unsplit": {"params": params, "opt_state": opt, "grads": grads}}
   if shards > 1 and optimizer is not None:
-    kinds = _split_opt_leaves(optimizer, like.params, like.opt_state, shards)
+    kinds = opt_kinds(optimizer, like.params, like.opt_state, shards, layout)
     split_bytes = lambda x: columns(math.prod(x.shape), shards) * jnp.dtype(x.dtype).itemsize
     opt_split = sum(split_bytes(x) if s else tree_bytes(x)
                     for x, s in zip(jax.tree.leaves(like.opt_state), kinds))
     master = sum(split_bytes(x) for x in jax.tree.leaves(like.params))
     out["split"] = {"params": params + master, "opt_state": int(opt_split), "grads": grads}
+    if layout == "whole":
+      out["split"]["transient"] = params + opt + grads
   return out

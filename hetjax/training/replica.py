@@ -157,6 +157,7 @@ class Replica:
       else:
         where = "devices" if reduction == "device" else "host CPUs (one per host)"
         self._memory = {"split_over": self.sharded.size, "where": where,
+                        "update_layout": self.sharded.layout,
                         **sharding_lib.memory_per_device(self.sharded.like, self.sharded.size,
-                                                         optimizer)}
+                                                         optimizer, self.sharded.layout)}
     return self._memory
