@@ -10,12 +10,16 @@ adafactor factors `[S, c]`, Muon orthogonalises the slices. For those the
 update runs on the real leaves ("whole"), and each device keeps its slice
 of the result.
 
-Which one an optimizer needs is found by running it, before any training
-program compiles: `PROBE_STEPS` updates on stand-ins with the run's real
-shapes, once laid out as the leaves and once as the slices, compared. A
-transformation the probe cannot tell apart from an element-wise one on
-those steps computes the same on the slices, up to float order; one it can
-tell apart gets the whole layout. The probe runs on this host's CPU.
+Which one an optimizer needs is found before any training program
+compiles. First from its traced program (`hetjax.step.elementwise`): one
+made of element-wise operations only, the same on both layouts, computes
+alike on slices (sgd, momentum, adam, adamw with a mask by ndim, lion,
+rmsprop; tracing only). Otherwise by running it (`probe`): `PROBE_STEPS`
+updates on stand-ins of the run's real shapes, once laid out as the leaves
+and once as the slices, compared; a transformation the probe cannot tell
+apart on those steps (clipping by the global norm, lamb) computes the same
+on the slices up to float order, one it can tell apart gets the whole
+layout. The probe runs on this host's CPU.
 """
 
 from __future__ import annotations
@@ -30,11 +34,12 @@ import numpy as np
 import optax
 
 from hetjax.config import UPDATE_LAYOUTS
+from hetjax.step import elementwise
 
 PyTree = Any
 
 LAYOUTS = UPDATE_LAYOUTS
-PROBE_STEPS = 4
+PROBE_STEPS = 3
 # The largest relative difference (of a leaf's update, against its largest
 # value) that float order may cause between the two layouts: clipping by the
 # global norm sums in another order (~1e-7 measured). Stand-in parameters are
@@ -42,6 +47,10 @@ PROBE_STEPS = 4
 # leaves still differs by 1e-5 of an sgd update.
 TOLERANCE = 1e-5
 _PARAM_SCALE = 10.0
+# Below this many parameters the probe compiles with XLA's cheap passes (an mlp's
+# 0.7 -> 0.1 s); above, with its defaults, whose code runs a ResNet-50's probe
+# many times faster than the cheap passes' (bench/optimizer_memory.py).
+_SMALL = 2 ** 20
 _CHEAP = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
           "xla_cpu_use_fusion_emitters": False, "xla_cpu_parallel_codegen_split_count": 1}
 
@@ -101,10 +110,8 @@ def sliced_kinds(optimizer: optax.GradientTransformation, params: PyTree, opt_st
 
   From shapes alone (`jax.eval_shape`): nothing runs.
   """
-  split_params = jax.tree.map(lambda p: jax.ShapeDtypeStruct(
-      view_shape(tuple(p.shape), shards), p.dtype), params)
   try:
-    split_state = jax.eval_shape(optimizer.init, split_params)
+    split_state = jax.eval_shape(optimizer.init, _view_shapes(params, shards))
   except Exception:  # An optimizer that cannot even start on matrices of slices.
     return None
   full, treedef = jax.tree.flatten(opt_state)
@@ -122,25 +129,35 @@ def sliced_kinds(optimizer: optax.GradientTransformation, params: PyTree, opt_st
   return kinds
 
 
-def _stand_ins(params: PyTree, steps: int) -> tuple[PyTree, PyTree]:
-  """Parameters and `steps` gradients of the real shapes, fixed values (every host alike)."""
+def _shapes(tree: PyTree) -> PyTree:
+  return jax.tree.map(lambda p: jax.ShapeDtypeStruct(tuple(np.shape(p)), p.dtype), tree)
+
+
+def _view_shapes(params: PyTree, shards: int) -> PyTree:
+  return jax.tree.map(lambda p: jax.ShapeDtypeStruct(
+      view_shape(tuple(np.shape(p)), shards), p.dtype), params)
+
+
+def _stand_ins(params: PyTree) -> tuple[PyTree, PyTree]:
+  """Parameters and a gradient of the real shapes, fixed values (every host alike)."""
   rng = np.random.default_rng(0)
-  draw = lambda p, scale, lead=(): (scale * rng.standard_normal(lead + tuple(p.shape))
-                                    ).astype(p.dtype)
+  draw = lambda p, scale: (scale * rng.standard_normal(tuple(p.shape))).astype(p.dtype)
   return (jax.tree.map(lambda p: draw(p, _PARAM_SCALE), params),
-          jax.tree.map(lambda p: draw(p, 1.0, (steps,)), params))
+          jax.tree.map(lambda p: draw(p, 1.0), params))
 
 
-def _updates(optimizer: optax.GradientTransformation, params: PyTree, grads: PyTree,
+def _updates(optimizer: optax.GradientTransformation, params: PyTree, grad: PyTree,
              lay, unlay) -> PyTree:
-  """Every step's updates (stacked, in the real shapes) with the leaves laid out by `lay`."""
-  def step(carry, g):
+  """`PROBE_STEPS` steps' updates (stacked, in the real shapes) with the leaves laid out
+  by `lay`; step `i`'s gradient is `grad` times `1 - i / 2`, so its sign and size change."""
+  def step(carry, factor):
     p, s = carry
-    u, s = optimizer.update(jax.tree.map(lay, g), s, p)
+    u, s = optimizer.update(jax.tree.map(lambda g: lay(g * factor.astype(g.dtype)), grad), s, p)
     return (optax.apply_updates(p, u), s), jax.tree.map(unlay, u, params)
 
   laid = jax.tree.map(lay, params)
-  return jax.lax.scan(step, (laid, optimizer.init(laid)), grads)[1]
+  factors = 1.0 - jnp.arange(PROBE_STEPS, dtype=jnp.float32) / 2
+  return jax.lax.scan(step, (laid, optimizer.init(laid)), factors)[1]
 
 
 def probe(optimizer: optax.GradientTransformation, params: PyTree, shards: int
@@ -151,7 +168,7 @@ def probe(optimizer: optax.GradientTransformation, params: PyTree, shards: int
   ('every leaf', inf).
   """
   params = jax.tree.map(lambda p: jax.ShapeDtypeStruct(np.shape(p), p.dtype), params)
-  values, grads = _stand_ins(params, PROBE_STEPS)
+  values, grads = _stand_ins(params)
 
   def both(values, grads):
     real = _updates(optimizer, values, grads, lambda x: x, lambda x, like: x)
@@ -165,8 +182,10 @@ def probe(optimizer: optax.GradientTransformation, params: PyTree, shards: int
 
   cpu = jax.local_devices(backend="cpu")[0]
   with jax.default_device(cpu):
-    # Compiled cheaply: the probe runs once, on stand-ins (0.7 -> 0.1 s for a small mlp).
-    probe_program = jax.jit(both).lower(values, grads).compile(compiler_options=_CHEAP)
+    # A small model's probe is mostly compile time, a large one's mostly run time.
+    small = sum(math.prod(np.shape(p)) for p in jax.tree.leaves(params)) < _SMALL
+    probe_program = jax.jit(both).lower(values, grads).compile(
+        compiler_options=_CHEAP if small else None)
     gaps = jax.device_get(probe_program(values, grads))
   named = [(jax.tree_util.keystr(path), g) for path, g in
            jax.tree_util.tree_flatten_with_path(gaps)[0]]
@@ -202,10 +221,12 @@ def choose(optimizer: optax.GradientTransformation, params: PyTree, opt_state: P
     found = ("its state is not element-wise (a factored optimizer such as adafactor, a "
              "matrix-wise one such as Muon, or labels by shape keep state shaped by the "
              "leaves' dimensions)")
+  elif elementwise.same_elementwise(optimizer, _shapes(params), _view_shapes(params, shards)):
+    return Choice("sliced", "the optimizer is element-wise (read from its program)")
   else:
     gap = probe(optimizer, params, shards)
     if gap is None:
-      return Choice("sliced", "the optimizer is element-wise (probed)")
+      return Choice("sliced", "the optimizer computes alike on slices (probed)")
     leaf, by = gap
     found = (f"its updates depend on the leaves' shapes (leaf {leaf} differs by {by:.2g} of "
              "its update on slices: a mask or label by ndim or shape, or a matrix-wise update "
