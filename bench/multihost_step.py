@@ -3,7 +3,7 @@
 Run from the repository root (a few minutes):
 
   .venv/bin/python bench/multihost_step.py [--models mlp,cnn] [--hosts 1,2,3] \
-      [--steps 40] [--repeats 3] [--reduction device|host]
+      [--steps 40] [--repeats 3] [--reduction device|host] [--optimizer adam|adafactor|muon]
 
 Each model trains with `Trainer.fit` on sklearn digits (adam, global batch
 32, one device per host, every host the same speed: no pacing) on 1, 2 and
@@ -15,6 +15,8 @@ hosts share the cores, so it mixes the collectives' cost with the hosts'
 contention (emulated hosts, not a network). The reduction program's
 collectives are counted in its optimized HLO (`--xla_dump_to` on host 0):
 the sharded update's reduce-scatter, its gathers, and any that XLA added.
+`--optimizer adafactor` or `muon` measures the sharded update's whole
+layout (the update on the real leaves; `hetjax.step.optimizer_layout`).
 The last line is one JSON object: per model and host count, ms per step,
 the ratio to 1 host and the collectives by kind.
 """
@@ -32,21 +34,34 @@ import sys
 import tempfile
 import time
 
+import optax
+
 KINDS = ("all-reduce", "reduce-scatter", "all-gather", "collective-permute", "all-to-all")
 
 
-def time_steps(model: str, steps: int, repeats: int, reduction: str) -> float:
+OPTIMIZERS = {"adam": lambda: hetjax_optimizers().make("adam", 1e-3),
+              "adafactor": lambda: optax.adafactor(1e-3),
+              "muon": lambda: optax.contrib.muon(1e-3)}
+
+
+def hetjax_optimizers():
+  from hetjax import optimizers
+  return optimizers
+
+
+def time_steps(model: str, steps: int, repeats: int, reduction: str,
+               optimizer: str = "adam") -> float:
   """On every host: ms per step of `Trainer.fit(steps)`, median of `repeats` fits (host 0's)."""
   import hetjax
   from hetjax import models as zoo
-  from hetjax import optimizers, trainer
+  from hetjax import trainer
   from hetjax.input import data
 
   hetjax.initialize()
   task = zoo.build(model, kind="image", num_classes=10)
   config = trainer.TrainConfig(global_batch=32, microbatch=32, seed=0, reduction=reduction,
                                balancer="equal")
-  tr = trainer.Trainer(task, optimizers.make("adam", 1e-3), data.load("digits"), config)
+  tr = trainer.Trainer(task, OPTIMIZERS[optimizer](), data.load("digits"), config)
   tr.fit(5)
   times = []
   for _ in range(repeats):
@@ -76,6 +91,7 @@ def main() -> None:
   parser.add_argument("--steps", type=int, default=40)
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--reduction", default="device", choices=("device", "host"))
+  parser.add_argument("--optimizer", default="adam", choices=tuple(OPTIMIZERS))
   args = parser.parse_args()
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   from hetjax import testing
@@ -89,7 +105,8 @@ def main() -> None:
         flags = os.environ.get("XLA_FLAGS", "")
         host_env = {0: {"XLA_FLAGS": f"{flags} --xla_dump_to={dump} --xla_dump_hlo_as_text"}}
         ms = testing.run_hosts("multihost_step:time_steps", hosts=hosts,
-                               args=(model, args.steps, args.repeats, args.reduction),
+                               args=(model, args.steps, args.repeats, args.reduction,
+                                     args.optimizer),
                                host_env=host_env, timeout_s=900)[0]
         collectives = count_collectives(dump)
       base = base or ms
