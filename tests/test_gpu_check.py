@@ -70,7 +70,7 @@ def test_the_run_imports_nothing_the_device_machine_lacks(smoke):
 
 def test_overhead_rows_in_both_precisions(smoke):
   rows = smoke[1]["sections"]["overhead"]["rows"]
-  assert set(rows) == {f"{m}/{p}" for m in ("mlp", "transformer") for p in ("fp32", "bf16")}
+  assert set(rows) == {"mlp/fp32", "mlp/bf16"}
   for row in rows.values():
     assert _positive(row["ratio"]) and _positive(row["plain_ms"]) and _positive(row["hetjax_ms"])
     assert math.isfinite(row["added_ms"]) and isinstance(row["meets_target"], bool)
@@ -95,6 +95,7 @@ def test_one_process_and_the_pairs_reach_the_same_parameters(smoke):
 
 def test_checkpoint_async_and_sync(smoke):
   s = smoke[1]["sections"]["checkpoint"]
+  assert s["model"] == "transformer"  # The smoke's token model: make_source's other path.
   for mode in ("async", "sync"):
     r = s[mode]
     assert r["saves"] >= 1 and _positive(r["step_s"]) and _positive(r["blocking_s"])
@@ -116,21 +117,25 @@ def test_device_batches_time_each_k_and_say_what_auto_picked(smoke):
 
 def test_precision_speedups_from_the_overhead_rows(smoke):
   speedup = smoke[1]["sections"]["precision"]["speedup"]
-  assert set(speedup) == {"mlp", "transformer"}
+  assert set(speedup) == {"mlp"}
   assert all(_positive(v) for r in speedup.values() for v in r.values())
 
 
 def test_a_run_killed_halfway_keeps_the_sections_it_finished(smoke, tmp_path):
   """Killed (SIGKILL, nothing to clean up) while its second section runs: the JSON holds
-  the first section's figures, the second one as running, and the earlier run's others."""
+  the first section's figures, the second one as running, and the earlier run's others.
+
+  The first section is precision (figures from the earlier run's overhead rows, no
+  compiles): the test pays for a start-up, not for a section's work.
+  """
   out, before, _ = smoke
   shutil.copy(out / "gpu_check.json", tmp_path / "gpu_check.json")
   run = subprocess.Popen([sys.executable, SCRIPT, "--smoke", "--out", str(tmp_path),
-                          "--sections", "checkpoint,device_batches"],
+                          "--sections", "precision,checkpoint"],
                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
   try:
     for line in run.stdout:
-      if line.startswith("== device_batches"):
+      if line.startswith("== checkpoint"):
         run.kill()
         break
   finally:
@@ -139,10 +144,10 @@ def test_a_run_killed_halfway_keeps_the_sections_it_finished(smoke, tmp_path):
   assert run.returncode == -signal.SIGKILL
   with open(tmp_path / "gpu_check.json") as f:
     after = json.load(f)
-  checkpoint = after["sections"]["checkpoint"]
-  assert checkpoint["status"] == "ok" and checkpoint["started"] > before["sections"][
-      "checkpoint"]["started"] and checkpoint["async"]["saves"] >= 1
-  assert after["sections"]["device_batches"]["status"] == "running"
+  precision = after["sections"]["precision"]
+  assert precision["status"] == "ok" and precision["speedup"]
+  assert precision["started"] > before["sections"]["precision"]["started"]  # This run's.
+  assert after["sections"]["checkpoint"]["status"] == "running"
   assert after["sections"]["overhead"] == before["sections"]["overhead"]
 
 
