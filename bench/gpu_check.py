@@ -1,46 +1,58 @@
 """Every GPU claim hetjax makes, measured in one command on whatever GPU is lent.
 
 On a GPU machine, from the repository root (no install step: the script puts
-the repository on `sys.path` and uses the JAX that machine has):
+the repository on `sys.path` and imports only hetjax, JAX, Flax, optax,
+orbax and numpy, which that machine's own Python has):
 
-  python3 bench/gpu_check.py --out DIR [--sections overhead,two_hosts] [--profile] [--plan]
+  python3 bench/gpu_check.py --out DIR [--budget S] [--sections ...] [--profile] [--plan]
 
 On this CPU, with tiny sizes, so the script cannot rot between GPU visits
 (tests/test_gpu_check.py runs it):
 
   .venv/bin/python bench/gpu_check.py --smoke --out DIR
 
-It prints the versions it found, then runs the sections below, writing
-`DIR/gpu_check.json` after every section (and after every model of the
-overhead section), so a run cut short keeps what it measured; a later run
-with `--sections` replaces only the sections it runs. It ends with one
-table. `--plan` prints each section's estimated GPU seconds and exits;
-`--profile` adds a `jax.profiler` trace of a few steps of both loops per
-overhead row (DIR/profile/MODEL-PRECISION), for whatever falls short.
-On a GPU the run starts no work after `--deadline-s` (330 s) and keeps
-each later section's planned time: a row or section that no longer fits is
-marked skipped, and `--sections` reruns it.
+It prints its plan (each section's estimated GPU seconds, compiles
+included), then runs the sections below, most valuable first, that fit in
+`--budget` seconds (default 360 on a GPU, none with `--smoke`; 0: none):
+a section runs only whole, except the overhead section, whose rows (a model
+in a precision) run as far as the budget goes. The clock keeps watch as
+well: a row or section that no longer fits once the run has fallen behind
+its plan is skipped. `DIR/gpu_check.json` is written (atomically) when each
+section starts and ends and after every overhead row, so a run killed
+halfway keeps what it finished; a later run with `--sections` replaces only
+the sections it runs. A section that fails, or that the platform refuses,
+is recorded with the exception's type and message, and the next one runs.
+It ends with one table. `--plan` prints the plan and exits; `--profile`
+adds a `jax.profiler` trace of a few steps of both loops per overhead row
+(DIR/profile/MODEL-PRECISION), for whatever falls short.
 
-Sections:
+Sections, most valuable first:
   overhead        hetjax's `Trainer.fit` against a plain `jax.jit` loop
                   (`bench/overhead.py`'s loops: same model, batch, adam,
                   dtype, input path), per model in fp32 and bf16: the
                   throughput ratio and the ms hetjax adds to a step.
-  two_hosts       two processes sharing one GPU (each with its own
-                  XLA_PYTHON_CLIENT_MEM_FRACTION), `reduction="host"`, an
-                  uneven split, a few steps: the parameters against one
-                  process's (rtol 1e-5) and each process's step time.
-  checkpoint      the save call's share of a step, asynchronous (the
-                  device snapshot) against synchronous (`bench/checkpoint.py`).
-  device_batches  per-host micro-batches of several blocks (issue 27):
-                  `Trainer.fit` samples/s with `TrainConfig(device_batch=k)`
-                  for each k (1, 2, 4, 8 on resnet50), timed interleaved,
-                  as ratios over k = 1; then what `--device-batch auto`
-                  picks on this device (`hetjax.step.device_batch.choose`),
-                  with the memory it read and the per-block times it
-                  compared.
   precision       bf16 against fp32, per model, from the overhead rows (no
-                  GPU time of its own: run it with `overhead`).
+                  GPU time of its own).
+  two_hosts       two processes sharing the first GPU, each with its own
+                  part of the memory (no preallocation), an uneven split,
+                  a few steps of the sharded update, once per reduction
+                  backend: `host` (the update on each host's CPU, beside
+                  the GPU client) and `device` (NCCL's reduce-scatter and
+                  all-gather, which NCCL refuses with two ranks on one GPU:
+                  the refusal is recorded). Step ms per host, and whether
+                  the two replicas hold the same bits.
+  checkpoint      the save call's share of a step, asynchronous (the
+                  pinned-host snapshot) against synchronous
+                  (`bench/checkpoint.py`).
+  device_batches  one block per device against eight at once
+                  (`TrainConfig(device_batch=k)`): `Trainer.fit` samples/s,
+                  timed interleaved, as ratios over k = 1; then what
+                  `--device-batch auto` picks on this device
+                  (`hetjax.step.device_batch.choose`), with the memory it
+                  read and the per-block times it compared.
+  exactness       1 process x 1 device (this one) against the two_hosts
+                  pair (2 x 1, rerun here if two_hosts did not run):
+                  the same parameters up to float reduction order.
 """
 
 from __future__ import annotations
@@ -67,18 +79,30 @@ for _path in (_ROOT, _BENCH):  # hetjax from the source tree; bench/overhead.py 
 
 import numpy as np  # noqa: E402  (JAX is imported only once the environment is set)
 
-SECTIONS = ("overhead", "two_hosts", "checkpoint", "device_batches", "precision")
+# Most valuable first: the order they run in, and the order the budget serves them.
+SECTIONS = ("overhead", "precision", "two_hosts", "checkpoint", "device_batches", "exactness")
 PRECISIONS = ("fp32", "bf16")
+BACKENDS = ("host", "device")  # two_hosts runs the one every GPU pair can run first.
 RESULT_FILE = "gpu_check.json"
-GPU_DEADLINE_S = 330  # Issue 30: the whole check in under 6 minutes, compiles included.
+GPU_BUDGET_S = 360  # A GPU lent for minutes: the whole check in 6, compiles included.
 PROFILE_STEPS = 5  # Per loop, traced with `--profile` after the timed runs.
-TARGET_RATIO = 0.97  # For resnet18 and resnet50 (issue 30).
+TARGET_RATIO = 0.97  # For resnet18 and resnet50.
 TARGET_RATIO_MODELS = ("resnet18", "resnet50")
 TARGET_ADDED_MS = 1.0  # For every model.
 TWO_HOSTS_RTOL, TWO_HOSTS_ATOL = 1e-5, 1e-6
-_CHEAP_PASSES = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+# The test suite's cheap XLA:CPU passes (tests/conftest.py): the smoke run's
+# programs run a few steps on tiny inputs.
+_CHEAP_PASSES = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
+                 "--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1")
 MAIN_MEMORY_FRACTION = "0.5"  # Leaves room for the two_hosts processes beside this one.
-HOST_MEMORY_FRACTION = "0.2"  # Each two_hosts process.
+HOST_MEMORY_FRACTION = "0.2"  # Each two_hosts process: its part, grown as needed.
+# Words in an error that say the platform, not hetjax, refused (NCCL's two
+# ranks on one GPU; a process's memory part too small).
+REFUSALS = ("Duplicate GPU", "ncclInvalidUsage", "NCCL", "RESOURCE_EXHAUSTED", "out of memory",
+            "UNIMPLEMENTED")
+PAIR_TIMEOUT_MIN_S = 60  # A pair that NCCL leaves hanging is stopped, then recorded.
+
+
 @dataclasses.dataclass(frozen=True)
 class Size:
   """One model at one size: its data, batch and timed steps.
@@ -113,7 +137,7 @@ class DeviceBatches:
 
   size: Size
   microbatch: int
-  ks: tuple[int, ...] = (1, 2, 4, 8)
+  ks: tuple[int, ...] = (1, 8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,11 +150,11 @@ class Profile:
   two_hosts: TwoHosts
   checkpoint: Size
   checkpoint_every: int
+  device_batches: DeviceBatches
   startup_s: float  # Estimated: imports, backend start-up, the first transfers.
   process_s: float  # Estimated: one more process joining (imports, backend, cluster).
-  # The rows the ratio target applies to first: a deadline cuts the last ones.
-  default_models: tuple[str, ...] = ("resnet50", "resnet18", "transformer", "cnn", "mlp")
-  device_batches: DeviceBatches | None = None
+  # Overhead rows in this order, fp32 first: a budget cuts the last ones.
+  default_models: tuple[str, ...] = ("resnet50", "resnet18", "mlp")
 
 
 _IMAGENET = (224, 224, 3)
@@ -143,37 +167,42 @@ _GPU_MODELS = {
     "transformer": Size("transformer", (256,), 1024, 64, 20,
                         {"d_model": 512, "num_layers": 6, "num_heads": 8, "max_len": 256}, 10, 10.0),
 }
+# The default models fit the budget with every other section (`--plan`): the
+# two resnets the ratio target names, and the mlp, whose step is mostly
+# hetjax's own overhead. `--models` adds the transformer and the cnn.
 GPU = Profile(
     "gpu", _GPU_MODELS, repeats=7,
     two_hosts=TwoHosts(Size("resnet18", _CIFAR, 10, 128, 6,
                             {"width": 8, "stage_sizes": (1, 1, 1, 1)}, 6, 5.0),
                        microbatch=32, shares=(32, 96)),
+    # The overhead section's resnet50: its programs come from the compilation cache.
     checkpoint=dataclasses.replace(_GPU_MODELS["resnet50"], steps=24), checkpoint_every=6,
-    startup_s=20, process_s=10,
     # 8 blocks of 8 images: k = 8 runs the batch as one program, k = 1 as eight.
-    device_batches=DeviceBatches(dataclasses.replace(_GPU_MODELS["resnet50"], steps=5),
-                                 microbatch=8))
+    device_batches=DeviceBatches(dataclasses.replace(_GPU_MODELS["resnet18"], global_batch=64,
+                                                     steps=10, step_ms=12.0), microbatch=8),
+    startup_s=20, process_s=10)
 
 _TINY = (8, 8, 1)
 _SMOKE_MODELS = {
-    "mlp": Size("mlp", _TINY, 10, 32, 3, {"hidden": (16,)}),
-    "cnn": Size("cnn", _TINY, 10, 16, 2, {"features": (4, 4), "hidden": 8}),
-    "resnet18": Size("resnet18", _TINY, 10, 8, 2, {"width": 2, "stage_sizes": (1, 1, 1, 1)}),
-    "resnet50": Size("resnet50", _TINY, 10, 8, 2, {"width": 2, "stage_sizes": (1, 1, 1, 1)}),
+    "mlp": Size("mlp", _TINY, 10, 32, 3, {"hidden": (16,)}, 1, 1.0),
+    "cnn": Size("cnn", _TINY, 10, 16, 2, {"features": (4, 4), "hidden": 8}, 2, 1.0),
+    "resnet18": Size("resnet18", _TINY, 10, 8, 2, {"width": 2, "stage_sizes": (1, 1, 1, 1)}, 6,
+                     5.0),
+    "resnet50": Size("resnet50", _TINY, 10, 8, 2, {"width": 2, "stage_sizes": (1, 1, 1, 1)}, 8,
+                     5.0),
     "transformer": Size("transformer", (8,), 16, 8, 2,
-                        {"d_model": 8, "num_layers": 1, "num_heads": 2, "max_len": 8}),
+                        {"d_model": 8, "num_layers": 1, "num_heads": 2, "max_len": 8}, 2, 2.0),
 }
-# An image model and the token model cover every path of the script; each
-# more model costs the CPU seconds of its compiles, nothing else. The
-# checkpoint run repeats the mlp's configuration: its programs come from the
-# compilation cache.
+# The mlp's overhead rows and the transformer's checkpoint run cover every
+# path of the script (images and tokens); each more model costs the CPU
+# seconds of its compiles, nothing else. Estimates in seconds of this 2-core CPU.
 SMOKE = Profile(
     "smoke", _SMOKE_MODELS, repeats=2,
-    two_hosts=TwoHosts(Size("mlp", _TINY, 10, 32, 3, {"hidden": (16,), "dropout": 0.1}),
+    two_hosts=TwoHosts(Size("mlp", _TINY, 10, 32, 3, {"hidden": (16,), "dropout": 0.1}, 1, 2.0),
                        microbatch=8, shares=(8, 24)),
-    checkpoint=dataclasses.replace(_SMOKE_MODELS["mlp"], steps=4), checkpoint_every=2,
-    startup_s=0, process_s=0, default_models=("mlp", "transformer"),
-    device_batches=DeviceBatches(_SMOKE_MODELS["mlp"], microbatch=4, ks=(1, 4)))
+    checkpoint=dataclasses.replace(_SMOKE_MODELS["transformer"], steps=4), checkpoint_every=2,
+    device_batches=DeviceBatches(_SMOKE_MODELS["mlp"], microbatch=4, ks=(1, 4)),
+    startup_s=3, process_s=4, default_models=("mlp",))
 
 
 # ---- Data and models ---------------------------------------------------------
@@ -216,37 +245,54 @@ class Context:
   save: Callable[[], None]  # Writes the JSON as it stands.
   profile_dir: str | None = None  # Where `--profile` writes jax.profiler traces.
   section: dict[str, Any] = dataclasses.field(default_factory=dict)  # The one running.
+  planned: set[str] = dataclasses.field(default_factory=set)  # Rows and sections the budget holds.
+  end: float = math.inf  # perf_counter() at the end of the budget.
   until: float = math.inf  # perf_counter() after which the running section starts no more rows.
+  # two_hosts' pairs by backend, each host's result; None: tried, and it did not run.
+  pairs: dict[str, list[dict[str, Any]] | None] = dataclasses.field(default_factory=dict)
+
+  def fits(self, seconds: float) -> bool:
+    """Whether work of `seconds` (estimated) still fits before `until`."""
+    return time.perf_counter() + seconds <= self.until
 
 
 def overhead_section(ctx: Context) -> dict[str, Any]:
   """Plain jit loop against `Trainer.fit`, per model and precision; saved after each.
 
-  A model that fails is recorded and the next one runs: a short GPU window
-  should not lose the other rows to one error.
+  A row outside the budget's plan, or that no longer fits the clock, is
+  marked skipped. A model that fails is recorded and the next one runs: a
+  short GPU window should not lose the other rows to one error.
   """
   rows = ctx.section.setdefault("rows", {})
-  for precision in PRECISIONS:
-    for name in ctx.models:
-      if time.perf_counter() > ctx.until:
-        rows[f"{name}/{precision}"] = {"model": name, "precision": precision,
-                                       "skipped": "over the time budget (--deadline-s)"}
-        continue
-      try:
-        rows[f"{name}/{precision}"] = _overhead_row(ctx.profile.models[name], precision,
-                                                    ctx.profile.repeats, ctx.profile_dir)
-      except Exception as e:  # pylint: disable=broad-except  (recorded; the next model runs)
-        traceback.print_exc()
-        rows[f"{name}/{precision}"] = {"model": name, "precision": precision,
-                                       "error": f"{type(e).__name__}: {e}"[:2000]}
-      ctx.save()
+  estimates = overhead_rows(ctx.profile, ctx.models)
+  for key, seconds in estimates.items():
+    name, precision = key.split("/")
+    planned = f"overhead:{key}" in ctx.planned
+    if not planned or not ctx.fits(seconds):
+      why = ("not in the plan for the budget (--budget)" if not planned else
+             "the run fell behind its plan: it no longer fit (--budget)")
+      rows[key] = {"model": name, "precision": precision, "skipped": why}
+      continue
+    try:
+      rows[key] = _overhead_row(ctx.profile.models[name], precision, ctx.profile.repeats,
+                                ctx.profile_dir)
+    except Exception as e:  # pylint: disable=broad-except  (recorded; the next model runs)
+      traceback.print_exc()
+      rows[key] = {"model": name, "precision": precision, "error": describe_error(e)}
+    ctx.save()
   failed = sorted(k for k, r in rows.items() if "error" in r)
   skipped = sorted(k for k, r in rows.items() if "skipped" in r)
   status = ({"status": "failed", "error": f"rows failed: {failed}"} if failed else
-            {"status": "partial", "why": f"rows skipped over the time budget: {skipped}"}
+            {"status": "partial", "why": f"rows skipped for the budget: {skipped}"}
             if skipped else {})
   return {"rows": rows, "targets": {"ratio": TARGET_RATIO, "ratio_models": TARGET_RATIO_MODELS,
                                     "added_ms": TARGET_ADDED_MS}, **status}
+
+
+def describe_error(e: BaseException, limit: int = 3000) -> str:
+  """The exception's type and message; a long one (a host's traceback) keeps its end."""
+  text = f"{type(e).__name__}: {e}"
+  return text if len(text) <= limit else text[:500] + " ... " + text[-(limit - 505):]
 
 
 def _overhead_row(size: Size, precision: str, repeats: int,
@@ -292,38 +338,47 @@ def trace(loops: dict[str, Any], directory: str, steps: int = PROFILE_STEPS) -> 
         loop.wait()
 
 
-def two_hosts_entry(spec: dict[str, Any]) -> dict[str, Any]:
-  """One host of the two_hosts check (a `hetjax.testing.run_hosts` entry).
+def two_hosts_entry(spec: dict[str, Any], reduction: str) -> dict[str, Any]:
+  """One host of a two_hosts pair (a `hetjax.testing.run_hosts` entry)."""
+  import hetjax
+  hetjax.initialize()
+  return train_check(spec, reduction)
 
-  With one process it is the reference: the whole batch, device reduction.
-  Matmuls at full float32 precision, so the check is about hetjax's math,
-  not about which TF32 kernel each process's autotuner picked.
+
+def train_check(spec: dict[str, Any], reduction: str) -> dict[str, Any]:
+  """The two-host check's run on whatever cluster this process joined: the pair's
+  uneven split, or the whole batch on one process (the exactness reference).
+
+  Matmuls at full float32 precision, so the comparison is about hetjax's
+  math, not about which TF32 kernel each process's autotuner picked.
   """
   import jax
   import optax
   import hetjax
-  hetjax.initialize()
   check = TwoHosts(Size(**{**spec["size"], "shape": tuple(spec["size"]["shape"])}),
                    spec["microbatch"], tuple(spec["shares"]), spec["warmup"])
   size, hosts = check.size, jax.process_count()
   source = make_source(size)
   config = hetjax.TrainConfig(
       global_batch=size.global_batch, microbatch=check.microbatch, seed=0,
-      assignment=check.shares if hosts > 1 else "equal",
-      reduction="host" if hosts > 1 else "device")
+      assignment=check.shares if hosts > 1 else "equal", reduction=reduction)
   with jax.default_matmul_precision("highest"):
     trainer = hetjax.Trainer(make_task(size, source), optax.sgd(0.02), source, config)
-    trainer.fit(check.warmup)
-    trainer.block_until_ready()
-    t0 = time.perf_counter()
-    trainer.fit(size.steps)
-    trainer.block_until_ready()
-    step_ms = (time.perf_counter() - t0) / size.steps * 1e3
-    params = [np.asarray(p) for p in jax.tree.leaves(trainer.params())]
-  trainer.close()
+    try:
+      trainer.fit(check.warmup)
+      trainer.block_until_ready()
+      t0 = time.perf_counter()
+      trainer.fit(size.steps)
+      trainer.block_until_ready()
+      step_ms = (time.perf_counter() - t0) / size.steps * 1e3
+      params = [np.asarray(p) for p in jax.tree.leaves(trainer.params())]
+      memory = trainer.memory_per_device()
+    finally:
+      trainer.close()
   return {"host": jax.process_index(), "hosts": hosts, "step_ms": round(step_ms, 3),
           "share": check.shares[jax.process_index()] if hosts > 1 else size.global_batch,
-          "device": str(jax.local_devices()[0].device_kind), "params": params}
+          "device": str(jax.local_devices()[0].device_kind), "params": params,
+          "split_over": memory["split_over"], "updated_on": memory["where"]}
 
 
 def _max_differences(got: list[np.ndarray], want: list[np.ndarray]) -> tuple[float, float, bool]:
@@ -336,35 +391,110 @@ def _max_differences(got: list[np.ndarray], want: list[np.ndarray]) -> tuple[flo
   return abs_diff, rel, close
 
 
-def two_hosts_section(ctx: Context) -> dict[str, Any]:
-  """One process, then two sharing the device; compares their parameters.
+def pair_seconds(profile: Profile) -> float:
+  """Estimated seconds of one two_hosts pair: both processes start and compile side by side."""
+  s = profile.two_hosts.size
+  return profile.process_s + 2 * s.compile_s + 2 * (profile.two_hosts.warmup + s.steps) * (
+      s.step_ms / 1e3)
 
-  On a GPU this may fail at the trainer's start: its small agreement
-  collectives (`hetjax.mesh.gather_host_values`) run over the device mesh,
-  and NCCL refuses two ranks on one GPU ("Duplicate GPU detected"). The
-  error is recorded; the fix is for those collectives to take the CPU mesh
-  under `reduction="host"`, as the host reduction itself does.
+
+def run_pair(ctx: Context, reduction: str) -> list[dict[str, Any]]:
+  """Two processes sharing the first GPU, each with its part of the memory, allocated as
+  needed (no preallocation of the device); `reduction` their backend. Each host's result.
+
+  Stopped past a few times its estimate (or the budget's end): a pair that
+  the platform leaves hanging costs minutes, not the hour.
   """
   from hetjax.testing import run_hosts
-  check = ctx.profile.two_hosts
-  spec = dataclasses.asdict(check)
-  env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": HOST_MEMORY_FRACTION,
+  env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+         "XLA_PYTHON_CLIENT_MEM_FRACTION": HOST_MEMORY_FRACTION,
          # Both processes on the same (first) GPU, whatever the machine has.
          "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
   entry = f"{__name__ if __name__ != '__main__' else 'gpu_check'}:two_hosts_entry"
-  reference = run_hosts(entry, hosts=1, args=(spec,), env=env, timeout_s=300)[0]
-  pair = run_hosts(entry, hosts=2, args=(spec,), env=env, timeout_s=300)
-  abs_diff, rel_diff, close = _max_differences(pair[0]["params"], reference["params"])
-  replicas_equal = all(np.array_equal(a, b) for a, b in zip(pair[0]["params"], pair[1]["params"]))
-  return {"model": check.size.model, "overrides": check.size.overrides,
-          "global_batch": check.size.global_batch, "microbatch": check.microbatch,
-          "shares": list(check.shares), "steps": check.warmup + check.size.steps,
-          "reduction": "host", "memory_fraction": float(HOST_MEMORY_FRACTION),
-          "device": reference["device"], "params_equal": bool(close),
-          "rtol": TWO_HOSTS_RTOL, "atol": TWO_HOSTS_ATOL, "max_abs_diff": abs_diff,
-          "max_rel_diff": rel_diff, "replicas_equal": bool(replicas_equal),
-          "step_ms": {"one_process": reference["step_ms"],
-                      **{f"host{r['host']}": r["step_ms"] for r in pair}}}
+  timeout = max(PAIR_TIMEOUT_MIN_S, 3 * pair_seconds(ctx.profile))
+  timeout = min(timeout, max(PAIR_TIMEOUT_MIN_S / 2, ctx.end - time.perf_counter()))
+  return run_hosts(entry, hosts=2, args=(dataclasses.asdict(ctx.profile.two_hosts), reduction),
+                   env=env, timeout_s=timeout)
+
+
+def refusal(e: BaseException) -> dict[str, Any]:
+  """A pair that did not run: 'refused' when the error names the platform (NCCL, memory)."""
+  text = describe_error(e)
+  refused = any(word in text for word in REFUSALS)
+  return {"status": "refused" if refused else "failed", "error": text}
+
+
+def two_hosts_section(ctx: Context) -> dict[str, Any]:
+  """A pair of processes sharing one device per reduction backend: step ms, replicas' bits.
+
+  With two processes on one GPU, NCCL refuses the device backend ("Duplicate
+  GPU detected"): recorded as refused, and the host backend, which crosses
+  hosts only over the CPUs, still runs.
+  """
+  check = ctx.profile.two_hosts
+  backends = {}
+  out = {"model": check.size.model, "overrides": check.size.overrides,
+         "global_batch": check.size.global_batch, "microbatch": check.microbatch,
+         "shares": list(check.shares), "steps": check.warmup + check.size.steps,
+         "memory": {"fraction": float(HOST_MEMORY_FRACTION), "preallocate": False},
+         "backends": backends}
+  for reduction in BACKENDS:
+    if not ctx.fits(pair_seconds(ctx.profile)):
+      backends[reduction] = {"status": "skipped", "why": "the run fell behind its plan: it no "
+                             "longer fit (--budget)"}
+      continue
+    try:
+      pair = run_pair(ctx, reduction)
+    except Exception as e:  # pylint: disable=broad-except  (recorded; the next backend runs)
+      traceback.print_exc()
+      backends[reduction], ctx.pairs[reduction] = refusal(e), None
+    else:
+      ctx.pairs[reduction] = pair
+      backends[reduction] = {
+          "status": "ok", "device": pair[0]["device"], "split_over": pair[0]["split_over"],
+          "updated_on": pair[0]["updated_on"],
+          "step_ms": {f"host{r['host']}": r["step_ms"] for r in pair},
+          "replicas_equal": all(np.array_equal(a, b)
+                                for a, b in zip(pair[0]["params"], pair[1]["params"]))}
+    ctx.section.update(out)
+    ctx.save()
+  statuses = {b["status"] for b in backends.values()}
+  if "failed" in statuses:
+    out.update(status="failed", error="; ".join(f"{k}: {b['error']}" for k, b in backends.items()
+                                                if b["status"] == "failed"))
+  elif statuses != {"ok"}:
+    out.update(status="partial", why="; ".join(
+        f"the {k} backend's pair {b['status']}" for k, b in backends.items()
+        if b["status"] != "ok"))
+  return out
+
+
+def exactness_section(ctx: Context) -> dict[str, Any]:
+  """1 process x 1 device (this process) against the 2 x 1 pairs: the same parameters
+  up to float reduction order (rtol `TWO_HOSTS_RTOL`).
+
+  The pairs are two_hosts' when it ran in this process; else the host
+  backend's pair runs here. When two_hosts' host pair did not run, neither
+  does this section: the same pair would meet the same refusal.
+  """
+  check = ctx.profile.two_hosts
+  if ctx.pairs.get("host", ()) is None:
+    return {"status": "skipped", "why": "two_hosts' host pair did not run (see two_hosts)"}
+  pairs, ran_here = {k: v for k, v in ctx.pairs.items() if v is not None}, False
+  if "host" not in pairs:
+    pairs["host"], ran_here = run_pair(ctx, "host"), True
+  reference = train_check(dataclasses.asdict(check), "device")
+  against = {}
+  for reduction, pair in pairs.items():
+    abs_diff, rel_diff, close = _max_differences(pair[0]["params"], reference["params"])
+    against[reduction] = {"params_equal": bool(close), "max_abs_diff": abs_diff,
+                          "max_rel_diff": rel_diff}
+  return {"model": check.size.model, "global_batch": check.size.global_batch,
+          "microbatch": check.microbatch, "shares": list(check.shares),
+          "steps": check.warmup + check.size.steps, "device": reference["device"],
+          "rtol": TWO_HOSTS_RTOL, "atol": TWO_HOSTS_ATOL,
+          "pairs_from": "this section" if ran_here else "two_hosts",
+          "one_process_step_ms": reference["step_ms"], "against": against}
 
 
 def checkpoint_section(ctx: Context) -> dict[str, Any]:
@@ -465,59 +595,131 @@ def precision_section(ctx: Context) -> dict[str, Any]:
 
 
 RUNNERS: dict[str, Callable[[Context], dict[str, Any]]] = {
-    "overhead": overhead_section, "two_hosts": two_hosts_section,
-    "checkpoint": checkpoint_section, "device_batches": device_batches_section,
-    "precision": precision_section}
+    "overhead": overhead_section, "precision": precision_section,
+    "two_hosts": two_hosts_section, "checkpoint": checkpoint_section,
+    "device_batches": device_batches_section, "exactness": exactness_section}
 
 
 # ---- The plan ----------------------------------------------------------------
 
 
-def plan(profile: Profile, sections: list[str], models: list[str]) -> dict[str, float]:
-  """Estimated GPU seconds per section, compiles included (`Size.compile_s`, `step_ms`).
+def _steps_s(size: Size, steps: int, precision: str = "fp32") -> float:
+  return steps * size.step_ms * (0.6 if precision == "bf16" else 1.0) / 1e3
+
+
+def overhead_rows(profile: Profile, models: list[str]) -> dict[str, float]:
+  """Estimated seconds of each overhead row ('MODEL/PRECISION'), in the order they run.
 
   hetjax compiles two training programs per configuration (the first step's,
   and the later steps' with the previous update inside); the plain loop one.
   The autotuner keeps its results per process, so programs after a model's
   first compile for about half their time.
   """
-  def steps_s(size: Size, steps: int, precision: str) -> float:
-    return steps * size.step_ms * (0.6 if precision == "bf16" else 1.0) / 1e3
+  return {f"{m}/{p}": s.compile_s * 2.0 + 2 * _steps_s(s, 5 + s.steps * profile.repeats, p)
+          for p in PRECISIONS for m, s in ((m, profile.models[m]) for m in models)}
 
-  est = {}
+
+def plan(profile: Profile, sections: list[str], models: list[str]) -> dict[str, float]:
+  """Estimated seconds per section, compiles included (`Size.compile_s`, `step_ms`)."""
+  est: dict[str, float] = {}
   if "overhead" in sections:
-    est["overhead"] = sum(
-        s.compile_s * 2.0 + 2 * steps_s(s, 5 + s.steps * profile.repeats, p)
-        for p in PRECISIONS for s in (profile.models[m] for m in models))
+    est["overhead"] = sum(overhead_rows(profile, models).values())
+  if "precision" in sections:
+    est["precision"] = 0.0
   if "two_hosts" in sections:
-    s = profile.two_hosts.size
-    est["two_hosts"] = 2 * (profile.process_s + s.compile_s * 2) + 3 * steps_s(
-        s, profile.two_hosts.warmup + s.steps, "fp32")
+    est["two_hosts"] = len(BACKENDS) * pair_seconds(profile)
   if "checkpoint" in sections:
     s = profile.checkpoint
     saves = 2 * (s.steps // profile.checkpoint_every + 1)  # About a second each (~300 MB).
-    # After the overhead section its programs come from the compilation cache.
-    compiles = 0.4 if "overhead" in sections else 2.0
-    est["checkpoint"] = compiles * s.compile_s + 2 * steps_s(s, s.steps + 4, "fp32") + saves
+    # After the overhead rows of its model, its programs come from the compilation cache.
+    compiles = 0.4 if "overhead" in sections and s.model in models else 2.0
+    est["checkpoint"] = compiles * s.compile_s + 2 * _steps_s(s, s.steps + 4) + saves
   if "device_batches" in sections:
     check = profile.device_batches
     s = check.size
     # The largest k's ladder holds every smaller k's programs (two per size;
     # the others come from the compilation cache); then auto's three.
     programs = 2 * (int(math.log2(max(check.ks))) + 1) + 3
-    est["device_batches"] = 0.5 * programs * s.compile_s + len(check.ks) * steps_s(
-        s, 2 + s.steps * profile.repeats, "fp32")
-  if "precision" in sections:
-    est["precision"] = 0.0
-  return {name: round(v) for name, v in est.items()}
+    est["device_batches"] = 0.5 * programs * s.compile_s + len(check.ks) * _steps_s(
+        s, 2 + s.steps * profile.repeats)
+  if "exactness" in sections:
+    s = profile.two_hosts.size  # The reference here; the pair is two_hosts' when it runs.
+    est["exactness"] = 2 * s.compile_s + _steps_s(s, profile.two_hosts.warmup + s.steps) + (
+        0 if "two_hosts" in sections else pair_seconds(profile))
+  return {name: round(v, 1) for name, v in est.items()}
 
 
-def print_plan(est: dict[str, float], profile: Profile) -> None:
-  print(f"plan ({profile.name}): estimated GPU seconds per section, compiles included")
-  for name, seconds in est.items():
-    print(f"  {name:>15} {seconds:>6.0f} s")
+def schedule(items: list[tuple[str, float]], budget_s: float) -> set[str]:
+  """The items (name, estimated seconds) that fit in `budget_s`, most valuable first.
+
+  `items` come in order of value; each is taken if it fits in what the ones
+  taken before it left, so a cheap item after one that did not fit still
+  runs. A budget of 0 (or less) takes everything.
+
+  Example:
+    >>> sorted(schedule([("a", 5), ("b", 10), ("c", 4)], 10))
+    ['a', 'c']
+  """
+  if budget_s <= 0:
+    return {name for name, _ in items}
+  taken, left = set(), float(budget_s)
+  for name, seconds in items:
+    if seconds <= left:
+      taken.add(name)
+      left -= seconds
+  return taken
+
+
+def plan_items(profile: Profile, sections: list[str], models: list[str],
+               exactness_pair: bool = False) -> list[tuple[str, float]]:
+  """What the budget chooses among, most valuable first: each overhead row alone (a
+  section's worth of rows may be cut), every other section whole. `exactness_pair`:
+  exactness runs its own pair (two_hosts is not in the run)."""
+  est = plan(profile, sections, models)
+  if exactness_pair:
+    est["exactness"] = plan(profile, ["exactness"], models)["exactness"]
+  items: list[tuple[str, float]] = []
+  for name in sections:
+    if name == "overhead":
+      items += [(f"overhead:{k}", v) for k, v in overhead_rows(profile, models).items()]
+    else:
+      items.append((name, est[name]))
+  return items
+
+
+def budget_plan(profile: Profile, sections: list[str], models: list[str],
+                budget_s: float) -> tuple[list[tuple[str, float]], set[str]]:
+  """(the plan's items, those the budget keeps); the start-up comes out of the budget first."""
+  items = plan_items(profile, sections, models)
+  budget = budget_s - profile.startup_s if budget_s > 0 else 0
+  kept = schedule(items, budget)
+  if budget_s > 0 and "exactness" in kept and "two_hosts" not in kept:
+    # Without two_hosts, exactness pays for its own pair: plan again with that.
+    items = plan_items(profile, sections, models, exactness_pair=True)
+    kept = schedule([item for item in items if item[0] != "two_hosts"], budget)
+  return items, kept
+
+
+def print_plan(profile: Profile, sections: list[str], models: list[str],
+               budget_s: float) -> tuple[list[tuple[str, float]], set[str]]:
+  """Prints each section's estimated seconds and what the budget keeps (`budget_plan`)."""
+  items, kept = budget_plan(profile, sections, models, budget_s)
+  print(f"plan ({profile.name}): estimated seconds per section on "
+        f"{'a GPU' if profile is GPU else 'this CPU'}, compiles included"
+        + (f"; budget {budget_s:g} s" if budget_s > 0 else ""))
   print(f"  {'start-up':>15} {profile.startup_s:>6.0f} s")
-  print(f"  {'total':>15} {sum(est.values()) + profile.startup_s:>6.0f} s")
+  for name in sections:
+    mine = [(k, v) for k, v in items if k == name or k.startswith(f"{name}:")]
+    runs = [k for k, _ in mine if k in kept]
+    note = "" if len(runs) == len(mine) else (
+        "  left out: over the budget" if not runs else
+        f"  {len(runs)} of {len(mine)} rows: the rest over the budget")
+    print(f"  {name:>15} {sum(v for _, v in mine):>6.0f} s{note}")
+  total = sum(v for _, v in items) + profile.startup_s
+  planned = sum(v for k, v in items if k in kept) + profile.startup_s
+  print(f"  {'total':>15} {total:>6.0f} s" + (
+      f" ({planned:.0f} s within the budget)" if budget_s > 0 else ""), flush=True)
+  return items, kept
 
 
 # ---- Running -----------------------------------------------------------------
@@ -528,15 +730,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   parser.add_argument("--out", help="folder for gpu_check.json (required unless --plan)")
   parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
   parser.add_argument("--sections", default=",".join(SECTIONS),
-                      help=f"comma-separated, from {', '.join(SECTIONS)}")
+                      help=f"comma-separated, from {', '.join(SECTIONS)} (run in that order)")
   parser.add_argument("--models", default=None,
                       help=f"overhead and precision models, from {', '.join(GPU.models)} "
-                      f"(default: all; with --smoke: {','.join(SMOKE.default_models)})")
-  parser.add_argument("--plan", action="store_true", help="print the estimated GPU seconds, exit")
-  parser.add_argument("--deadline-s", type=float, default=None,
-                      help=f"stop starting work after this many seconds, keeping each later "
-                      f"section's planned time (default {GPU_DEADLINE_S:g} on a GPU, none with "
-                      f"--smoke; 0: none)")
+                      f"(default: {','.join(GPU.default_models)}; with --smoke: "
+                      f"{','.join(SMOKE.default_models)})")
+  parser.add_argument("--plan", action="store_true", help="print the plan and exit")
+  parser.add_argument("--budget", type=float, default=None,
+                      help=f"seconds the run may take: the sections that fit, most valuable "
+                      f"first (default {GPU_BUDGET_S:g} on a GPU, none with --smoke; 0: none)")
   parser.add_argument("--profile", action="store_true",
                       help="also write a jax.profiler trace of each overhead row to DIR/profile")
   args = parser.parse_args(argv)
@@ -548,8 +750,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown or not chosen:
       parser.error(f"--{name} {unknown or '(none)'}: choose from {', '.join(known)}.")
     setattr(args, name, chosen)
-  if args.deadline_s is None:
-    args.deadline_s = 0 if args.smoke else GPU_DEADLINE_S
+  args.sections = [name for name in SECTIONS if name in args.sections]  # Most valuable first.
+  if args.budget is None:
+    args.budget = 0.0 if args.smoke else float(GPU_BUDGET_S)
+  if args.budget < 0:
+    parser.error(f"--budget {args.budget:g}: give the seconds the run may take (0: no limit).")
   if not args.plan and not args.out:
     parser.error("--out DIR is required: the JSON goes there after every section.")
   return args
@@ -563,9 +768,9 @@ def prepare_environment(args: argparse.Namespace) -> None:
     flags = os.environ.get("XLA_FLAGS", "").split()
     named = {flag.split("=")[0] for flag in flags}
     os.environ["XLA_FLAGS"] = " ".join(flags + [f for f in _CHEAP_PASSES if f.split("=")[0] not in named])
-  elif "two_hosts" in args.sections:
+  elif {"two_hosts", "exactness"} & set(args.sections):
     # XLA takes 75 % of the GPU by default, which would starve the two
-    # processes of the two_hosts section.
+    # processes of a pair (`run_pair`).
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", MAIN_MEMORY_FRACTION)
   # Programs compiled once per process serve the later sections, and a rerun
   # on the same machine; kept out of --out, whose files travel back.
@@ -599,6 +804,16 @@ def versions() -> dict[str, Any]:
   return found
 
 
+def imported_packages() -> list[str]:
+  """Top-level packages outside the standard library that this process imported.
+
+  The device machine has its own Python, with JAX, Flax, optax, orbax and
+  numpy but not hetjax's other dependencies: the list says what a run needed.
+  """
+  names = {m.split(".")[0] for m in list(sys.modules)}
+  return sorted(n for n in names - set(sys.stdlib_module_names) if not n.startswith("_"))
+
+
 def load_results(path: str, profile: Profile) -> dict[str, Any]:
   """The JSON of an earlier run of the same profile, whose other sections a rerun keeps."""
   if os.path.exists(path):
@@ -617,23 +832,30 @@ def write_json(path: str, results: dict[str, Any]) -> None:
   os.replace(tmp, path)
 
 
-def run_section(name: str, ctx: Context, path: str, end: float, later_s: float,
-                est_s: float) -> None:
+def run_section(name: str, ctx: Context, path: str, planned_s: float, later_s: float) -> None:
   """Runs one section; a failure is recorded in the JSON and the run goes on.
 
-  `end` is the run's deadline (perf_counter); a section whose estimate
-  `est_s` no longer fits is skipped, and the running one starts no row that
-  would eat the `later_s` seconds planned for the sections after it.
+  `planned_s` is what the budget's plan gave the section (0: left out, or a
+  section of no cost); it is skipped when the plan left it out or when the
+  clock says it no longer fits before the budget's end. The running section
+  starts no row that would eat the `later_s` seconds planned after it.
   """
   started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
   ctx.section = {"status": "running", "started": started}
   ctx.results["sections"][name] = ctx.section
+  write_json(path, ctx.results)  # A run killed in this section says so.
   t0 = time.perf_counter()
-  ctx.until = end - later_s
+  ctx.until = ctx.end - later_s
   print(f"== {name}", flush=True)
-  if est_s and t0 + est_s > end:
-    ctx.section.update(status="skipped", why=f"its ~{est_s:.0f} s no longer fit the time "
-                       "budget (--deadline-s); rerun it with --sections", seconds=0.0)
+  mine = [k for k in ctx.planned if k == name or k.startswith(f"{name}:")]
+  why = None
+  if not mine:
+    why = ("not in the plan: over the budget (--budget); rerun it with --sections or a larger "
+           "--budget")
+  elif t0 + planned_s > ctx.end:
+    why = f"the run fell behind its plan: its ~{planned_s:.0f} s no longer fit (--budget)"
+  if why is not None:
+    ctx.section.update(status="skipped", why=why, seconds=0.0)
     write_json(path, ctx.results)
     return
   try:
@@ -642,7 +864,7 @@ def run_section(name: str, ctx: Context, path: str, end: float, later_s: float,
     ctx.section["status"] = body.get("status", "ok")
   except Exception as e:  # pylint: disable=broad-except  (recorded; the next section runs)
     traceback.print_exc()
-    ctx.section.update(status="failed", error=f"{type(e).__name__}: {e}"[:4000])
+    ctx.section.update(status="failed", error=describe_error(e))
   ctx.section["seconds"] = round(time.perf_counter() - t0, 1)
   write_json(path, ctx.results)
 
@@ -670,10 +892,17 @@ def print_table(results: dict[str, Any]) -> None:
         print(f"   {r['model']:>11} {r['precision']:>4} {r['global_batch']:>5} "
               f"{r['plain_ms']:>9.2f} {r['hetjax_ms']:>9.2f} {r['added_ms']:>8.2f} "
               f"{r['ratio']:>6.3f} {'met' if r['meets_target'] else 'MISSED'}")
-    elif name == "two_hosts" and "params_equal" in s:
-      print(f"   {s['model']} shares {s['shares']}, reduction host: parameters equal one "
-            f"process's: {s['params_equal']} (max rel diff {s['max_rel_diff']:.2e}); "
-            f"step ms {s['step_ms']}")
+    elif name == "two_hosts":
+      for reduction, r in s.get("backends", {}).items():
+        said = (f"step ms {r['step_ms']}, update split over {r['split_over']} on "
+                f"{r['updated_on']}, replicas equal: {r['replicas_equal']}"
+                if r["status"] == "ok" else r.get("error") or r.get("why"))
+        print(f"   {s['model']} shares {s['shares']}, reduction {reduction}: {r['status']}: "
+              f"{said}")
+    elif name == "exactness":
+      for reduction, r in s.get("against", {}).items():
+        print(f"   {s['model']} 1x1 against 2x1 ({reduction} reduction): parameters equal: "
+              f"{r['params_equal']} (max rel diff {r['max_rel_diff']:.2e}, rtol {s['rtol']:g})")
     elif name == "checkpoint":
       for mode in ("async", "sync"):
         if mode in s:
@@ -692,30 +921,32 @@ def print_table(results: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-  """Runs the chosen sections; returns 0 when none failed."""
+  """Prints the plan, runs the sections it keeps; returns 0 when none failed."""
   args = parse_args(argv)
   profile = SMOKE if args.smoke else GPU
-  est = plan(profile, args.sections, args.models)
+  t0 = time.perf_counter()  # The budget counts the start-up too.
+  items, kept = print_plan(profile, args.sections, args.models, args.budget)
   if args.plan:
-    print_plan(est, profile)
     return 0
   os.makedirs(args.out, exist_ok=True)
   prepare_environment(args)
-  t0 = time.perf_counter()
   import hetjax  # After prepare_environment: JAX reads it at import.
   hetjax.initialize()
   path = os.path.join(args.out, RESULT_FILE)
   results = load_results(path, profile)
   results.update(command=" ".join([os.path.basename(sys.executable), *sys.argv]),
-                 versions=versions(), plan_s=est)
+                 versions=versions(), plan_s=plan(profile, args.sections, args.models),
+                 budget_s=args.budget, planned=[k for k, _ in items if k in kept])
   print(f"hetjax GPU check, profile {profile.name}: {json.dumps(results['versions'])}", flush=True)
   ctx = Context(profile, args.models, results, save=lambda: write_json(path, results),
-                profile_dir=os.path.join(args.out, "profile") if args.profile else None)
-  end = t0 + (args.deadline_s or math.inf)
+                profile_dir=os.path.join(args.out, "profile") if args.profile else None,
+                planned=kept, end=t0 + args.budget if args.budget > 0 else math.inf)
+  section_of = lambda key: key.split(":")[0]
   for i, name in enumerate(args.sections):
-    run_section(name, ctx, path, end, sum(est.get(n, 0) for n in args.sections[i + 1:]),
-                est.get(name, 0))
+    kept_s = lambda names: sum(v for k, v in items if k in kept and section_of(k) in names)
+    run_section(name, ctx, path, kept_s({name}), kept_s(set(args.sections[i + 1:])))
   results["total_s"] = round(time.perf_counter() - t0, 1)
+  results["packages"] = imported_packages()
   write_json(path, results)
   print_table(results)
   print(f"\nwrote {path} in {results['total_s']} s")

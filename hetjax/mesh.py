@@ -4,8 +4,11 @@ A host's own devices form its local mesh, where the train state lives and
 the local programs run; every device of every host, in (host, device)
 order, forms the world mesh of the one cross-host program. Arrays cross
 between the two by re-wrapping the same device buffers (zero-copy), never
-by copying; the few host values every host must learn travel as one
-`[all devices, k]` array.
+by copying. The few host values every host must learn (agreement checks,
+votes, timings) travel in one small gather (`gather_host_values`): over the
+world mesh, or, where the job reduces on the hosts' CPUs, over one CPU
+device per host (`Meshes.hosts`), so that such a job runs no collective
+across hosts on its accelerators at all.
 """
 
 from __future__ import annotations
@@ -21,23 +24,38 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 PyTree = Any
 DEV = "dev"   # axis of the local mesh: this host's devices
 ALL = "all"   # axis of the global mesh: every device of every host
+HOSTS = "host"  # axis of the hosts' mesh: one CPU device per host
+VALUES_OVER = ("device", "host")  # where `gather_host_values` runs (`Meshes.values_over`)
 
 
 @dataclasses.dataclass(frozen=True)
 class Meshes:
-  """This host's mesh and the mesh of every device, in (host, device) order."""
+  """This host's mesh and the mesh of every device, in (host, device) order.
+
+  `values_over` says where the small values every host must learn travel:
+  "device", over the world mesh; "host", over one CPU device per host
+  (`hosts`), for jobs that reduce on the CPUs (`reduction="host"`), whose
+  accelerators may share no collective (two processes on one GPU, GPUs of
+  two vendors).
+  """
 
   local: Mesh
   world: Mesh
   num_hosts: int
   host_id: int
+  values_over: str = "device"
 
   @classmethod
-  def create(cls) -> "Meshes":
+  def create(cls, values_over: str = "device") -> "Meshes":
+    """The meshes of this process; `values_over` as the job's reduction backend."""
+    if values_over not in VALUES_OVER:
+      raise ValueError(f"values_over={values_over!r}: host values travel over 'device' (the "
+                       "world mesh) or 'host' (one CPU device per host); pass the job's "
+                       "reduction backend.")
     world = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     local = [d for d in world if d.process_index == jax.process_index()]
     return cls(Mesh(np.array(local), (DEV,)), Mesh(np.array(world), (ALL,)),
-               jax.process_count(), jax.process_index())
+               jax.process_count(), jax.process_index(), values_over)
 
   @property
   def local_devices(self) -> int:
@@ -60,8 +78,22 @@ class Meshes:
   @functools.cached_property
   def first_rows(self) -> np.ndarray:
     """The index of each host's first row, in host order: read every step, built once."""
-    hosts = self.row_hosts()
-    return np.array([np.argmax(hosts == h) for h in range(self.num_hosts)])
+    return _first_rows(self.world)
+
+  @functools.cached_property
+  def hosts(self) -> Mesh:
+    """Each host's first CPU device, in host order (axis `HOSTS`): where the host
+    reduction sums and, under it, where host values travel. Any platform has
+    CPU devices, and their collectives (gloo) do not care what accelerator a
+    host has."""
+    cpus = sorted(jax.devices("cpu"), key=lambda d: (d.process_index, d.id))
+    firsts = [next(d for d in cpus if d.process_index == h) for h in range(self.num_hosts)]
+    return Mesh(np.array(firsts), (HOSTS,))
+
+  @property
+  def values_mesh(self) -> Mesh:
+    """The mesh `gather_host_values` runs over (`values_over`)."""
+    return self.hosts if self.values_over == "host" else self.world
 
   # Shardings are built once: making one is Python work that would otherwise be paid per
   # leaf per step.
@@ -98,11 +130,24 @@ def to_world(x: jax.Array, meshes: Meshes) -> jax.Array:
   return _rewrap(x, (meshes.world.devices.size,) + x.shape[1:], meshes.by_device)
 
 
+@functools.lru_cache(maxsize=None)
+def _first_rows(mesh: Mesh) -> np.ndarray:
+  """The index of each host's first device in a 1-D `mesh`, in host order."""
+  hosts = np.array([d.process_index for d in mesh.devices.flat])
+  return np.array([np.argmax(hosts == h) for h in range(int(hosts.max()) + 1)])
+
+
+def _rows_on(values: np.ndarray, mesh: Mesh) -> jax.Array:
+  """This host's vector as its rows of a `[devices of mesh, k]` array split over `mesh`."""
+  values = np.asarray(values, np.float32).reshape(1, -1)
+  mine = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
+  return jax.make_array_from_process_local_data(
+      NamedSharding(mesh, P(mesh.axis_names[0])), np.repeat(values, mine, axis=0))
+
+
 def host_rows(values: np.ndarray, meshes: Meshes) -> jax.Array:
   """This host's vector as its rows of a world-sharded `[all devices, k]` array."""
-  values = np.asarray(values, np.float32).reshape(1, -1)
-  local = np.repeat(values, meshes.local_devices, axis=0)
-  return jax.make_array_from_process_local_data(meshes.by_device, local)
+  return _rows_on(values, meshes.world)
 
 
 def rows_by_host(rows: np.ndarray, meshes: Meshes) -> np.ndarray:
@@ -122,11 +167,18 @@ def to_global_tree(tree: PyTree, meshes: Meshes) -> PyTree:
 
 
 @functools.lru_cache(maxsize=None)
-def _all_gather(meshes: Meshes) -> Callable[[jax.Array], jax.Array]:
-  return jax.jit(lambda x: x, out_shardings=meshes.replicated)
+def _all_gather(mesh: Mesh) -> Callable[[jax.Array], jax.Array]:
+  return jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, P()))
 
 
 def gather_host_values(values: np.ndarray, meshes: Meshes) -> np.ndarray:
-  """Every host's `values` vector, `[hosts, k]`, from one small collective."""
-  rows = _all_gather(meshes)(host_rows(values, meshes))
-  return rows_by_host(np.asarray(rows), meshes)
+  """Every host's `values` vector, `[hosts, k]`, from one small collective.
+
+  The collective runs over `meshes.values_mesh`: the world's devices, or,
+  under the host reduction, one CPU device per host, so agreement checks,
+  votes and timings never need the accelerators to share a collective.
+  Every host must call it, in the same order.
+  """
+  mesh = meshes.values_mesh
+  rows = np.asarray(_all_gather(mesh)(_rows_on(values, mesh)))
+  return rows[_first_rows(mesh)]

@@ -84,7 +84,7 @@ class Trainer:
     if checkpoint is not None:
       checkpoint.validate()  # An unwritable folder fails before anything compiles.
     self.task, self.optimizer, self.source, self.config = task, optimizer, source, config
-    self.meshes = mesh_lib.Meshes.create()
+    self.meshes = mesh_lib.Meshes.create(config.reduction)
     self.host_id, self.num_hosts = self.meshes.host_id, self.meshes.num_hosts
     self._custom_balancer = balancer is not None
     self.sampler = data_lib.GlobalSampler(len(source), config.global_batch, config.seed,

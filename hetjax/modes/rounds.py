@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from hetjax import blocks as blocks_lib
 from hetjax.balancer import taus_from_speeds  # noqa: F401 (numpy only, shared with the simulator)
@@ -33,6 +33,7 @@ from hetjax.balancer.ladder import Ladder
 from hetjax.step import precision as precision_lib
 from hetjax import mesh as mesh_lib
 from hetjax import step as step_lib
+from hetjax.step.reduction import check_values_over_hosts
 from hetjax.mesh import DEV, Meshes
 from hetjax.task import MASK, Task
 
@@ -323,10 +324,9 @@ class RoundReduction:
         lambda t, rows: (jax.tree.map(lambda x: jnp.sum(x, axis=0), t), rows),
         out_shardings=meshes.replicated)
     if backend == "host":
-      cpus = sorted(jax.devices("cpu"), key=lambda dev: (dev.process_index, dev.id))
-      firsts = [next(c for c in cpus if c.process_index == h) for h in range(meshes.num_hosts)]
-      mesh = Mesh(np.array(firsts), ("host",))
-      self._by_host = NamedSharding(mesh, P("host"))
+      check_values_over_hosts(meshes, "the host reduction")
+      mesh = meshes.hosts
+      self._by_host = NamedSharding(mesh, P(mesh_lib.HOSTS))
       self._sum_hosts = jax.jit(lambda t: jax.tree.map(lambda a: jnp.sum(a, axis=0), t),
                                 out_shardings=NamedSharding(mesh, P()))
       # gloo's first collective on a new device set gives up after 30 s; line

@@ -99,7 +99,7 @@ class RoundsTrainer:
     if config.balancer is not None or config.assignment != "equal":
       raise ValueError(f"--mode {rounds.mode} sizes the hosts' work by local steps; the "
                        "assignment and balancer settings do not apply (use --local-steps).")
-    self.meshes = mesh_lib.Meshes.create()
+    self.meshes = mesh_lib.Meshes.create(config.reduction)
     self.host_id, self.num_hosts = self.meshes.host_id, self.meshes.num_hosts
     rounds.validate(self.num_hosts, config.global_batch)
     if checkpoint is not None:

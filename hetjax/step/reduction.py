@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from hetjax.mesh import ALL, Meshes, gather_host_values, rows_by_host, to_local, to_world
+from hetjax.mesh import (ALL, HOSTS, Meshes, gather_host_values, rows_by_host, to_local,
+                         to_world)
 from hetjax.step.state import Layout, LocalSums
 from hetjax.step.update import stat_names, step_stats
 
@@ -130,11 +131,10 @@ class HostReduction:
   name = "host"
 
   def __init__(self, meshes: Meshes):
+    check_values_over_hosts(meshes, "the host reduction")
     self.meshes = meshes
-    cpus = sorted(jax.devices("cpu"), key=lambda d: (d.process_index, d.id))
-    firsts = [next(d for d in cpus if d.process_index == h) for h in range(meshes.num_hosts)]
-    self._cpu_mesh = Mesh(np.array(firsts), ("host",))
-    self._by_host = NamedSharding(self._cpu_mesh, P("host"))
+    self._cpu_mesh = meshes.hosts
+    self._by_host = NamedSharding(self._cpu_mesh, P(HOSTS))
     self._gather = jax.jit(lambda x: x, out_shardings=NamedSharding(self._cpu_mesh, P()))
     self._device_sum = None
     self.sharded = None
@@ -142,8 +142,8 @@ class HostReduction:
     # collective and gives up if a peer is not there within 30 s (fixed in
     # XLA), so a host that compiles much later (a slower or busier machine)
     # would fail the first step. Set it up here: compile the probe, line the
-    # hosts up on the all-device communicator (which waits as long as it
-    # takes), then run it at once.
+    # hosts up with a gather of host values (over these same CPUs, whose
+    # communicator the trainer's agreement checks set up), then run it at once.
     probe = jax.make_array_from_process_local_data(self._by_host, np.zeros((1, 1), np.float32))
     gather = self._gather.lower(probe).compile()
     gather_host_values(np.zeros(1), meshes)
@@ -152,7 +152,7 @@ class HostReduction:
   @property
   def shard_mesh(self) -> tuple[Mesh, str]:
     """Where the sharded update splits the state: one CPU device per host."""
-    return self._cpu_mesh, "host"
+    return self._cpu_mesh, HOSTS
 
   def attach(self, sharded) -> None:
     """Runs `sharded` (a `hetjax.sharding.ShardedUpdate`) in the CPU program."""
@@ -208,6 +208,18 @@ class HostReduction:
 
 
 REDUCTIONS = {"device": DeviceReduction, "host": HostReduction}
+
+
+def check_values_over_hosts(meshes: Meshes, what: str) -> None:
+  """Refuses `what` (a CPU reduction) on meshes whose host values travel over the devices.
+
+  A job reduces on the CPUs because its accelerators may share no collective;
+  its agreement checks, votes and timings must then avoid them too.
+  """
+  if meshes.values_over != "host":
+    raise ValueError(f"{what} needs meshes whose host values travel over the CPUs too, got "
+                     f"values_over={meshes.values_over!r}: build them with "
+                     "Meshes.create('host') (the trainers do, from TrainConfig.reduction).")
 
 
 def make_reduction(name: str, meshes: Meshes):

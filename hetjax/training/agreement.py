@@ -1,9 +1,11 @@
 """Hosts' agreement, checked rather than hoped for (DESIGN invariant 3).
 
-Every host computes its share of the batch itself and updates its own
-replica of the parameters. If one of them drifts (another CPU rounding a
-near-tie, a stale checkout whose model differs), hosts would read
-overlapping slices or train different models, silently. So:
+Every host computes its share of the batch itself and keeps its own
+replica of the parameters. Rounding cannot make replicas drift (each slice
+of the update is computed once and gathered, `hetjax.step.sharding`), but a
+real fault can (a stale checkout whose model or balancer differs, a damaged
+copy): hosts would read overlapping slices or train different models,
+silently. So:
 
 - the shares each host used travel in the timing rows of every step and
   must be equal on every host (`check_shares`);

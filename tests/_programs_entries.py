@@ -1,0 +1,98 @@
+"""Entries that record every program a host compiles (`tests/test_host_values.py`).
+
+`compiled_programs()` records, from where JAX hands each program to XLA,
+the devices it runs on and its optimized HLO; `where_it_runs` tells a
+program over one host's devices from one over several hosts' accelerators
+(the device mesh) and one over each host's first CPU device (the host
+reduction's mesh).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from typing import Any, Iterator
+
+import numpy as np
+
+COLLECTIVE = re.compile(r"\b(all-reduce|all-gather|reduce-scatter|all-to-all|ragged-all-to-all|"
+                        r"collective-permute|collective-broadcast)(-start)?\(")
+
+
+@contextlib.contextmanager
+def compiled_programs() -> Iterator[list[tuple[list[Any], str, str]]]:
+  """Appends (devices, name, optimized HLO text) of every program compiled inside.
+
+  Wraps `jax._src.compiler.compile_or_get_cached` (private; JAX 0.10), which
+  every jitted program passes through, from the persistent cache or not:
+  the one place that sees both a program's device assignment and its
+  compiled collectives (GSPMD adds the all-gather of a re-sharded output
+  there, not in the traced program).
+  """
+  from jax._src import compiler
+  real, seen = compiler.compile_or_get_cached, []
+
+  def recording(backend, computation, devices, *args, **kwargs):
+    executable = real(backend, computation, devices, *args, **kwargs)
+    modules = executable.hlo_modules()
+    seen.append((list(np.asarray(devices).flat), modules[0].name,
+                 "\n".join(m.to_string() for m in modules)))
+    return executable
+
+  compiler.compile_or_get_cached = recording
+  try:
+    yield seen
+  finally:
+    compiler.compile_or_get_cached = real
+
+
+def where_it_runs(devices: list[Any], hosts_mesh: set[Any]) -> str:
+  """'one host', 'hosts mesh' (exactly the host reduction's CPUs) or 'device mesh'."""
+  if len({d.process_index for d in devices}) == 1:
+    return "one host"
+  return "hosts mesh" if set(devices) == hosts_mesh else "device mesh"
+
+
+def describe(seen: list[tuple[list[Any], str, str]], hosts_mesh: set[Any]) -> list[dict]:
+  """Each recorded program as plain data: its name, where it runs, its collectives' lines."""
+  return [{"name": name, "where": where_it_runs(devices, hosts_mesh),
+           "devices": len(devices),
+           "collectives": [line.strip()[:300] for line in hlo.splitlines()
+                           if COLLECTIVE.search(line)]}
+          for devices, name, hlo in seen]
+
+
+def host_backend_run(folder: str) -> dict[str, list[dict]]:
+  """A small `reduction="host"` run touching every path that crosses hosts; its programs.
+
+  The configuration agreement, the replicas' fingerprints (every 2 steps and
+  before each save), the sharded update on the CPUs, evaluation sums, the
+  checkpointer's votes after each save, the last timings gathered by the
+  summary. (A resume votes through the same gather, and orbax's restore
+  compiles programs of one device each: left out, to keep the suite short.)
+  Then, as a control, one gather of host values over the device mesh,
+  which the recorder must see as such.
+  """
+  import optax
+  import hetjax
+  from hetjax import mesh as mesh_lib
+  from hetjax import models as zoo
+  from hetjax.input import sources
+
+  hetjax.initialize()
+  source = sources.synthetic_images(size=64)
+  task = zoo.build("mlp", kind="image", num_classes=10, hidden=(8,))
+  config = hetjax.TrainConfig(global_batch=16, microbatch=4, reduction="host", check_every=2,
+                              assignment=(4, 12))
+  checkpoint = hetjax.CheckpointConfig(folder, every=2)
+  hosts_mesh = set(mesh_lib.Meshes.create("host").hosts.devices.flat)
+  with compiled_programs() as seen:
+    trainer = hetjax.Trainer(task, optax.adam(1e-3), source, config, checkpoint=checkpoint)
+    trainer.fit(4, eval_every=2, eval_source=sources.synthetic_images(size=24, seed=1))
+    trainer.close()
+  with compiled_programs() as control:
+    # Seven values: a shape no gather of the run had, so it compiles here.
+    mesh_lib.gather_host_values(np.ones(7), mesh_lib.Meshes.create("device"))
+  return {"run": describe(seen, hosts_mesh), "control": describe(control, hosts_mesh),
+          "saved": sorted(int(p) for p in os.listdir(folder) if p.isdigit())}
