@@ -15,6 +15,7 @@ import sys
 import traceback
 from typing import Sequence
 
+from hetjax import exits
 from hetjax.config import Env
 from hetjax import config as config_lib  # No JAX: the configs and their checks.
 from hetjax import optimizers  # Imports nothing heavy at module level.
@@ -429,23 +430,20 @@ def main(argv: Sequence[str] | None = None) -> int:
   except (ValueError, ConnectionError) as e:
     print(f"hetjax {args.command}: error: {e}", file=sys.stderr)
     if multi_host():
-      _exit_now(2)
-    return 2
-  except signals.Stopped as e:
-    print(f"hetjax {args.command}: {e}", file=sys.stderr)
+      _exit_now(exits.USAGE_EXIT)
+    return exits.USAGE_EXIT
+  except exits.JobExit as e:  # A stop, a failed checkpoint write, replicas that differ.
+    print(f"hetjax {args.command}: {e.label}{e}", file=sys.stderr)
     _exit_now(e.exit_code)
   except KeyboardInterrupt:  # A second Ctrl-C inside the step loop.
     print(f"hetjax {args.command}: interrupted (Ctrl-C) before a step boundary; nothing saved.",
           file=sys.stderr)
-    _exit_now(signals.INTERRUPTED_EXIT)
-  except BaseException as e:
-    if type(e).__name__ == "HostsDisagree":  # Not imported up front: it pulls in JAX.
-      print(f"hetjax {args.command}: error: {e}", file=sys.stderr)
-      _exit_now(1)
+    _exit_now(exits.INTERRUPTED_EXIT)
+  except BaseException:
     if not multi_host():
       raise
     traceback.print_exc()
-    _exit_now(1)
+    _exit_now(exits.FAILED_EXIT)
   if summary and config_lib.host_id_from_env() == 0:
     _print_summary(summary)
   return 0

@@ -21,17 +21,16 @@ import sys
 import threading
 from typing import Iterator
 
-from hetjax.cluster import supervise
 from hetjax.cluster import watchdog
+from hetjax.exits import INTERRUPTED_EXIT, PREEMPTED_EXIT, JobExit
 
 # The codes travel as float32 in the timing rows; the largest over the hosts
 # wins, so a user's stop is not mistaken for a preemption.
 NONE, TERM, INT = 0, 1, 2
 _CODES = {signal.SIGTERM: TERM, signal.SIGINT: INT}
-INTERRUPTED_EXIT = 130  # 128 + SIGINT, what shells report for Ctrl-C.
 
 
-class Stopped(RuntimeError):
+class Stopped(JobExit):
   """Every host stopped at the same step boundary because a host got a stop signal.
 
   Attributes:
@@ -61,12 +60,12 @@ class Stopped(RuntimeError):
 class Preempted(Stopped):
   """SIGTERM reached a host: every host saved (when it can) and must now exit.
 
-  The command line exits with `exit_code` (`hetjax.cluster.supervise.PREEMPTED_EXIT`),
+  The command line exits with `exit_code` (`hetjax.exits.PREEMPTED_EXIT`),
   which the launchers read as "restart me": the restarted job resumes from
   the checkpoint.
   """
 
-  exit_code = supervise.PREEMPTED_EXIT
+  exit_code = PREEMPTED_EXIT
   signal_name = "SIGTERM"
 
   def _message(self) -> str:

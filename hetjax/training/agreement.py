@@ -27,13 +27,16 @@ import numpy as np
 
 from hetjax import mesh as mesh_lib
 from hetjax.config import fingerprint as text_fingerprint  # noqa: F401 (JAX-free, shared with the doctor)
+from hetjax.exits import JobExit
 
 PyTree = Any
 FINGERPRINT_WIDTH = 4  # float32 values per parameter fingerprint (2 x uint32).
 
 
-class HostsDisagree(RuntimeError):
+class HostsDisagree(JobExit):
   """Hosts that must hold the same values do not; every host raises it at the same step."""
+
+  label = "error: "
 
 
 def _odd_weights(n: int, multiplier: int) -> jax.Array:
