@@ -249,9 +249,10 @@ def test_an_unwritable_checkpoint_folder_fails_before_anything_compiles(tmp_path
 
 
 def test_bad_checkpoint_settings_are_refused(tmp_path):
-  with pytest.raises(ValueError, match="--ckpt-every"):
+  # The Python API names its fields; the command line words them as flags (tests/test_cli.py).
+  with pytest.raises(ValueError, match="`every` must be >= 1"):
     checkpoint.CheckpointConfig(str(tmp_path), every=0).validate()
-  with pytest.raises(ValueError, match="--ckpt-keep"):
+  with pytest.raises(ValueError, match="`keep` must be >= 1"):
     checkpoint.CheckpointConfig(str(tmp_path), keep=0).validate()
 
 

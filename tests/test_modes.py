@@ -8,7 +8,8 @@ import pytest
 
 import _modes_entries  # noqa: F401  (importable by the hosts)
 from hetjax.observe import report
-from hetjax.modes import options, rounds
+from hetjax.cli import mode_flags as options
+from hetjax.modes import rounds
 from hetjax.testing import run_hosts
 
 

@@ -58,7 +58,7 @@ def test_the_launcher_balancer_simulator_and_configs_load_without_jax():
   modules = ["hetjax.config", "hetjax.balancer", "hetjax.blocks", "hetjax.sim",
              "hetjax.sim.rounds", "hetjax.cluster.procs", "hetjax.cluster.hostgroup",
              "hetjax.cluster.hostenv", "hetjax.cluster.launcher_cli", "hetjax.cluster.emulate",
-             "hetjax.cluster.signals", "hetjax.cluster.hostguard", "hetjax.modes.options",
+             "hetjax.cluster.signals", "hetjax.cluster.hostguard", "hetjax.cli.mode_flags",
              "hetjax.observe.report", "hetjax.observe.progress", "hetjax.testing"]
   code = "".join(f"import {m}\n" for m in modules) + (
       "import runpy, sys\n"
@@ -104,8 +104,8 @@ def test_the_cli_flags_are_the_pinned_ones():
   # Read from the parser in a fresh interpreter with JAX blocked: building it must stay cheap.
   code = (
       "import argparse, json\n"
-      "from hetjax.cli import commands\n"
-      "parser = commands._parser()\n"
+      "from hetjax.cli import flags\n"
+      "parser = flags.parser()\n"
       "sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))\n"
       "print(json.dumps({name: sorted(o for a in p._actions for o in a.option_strings\n"
       "                               if o.startswith('--') and o != '--help')\n"

@@ -15,4 +15,4 @@ cross-host reduction that every host joins.
 - `options.py`: the command-line flags of the modes and their checks.
 """
 
-from hetjax.modes.options import MODES, RoundsConfig  # noqa: F401
+from hetjax.config import MODES, RoundsConfig  # noqa: F401

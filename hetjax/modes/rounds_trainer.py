@@ -37,7 +37,7 @@ from hetjax.observe.history import History
 from hetjax.modes import elastic as elastic_lib
 from hetjax.modes import hybrid as hybrid_lib
 from hetjax.modes import rounds as rounds_lib
-from hetjax.modes.options import RoundsConfig
+from hetjax.config import RoundsConfig
 from hetjax.task import Task
 
 PyTree = Any
@@ -96,9 +96,7 @@ class RoundsTrainer:
     """
     lifecycle.check_joined("a trainer")
     config.validate()
-    if config.balancer is not None or config.assignment != "equal":
-      raise ValueError(f"--mode {rounds.mode} sizes the hosts' work by local steps; the "
-                       "assignment and balancer settings do not apply (use --local-steps).")
+    rounds.check_split(config.balancer, config.assignment)
     self.meshes = mesh_lib.Meshes.create()
     self.host_id, self.num_hosts = self.meshes.host_id, self.meshes.num_hosts
     rounds.validate(self.num_hosts, config.global_batch)
