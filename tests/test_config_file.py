@@ -61,6 +61,23 @@ def test_a_bad_file_fails_before_jax_like_a_bad_flag(tmp_path, capsys, text, mes
   assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("text, message", [
+    ("model: mlp\nmodes:\n  global-batch: 48\n",
+     "line 3: `global-batch` belongs at the top level, found in section `modes`"),
+    ("ckpt-dir: ck\n", "line 1: `ckpt-dir` belongs in section `checkpoints`, found at the top level"),
+    ("modes:\n  ckpt-every: 5\n", "`ckpt-every` belongs in section `checkpoints`, found in section `modes`"),
+    ("lr: 0.1\nmodel: mlp\nlr: 0.2\n", "`lr` given twice: line 1 and line 3; keep one"),
+    ("modes:\n  mode: sync\n  mode: hybrid\n", "`mode` given twice: line 2 (section `modes`) and line 3"),
+])
+def test_a_key_in_the_wrong_section_or_given_twice_names_both_places(tmp_path, capsys, text, message):
+  path = tmp_path / "run.yaml"
+  path.write_text(text)
+  with pytest.raises(SystemExit) as stop:
+    cli.main(["train", "--config", str(path), "--print-config"])
+  assert stop.value.code == 2
+  assert message in capsys.readouterr().err
+
+
 def test_a_missing_file_is_named(capsys):
   with pytest.raises(SystemExit):
     cli.main(["train", "--config", "/nonexistent-hetjax/run.yaml"])
