@@ -32,7 +32,7 @@ Sections:
                   process's (rtol 1e-5) and each process's step time.
   checkpoint      the save call's share of a step, asynchronous (the
                   device snapshot) against synchronous (`bench/checkpoint.py`).
-  device_batches  per-host micro-batches of several blocks (issue 27):
+  device_batches  per-host micro-batches of several blocks (--device-batch):
                   `Trainer.fit` samples/s with `TrainConfig(device_batch=k)`
                   for each k (1, 2, 4, 8 on resnet50), timed interleaved,
                   as ratios over k = 1; then what `--device-batch auto`
@@ -72,7 +72,7 @@ PRECISIONS = ("fp32", "bf16")
 RESULT_FILE = "gpu_check.json"
 GPU_DEADLINE_S = 330  # Issue 30: the whole check in under 6 minutes, compiles included.
 PROFILE_STEPS = 5  # Per loop, traced with `--profile` after the timed runs.
-TARGET_RATIO = 0.97  # For resnet18 and resnet50 (issue 30).
+TARGET_RATIO = 0.97  # For resnet18 and resnet50.
 TARGET_RATIO_MODELS = ("resnet18", "resnet50")
 TARGET_ADDED_MS = 1.0  # For every model.
 TWO_HOSTS_RTOL, TWO_HOSTS_ATOL = 1e-5, 1e-6

@@ -38,7 +38,7 @@ class Reduced(NamedTuple):
   # A one-device world's is its local sums array `[1, n + 1 + k]` as it is:
   # summing over one device would only copy the row (ResNet-18's reduction
   # alone: 0.86 -> 0.29 ms). Under the sharded update, the new state packed
-  # (`hetjax.sharding`): the next step's program unpacks it.
+  # (`hetjax.step.sharding`): the next step's program unpacks it.
   total: Any
   shards: Any = None                     # the sharded update's new `Shards`
   learning_rate: jax.Array | None = None  # of the update the reduction applied (sharded)
@@ -73,7 +73,7 @@ class DeviceReduction:
     return self.meshes.world, ALL
 
   def attach(self, sharded) -> None:
-    """Runs `sharded` (a `hetjax.sharding.ShardedUpdate`) inside the reduction's program."""
+    """Runs `sharded` (a `hetjax.step.sharding.ShardedUpdate`) inside the reduction's program."""
     self.sharded = sharded
 
   def _build(self, layout: Layout) -> None:
@@ -155,7 +155,7 @@ class HostReduction:
     return self._cpu_mesh, "host"
 
   def attach(self, sharded) -> None:
-    """Runs `sharded` (a `hetjax.sharding.ShardedUpdate`) in the CPU program."""
+    """Runs `sharded` (a `hetjax.step.sharding.ShardedUpdate`) in the CPU program."""
     self.sharded = sharded
 
   def _build(self, layout: Layout) -> None:
