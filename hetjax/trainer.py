@@ -128,7 +128,7 @@ class Trainer:
     self.replica.replace(initial)
     state = self.replica.global_view()  # Per-example losses, checked before anything runs.
     lifecycle.check_task(task, state.params, state.model_state, init_batch)
-    self.history = History()
+    self.history = History(warmup=WARMUP_STEPS)
     self.pipeline = StepPipeline(config, self.meshes, self.replica, self.reduction, self.loader,
                                  example, balancer, self.history, self.pace)
     self._evaluations = lifecycle.Evaluations(task, self.meshes)

@@ -34,6 +34,7 @@ from hetjax import step as step_lib
 from hetjax.step import device_batch as device_batch_lib
 from hetjax import task as task_lib
 from hetjax.observe.history import History
+from hetjax.training.host_vector import HostVector
 from hetjax.modes import elastic as elastic_lib
 from hetjax.modes import hybrid as hybrid_lib
 from hetjax.modes import rounds as rounds_lib
@@ -42,11 +43,13 @@ from hetjax.task import Task
 
 PyTree = Any
 WARMUP_ROUNDS = rounds_lib.WARMUP_ROUNDS
-# The host vector of the reduction: seconds per local step, the round's
-# local compute seconds, and, of the round before (known only after its
-# reduction), the reduction's seconds and the host's distance to the hosts'
-# mean; then the stop flag.
-_STEP_S, _COMPUTE_S, _WAIT_S, _SPREAD, _STOP = range(5)
+# What each host adds to a round's reduction: its seconds per local step,
+# the round's local compute seconds, and, of the round before (known only
+# after its reduction), the reduction's seconds and the host's distance to
+# the hosts' mean; then its stop request.
+HOST_VECTOR = HostVector("step_s", "compute_s", "wait_s", "spread", "stop")
+# The last round's reduction seconds and spread, in `summary`'s small collective.
+FINAL_WAITS = HostVector("wait_s", "spread")
 
 
 class Saved(NamedTuple):
@@ -135,7 +138,7 @@ class RoundsTrainer:
     self.reduction = rounds_lib.RoundReduction(config.reduction, self.meshes)
     self.taus = rounds_lib.TauPolicy(rounds.round_steps, self.num_hosts, rounds.local_steps)
     # A round is the history's step: shares are the samples each host processed.
-    self.history = History(series={"tau": [], "spread": []})  # spread: ||x_i - mean||
+    self.history = History(series={"tau": [], "spread": []}, warmup=WARMUP_ROUNDS)  # spread: ||x_i - mean||
     self.position = 0          # The data cursor: next position of the global stream.
     self._start_round = 0
     self._base_key = jax.random.key(config.seed)
@@ -197,8 +200,9 @@ class RoundsTrainer:
       padded = self.local.micro_rounds * self.meshes.local_devices * self.config.microbatch
       compute = self.pace(compute, r, taus[me] * padded)
     t1 = time.perf_counter()
-    host_values = np.array([compute / taus[me], compute, self._last_wait, self._last_spread,
-                            signals.REQUESTS.code])
+    host_values = HOST_VECTOR.pack(step_s=compute / taus[me], compute_s=compute,
+                                   wait_s=self._last_wait, spread=self._last_spread,
+                                   stop=signals.REQUESTS.code)
     watchdog.reducing(r)
     reduced, rows = self.reduction({"update": contribution, "stats": totals}, host_values)
     watchdog.completed(r)
@@ -208,8 +212,8 @@ class RoundsTrainer:
     stats = jax.device_get(reduced["stats"])
     t2 = time.perf_counter()
     self._last_wait, self._last_spread = t2 - t1, float(spread)
-    self._stop_code = float(rows[:, _STOP].max())
-    self.taus.observe(r, rows[:, _STEP_S].tolist())
+    self._stop_code = float(HOST_VECTOR.column(rows, "stop").max())
+    self.taus.observe(r, HOST_VECTOR.column(rows, "step_s").tolist())
     self.position += plan.size
     weight = float(stats["weight"]) or 1.0
     metrics = {"loss": float(stats["loss"]) / weight,
@@ -217,15 +221,11 @@ class RoundsTrainer:
     if "skipped" in stats:  # fp16: local steps skipped for overflow, over every host.
       metrics["skipped"] = float(stats["skipped"])
     h = self.history
-    h.shares.append(n)
-    h.series["tau"].append(taus)
-    h.compute_s.append(rows[:, _COMPUTE_S].tolist())
-    if h.dropped + len(h.wait_s) < h.steps - 1:  # The round before's, now that every host sent them.
-      h.wait_s.append(rows[:, _WAIT_S].tolist())
-      h.series["spread"].append(rows[:, _SPREAD].tolist())
-    h.step_s.append(t2 - t0)
-    h.loss.append(metrics["loss"])
-    h.metrics.append(metrics)
+    h.record(n, t2 - t0, metrics["loss"], metrics, tau=taus,
+             compute_s=HOST_VECTOR.column(rows, "compute_s"))
+    # The round before's, now that every host sent them.
+    h.arrived(h.steps - 2, wait_s=HOST_VECTOR.column(rows, "wait_s"),
+              spread=HOST_VECTOR.column(rows, "spread"))
     return metrics
 
   # ---- records ------------------------------------------------------------
@@ -243,11 +243,11 @@ class RoundsTrainer:
   def _final_waits(self) -> None:
     """The last round's reduction seconds and spreads travel in one extra small collective."""
     h = self.history
-    if h.dropped + len(h.wait_s) < h.steps:
-      rows = mesh_lib.gather_host_values(np.array([self._last_wait, self._last_spread]),
-                                         self.meshes)
-      h.wait_s.append([float(r) for r in rows[:, 0]])
-      h.series["spread"].append([float(r) for r in rows[:, 1]])
+    if h.awaiting:
+      rows = mesh_lib.gather_host_values(
+          FINAL_WAITS.pack(wait_s=self._last_wait, spread=self._last_spread), self.meshes)
+      h.arrived(h.steps - 1, wait_s=FINAL_WAITS.column(rows, "wait_s"),
+                spread=FINAL_WAITS.column(rows, "spread"))
 
   # ---- the loop -------------------------------------------------------------
 

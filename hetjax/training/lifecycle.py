@@ -212,10 +212,9 @@ class Run:
     return self.stream is not None
 
   def record(self) -> None:
-    """Hands the complete records to the sinks; keeps the history's memory O(1) in steps."""
+    """Hands the complete records to the sinks (the history keeps itself bounded)."""
     if self.stream is not None:
       self.stream.pop()
-    self.trainer.history.trim(self.warmup)
 
   def evaluation_due(self, step: int) -> bool:
     return bool(self.eval_every) and step % self.eval_every == 0
