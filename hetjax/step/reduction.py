@@ -131,23 +131,12 @@ class HostReduction:
 
   def __init__(self, meshes: Meshes):
     self.meshes = meshes
-    cpus = sorted(jax.devices("cpu"), key=lambda d: (d.process_index, d.id))
-    firsts = [next(d for d in cpus if d.process_index == h) for h in range(meshes.num_hosts)]
-    self._cpu_mesh = Mesh(np.array(firsts), ("host",))
+    self._cpu_mesh = host_cpu_mesh(meshes)
     self._by_host = NamedSharding(self._cpu_mesh, P("host"))
     self._gather = jax.jit(lambda x: x, out_shardings=NamedSharding(self._cpu_mesh, P()))
     self._device_sum = None
     self.sharded = None
-    # gloo sets up a communicator for a new set of devices on its first
-    # collective and gives up if a peer is not there within 30 s (fixed in
-    # XLA), so a host that compiles much later (a slower or busier machine)
-    # would fail the first step. Set it up here: compile the probe, line the
-    # hosts up on the all-device communicator (which waits as long as it
-    # takes), then run it at once.
-    probe = jax.make_array_from_process_local_data(self._by_host, np.zeros((1, 1), np.float32))
-    gather = self._gather.lower(probe).compile()
-    gather_host_values(np.zeros(1), meshes)
-    gather(probe).block_until_ready()
+    line_up(self._gather, self._by_host, meshes)
 
   @property
   def shard_mesh(self) -> tuple[Mesh, str]:
@@ -205,6 +194,29 @@ class HostReduction:
     # rows: [hosts, scale and host vector]; every host ran with host 0's scale.
     return Reduced(self._stats(total, rows[0, 0]), self._names, rows[:, 1:], self.meshes,
                    sums.flat if self.meshes.one_device else total)
+
+
+def host_cpu_mesh(meshes: Meshes) -> Mesh:
+  """A mesh of one CPU device per host (axis 'host'): where the host backend reduces."""
+  cpus = sorted(jax.devices("cpu"), key=lambda d: (d.process_index, d.id))
+  firsts = [next(d for d in cpus if d.process_index == h) for h in range(meshes.num_hosts)]
+  return Mesh(np.array(firsts), ("host",))
+
+
+def line_up(program: Any, by_host: NamedSharding, meshes: Meshes) -> None:
+  """Runs `program` once on a `[hosts, 1]` probe with every host lined up first.
+
+  gloo sets up a communicator for a new set of devices on its first
+  collective and gives up if a peer is not there within 30 s (fixed in
+  XLA), so a host that compiles much later (a slower or busier machine)
+  would fail the first step. Set it up here: compile the probe, line the
+  hosts up on the all-device communicator (which waits as long as it
+  takes), then run it at once.
+  """
+  probe = jax.make_array_from_process_local_data(by_host, np.zeros((1, 1), np.float32))
+  compiled = program.lower(probe).compile()
+  gather_host_values(np.zeros(1), meshes)
+  jax.block_until_ready(compiled(probe))
 
 
 REDUCTIONS = {"device": DeviceReduction, "host": HostReduction}
