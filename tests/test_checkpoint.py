@@ -22,7 +22,6 @@ from hetjax import models as zoo
 from hetjax import cli, trainer
 from hetjax.checkpoint import manager as checkpoint
 from hetjax.input import data
-from hetjax.training import sync_checkpoint
 from hetjax.cluster import procs
 from hetjax.checkpoint import snapshot
 from hetjax.testing import run_hosts
@@ -167,7 +166,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(tmp_path, uninter
 def _write_pre_mixed_precision_checkpoint(directory, tr):
   """The checkpoint hetjax wrote before mixed precision: a TrainState with no loss_scale."""
   old_state = {k: v for k, v in tr.state._asdict().items() if k != "loss_scale"}
-  meta = {"format": checkpoint.FORMAT, "step": tr.step, **sync_checkpoint.meta(tr)}
+  meta = {"format": checkpoint.FORMAT, "step": tr.step, **tr.checkpoint_meta()}
   manager = ocp.CheckpointManager(epath.Path(directory),
                                   options=ocp.CheckpointManagerOptions(create=True))
   manager.save(tr.step, force=True, args=ocp.args.Composite(

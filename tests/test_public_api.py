@@ -12,10 +12,10 @@ import hetjax
 # What `import hetjax` offers by name. A change here is a change of the public
 # API: update the README and docs with it.
 PUBLIC = sorted([
-    "ArraySource", "CheckpointConfig", "DatasetInfo", "HostsDisagree", "Interrupted", "MASK",
-    "Preempted", "RoundsConfig", "RoundsTrainer", "Stopped", "Task", "TrainConfig", "Trainer",
-    "Weighted", "from_functions", "from_linen", "from_nnx", "initialize", "params_digest",
-    "topology", "train",
+    "ArraySource", "CheckpointConfig", "DatasetInfo", "Elastic", "HostsDisagree", "Hybrid",
+    "Interrupted", "MASK", "Preempted", "RoundsConfig", "RoundsTrainer", "Stopped", "Sync", "Task",
+    "TrainConfig", "Trainer", "Weighted", "from_functions", "from_linen", "from_nnx",
+    "initialize", "params_digest", "topology", "train",
 ])
 SUBMODULES = ["checkpoint", "data", "metrics", "models", "optimizers", "progress", "report",
               "signals", "testing"]

@@ -138,6 +138,7 @@ def train(args: argparse.Namespace) -> dict:
   """Runs one host's part of the job; returns the summary."""
   _check_args(args)
   import numpy as np
+  from hetjax import modes
   from hetjax import trainer
   from hetjax.input import loader
   from hetjax.observe import progress
@@ -157,14 +158,12 @@ def train(args: argparse.Namespace) -> dict:
   identity = f"{args.model}|{_optimizer_identity(args)}|{args.model_width}|{args.dropout}"
   identity += f"|{args.image_size}|{args.augment}" if images else ""
   ckpt = None if args.ckpt_dir is None else _checkpoint_config(args)
+  # --mode hybrid / elastic: --steps counts rounds, --optimizer is the inner one.
   rounds = mode_flags.from_args(args, topo.num_hosts)
-  if rounds is None:
-    tr = trainer.Trainer(task, _optimizer(args), source, config, identity=identity, checkpoint=ckpt,
-                         data_workers=args.data_workers if args.data_workers is not None else
-                         (loader.default_workers() if images else 0))
-  else:  # --mode hybrid / elastic: --steps counts rounds, --optimizer is the inner one.
-    from hetjax.modes.rounds_trainer import RoundsTrainer
-    tr = RoundsTrainer(task, _optimizer(args), source, config, rounds, identity=identity,
+  workers = args.data_workers if args.data_workers is not None else (
+      loader.default_workers() if images else 0)
+  mode = modes.Sync(data_workers=workers) if rounds is None else modes.from_config(rounds)
+  tr = trainer.Trainer(task, _optimizer(args), source, config, mode=mode, identity=identity,
                        checkpoint=ckpt)
   if topo.host_id == 0:  # Only a job that starts writes what re-runs it.
     _write_config(args)

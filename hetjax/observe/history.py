@@ -25,6 +25,11 @@ from typing import Any, Sequence
 WINDOW = 1000  # Steps kept; the lists are trimmed back to this when they reach twice it.
 
 
+def _plain(values: Sequence[Any]) -> list[Any]:
+  """Python numbers (JSON's), however given: numpy scalars of a gathered row, or ints (taus)."""
+  return [v.item() if hasattr(v, "item") else v for v in values]
+
+
 @dataclasses.dataclass
 class Folded:
   """Totals of the steps dropped from the window (after warm-up where it says so)."""
@@ -86,7 +91,7 @@ class History:
     self.loss.append(float(loss))
     self.metrics.append(metrics)
     for name, values in per_host.items():
-      self._column(name).append([float(v) for v in values])
+      self._column(name).append(_plain(values))
     self.trim()
 
   def arrived(self, index: int, **per_host: Sequence[float]) -> None:
@@ -98,7 +103,7 @@ class History:
     if index != self.dropped + len(self.wait_s) or index >= self.steps:
       return
     for name, values in per_host.items():
-      self._column(name).append([float(v) for v in values])
+      self._column(name).append(_plain(values))
 
   @property
   def awaiting(self) -> range:
@@ -106,6 +111,7 @@ class History:
     return range(self.dropped + len(self.wait_s), self.steps)
 
   def _column(self, name: str) -> list[list[float]]:
+    """A per-host column by name: `compute_s`, `wait_s`, or one of the mode's series."""
     return getattr(self, name) if name in ("compute_s", "wait_s") else self.series[name]
 
   @property

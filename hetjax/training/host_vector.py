@@ -40,11 +40,15 @@ class HostVector:
     Raises:
       ValueError: a column missing or unknown.
     """
-    wanted = set(self.names) | ({self.group} if self.group else set())
-    if set(values) != wanted:
-      raise ValueError(f"a host vector needs exactly {sorted(wanted)}; got {sorted(values)}.")
-    tail = list(values[self.group]) if self.group else []
-    return np.array([float(values[name]) for name in self.names] + tail, np.float32)
+    try:  # Once per step: no sets built.
+      row = [float(values[name]) for name in self.names]
+      row += list(values[self.group]) if self.group else []
+    except KeyError:
+      row = None
+    if row is None or len(values) != len(self.names) + bool(self.group):
+      wanted = list(self.names) + ([self.group] if self.group else [])
+      raise ValueError(f"a host vector needs exactly {wanted}; got {sorted(values)}.")
+    return np.array(row, np.float32)
 
   def column(self, rows: np.ndarray, name: str) -> np.ndarray:
     """Every host's value of column `name`, from the rows `[hosts, k]`."""
