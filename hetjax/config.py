@@ -71,7 +71,7 @@ def check_at_least(name: str, value: int, least: int, meaning: str = "") -> None
 class TrainConfig:
   """What every host must agree on (compared by hash before training).
 
-  Attributes:
+  Args:
     global_batch: samples per step over all hosts; fixed for the whole run.
     microbatch: samples per device per micro-batch, `m`: the global batch is
       cut into blocks of `m` positions, each run whole by one device, so a
@@ -100,6 +100,14 @@ class TrainConfig:
       ..., 1` blocks per device, all compiled at start.
     device_batch_memory_fraction: under 'auto', the share of a device's
       memory the largest micro-batch may fill.
+
+  Example:
+    >>> config = hetjax.TrainConfig(global_batch=64, microbatch=8, balancer="dynamic")
+    >>> config.validate(num_hosts=3)
+    >>> hetjax.TrainConfig(global_batch=0).validate()
+    Traceback (most recent call last):
+    ...
+    ValueError: `global_batch` must be >= 1, got 0.
   """
 
   global_batch: int
@@ -215,13 +223,18 @@ def device_batches(value: int | str | tuple[int, ...], num_hosts: int) -> tuple[
 class CheckpointConfig:
   """Where and how often to checkpoint.
 
-  Attributes:
+  Args:
     directory: the checkpoint folder (shared by all hosts): a local path or
       a URL orbax reaches through `etils.epath` (gs://bucket/run, ...).
     every: save every this many steps (and always at the end of `fit`).
     keep: keep the newest this many checkpoints.
     resume: continue from the newest complete checkpoint in `directory`.
     async_save: write in the background while training goes on.
+
+  Example:
+    >>> import tempfile
+    >>> ckpt = hetjax.CheckpointConfig(tempfile.mkdtemp(), every=50, keep=2)
+    >>> ckpt.validate()  # A folder that cannot take checkpoints fails here, not at step 50.
   """
 
   directory: str
@@ -277,9 +290,10 @@ OUTER_OPTIMIZERS = ("sgd", "nesterov")
 
 @dataclasses.dataclass(frozen=True)
 class RoundsConfig:
-  """What a hybrid or elastic run adds to `TrainConfig`.
+  """What a hybrid or elastic run adds to `TrainConfig` (what `hetjax.Hybrid` and
+  `hetjax.Elastic` hold; the command line's `--mode` flags build one).
 
-  Attributes:
+  Args:
     mode: 'hybrid' or 'elastic'.
     round_steps: H, local steps of the fastest host per round; host i runs
       `tau_i = max(1, round(H * v_i / v_max))` with v its measured local
@@ -293,6 +307,12 @@ class RoundsConfig:
       and 0.9 by default; momentum 0 = plain SGD).
     elastic_beta: EASGD's moving rate; host i moves `beta * n_i / sum n` of
       the way to the centre each round.
+
+  Example:
+    >>> rounds = hetjax.RoundsConfig(mode="hybrid", local_steps=(4, 2, 1))
+    >>> rounds.validate(num_hosts=3, global_batch=48)
+    >>> rounds.local_batch_for(48, 3)
+    16
   """
 
   mode: str = "hybrid"
@@ -347,6 +367,7 @@ class RoundsConfig:
       raise ValueError(f"`assignment` does not apply to `mode` {self.mode}; use `local_steps`.")
 
   def local_batch_for(self, global_batch: int, num_hosts: int) -> int:
+    """Samples of one local step of one host: `local_batch`, or an equal share."""
     return self.local_batch if self.local_batch is not None else global_batch // num_hosts
 
 

@@ -3,6 +3,7 @@ the modules that must start fast (the launcher, the balancer, the simulator, the
 
 from __future__ import annotations
 
+import inspect
 import json
 import subprocess
 import sys
@@ -119,3 +120,55 @@ def test_the_cli_flags_are_the_pinned_ones():
         f"`hetjax {command}` flags changed: gone {sorted(set(pinned or []) - set(now or []))}, "
         f"new {sorted(set(now or []) - set(pinned or []))}. A flag is public API: update the "
         f"README and docs/ that name it, then CLI_FLAGS in tests/test_public_api.py.")
+
+
+def _docs(obj) -> str:
+  """A public name's docstring, with its constructor's for a class that has its own."""
+  doc = inspect.getdoc(obj) or ""
+  if inspect.isclass(obj) and "__init__" in vars(obj):
+    doc += "\n" + (inspect.getdoc(obj.__init__) or "")
+  return doc
+
+
+def _takes_arguments(obj) -> bool:
+  if inspect.isclass(obj) and issubclass(obj, BaseException):
+    return True  # Its message, at least.
+  return bool(inspect.signature(obj).parameters)
+
+
+def test_every_public_name_documents_its_arguments_and_returns_with_an_example():
+  missing = []
+  for name in hetjax.__all__:
+    obj = getattr(hetjax, name)
+    if not callable(obj):
+      continue  # MASK: a constant, documented where it is defined.
+    need = ["Example", ">>>"]
+    if _takes_arguments(obj):
+      need.append("Args")
+    if inspect.isfunction(obj):
+      need.append("Returns")
+    missing += [f"{name}: no {part}" for part in need if part not in _docs(obj)]
+  assert not missing, missing
+
+
+def test_the_public_examples_run():
+  """Every example in a public name's docstring, run as written (one tiny model, a few steps)."""
+  import doctest
+
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+  runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+  finder = doctest.DocTestFinder(recurse=False)
+  ran = 0
+  for name in hetjax.__all__:
+    obj = getattr(hetjax, name)
+    if not callable(obj):
+      continue
+    globs = {"hetjax": hetjax, "jax": jax, "jnp": jnp, "np": np, "optax": optax}
+    for owner in [obj] + ([obj.__init__] if inspect.isclass(obj) and "__init__" in vars(obj) else []):
+      for test in finder.find(owner, name, globs=dict(globs)):
+        ran += len(test.examples)
+        runner.run(test)
+  assert runner.failures == 0 and ran > 50, runner.summarize()

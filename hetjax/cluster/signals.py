@@ -33,10 +33,17 @@ _CODES = {signal.SIGTERM: TERM, signal.SIGINT: INT}
 class Stopped(JobExit):
   """Every host stopped at the same step boundary because a host got a stop signal.
 
-  Attributes:
-    step: the steps done when the hosts stopped.
+  Raised by `Trainer.fit`; the command line leaves with `exit_code`.
+
+  Args:
+    step: the steps done when the hosts stopped (None: outside the steps).
     directory: the checkpoint folder the state was saved in, or None.
-    exit_code: what the command line exits with.
+    during: the step this host was in when the signal came, if it got it.
+
+  Example (`except hetjax.Stopped as stop:` around `fit` catches every stop):
+    >>> stop = hetjax.Interrupted(40, None)
+    >>> isinstance(stop, hetjax.Stopped), stop.step
+    (True, 40)
   """
 
   exit_code = 1
@@ -62,7 +69,12 @@ class Preempted(Stopped):
 
   The command line exits with `exit_code` (`hetjax.exits.PREEMPTED_EXIT`),
   which the launchers read as "restart me": the restarted job resumes from
-  the checkpoint.
+  the checkpoint. Args as for `Stopped`.
+
+  Example:
+    >>> stop = hetjax.Preempted(120, "/ckpt")
+    >>> stop.exit_code, str(stop).split(";")[0]
+    (75, 'preempted: checkpoint of step 120 saved in /ckpt')
   """
 
   exit_code = PREEMPTED_EXIT
@@ -77,7 +89,14 @@ class Preempted(Stopped):
 
 
 class Interrupted(Stopped):
-  """Ctrl-C (SIGINT) reached a host: a user's stop, not a preemption."""
+  """Ctrl-C (SIGINT) reached a host: a user's stop, not a preemption (never restarted).
+
+  Args as for `Stopped`.
+
+  Example:
+    >>> hetjax.Interrupted(7, None).exit_code
+    130
+  """
 
   exit_code = INTERRUPTED_EXIT
   signal_name = "Ctrl-C"
