@@ -1,5 +1,7 @@
 """hetjax: synchronous data parallelism across hosts whose accelerators differ.
 
+`Trainer` runs a job in any mode (`Sync`, the default; `Hybrid`; `Elastic`)
+from a `Task`, an optax optimizer, an `ArraySource` and a `TrainConfig`.
 Public names load lazily, so the launcher and other stdlib-only tools can
 import `hetjax.*` modules without paying for JAX.
 """
