@@ -48,10 +48,9 @@ def host_main(betas: list, rounds: int, every: int, optimizer: str, lr: float,
       return jnp.mean(metrics["accuracy"])
 
     inner = optax.adam(lr) if optimizer == "adam" else optax.sgd(lr, momentum=momentum)
-    tr = hetjax.RoundsTrainer(task, inner, source,
-                              hetjax.TrainConfig(global_batch=48, microbatch=8, seed=0),
-                              hetjax.RoundsConfig(mode="elastic", local_steps=(4, 2, 1),
-                                                  elastic_beta=beta))
+    tr = hetjax.Trainer(task, inner, source,
+                        hetjax.TrainConfig(global_batch=48, microbatch=8, seed=0),
+                        mode=hetjax.Elastic(beta=beta, local_steps=(4, 2, 1)))
     rows, average = [], None
 
     def evaluate(t, metrics):

@@ -17,7 +17,7 @@ Two more rows are for information: digits with `--augment crop,flip`, and
 digits written as an array_record TFDS dataset in a temporary folder and read
 back through `tfds.data_source` (per-record deserialisation).
 
-The JPEG rows (issue 14) build `--jpeg-records` synthetic photos of random
+The JPEG rows build `--jpeg-records` synthetic photos of random
 sizes (160-512 pixels a side, JPEG quality 90) as a TFDS array_record
 dataset, then for each `--image-sizes` S: the decode cost per image (one
 process, the training recipe: decode, random resized crop to S, flip), the

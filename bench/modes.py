@@ -45,7 +45,7 @@ MODES = {
     "sync-dynamic": ("sync", {"balancer": "dynamic"}, 0.9, 0.1),
     "hybrid-H4": ("hybrid", {"round_steps": 4}, None, 0.2),
     "hybrid-H8": ("hybrid", {"round_steps": 8}, None, 0.2),
-    "elastic-H4": ("elastic", {"round_steps": 4, "elastic_beta": 0.5}, 0.9, 0.05),
+    "elastic-H4": ("elastic", {"round_steps": 4, "beta": 0.5}, 0.9, 0.05),
 }
 
 
@@ -90,8 +90,8 @@ def host_main(runs: list, global_batch: int, microbatch: int, target: float,
       timed = lambda h, i: (h.step_s[i], min(h.wait_s[i]), global_batch)
     else:
       config = hetjax.TrainConfig(global_batch=global_batch, microbatch=microbatch, seed=seed)
-      tr = hetjax.RoundsTrainer(task, inner, source, config,
-                                hetjax.RoundsConfig(mode=kind, **settings))
+      mode = hetjax.Hybrid(**settings) if kind == "hybrid" else hetjax.Elastic(**settings)
+      tr = hetjax.Trainer(task, inner, source, config, mode=mode)
       timed = lambda h, i: (h.step_s[i], min(h.wait_s[i]), int(sum(h.shares[i])))
     # (clock seconds, samples, accuracy, reductions, reduction seconds), evaluation
     # off the clock; step (round) 0 compiles and stays off it too.
@@ -120,10 +120,7 @@ def host_main(runs: list, global_batch: int, microbatch: int, target: float,
         raise _Reached()
 
     try:
-      if kind == "sync":
-        tr.fit(10**9, on_step=evaluate)
-      else:
-        tr.fit(10**9, on_round=evaluate)
+      tr.fit(10**9, on_step=evaluate)  # Steps or rounds: the one Trainer's loop.
     except _Reached:
       pass
     tr.close()

@@ -14,7 +14,7 @@ the slow-spell rate with the spread over seeds; which assumptions move the
 1024-host figure. The last line is one JSON object with the figures.
 For the replay of the emulated 3-host cluster see bench/validate_sim.py.
 
-`--device-batches` (issue 27; a few seconds) prices the micro-batch size
+`--device-batches` (a few seconds) prices the micro-batch size
 (`hetjax.sim.price`: throughput that saturates with the per-device
 micro-batch, fitted to NVIDIA's published ResNet-50 figures, plus a cost per
 program run) at 16 hosts x 8 GPUs, 512 samples per host, and prints: the
@@ -344,7 +344,7 @@ def main(argv=None) -> dict:
   p.add_argument("--seeds", type=int, default=3)
   p.add_argument("--quick", action="store_true", help="16 and 1024 hosts only, 40 steps")
   p.add_argument("--device-batches", action="store_true",
-                 help="only issue 27's figure: block size m against per-host device batches, "
+                 help="only the device-batch figure: block size m against per-host device batches, "
                       "with the micro-batch priced (16 hosts x 8 GPUs)")
   p.add_argument("--mode-threshold", type=float, default=None, metavar="SAMPLES_RATIO",
                  help="only the sync/hybrid threshold: the reduction share above which hybrid "

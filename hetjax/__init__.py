@@ -1,5 +1,7 @@
 """hetjax: synchronous data parallelism across hosts whose accelerators differ.
 
+`Trainer` runs a job in any mode (`Sync`, the default; `Hybrid`; `Elastic`)
+from a `Task`, an optax optimizer, an `ArraySource` and a `TrainConfig`.
 Public names load lazily, so the launcher and other stdlib-only tools can
 import `hetjax.*` modules without paying for JAX.
 """
@@ -21,6 +23,9 @@ _EXPORTS = {
     "TrainConfig": "hetjax.config",
     "train": "hetjax.trainer",
     "params_digest": "hetjax.trainer",
+    "Sync": "hetjax.modes",
+    "Hybrid": "hetjax.modes",
+    "Elastic": "hetjax.modes",
     "RoundsTrainer": "hetjax.modes.rounds_trainer",
     "RoundsConfig": "hetjax.config",
     "Preempted": "hetjax.cluster.signals",

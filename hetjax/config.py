@@ -2,8 +2,11 @@
 
 The command line builds these and calls their `validate()` before JAX loads,
 so a bad value fails in a second, with the value, the limit and the fix,
-never after a cluster joined and compiled. The trainers call the same
-`validate()`: one check, one wording, wherever a config comes from.
+never after a cluster joined and compiled. The trainer calls the same
+`validate()`: one check wherever a config comes from. Messages name the
+dataclass fields in backticks (`global_batch`), the Python API's names; the
+command line rewords them as its flags (`--global-batch`) in one place,
+`hetjax.cli.flags`.
 Imports here are the standard library, plus JAX-free hetjax modules inside
 the checks that need them.
 """
@@ -59,7 +62,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 def check_at_least(name: str, value: int, least: int, meaning: str = "") -> None:
-  """The one wording of "must be >= N" used by every config."""
+  """The one wording of "must be >= N" used by every config (`name`: the field, in backticks)."""
   if value < least:
     raise ValueError(f"{name} must be >= {least}{meaning}, got {value}.")
 
@@ -68,7 +71,7 @@ def check_at_least(name: str, value: int, least: int, meaning: str = "") -> None
 class TrainConfig:
   """What every host must agree on (compared by hash before training).
 
-  Attributes:
+  Args:
     global_batch: samples per step over all hosts; fixed for the whole run.
     microbatch: samples per device per micro-batch, `m`: the global batch is
       cut into blocks of `m` positions, each run whole by one device, so a
@@ -102,6 +105,14 @@ class TrainConfig:
       element-wise one, whole leaves for one whose update depends on leaf
       shapes), 'whole' (skip the probe) or 'sliced' (refuse an optimizer
       that needs whole leaves). Every choice computes what one device would.
+
+  Example:
+    >>> config = hetjax.TrainConfig(global_batch=64, microbatch=8, balancer="dynamic")
+    >>> config.validate(num_hosts=3)
+    >>> hetjax.TrainConfig(global_batch=0).validate()
+    Traceback (most recent call last):
+    ...
+    ValueError: `global_batch` must be >= 1, got 0.
   """
 
   global_batch: int
@@ -127,8 +138,8 @@ class TrainConfig:
     from hetjax import blocks as blocks_lib
     from hetjax.input import augment as augment_lib
 
-    check_at_least("--global-batch", self.global_batch, 1)
-    check_at_least("--microbatch", self.microbatch, 1)
+    check_at_least("`global_batch`", self.global_batch, 1)
+    check_at_least("`microbatch`", self.microbatch, 1)
     if self.reduction not in REDUCTIONS:
       raise ValueError(f"unknown reduction backend {self.reduction!r}; choose "
                        f"{' or '.join(map(repr, REDUCTIONS))}.")
@@ -142,19 +153,19 @@ class TrainConfig:
     assignment = (balancer_lib.parse_assignment(self.assignment)
                   if isinstance(self.assignment, str) else tuple(self.assignment))
     if self.balancer in ("static", "dynamic") and assignment != "equal":
-      raise ValueError(f"balancer {self.balancer!r} sizes the shares itself; drop the explicit "
-                       f"assignment {self.assignment} (or use the 'equal' balancer).")
+      raise ValueError(f"`balancer` {self.balancer!r} sizes the shares itself; drop the explicit "
+                       f"`assignment` {self.assignment} (or use the 'equal' balancer).")
     if assignment != "equal":
       if num_hosts is not None:
         balancer_lib.validate_shares(assignment, self.global_batch, num_hosts)
       blocks_lib.check_aligned(assignment, self.global_batch, self.microbatch)
-    check_at_least("check_every", self.check_every, 0, " steps (0: only at checkpoints)")
+    check_at_least("`check_every`", self.check_every, 0, " steps (0: only at checkpoints)")
     if self.watchdog_s is not None and not self.watchdog_s >= 0:
-      raise ValueError(f"--watchdog must be >= 0 seconds (0: off; unset: 20 x the median step, "
+      raise ValueError(f"`watchdog_s` must be >= 0 seconds (0: off; unset: 20 x the median step, "
                        f"at least 5 minutes), got {self.watchdog_s}.")
     check_device_batch(self.device_batch, self.device_batch_memory_fraction, num_hosts)
     if self.update_layout not in UPDATE_LAYOUTS:
-      raise ValueError(f"unknown update layout {self.update_layout!r}; choose one of "
+      raise ValueError(f"`update_layout` {self.update_layout!r} is unknown; choose one of "
                        f"{', '.join(UPDATE_LAYOUTS)}.")
 
   def device_batches(self, num_hosts: int) -> tuple[int, ...] | None:
@@ -167,7 +178,7 @@ UPDATE_LAYOUTS = ("auto", "sliced", "whole")  # the sharded update's (hetjax.ste
 
 
 def parse_device_batch(value: int | str | tuple[int, ...] | list) -> tuple[int, ...] | str:
-  """`--device-batch` as given ('16,8,2', 4, (4, 2), 'auto') -> a tuple of ints or 'auto'."""
+  """`device_batch` as given ('16,8,2', 4, (4, 2), 'auto') -> a tuple of ints or 'auto'."""
   if isinstance(value, str):
     text = value.strip()
     if text.lower() == AUTO:
@@ -184,7 +195,7 @@ def parse_device_batch(value: int | str | tuple[int, ...] | list) -> tuple[int, 
     try:
       out.append(int(p))
     except (TypeError, ValueError):
-      raise ValueError(f"--device-batch {value!r}: {p!r} is not a whole number of blocks; give "
+      raise ValueError(f"`device_batch` {value!r}: {p!r} is not a whole number of blocks; give "
                        "one count per host (e.g. 16,8,2), one for every host (e.g. 4) or "
                        "'auto'.") from None
   return tuple(out)
@@ -195,22 +206,22 @@ def check_device_batch(value: int | str | tuple[int, ...], memory_fraction: floa
   """Raises ValueError naming the value, the limit and the fix (no JAX)."""
   parsed = parse_device_batch(value)
   if not 0 < memory_fraction <= 1:
-    raise ValueError(f"--device-batch-memory-fraction must be in (0, 1], got {memory_fraction}: "
+    raise ValueError(f"`device_batch_memory_fraction` must be in (0, 1], got {memory_fraction}: "
                      "the share of a device's memory 'auto' may fill (default 0.8).")
   if parsed == AUTO:
     return
   shown = ",".join(map(str, parsed))
   if not parsed or any(k < 1 for k in parsed):
-    raise ValueError(f"--device-batch {shown}: every host needs >= 1 block per device per "
+    raise ValueError(f"`device_batch` {shown}: every host needs >= 1 block per device per "
                      "micro-batch (1: one block, the default; or 'auto').")
   if num_hosts is not None and len(parsed) not in (1, num_hosts):
-    raise ValueError(f"--device-batch {shown} gives {len(parsed)} values for {num_hosts} "
+    raise ValueError(f"`device_batch` {shown} gives {len(parsed)} values for {num_hosts} "
                      f"host(s); give one per host (e.g. {','.join(['4'] * num_hosts)}), one for "
                      "every host, or 'auto'.")
 
 
 def device_batches(value: int | str | tuple[int, ...], num_hosts: int) -> tuple[int, ...] | None:
-  """One `k` per host from a checked `--device-batch` value; None under 'auto'."""
+  """One `k` per host from a checked `device_batch` value; None under 'auto'."""
   parsed = parse_device_batch(value)
   if parsed == AUTO:
     return None
@@ -222,13 +233,18 @@ def device_batches(value: int | str | tuple[int, ...], num_hosts: int) -> tuple[
 class CheckpointConfig:
   """Where and how often to checkpoint.
 
-  Attributes:
+  Args:
     directory: the checkpoint folder (shared by all hosts): a local path or
       a URL orbax reaches through `etils.epath` (gs://bucket/run, ...).
     every: save every this many steps (and always at the end of `fit`).
     keep: keep the newest this many checkpoints.
     resume: continue from the newest complete checkpoint in `directory`.
     async_save: write in the background while training goes on.
+
+  Example:
+    >>> import tempfile
+    >>> ckpt = hetjax.CheckpointConfig(tempfile.mkdtemp(), every=50, keep=2)
+    >>> ckpt.validate()  # A folder that cannot take checkpoints fails here, not at step 50.
   """
 
   directory: str
@@ -238,8 +254,8 @@ class CheckpointConfig:
   async_save: bool = True
 
   def validate(self) -> None:
-    check_at_least("--ckpt-every", self.every, 1, " step")
-    check_at_least("--ckpt-keep", self.keep, 1, " checkpoint")
+    check_at_least("`every`", self.every, 1, " step")
+    check_at_least("`keep`", self.keep, 1, " checkpoint")
     check_writable(self.directory)
 
 
@@ -268,14 +284,14 @@ def check_writable(directory: str) -> None:
   if os.path.exists(blocker) and not os.path.isdir(blocker):
     where = "is a file" if blocker == path else f"lies under {blocker}, which is a file"
     raise ValueError(f"checkpoint folder {path} {where}, not a folder; choose another "
-                     "--ckpt-dir.")
+                     "`directory`.")
   try:
     os.makedirs(path, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=path, prefix=".hetjax-write-probe-"):
       pass
   except OSError as e:
     raise ValueError(f"checkpoint folder {path} is not writable ({e.strerror or e}); choose "
-                     "another --ckpt-dir or fix its permissions.") from None
+                     "another `directory` or fix its permissions.") from None
 
 
 MODES = ("sync", "hybrid", "elastic")
@@ -284,9 +300,10 @@ OUTER_OPTIMIZERS = ("sgd", "nesterov")
 
 @dataclasses.dataclass(frozen=True)
 class RoundsConfig:
-  """What a hybrid or elastic run adds to `TrainConfig`.
+  """What a hybrid or elastic run adds to `TrainConfig` (what `hetjax.Hybrid` and
+  `hetjax.Elastic` hold; the command line's `--mode` flags build one).
 
-  Attributes:
+  Args:
     mode: 'hybrid' or 'elastic'.
     round_steps: H, local steps of the fastest host per round; host i runs
       `tau_i = max(1, round(H * v_i / v_max))` with v its measured local
@@ -300,6 +317,12 @@ class RoundsConfig:
       and 0.9 by default; momentum 0 = plain SGD).
     elastic_beta: EASGD's moving rate; host i moves `beta * n_i / sum n` of
       the way to the centre each round.
+
+  Example:
+    >>> rounds = hetjax.RoundsConfig(mode="hybrid", local_steps=(4, 2, 1))
+    >>> rounds.validate(num_hosts=3, global_batch=48)
+    >>> rounds.local_batch_for(48, 3)
+    16
   """
 
   mode: str = "hybrid"
@@ -312,37 +335,49 @@ class RoundsConfig:
   elastic_beta: float = 0.9
 
   def validate(self, num_hosts: int | None = None, global_batch: int | None = None) -> None:
+    """Raises ValueError naming the value, the limit and the fix (`num_hosts`, where known,
+    also checks `local_steps`' length; `global_batch`, that every host gets a sample)."""
     if self.mode not in MODES[1:]:
-      raise ValueError(f"unknown rounds mode {self.mode!r}; choose 'hybrid' or 'elastic' "
-                       "('sync' is hetjax.Trainer).")
-    check_at_least("--round-steps", self.round_steps, 1,
+      raise ValueError(f"unknown rounds `mode` {self.mode!r}; choose 'hybrid' or 'elastic' "
+                       "('sync' needs no RoundsConfig).")
+    check_at_least("`round_steps`", self.round_steps, 1,
                    " local step of the fastest host per round")
     if self.local_steps is not None:
+      shown = ",".join(map(str, self.local_steps))
       if any(int(t) < 1 for t in self.local_steps):
-        raise ValueError(f"--local-steps {','.join(map(str, self.local_steps))}: every host "
-                         "needs >= 1 local step per round.")
+        raise ValueError(f"`local_steps` {shown}: every host needs >= 1 local step per round.")
       if num_hosts is not None and len(self.local_steps) != num_hosts:
-        raise ValueError(f"--local-steps {','.join(map(str, self.local_steps))} gives "
-                         f"{len(self.local_steps)} count(s) for {num_hosts} host(s); give one "
-                         "per host, e.g. " + ",".join(["1"] * num_hosts) + ".")
+        raise ValueError(f"`local_steps` {shown} gives {len(self.local_steps)} count(s) for "
+                         f"{num_hosts} host(s); give one per host, e.g. "
+                         + ",".join(["1"] * num_hosts) + ".")
     if self.local_batch is not None:
-      check_at_least("--local-batch", self.local_batch, 1, " sample")
+      check_at_least("`local_batch`", self.local_batch, 1, " sample")
     if num_hosts is not None and global_batch is not None and self.local_batch is None \
         and global_batch < num_hosts:
-      raise ValueError(f"--global-batch {global_batch} gives each of {num_hosts} hosts less "
-                       f"than one sample per local step; raise it or set --local-batch.")
+      raise ValueError(f"`global_batch` {global_batch} gives each of {num_hosts} hosts less "
+                       f"than one sample per local step; raise it or set `local_batch`.")
     if self.outer_optimizer not in OUTER_OPTIMIZERS:
-      raise ValueError(f"unknown --outer-optimizer {self.outer_optimizer!r}; choose "
+      raise ValueError(f"unknown `outer_optimizer` {self.outer_optimizer!r}; choose "
                        f"{' or '.join(OUTER_OPTIMIZERS)}.")
     if not self.outer_lr > 0:
-      raise ValueError(f"--outer-lr must be > 0, got {self.outer_lr}.")
+      raise ValueError(f"`outer_lr` must be > 0, got {self.outer_lr}.")
     if not 0 <= self.outer_momentum < 1:
-      raise ValueError(f"--outer-momentum must be in [0, 1), got {self.outer_momentum}.")
+      raise ValueError(f"`outer_momentum` must be in [0, 1), got {self.outer_momentum}.")
     if not 0 < self.elastic_beta <= 1:
-      raise ValueError(f"--elastic-beta must be in (0, 1], got {self.elastic_beta}: it is "
+      raise ValueError(f"`elastic_beta` must be in (0, 1], got {self.elastic_beta}: it is "
                        "the share of the way to the centre the hosts move each round.")
 
+  def check_split(self, balancer: str | None, assignment: str | tuple[int, ...]) -> None:
+    """A rounds mode sizes the hosts' work by local steps: no `balancer`, no `assignment`."""
+    if balancer is not None:
+      raise ValueError(f"`balancer` does not apply to `mode` {self.mode}: its hosts run local "
+                       "steps of one size and the round's step counts come from their speeds "
+                       "(or `local_steps`).")
+    if assignment != "equal":
+      raise ValueError(f"`assignment` does not apply to `mode` {self.mode}; use `local_steps`.")
+
   def local_batch_for(self, global_batch: int, num_hosts: int) -> int:
+    """Samples of one local step of one host: `local_batch`, or an equal share."""
     return self.local_batch if self.local_batch is not None else global_batch // num_hosts
 
 

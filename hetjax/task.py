@@ -40,6 +40,16 @@ class Weighted(NamedTuple):
   tokens averages over tokens exactly across uneven hosts: `values` = the
   example's summed token losses, `weights` = its token count. Metrics are
   normalised by the same `sum(weights)`.
+
+  Args:
+    values: `[b]` summed losses per example.
+    weights: `[b]` weight of each example (e.g. its token count).
+
+  Example:
+    >>> def per_example_loss(params, batch, rng):   # tokens [b, t], mask [b, t]
+    ...   losses = (params["w"] * batch["tokens"]) ** 2 * batch["mask"]
+    ...   return hetjax.Weighted(losses.sum(1), batch["mask"].sum(1)), {}
+    >>> task = hetjax.from_functions(lambda rng, b: {"w": jnp.ones(())}, per_example_loss)
   """
 
   values: jax.Array
@@ -53,9 +63,9 @@ LossFn = Callable[[PyTree, PyTree, Batch, jax.Array], LossOutput]
 
 @dataclasses.dataclass(frozen=True)
 class Task:
-  """A model as hetjax trains it.
+  """A model as hetjax trains it (usually made by `from_functions`, `from_linen` or `from_nnx`).
 
-  Attributes:
+  Args:
     init: `init(rng, example_batch) -> (params, model_state)`. `model_state`
       holds non-trained variables such as BatchNorm running statistics (an
       empty dict when there are none); it is averaged over the blocks of a
@@ -73,6 +83,14 @@ class Task:
       resnet18's local program). The step uses it when no
       block that counts holds padding (the global batch a whole number of
       blocks); `None`: `loss` serves every block.
+
+  Example:
+    >>> def init(rng, batch):
+    ...   return {"w": jnp.zeros(batch["x"].shape[1:])}, {}   # (params, model state)
+    >>> def loss(params, model_state, batch, rng):
+    ...   losses = (batch["x"] @ params["w"] - batch["y"]) ** 2  # one per example
+    ...   return losses, {"abs_error": jnp.sqrt(losses)}, model_state
+    >>> task = hetjax.Task(init, loss)
   """
 
   init: Callable[[jax.Array, Batch], tuple[PyTree, PyTree]]
@@ -184,8 +202,11 @@ def from_functions(
       metrics)`, metrics a dict of `[b]` arrays (may be empty); `losses` may
       be a `Weighted`.
 
+  Returns:
+    The `Task` (its model state an empty dict).
+
   Example:
-    >>> task = from_functions(lambda rng, b: {"w": jnp.zeros(3)},
+    >>> task = hetjax.from_functions(lambda rng, b: {"w": jnp.zeros(3)},
     ...     lambda p, b, rng: (((b["x"] @ p["w"]) - b["y"]) ** 2, {}))
   """
 
@@ -255,8 +276,12 @@ def from_linen(
     rng_streams: the rng streams the module uses in training; None finds
       them from the module's own errors when the loss is first traced.
 
+  Returns:
+    The `Task`.
+
   Example:
-    >>> task = from_linen(MyModel(), lambda logits, b: (
+    >>> import flax.linen as nn
+    >>> task = hetjax.from_linen(nn.Dense(10), lambda logits, b: (
     ...     optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]), {}))
   """
   _check_loss_form(per_example_loss, "from_linen")
@@ -338,6 +363,19 @@ def from_nnx(
   variable (BatchNorm statistics) is model state. Training calls
   `model.train()`, evaluation `model.eval()`; the padding mask is passed as
   `mask=` when the module's `__call__` takes one.
+
+  Args:
+    model: a built `flax.nnx.Module`.
+    per_example_loss: `per_example_loss(outputs, batch) -> (losses[b], metrics)`.
+    input_key: which batch entry feeds the module.
+
+  Returns:
+    The `Task`.
+
+  Example:
+    >>> from flax import nnx
+    >>> task = hetjax.from_nnx(nnx.Linear(64, 10, rngs=nnx.Rngs(0)), lambda logits, b: (
+    ...     optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]), {}))
   """
   from flax import nnx  # Only NNX users pay for the import.
 

@@ -15,11 +15,11 @@ also die when the launcher itself is killed, even by SIGKILL.
 Supervised restarts: with `--max-restarts K`, a failed job (a host exits
 non-zero or is killed) is started again, all hosts, with the same command and
 a new coordinator port, at most K times; the command resumes from its own
-checkpoint folder. A host exiting 75 (`hetjax.cluster.procs.PREEMPTED_EXIT`) was
+checkpoint folder. A host exiting 75 (`hetjax.exits.PREEMPTED_EXIT`) was
 preempted and saved: such restarts have their own budget, `--max-preemptions`
 (default 20 with --max-restarts, else 0, so that a preempted run exits 75 for
 an outer scheduler to requeue). Each host sees HETJAX_RESTART_COUNT. A host
-that exits 69 (`hetjax.cluster.watchdog.STALLED_EXIT`: the step watchdog
+that exits 69 (`hetjax.exits.STALLED_EXIT`: the step watchdog
 stopped a stuck job) is a failure, restarted under --max-restarts, and the
 launcher names the stuck host; so is a host the coordination service found
 frozen (no heartbeat for --heartbeat-timeout seconds), named in place of the

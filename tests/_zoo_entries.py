@@ -95,7 +95,7 @@ def train_zoo(plan: tuple[tuple[str, str], ...], assignment):
                                      check_every=CHECK_EVERY)
     tr = trainer_lib.Trainer(task, OPTIMIZERS[name](), source, config)
     tr.fit(STEPS)
-    layout = getattr(tr, "update_layout", None)
+    layout = tr.mode.update_layout  # None on one device (the fused update)
     out[(name, reduction)] = (jax.tree.map(np.asarray, tr.params()),
                               None if layout is None else layout.layout)
     tr.close()

@@ -15,6 +15,7 @@ import hetjax
 from hetjax import models as zoo
 from hetjax import blocks, trainer
 from hetjax.cli import commands as cli
+from hetjax.cli import flags
 from hetjax.input import data
 from hetjax.task import MASK
 from hetjax.testing import run_hosts
@@ -49,8 +50,8 @@ def test_the_equal_policy_splits_blocks_not_samples():
 
 def test_the_command_line_refuses_a_cut_block_before_jax_starts(monkeypatch):
   monkeypatch.setenv("HETJAX_NUM_HOSTS", "2")
-  args = cli._parser().parse_args(["train", "--model", "mlp", "--steps", "1", "--global-batch",
-                                   "64", "--microbatch", "16", "--assignment", "40,24"])
+  args = flags.parser().parse_args(["train", "--model", "mlp", "--steps", "1", "--global-batch",
+                                    "64", "--microbatch", "16", "--assignment", "40,24"])
   with pytest.raises(ValueError, match="nearest valid assignment is 48,16"):
     cli._check_args(args)
 

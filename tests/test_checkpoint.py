@@ -22,7 +22,6 @@ from hetjax import models as zoo
 from hetjax import cli, trainer
 from hetjax.checkpoint import manager as checkpoint
 from hetjax.input import data
-from hetjax.training import sync_checkpoint
 from hetjax.cluster import procs
 from hetjax.checkpoint import snapshot
 from hetjax.testing import run_hosts
@@ -167,7 +166,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(tmp_path, uninter
 def _write_pre_mixed_precision_checkpoint(directory, tr):
   """The checkpoint hetjax wrote before mixed precision: a TrainState with no loss_scale."""
   old_state = {k: v for k, v in tr.state._asdict().items() if k != "loss_scale"}
-  meta = {"format": checkpoint.FORMAT, "step": tr.step, **sync_checkpoint.meta(tr)}
+  meta = {"format": checkpoint.FORMAT, "step": tr.step, **tr.checkpoint_meta()}
   manager = ocp.CheckpointManager(epath.Path(directory),
                                   options=ocp.CheckpointManagerOptions(create=True))
   manager.save(tr.step, force=True, args=ocp.args.Composite(
@@ -249,9 +248,10 @@ def test_an_unwritable_checkpoint_folder_fails_before_anything_compiles(tmp_path
 
 
 def test_bad_checkpoint_settings_are_refused(tmp_path):
-  with pytest.raises(ValueError, match="--ckpt-every"):
+  # The Python API names its fields; the command line words them as flags (tests/test_cli.py).
+  with pytest.raises(ValueError, match="`every` must be >= 1"):
     checkpoint.CheckpointConfig(str(tmp_path), every=0).validate()
-  with pytest.raises(ValueError, match="--ckpt-keep"):
+  with pytest.raises(ValueError, match="`keep` must be >= 1"):
     checkpoint.CheckpointConfig(str(tmp_path), keep=0).validate()
 
 

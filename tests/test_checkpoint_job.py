@@ -38,5 +38,5 @@ def test_a_folder_that_cannot_be_created_is_refused_before_training():
   system refuses, here under /proc, where even root cannot write (a read-only
   folder would not do: the suite may run as root)."""
   with pytest.raises(ValueError, match=r"checkpoint folder /proc/self/hetjax-ckpt is not writable "
-                                       r"\(.*\); choose another --ckpt-dir"):
+                                       r"\(.*\); choose another `directory`"):
     checkpoint.CheckpointConfig("/proc/self/hetjax-ckpt").validate()

@@ -51,6 +51,13 @@ def test_print_config_prints_the_resolved_yaml_and_exits(tmp_path, capsys):
     ("global-batch: 0\n", "--global-batch must be >= 1, got 0"),
     ("- a list\n", "must hold a mapping of flag names to values"),
     ("model: [unclosed\n", "is not valid YAML"),
+    # Every key has one place; a key elsewhere, or twice, names both places.
+    ("model: mlp\nmodes:\n  global-batch: 48\n",
+     "line 3: `global-batch` belongs at the top level, found in section `modes`"),
+    ("ckpt-dir: ck\n", "line 1: `ckpt-dir` belongs in section `checkpoints`, found at the top level"),
+    ("modes:\n  ckpt-every: 5\n", "`ckpt-every` belongs in section `checkpoints`, found in section `modes`"),
+    ("lr: 0.1\nmodel: mlp\nlr: 0.2\n", "`lr` given twice: line 1 and line 3; keep one"),
+    ("modes:\n  mode: sync\n  mode: hybrid\n", "`mode` given twice: line 2 (section `modes`) and line 3"),
 ])
 def test_a_bad_file_fails_before_jax_like_a_bad_flag(tmp_path, capsys, text, message):
   path = tmp_path / "bad.yaml"

@@ -14,30 +14,25 @@ from hetjax.observe import metrics
 
 def test_a_long_run_keeps_a_window_and_exact_totals():
   rng = np.random.default_rng(0)
-  h, seen = history.History(series={"tau": [], "spread": []}), []  # A rounds mode's series.
+  h = history.History(series={"tau": [], "spread": []}, warmup=2, window=100)  # A rounds mode's.
+  seen = []
   stream = metrics.RecordStream(h, global_batch=8, emulated=False, sinks=[seen.append])
   steps = 5000
   step_s = rng.uniform(0.1, 0.2, steps)
   compute = rng.uniform(0.0, 0.1, (steps, 2))
   wait = rng.uniform(0.0, 0.1, (steps, 2))
   for i in range(steps):
-    h.shares.append((4, 4))
-    h.compute_s.append(list(compute[i]))
-    h.series["tau"].append([i, i])
-    if i:
-      h.wait_s.append(list(wait[i - 1]))
-      h.series["spread"].append([float(i - 1)] * 2)  # Lags as wait_s does.
-    h.step_s.append(float(step_s[i]))
-    h.loss.append(1.0)
-    h.metrics.append({"loss": 1.0})
+    h.record((4, 4), float(step_s[i]), 1.0, {"loss": 1.0}, compute_s=compute[i], tau=[i, i])
+    # The step before's wait and spread arrive a step late (none before step 0: ignored).
+    h.arrived(i - 1, wait_s=wait[i - 1], spread=[float(i - 1)] * 2)
     h.lr[i] = 0.5
     if i == 10:
       h.evals[i] = {"accuracy": 0.25}  # Long before the window: the latest still kept.
     stream.pop()
-    h.trim(warmup=2, window=100)
-    assert len(h.shares) < 200 and len(h.lr) < 200
-  h.wait_s.append(list(wait[-1]))
-  h.series["spread"].append([float(steps - 1)] * 2)
+    assert len(h.shares) < 200 and len(h.lr) < 200  # The history keeps its own bound.
+  assert list(h.awaiting) == [steps - 1]
+  h.arrived(steps - 1, wait_s=wait[-1], spread=[float(steps - 1)] * 2)
+  h.arrived(steps - 1, wait_s=wait[0], spread=[0.0] * 2)  # Already there: ignored.
   stream.pop()
   # The series are trimmed with the window, entry for entry.
   hosts = h.per_host(2, warmup=2)

@@ -8,7 +8,8 @@ import pytest
 
 import _modes_entries  # noqa: F401  (importable by the hosts)
 from hetjax.observe import report
-from hetjax.modes import options, rounds
+from hetjax.cli import mode_flags as options
+from hetjax.modes import rounds
 from hetjax.testing import run_hosts
 
 
@@ -160,12 +161,14 @@ def test_spread_is_each_hosts_distance_to_the_hosts_mean_in_both_modes():
   world = lambda t: jax.device_put(t, meshes.replicated)
   total = lambda trees: jax.tree.map(lambda *v: sum(v), *trees)
 
-  mode = hybrid.Hybrid(optax.sgd(1.0), meshes)
+  mode = hybrid.Hybrid()
+  mode.compile(meshes, optax.sgd(1.0))
   mine = [{"delta": jax.tree.map(lambda c, p: k * (c - p), centre, t)} for k, t in zip(n, x)]
   got = [float(mode.spread(local(m), world(total(mine)), k, sum(n))) for m, k in zip(mine, n)]
   np.testing.assert_allclose(got, want, rtol=1e-5)
 
-  mode = elastic.Elastic(0.9, meshes)
+  mode = elastic.Elastic(0.9)
+  mode.compile(meshes)
   mine = [{"d": jax.tree.map(lambda p, c: mode.alpha(k, sum(n)) * (p - c), t, centre)}
           for k, t in zip(n, x)]
   got = [float(mode.spread(local(m), world(total(mine)), k, sum(n))) for m, k in zip(mine, n)]

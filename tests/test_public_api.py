@@ -3,6 +3,7 @@ the modules that must start fast (the launcher, the balancer, the simulator, the
 
 from __future__ import annotations
 
+import inspect
 import json
 import subprocess
 import sys
@@ -12,10 +13,10 @@ import hetjax
 # What `import hetjax` offers by name. A change here is a change of the public
 # API: update the README and docs with it.
 PUBLIC = sorted([
-    "ArraySource", "CheckpointConfig", "DatasetInfo", "HostsDisagree", "Interrupted", "MASK",
-    "Preempted", "RoundsConfig", "RoundsTrainer", "Stopped", "Task", "TrainConfig", "Trainer",
-    "Weighted", "from_functions", "from_linen", "from_nnx", "initialize", "params_digest",
-    "topology", "train",
+    "ArraySource", "CheckpointConfig", "DatasetInfo", "Elastic", "HostsDisagree", "Hybrid",
+    "Interrupted", "MASK", "Preempted", "RoundsConfig", "RoundsTrainer", "Stopped", "Sync", "Task",
+    "TrainConfig", "Trainer", "Weighted", "from_functions", "from_linen", "from_nnx",
+    "initialize", "params_digest", "topology", "train",
 ])
 SUBMODULES = ["checkpoint", "data", "metrics", "models", "optimizers", "progress", "report",
               "signals", "testing"]
@@ -58,7 +59,7 @@ def test_the_launcher_balancer_simulator_and_configs_load_without_jax():
   modules = ["hetjax.config", "hetjax.balancer", "hetjax.blocks", "hetjax.sim",
              "hetjax.sim.rounds", "hetjax.cluster.procs", "hetjax.cluster.hostgroup",
              "hetjax.cluster.hostenv", "hetjax.cluster.launcher_cli", "hetjax.cluster.emulate",
-             "hetjax.cluster.signals", "hetjax.cluster.hostguard", "hetjax.modes.options",
+             "hetjax.cluster.signals", "hetjax.cluster.hostguard", "hetjax.cli.mode_flags",
              "hetjax.observe.report", "hetjax.observe.progress", "hetjax.testing"]
   code = "".join(f"import {m}\n" for m in modules) + (
       "import runpy, sys\n"
@@ -90,7 +91,7 @@ CLI_FLAGS = {
         "--model", "--model-width", "--no-resume", "--optimizer", "--out", "--outer-lr",
         "--outer-momentum", "--outer-optimizer", "--precision", "--print-config", "--reduction",
         "--round-steps", "--save-params", "--schedule", "--seed", "--steps", "--sync-save",
-        "--wandb", "--warmup-steps", "--watchdog", "--weight-decay",
+        "--update-layout", "--wandb", "--warmup-steps", "--watchdog", "--weight-decay",
     ],
     "report": [],
     "doctor": [
@@ -104,8 +105,8 @@ def test_the_cli_flags_are_the_pinned_ones():
   # Read from the parser in a fresh interpreter with JAX blocked: building it must stay cheap.
   code = (
       "import argparse, json\n"
-      "from hetjax.cli import commands\n"
-      "parser = commands._parser()\n"
+      "from hetjax.cli import flags\n"
+      "parser = flags.parser()\n"
       "sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))\n"
       "print(json.dumps({name: sorted(o for a in p._actions for o in a.option_strings\n"
       "                               if o.startswith('--') and o != '--help')\n"
@@ -119,3 +120,55 @@ def test_the_cli_flags_are_the_pinned_ones():
         f"`hetjax {command}` flags changed: gone {sorted(set(pinned or []) - set(now or []))}, "
         f"new {sorted(set(now or []) - set(pinned or []))}. A flag is public API: update the "
         f"README and docs/ that name it, then CLI_FLAGS in tests/test_public_api.py.")
+
+
+def _docs(obj) -> str:
+  """A public name's docstring, with its constructor's for a class that has its own."""
+  doc = inspect.getdoc(obj) or ""
+  if inspect.isclass(obj) and "__init__" in vars(obj):
+    doc += "\n" + (inspect.getdoc(obj.__init__) or "")
+  return doc
+
+
+def _takes_arguments(obj) -> bool:
+  if inspect.isclass(obj) and issubclass(obj, BaseException):
+    return True  # Its message, at least.
+  return bool(inspect.signature(obj).parameters)
+
+
+def test_every_public_name_documents_its_arguments_and_returns_with_an_example():
+  missing = []
+  for name in hetjax.__all__:
+    obj = getattr(hetjax, name)
+    if not callable(obj):
+      continue  # MASK: a constant, documented where it is defined.
+    need = ["Example", ">>>"]
+    if _takes_arguments(obj):
+      need.append("Args")
+    if inspect.isfunction(obj):
+      need.append("Returns")
+    missing += [f"{name}: no {part}" for part in need if part not in _docs(obj)]
+  assert not missing, missing
+
+
+def test_the_public_examples_run():
+  """Every example in a public name's docstring, run as written (one tiny model, a few steps)."""
+  import doctest
+
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+  runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+  finder = doctest.DocTestFinder(recurse=False)
+  ran = 0
+  for name in hetjax.__all__:
+    obj = getattr(hetjax, name)
+    if not callable(obj):
+      continue
+    globs = {"hetjax": hetjax, "jax": jax, "jnp": jnp, "np": np, "optax": optax}
+    for owner in [obj] + ([obj.__init__] if inspect.isclass(obj) and "__init__" in vars(obj) else []):
+      for test in finder.find(owner, name, globs=dict(globs)):
+        ran += len(test.examples)
+        runner.run(test)
+  assert runner.failures == 0 and ran > 50, runner.summarize()

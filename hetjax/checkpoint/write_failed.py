@@ -15,16 +15,11 @@ import shlex
 import shutil
 import sys
 
-from hetjax.cluster import signals, supervise
 from hetjax.config import is_remote
-
-# A checkpoint that cannot be written stops every host with this exit code
-# (EX_IOERR from sysexits.h: an input/output error, not a usage error (2)).
-# It lives with the other exit codes the launchers read, which never restart it.
-WRITE_FAILED_EXIT = supervise.WRITE_FAILED_EXIT
+from hetjax.exits import WRITE_FAILED_EXIT, JobExit
 
 
-class CheckpointWriteFailed(signals.Stopped):
+class CheckpointWriteFailed(JobExit):
   """A checkpoint could not be written; every host stops with one message.
 
   The message names the folder, the free space against a checkpoint's
@@ -35,8 +30,8 @@ class CheckpointWriteFailed(signals.Stopped):
   exit_code = WRITE_FAILED_EXIT
 
   def __init__(self, message: str, step: int | None = None, directory: str | None = None):
-    self.step, self.directory, self.during = step, directory, None
-    RuntimeError.__init__(self, message)  # pylint: disable=non-parent-init-called
+    super().__init__(message)
+    self.step, self.directory = step, directory
 
 
 class WriteError(Exception):

@@ -9,137 +9,27 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shlex
 import sys
 import traceback
 from typing import Sequence
 
+from hetjax import exits
 from hetjax.config import Env
 from hetjax import config as config_lib  # No JAX: the configs and their checks.
 from hetjax import optimizers  # Imports nothing heavy at module level.
+from hetjax.cli import flags
+from hetjax.cli import mode_flags
 from hetjax.config import check_at_least
-
-OPTIMIZERS = optimizers.OPTIMIZERS
-
-
-class _Parser(argparse.ArgumentParser):
-  """argparse, with the fix for a value that starts with '-' (e.g. --assignment -8,56,48)."""
-
-  def error(self, message: str):
-    found = re.match(r"argument (\S+?)(/\S+)?: expected one argument", message)
-    if found:
-      example = "-8,56,48" if found.group(1) == "--assignment" else "VALUE"
-      message += (f"; a value that starts with '-' must be joined to its flag with '=', "
-                  f"e.g. {found.group(1)}={example}")
-    super().error(message)
-
-
-def _parser() -> argparse.ArgumentParser:
-  p = _Parser(prog="hetjax", description=__doc__.splitlines()[0])
-  sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-  t = sub.add_parser("train", help="train a built-in model, or your own, on a dataset")
-  t.add_argument("--config", default=None, metavar="FILE.yaml",
-                 help="read flags from a YAML file (keys: the long flag names, e.g. "
-                      "'global-batch: 64'); flags on the command line override it; every run "
-                      "writes its resolved OUT/config.yaml, which re-runs the job")
-  t.add_argument("--print-config", action="store_true",
-                 help="print the resolved configuration as YAML and exit")
-  t.add_argument("--model", default="cnn",
-                 help="mlp, cnn, resnet18, resnet50, transformer, or package.module:factory, a "
-                      "function returning a hetjax.Task (it gets the keywords it names among "
-                      "num_classes, vocab_size, kind, width (--model-width), dropout (--dropout))")
-  t.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
-                 help="compute type; parameters and gradient sums stay float32 (fp16: loss scaling)")
-  t.add_argument("--dataset", default="digits",
-                 help="digits, synthetic, synthetic_big, tokens, tfds:NAME (prepared in "
-                      "--data-dir), or package.module:factory, a function returning "
-                      "(train_source, eval_source or None), each with .info (hetjax.DatasetInfo)")
-  t.add_argument("--data-dir", default=None, help="TFDS data folder for --dataset tfds:NAME")
-  t.add_argument("--augment", default="none", help="none, crop, flip or crop,flip (images)")
-  t.add_argument("--image-size", type=int, default=None, metavar="S",
-                 help="decode TFDS images (any size, JPEG/PNG) and crop/resize them to S x S on "
-                      "the input workers; --augment crop,flip gives the random resized crop")
-  t.add_argument("--data-workers", type=int, default=None, metavar="N",
-                 help="input worker processes on this host (default: its cores minus one with "
-                      "--image-size, else 0; 0 reads in threads)")
-  t.add_argument("--global-batch", type=int, default=64, help="samples per step over all hosts")
-  t.add_argument("--steps", type=int, default=100)
-  t.add_argument("--optimizer", default="adam", help=", ".join(OPTIMIZERS))
-  t.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
-  t.add_argument("--schedule", default="constant", choices=optimizers.SCHEDULES,
-                 help="learning rate over optimizer updates, after the warm-up")
-  t.add_argument("--warmup-steps", type=int, default=0,
-                 help="updates of linear learning-rate warm-up from 0")
-  t.add_argument("--clip-norm", type=float, default=None,
-                 help="clip gradients to this global norm (default: no clipping)")
-  t.add_argument("--weight-decay", type=float, default=None,
-                 help="decoupled weight decay (adam becomes adamw; default: none, adamw 1e-4)")
-  t.add_argument("--eval-every", type=int, default=0,
-                 help="evaluate on the test split every N steps, spread over every host "
-                 "(0: only at the end)")
-  t.add_argument("--seed", type=int, default=0)
-  t.add_argument("--assignment", default="equal",
-                 help="'equal' or one share per host summing to the global batch, each a whole "
-                      "number of --microbatch blocks, e.g. 4,24,36")
-  t.add_argument("--balancer", default=None, choices=("equal", "static", "dynamic"),
-                 help="size shares from measured step times (default: follow --assignment)")
-  t.add_argument("--microbatch", type=int, default=16,
-                 help="samples per block: the unit of the math (a BatchNorm group, a dropout "
-                      "key) and of balancing")
-  t.add_argument("--device-batch", default="1", metavar="K[,K...]|auto",
-                 help="blocks per device in a host's largest micro-batch: one per host (e.g. "
-                      "16,8,2), one for all, or 'auto' (from each device's memory and speed); "
-                      "the blocks stay separate, so the math is that of 1")
-  t.add_argument("--device-batch-memory-fraction", type=float, default=0.8, metavar="F",
-                 help="the share of a device's memory --device-batch auto may fill")
-  t.add_argument("--reduction", default="device", choices=("device", "host"),
-                 help="cross-host reduction backend")
-  t.add_argument("--update-layout", default="auto", choices=config_lib.UPDATE_LAYOUTS,
-                 help="the sharded update's optimizer layout: auto (probe: slices for an "
-                      "element-wise optimizer, whole leaves otherwise), whole, or sliced "
-                      "(refuse an optimizer that needs whole leaves)")
-  t.add_argument("--out", default="runs/latest",
-                 help="folder for summary.json, metrics.jsonl and tensorboard/ (host 0)")
-  t.add_argument("--wandb", default=None, metavar="PROJECT",
-                 help="log to Weights & Biases project PROJECT from host 0: the resolved config, "
-                      "every metrics record, the summary and the report picture (needs "
-                      "pip install 'hetjax[wandb]'; WANDB_MODE=offline works)")
-  t.add_argument("--save-params", default=None, metavar="FILE.npz",
-                 help="write the final parameters (host 0)")
-  t.add_argument("--log-every", type=int, default=10,
-                 help="progress line every N steps when not on a terminal (0: none)")
-  t.add_argument("--init-timeout", type=float, default=None,
-                 help="seconds to reach the coordinator (default HETJAX_INIT_TIMEOUT or 120)")
-  t.add_argument("--watchdog", type=float, default=None, metavar="S",
-                 help="stop the job (exit 69, restarted under --max-restarts) when no step "
-                      "completes for S seconds, naming the stuck host(s) and dumping every "
-                      "live host's stacks (default: max(20 x the median step, 300); 0: off)")
-  t.add_argument("--model-width", type=int, default=None, help="override the model's width")
-  t.add_argument("--dropout", type=float, default=None,
-                 help="dropout rate of mlp, cnn and transformer (default 0); keyed per block, "
-                      "so the same example gets the same mask on any split")
-  from hetjax.modes import options as mode_options  # No JAX: the flags and their checks.
-  mode_options.add_arguments(t)
-  c = t.add_argument_group("checkpoints (orbax; the folder must be shared by all hosts)")
-  c.add_argument("--ckpt-dir", default=None,
-                 help="save checkpoints here and resume from the newest one found there")
-  c.add_argument("--ckpt-every", type=int, default=100, help="steps between checkpoints")
-  c.add_argument("--ckpt-keep", type=int, default=3, help="how many checkpoints to keep")
-  c.add_argument("--no-resume", dest="resume", action="store_false",
-                 help="start afresh even if --ckpt-dir holds a checkpoint")
-  c.add_argument("--sync-save", dest="async_save", action="store_false",
-                 help="block training while a checkpoint is written (default: background)")
-  from hetjax.cluster import doctor  # Neither imports JAX at module level.
-  from hetjax.observe import report
-  report.add_arguments(sub.add_parser("report", help="draw and summarise a run folder"))
-  doctor.add_arguments(sub.add_parser(
-      "doctor", help="check the cluster and measure every host (run it on every host)"))
-  return p
 
 
 def _check_args(args: argparse.Namespace) -> None:
-  """Everything that can be checked before JAX starts; raises ValueError."""
+  """Everything that can be checked before JAX starts; raises ValueError worded as flags."""
+  with flags.worded_as_flags():
+    _check_flags(args)
+
+
+def _check_flags(args: argparse.Namespace) -> None:
   from hetjax import models as zoo
   from hetjax.cli import user_code
   from hetjax.input import data
@@ -177,8 +67,7 @@ def _check_args(args: argparse.Namespace) -> None:
   _train_config(args).validate(hosts or 1)
   if args.ckpt_dir is not None:
     _checkpoint_config(args).validate()
-  from hetjax.modes import options as mode_options
-  mode_options.from_args(args, hosts)
+  mode_flags.from_args(args, hosts)
   if args.dropout is not None:
     if not 0 <= args.dropout < 1:
       raise ValueError(f"--dropout must be in [0, 1), got {args.dropout}.")
@@ -250,6 +139,7 @@ def train(args: argparse.Namespace) -> dict:
   """Runs one host's part of the job; returns the summary."""
   _check_args(args)
   import numpy as np
+  from hetjax import modes
   from hetjax import trainer
   from hetjax.input import loader
   from hetjax.observe import progress
@@ -269,15 +159,12 @@ def train(args: argparse.Namespace) -> dict:
   identity = f"{args.model}|{_optimizer_identity(args)}|{args.model_width}|{args.dropout}"
   identity += f"|{args.image_size}|{args.augment}" if images else ""
   ckpt = None if args.ckpt_dir is None else _checkpoint_config(args)
-  from hetjax.modes import options as mode_options
-  rounds = mode_options.from_args(args, topo.num_hosts)
-  if rounds is None:
-    tr = trainer.Trainer(task, _optimizer(args), source, config, identity=identity, checkpoint=ckpt,
-                         data_workers=args.data_workers if args.data_workers is not None else
-                         (loader.default_workers() if images else 0))
-  else:  # --mode hybrid / elastic: --steps counts rounds, --optimizer is the inner one.
-    from hetjax.modes.rounds_trainer import RoundsTrainer
-    tr = RoundsTrainer(task, _optimizer(args), source, config, rounds, identity=identity,
+  # --mode hybrid / elastic: --steps counts rounds, --optimizer is the inner one.
+  rounds = mode_flags.from_args(args, topo.num_hosts)
+  workers = args.data_workers if args.data_workers is not None else (
+      loader.default_workers() if images else 0)
+  mode = modes.Sync(data_workers=workers) if rounds is None else modes.from_config(rounds)
+  tr = trainer.Trainer(task, _optimizer(args), source, config, mode=mode, identity=identity,
                        checkpoint=ckpt)
   if topo.host_id == 0:  # Only a job that starts writes what re-runs it.
     _write_config(args)
@@ -338,12 +225,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
   A bad config file is a usage error (exit 2) worded as a bad flag is.
   """
-  parser = _parser()
+  parser = flags.parser()
   argv = list(sys.argv[1:] if argv is None else argv)
   args = parser.parse_args(argv)
   if args.command == "train" and args.config:
     from hetjax.cli import config_file
-    train_parser = _train_parser(parser)
+    train_parser = flags.train_parser(parser)
     try:
       from_file = config_file.to_argv(args.config, train_parser)
     except ValueError as e:
@@ -353,15 +240,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   return args
 
 
-def _train_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-  sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # pylint: disable=protected-access
-  return sub.choices["train"]
-
-
 def resolved_config(args: argparse.Namespace) -> dict:
   """Every `hetjax train` flag's value, as OUT/config.yaml holds it."""
   from hetjax.cli import config_file
-  return config_file.resolved(args, _train_parser(_parser()))
+  return config_file.resolved(args, flags.train_parser(flags.parser()))
 
 
 def _write_config(args: argparse.Namespace) -> None:
@@ -400,7 +282,7 @@ def _check_args_or_exit(args: argparse.Namespace) -> None:
   try:
     _check_args(args)
   except ValueError as e:
-    _train_parser(_parser()).error(str(e))
+    flags.train_parser(flags.parser()).error(str(e))
 
 
 def _exit_now(code: int) -> None:
@@ -434,23 +316,20 @@ def main(argv: Sequence[str] | None = None) -> int:
   except (ValueError, ConnectionError) as e:
     print(f"hetjax {args.command}: error: {e}", file=sys.stderr)
     if multi_host():
-      _exit_now(2)
-    return 2
-  except signals.Stopped as e:
-    print(f"hetjax {args.command}: {e}", file=sys.stderr)
+      _exit_now(exits.USAGE_EXIT)
+    return exits.USAGE_EXIT
+  except exits.JobExit as e:  # A stop, a failed checkpoint write, replicas that differ.
+    print(f"hetjax {args.command}: {e.label}{e}", file=sys.stderr)
     _exit_now(e.exit_code)
   except KeyboardInterrupt:  # A second Ctrl-C inside the step loop.
     print(f"hetjax {args.command}: interrupted (Ctrl-C) before a step boundary; nothing saved.",
           file=sys.stderr)
-    _exit_now(signals.INTERRUPTED_EXIT)
-  except BaseException as e:
-    if type(e).__name__ == "HostsDisagree":  # Not imported up front: it pulls in JAX.
-      print(f"hetjax {args.command}: error: {e}", file=sys.stderr)
-      _exit_now(1)
+    _exit_now(exits.INTERRUPTED_EXIT)
+  except BaseException:
     if not multi_host():
       raise
     traceback.print_exc()
-    _exit_now(1)
+    _exit_now(exits.FAILED_EXIT)
   if summary and config_lib.host_id_from_env() == 0:
     _print_summary(summary)
   return 0

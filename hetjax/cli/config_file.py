@@ -11,18 +11,22 @@ top level or inside the sections that group them on `--help` (`modes:`,
     ckpt-dir: runs/cnn/ckpt
     ckpt-every: 50
 
-The file becomes flags placed before the command line's own, so flags given
-on the command line override it, and every value meets the very checks (and
-error wordings) its flag meets, before JAX starts. Every run writes its
-resolved configuration as OUT/config.yaml, which `--config` reads back to
-run the same job again. No JAX here: a bad file fails in a second.
+Every key has one place: a flag grouped under a section on `--help` is
+written in that section, every other flag at the top level; a key in
+another place, or given twice, is refused, naming both places (YAML itself
+would keep the last of two silently). The file becomes flags placed before
+the command line's own, so flags given on the command line override it, and
+every value meets the very checks (and error wordings) its flag meets,
+before JAX starts. Every run writes its resolved configuration as
+OUT/config.yaml, which `--config` reads back to run the same job again. No
+JAX here: a bad file fails in a second.
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 
@@ -60,19 +64,53 @@ def _is_switch(action: argparse.Action) -> bool:
   return isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))  # pylint: disable=protected-access
 
 
-def _flatten(path: str, tree: Any) -> list[tuple[str, Any]]:
-  if tree is None:
+class _Entry(NamedTuple):
+  """One key of a config file, where it was found."""
+
+  key: str
+  value: Any
+  section: str | None  # None: the top level
+  line: int
+
+
+def _where(section: str | None) -> str:
+  return "at the top level" if section is None else f"in section `{section}`"
+
+
+def _entries(path: str, text: str) -> list[_Entry]:
+  """The file's keys in order, sections opened; a key given twice is refused with both lines."""
+  loader = yaml.SafeLoader(text)
+  try:
+    root = loader.get_single_node()
+  finally:
+    loader.dispose()
+  if root is None:
     return []
-  if not isinstance(tree, dict):
+  value = lambda node: yaml.SafeLoader("").construct_document(node)
+  if not isinstance(root, yaml.MappingNode):
     raise ValueError(f"config file {path} must hold a mapping of flag names to values, e.g. "
-                     f"'global-batch: 64', not a {type(tree).__name__}.")
-  items = []
-  for key, value in tree.items():
-    if str(key) in SECTIONS.values() and isinstance(value, dict):
-      items += [(str(k), v) for k, v in value.items()]
+                     f"'global-batch: 64', not a {type(value(root)).__name__}.")
+  entries: list[_Entry] = []
+
+  def add(key_node: yaml.Node, value_node: yaml.Node, section: str | None) -> None:
+    key = str(value(key_node)).replace("_", "-")
+    entry = _Entry(key, value(value_node), section, key_node.start_mark.line + 1)
+    first = next((e for e in entries if e.key == key), None)
+    if first is not None:
+      places = [f"line {e.line}" + ("" if e.section is None else f" (section `{e.section}`)")
+                for e in (first, entry)]
+      raise ValueError(f"config file {path}: `{key}` given twice: {places[0]} and {places[1]}; "
+                       "keep one.")
+    entries.append(entry)
+
+  for key_node, value_node in root.value:
+    section = str(value(key_node))
+    if section in SECTIONS.values() and isinstance(value_node, yaml.MappingNode):
+      for inner_key, inner_value in value_node.value:
+        add(inner_key, inner_value, section)
     else:
-      items.append((str(key), value))
-  return items
+      add(key_node, value_node, None)
+  return entries
 
 
 def _token(path: str, key: str, value: Any, action: argparse.Action) -> list[str]:
@@ -108,34 +146,37 @@ def to_argv(path: str, parser: argparse.ArgumentParser) -> list[str]:
 
   Raises:
     ValueError: an unreadable file, an unknown key (with the nearest
-      name), or a value its flag would refuse.
+      name), a key in another section or given twice (naming both places),
+      or a value its flag would refuse.
   """
   try:
     with open(path) as f:
-      tree = yaml.safe_load(f)
+      entries = _entries(path, f.read())
   except OSError as e:
     raise ValueError(f"cannot read config file {path}: {e.strerror or e}.") from None
   except yaml.YAMLError as e:
     raise ValueError(f"config file {path} is not valid YAML: {e}") from None
-  actions = _actions(parser)
+  actions, sections = _actions(parser), _section_of(parser)
   by_dest = {a.dest.replace("_", "-"): (k, a) for k, a in actions.items() if _is_switch(a)}
   argv: list[str] = []
-  for key, value in _flatten(path, tree):
-    key = key.replace("_", "-")
+  for key, value, section, line in entries:
+    name, action = by_dest[key] if key not in actions and key in by_dest else (key, None)
+    if name not in actions:
+      near = difflib.get_close_matches(key, list(actions) + list(by_dest), n=1)
+      raise ValueError(f"config file {path}: unknown key {key!r}"
+                       + (f" (did you mean {near[0]!r}?)" if near else "")
+                       + "; keys are the long flag names of `hetjax train --help`.")
+    if sections.get(name) != section:
+      raise ValueError(f"config file {path}, line {line}: `{key}` belongs "
+                       f"{_where(sections.get(name))}, found {_where(section)}.")
     if value is None:
       continue  # null: the flag's default.
-    if key not in actions and key in by_dest:  # `resume: false` for --no-resume.
-      name, action = by_dest[key]
+    if action is not None:  # `resume: false` for --no-resume.
       if not isinstance(value, bool):
         raise ValueError(f"config file {path}: {key} must be true or false, got {value!r}.")
       argv += _token(path, name, not value if isinstance(action, argparse._StoreFalseAction)  # pylint: disable=protected-access
                      else value, action)
       continue
-    if key not in actions:
-      near = difflib.get_close_matches(key, list(actions) + list(by_dest), n=1)
-      raise ValueError(f"config file {path}: unknown key {key!r}"
-                       + (f" (did you mean {near[0]!r}?)" if near else "")
-                       + "; keys are the long flag names of `hetjax train --help`.")
     argv += _token(path, key, value, actions[key])
   return argv
 

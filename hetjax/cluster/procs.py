@@ -37,7 +37,7 @@ from hetjax.cluster.hostgroup import POLL_S
 # How a group ended and whether to restart it lives in `supervise`; its public
 # names are importable from here too, where the launchers and tests use them.
 from hetjax.cluster.supervise import (  # noqa: F401 (public names)
-    DEFAULT_MAX_PREEMPTIONS, PREEMPTED_EXIT, STALLED_EXIT, USER_STOP_EXIT, WRITE_FAILED_EXIT,
+    DEFAULT_MAX_PREEMPTIONS, PREEMPTED_EXIT, STALLED_EXIT, INTERRUPTED_EXIT, WRITE_FAILED_EXIT,
     Findings, Outcome, _signal_name, add_restart_arguments, check_restarts, describe, failure,
     first_failure, note, supervise)
 

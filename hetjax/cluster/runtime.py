@@ -361,6 +361,11 @@ def initialize(coordinator: str | None = None, num_hosts: int | None = None,
 
   Returns:
     The `Topology` of this process.
+
+  Example:
+    >>> topo = hetjax.initialize()   # One host here; a launcher's HETJAX_* variables join many.
+    >>> topo.host_id < topo.num_hosts
+    True
   """
   env_devices = os.environ.get(Env.CPU_DEVICES)
   configure_cpu(cpu_devices if cpu_devices is not None else
@@ -415,6 +420,14 @@ def _say(message: str) -> None:
 
 
 def topology() -> Topology:
-  """The current process's place in the (already initialised) cluster."""
+  """The current process's place in the (already initialised) cluster.
+
+  Returns:
+    `Topology(host_id, num_hosts, local_devices, platform)`.
+
+  Example:
+    >>> hetjax.topology().num_hosts >= 1
+    True
+  """
   return Topology(jax.process_index(), jax.process_count(), jax.local_device_count(),
                   jax.devices()[0].platform)

@@ -21,23 +21,29 @@ import sys
 import threading
 from typing import Iterator
 
-from hetjax.cluster import supervise
 from hetjax.cluster import watchdog
+from hetjax.exits import INTERRUPTED_EXIT, PREEMPTED_EXIT, JobExit
 
 # The codes travel as float32 in the timing rows; the largest over the hosts
 # wins, so a user's stop is not mistaken for a preemption.
 NONE, TERM, INT = 0, 1, 2
 _CODES = {signal.SIGTERM: TERM, signal.SIGINT: INT}
-INTERRUPTED_EXIT = 130  # 128 + SIGINT, what shells report for Ctrl-C.
 
 
-class Stopped(RuntimeError):
+class Stopped(JobExit):
   """Every host stopped at the same step boundary because a host got a stop signal.
 
-  Attributes:
-    step: the steps done when the hosts stopped.
+  Raised by `Trainer.fit`; the command line leaves with `exit_code`.
+
+  Args:
+    step: the steps done when the hosts stopped (None: outside the steps).
     directory: the checkpoint folder the state was saved in, or None.
-    exit_code: what the command line exits with.
+    during: the step this host was in when the signal came, if it got it.
+
+  Example (`except hetjax.Stopped as stop:` around `fit` catches every stop):
+    >>> stop = hetjax.Interrupted(40, None)
+    >>> isinstance(stop, hetjax.Stopped), stop.step
+    (True, 40)
   """
 
   exit_code = 1
@@ -61,12 +67,17 @@ class Stopped(RuntimeError):
 class Preempted(Stopped):
   """SIGTERM reached a host: every host saved (when it can) and must now exit.
 
-  The command line exits with `exit_code` (`hetjax.cluster.supervise.PREEMPTED_EXIT`),
+  The command line exits with `exit_code` (`hetjax.exits.PREEMPTED_EXIT`),
   which the launchers read as "restart me": the restarted job resumes from
-  the checkpoint.
+  the checkpoint. Args as for `Stopped`.
+
+  Example:
+    >>> stop = hetjax.Preempted(120, "/ckpt")
+    >>> stop.exit_code, str(stop).split(";")[0]
+    (75, 'preempted: checkpoint of step 120 saved in /ckpt')
   """
 
-  exit_code = supervise.PREEMPTED_EXIT
+  exit_code = PREEMPTED_EXIT
   signal_name = "SIGTERM"
 
   def _message(self) -> str:
@@ -78,7 +89,14 @@ class Preempted(Stopped):
 
 
 class Interrupted(Stopped):
-  """Ctrl-C (SIGINT) reached a host: a user's stop, not a preemption."""
+  """Ctrl-C (SIGINT) reached a host: a user's stop, not a preemption (never restarted).
+
+  Args as for `Stopped`.
+
+  Example:
+    >>> hetjax.Interrupted(7, None).exit_code
+    130
+  """
 
   exit_code = INTERRUPTED_EXIT
   signal_name = "Ctrl-C"

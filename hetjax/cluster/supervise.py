@@ -5,19 +5,15 @@ ended (`Outcome`), names the host to blame (`first_failure`, and what the
 hosts' own output says: `Findings`), writes the launcher's message
 (`describe`) and restarts the job under the two budgets (`supervise`).
 
-Exit codes the launchers understand, from the hosts:
-- 75 (`PREEMPTED_EXIT`): preempted (SIGTERM), saved; restarted under
-  --max-preemptions, else passed on for an outer scheduler to requeue.
-- 130 (`USER_STOP_EXIT`): a user's Ctrl-C; never restarted.
-- 69 (`hetjax.cluster.watchdog.STALLED_EXIT`): the step watchdog stopped a
-  stuck job; a failure, restarted from the last checkpoint under
-  --max-restarts, and the message names the stuck host(s).
-- 74 (`WRITE_FAILED_EXIT`): a checkpoint could not be written (a full or
-  unwritable disk); never restarted: the restart would fail at the same
-  save, so the job exits 74 and the host's message says how to resume.
-- a host that JAX aborts (SIGABRT) because the coordination service saw
-  another host stop sending heartbeats: a failure, and the message names the
-  host that stopped responding, not the one that aborted.
+Exit codes the launchers understand, from the hosts (`hetjax.exits`, the one table):
+75 (`PREEMPTED_EXIT`) restarted under --max-preemptions, else passed on for
+an outer scheduler; 130 (`INTERRUPTED_EXIT`, a user's Ctrl-C) never
+restarted; 69 (`STALLED_EXIT`, the step watchdog) a failure restarted under
+--max-restarts, the message naming the stuck host(s); 74
+(`WRITE_FAILED_EXIT`, a checkpoint could not be written) never restarted.
+A host that JAX aborts (SIGABRT) because the coordination service saw
+another host stop sending heartbeats is a failure, and the message names
+the host that stopped responding, not the one that aborted.
 
 Stdlib only: this module must never import JAX.
 """
@@ -33,23 +29,12 @@ import sys
 from typing import Callable, Sequence
 
 from hetjax.cluster import watchdog
+from hetjax.exits import (INTERRUPTED_EXIT, PREEMPTED_EXIT, STALLED_EXIT,  # noqa: F401 (re-exported)
+                          WRITE_FAILED_EXIT)
 
-STALLED_EXIT = watchdog.STALLED_EXIT
-# A host that exits with this code was preempted and saved what it needs to
-# resume: "restart me", not "I failed" (EX_TEMPFAIL from sysexits.h, which
-# schedulers and shells already read as "try again later"). The trainer exits
-# with it; the launchers restart on it or pass it on to an outer scheduler.
-PREEMPTED_EXIT = 75
 # Restarts after preemptions are not failures, so they have their own budget;
 # a bound still stops a job that reports preemption at every start.
 DEFAULT_MAX_PREEMPTIONS = 20
-# Every host exits with this code when a checkpoint cannot be written
-# (`hetjax.checkpoint.write_failed`; EX_IOERR from sysexits.h). A restart
-# would meet the same full disk at the same save, so it is not restarted.
-WRITE_FAILED_EXIT = 74
-# A host that exits with this code (or dies by SIGINT) was stopped by a user's
-# Ctrl-C: reported as a stop, never restarted.
-USER_STOP_EXIT = 128 + signal.SIGINT
 
 
 @dataclasses.dataclass
@@ -94,7 +79,7 @@ class Outcome:
     if self.signal is not None:
       return self.signal == signal.SIGINT
     return (not self.timed_out and self.failed_host is not None
-            and self.returncodes[self.failed_host] in (USER_STOP_EXIT, -signal.SIGINT))
+            and self.returncodes[self.failed_host] in (INTERRUPTED_EXIT, -signal.SIGINT))
 
   @property
   def preempted(self) -> bool:

@@ -46,12 +46,8 @@ import time
 from typing import Callable, Iterator, Mapping, Sequence
 
 from hetjax.config import Env
+from hetjax.exits import STALLED_EXIT
 
-# "Service unavailable" (sysexits.h EX_UNAVAILABLE): a host, or the link to
-# it, stopped answering. Not 75 (a preemption, which saved) nor 124 (the
-# launcher's own deadline, never restarted): a failure that a restart from
-# the last checkpoint is expected to cure.
-STALLED_EXIT = 69
 STEP_FACTOR = 20
 MIN_DEFAULT_S = 300.0
 WARMUP_STEPS = 3

@@ -23,7 +23,19 @@ RecordSpec = Mapping[str, tuple[Sequence[int | None], np.dtype | str]]
 
 @dataclasses.dataclass(frozen=True)
 class DatasetInfo:
-  """What a model needs to know about the data."""
+  """What a model needs to know about the data.
+
+  Args:
+    name: the dataset's name (in messages, checkpoints and the data order's seed).
+    kind: "image", "tokens", or "custom" for a user's own arrays.
+    num_classes: labels of a classification set (None: not one).
+    vocab_size: tokens of a language-model set (None: not one).
+
+  Example:
+    >>> info = hetjax.DatasetInfo("blobs", "custom", num_classes=2)
+    >>> info.kind, info.num_classes
+    ('custom', 2)
+  """
 
   name: str
   kind: str  # "image", "tokens", or "custom" for a user's own arrays
@@ -42,9 +54,27 @@ class Source(Protocol):
 
 
 class ArraySource:
-  """Records held in memory as equally long numpy arrays."""
+  """Records held in memory as equally long numpy arrays: what a `Trainer` reads.
+
+  Every host holds the same records; each reads only the rows of its slice
+  of every global batch (`source[indices]`).
+
+  Example:
+    >>> x = np.arange(12, dtype=np.float32).reshape(6, 2)
+    >>> source = hetjax.ArraySource({"x": x, "y": np.arange(6) % 2},
+    ...                             hetjax.DatasetInfo("pairs", "custom", num_classes=2))
+    >>> len(source), source[np.array([4, 1])]["y"].tolist()
+    (6, [0, 1])
+  """
 
   def __init__(self, arrays: dict[str, np.ndarray], info: DatasetInfo | None = None):
+    """Args:
+      arrays: record field -> array, every array the same length (the records).
+      info: what the model needs to know (default: a custom dataset named 'arrays').
+
+    Raises:
+      ValueError: no arrays, or arrays of different lengths.
+    """
     info = info or DatasetInfo("arrays", "custom")
     if not arrays:
       raise ValueError(f"dataset {info.name!r} has no arrays; give at least one, e.g. {{'x': x}}.")

@@ -9,6 +9,8 @@ rounds; the centre is replicated on every host. Round r, on host i:
    `centre += sum_i d_i`.
 The centre is what is evaluated, checkpointed and reported; its model state
 (BatchNorm statistics) is the sample-weighted mean of the hosts'.
+`hetjax.modes.rounds_mode` runs the round, `hetjax.modes.rounds` supplies
+the pieces.
 """
 
 from __future__ import annotations
@@ -19,19 +21,45 @@ import jax
 import jax.numpy as jnp
 
 from hetjax import mesh as mesh_lib
+from hetjax.config import RoundsConfig
 from hetjax.step import sharding as sharding_lib
 from hetjax.modes import rounds as rounds_lib
 from hetjax.modes.hybrid import Centre
+from hetjax.modes.rounds_mode import Rounds
 from hetjax.mesh import Meshes
 
 PyTree = Any
 
 
-class Elastic:
-  name = "elastic"
+class Elastic(Rounds):
+  """Elastic averaging (EASGD): each host keeps its own parameters, pulled towards a centre.
 
-  def __init__(self, beta: float, meshes: Meshes):
-    self.beta, self.meshes = float(beta), meshes
+  Example:
+    >>> task = hetjax.models.build("mlp", kind="image", num_classes=10, hidden=(16,))
+    >>> trainer = hetjax.Trainer(task, optax.sgd(0.1), hetjax.data.load("digits"),
+    ...                          hetjax.TrainConfig(global_batch=32, microbatch=8),
+    ...                          mode=hetjax.Elastic(beta=0.5, local_steps=(2,)))
+    >>> trainer.fit(steps=2)["per_host"][0]["tau"]   # 2 rounds of 2 local steps
+    [2, 2]
+  """
+
+  def __init__(self, beta: float = 0.9, round_steps: int = 4,
+               local_steps: tuple[int, ...] | None = None, local_batch: int | None = None):
+    """Args:
+      beta: the moving rate: host i moves `beta * n_i / sum n` of the way to the centre
+        each round, in (0, 1].
+      round_steps, local_steps, local_batch: as for `hetjax.Hybrid`.
+
+    Raises:
+      ValueError: a setting out of range, naming it.
+    """
+    super().__init__(RoundsConfig("elastic", round_steps, local_steps, local_batch,
+                                  elastic_beta=beta))
+    self.beta = float(beta)
+
+  def compile(self, meshes: Meshes) -> None:
+    """The round's programs on `meshes`."""
+    self.meshes = meshes
     self._init = jax.jit(lambda p, s: Centre(jnp.zeros((), jnp.int32), p, (), s),
                          out_shardings=meshes.replicated)
 
@@ -67,8 +95,7 @@ class Elastic:
             ) -> tuple[PyTree, PyTree]:
     """A host keeps its own parameters; the first round starts them at the centre."""
     if host_params is None:
-      local = lambda t: jax.tree.map(lambda x: jnp.copy(mesh_lib.to_local(x, self.meshes)), t)
-      return local(centre.params), local(centre.model_state)
+      return rounds_lib.to_host_mesh((centre.params, centre.model_state), self.meshes)
     return host_params, host_model_state
 
   def alpha(self, n: int, total_n: int) -> float:
@@ -77,7 +104,7 @@ class Elastic:
   def contribution(self, centre: Centre, params: PyTree, model_state: PyTree, n: int,
                    total_n: int) -> dict:
     """`[d_i, n_i * model_state_i]` on this host's devices."""
-    centre_params = jax.tree.map(lambda x: mesh_lib.to_local(x, self.meshes), centre.params)
+    centre_params = mesh_lib.to_local_tree(centre.params, self.meshes)
     alpha = jnp.float32(self.alpha(n, total_n))
     tree = self._contribution(centre_params, params, model_state, jnp.float32(n), alpha)
     self._last_d = tree["d"]

@@ -1,6 +1,7 @@
 """How a round of hybrid works (local SGD across hosts, data parallel inside a host).
 
-Round r, on every host i (`hetjax.modes.rounds` supplies the pieces):
+Round r, on every host i (`hetjax.modes.rounds_mode` runs the round,
+`hetjax.modes.rounds` supplies the pieces):
 1. start from the centre `theta` (the parameters every host agrees on) and
    the host's own inner optimizer state, which stays on the host;
 2. run `tau_i` local steps of `b` samples, reaching `theta_i`;
@@ -26,8 +27,10 @@ import jax.numpy as jnp
 import optax
 
 from hetjax import mesh as mesh_lib
+from hetjax.config import RoundsConfig
 from hetjax.step import sharding as sharding_lib
 from hetjax.modes import rounds as rounds_lib
+from hetjax.modes.rounds_mode import Rounds
 from hetjax.mesh import Meshes
 
 PyTree = Any
@@ -49,10 +52,38 @@ class Centre(NamedTuple):
   model_state: PyTree
 
 
-class Hybrid:
-  name = "hybrid"
+class Hybrid(Rounds):
+  """Hybrid: local SGD across hosts, an outer optimizer on the hosts' sample-weighted deltas.
 
-  def __init__(self, outer: optax.GradientTransformation, meshes: Meshes):
+  Example:
+    >>> task = hetjax.models.build("mlp", kind="image", num_classes=10, hidden=(16,))
+    >>> trainer = hetjax.Trainer(task, optax.sgd(0.1), hetjax.data.load("digits"),
+    ...                          hetjax.TrainConfig(global_batch=32, microbatch=8),
+    ...                          mode=hetjax.Hybrid(round_steps=4))
+    >>> trainer.fit(steps=2)["mode"]   # 2 rounds
+    'hybrid'
+  """
+
+  def __init__(self, round_steps: int = 4, local_steps: tuple[int, ...] | None = None,
+               local_batch: int | None = None, outer_optimizer: str = "nesterov",
+               outer_lr: float = 0.7, outer_momentum: float = 0.9):
+    """Args (`hetjax.RoundsConfig` says more of each):
+      round_steps: local steps of the fastest host per round (the others from their speeds).
+      local_steps: fixed local steps per host instead (reproducible), e.g. (4, 2, 1).
+      local_batch: samples of one local step of one host (default: global batch / hosts).
+      outer_optimizer, outer_lr, outer_momentum: the outer optax optimizer, 'sgd' or
+        'nesterov' (DiLoCo's 0.7 and 0.9 by default; momentum 0: plain SGD).
+
+    Raises:
+      ValueError: a setting out of range, naming it.
+    """
+    super().__init__(RoundsConfig("hybrid", round_steps, local_steps, local_batch,
+                                  outer_optimizer, outer_lr, outer_momentum))
+
+  def compile(self, meshes: Meshes, outer: optax.GradientTransformation | None = None) -> None:
+    """The round's programs on `meshes` (`outer`: the outer optimizer, default the settings')."""
+    s = self.settings
+    outer = outer or outer_optimizer(s.outer_optimizer, s.outer_lr, s.outer_momentum)
     self.meshes = meshes
 
     def init(params, model_state):
@@ -96,14 +127,13 @@ class Hybrid:
             ) -> tuple[PyTree, PyTree]:
     """Every round starts from the centre (the inner optimizer state is kept)."""
     del host_params, host_model_state
-    local = lambda t: jax.tree.map(lambda x: jnp.copy(mesh_lib.to_local(x, self.meshes)), t)
-    return local(centre.params), local(centre.model_state)
+    return rounds_lib.to_host_mesh((centre.params, centre.model_state), self.meshes)
 
   def contribution(self, centre: Centre, params: PyTree, model_state: PyTree, n: int,
                    total_n: int) -> dict:
     """`[n_i * delta_i, n_i * model_state_i]` on this host's devices."""
     del total_n
-    centre_params = jax.tree.map(lambda x: mesh_lib.to_local(x, self.meshes), centre.params)
+    centre_params = mesh_lib.to_local_tree(centre.params, self.meshes)
     return self._contribution(centre_params, params, model_state, jnp.float32(n))
 
   def spread(self, mine: dict, totals: dict, n: int, total_n: int) -> jax.Array:

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 from hetjax.observe import metrics as metrics_lib
 
-WARMUP_STEPS = 2  # As hetjax.trainer.WARMUP_STEPS, which this must not import (it pulls in JAX).
+WARMUP_STEPS = 2  # As hetjax.modes.sync.WARMUP_STEPS, which this must not import (it pulls in JAX).
 SUMMARY_FILE = metrics_lib.SUMMARY_FILE
 
 

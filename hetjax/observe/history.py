@@ -12,15 +12,22 @@ the progress line, tests and the summary, and what the summary needs of the
 older steps is folded into running totals (`Folded`) as they are dropped.
 
 Indices: entry `k` of the lists is the run's history index `dropped + k`
-(history index 0 is the first step this trainer ran).
+(history index 0 is the first step this trainer ran). The lists are for
+reading; a trainer writes a step with `record` and its late figures with
+`arrived`, and the history keeps itself within its window.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Sequence
 
 WINDOW = 1000  # Steps kept; the lists are trimmed back to this when they reach twice it.
+
+
+def _plain(values: Sequence[Any]) -> list[Any]:
+  """Python numbers (JSON's), however given: numpy scalars of a gathered row, or ints (taus)."""
+  return [v.item() if hasattr(v, "item") else v for v in values]
 
 
 @dataclasses.dataclass
@@ -40,10 +47,21 @@ class Folded:
 class History:
   """Per-step records of the recent steps; `compute_s` and `wait_s` are `[steps][hosts]`.
 
-  `compute_s` and `wait_s` lag behind the others: a sync step's compute
-  and wait seconds are measured off the critical path and travel in the
-  collective two steps later, a round's wait one round later (or in the
-  final small collective of `summary`). A series that lags lags as `wait_s` does.
+  `wait_s` lags behind the others, and so may `compute_s` and a series: a
+  sync step's compute and wait seconds are measured off the critical path
+  and travel in the collective two steps later, a round's wait and spread
+  one round later (or in the final small collective of `summary`). What
+  lags arrives through `arrived`, in step order.
+
+  Example:
+    >>> h = History(series={"tau": []})
+    >>> h.record((16, 48), step_s=0.1, loss=2.3, metrics={"loss": 2.3}, compute_s=[0.08, 0.09],
+    ...          tau=[1, 3])
+    >>> list(h.awaiting)                       # step 0's wait is not known yet
+    [0]
+    >>> h.arrived(0, wait_s=[0.02, 0.01])
+    >>> h.steps, h.per_host(2)[1]["tau"], list(h.awaiting)
+    (1, [3], [])
   """
 
   shares: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
@@ -59,19 +77,56 @@ class History:
   series: dict[str, list[list[float]]] = dataclasses.field(default_factory=dict)
   dropped: int = 0               # history indices before the window
   folded: Folded = dataclasses.field(default_factory=Folded)
+  warmup: int = 2                # leading steps kept out of the steady totals
+  window: int | None = None      # steps kept, trimmed back to at twice it (None: WINDOW)
+
+  def record(self, shares: Sequence[int], step_s: float, loss: float,
+             metrics: dict[str, float], **per_host: Sequence[float]) -> None:
+    """Appends one step; `per_host`: the `[hosts]` columns known now (`compute_s`, a series).
+
+    Older steps are folded into the totals as the window fills (`trim`).
+    """
+    self.shares.append(tuple(shares))
+    self.step_s.append(float(step_s))
+    self.loss.append(float(loss))
+    self.metrics.append(metrics)
+    for name, values in per_host.items():
+      self._column(name).append(_plain(values))
+    self.trim()
+
+  def arrived(self, index: int, **per_host: Sequence[float]) -> None:
+    """The lagging `[hosts]` figures (`wait_s`, ...) of history index `index`.
+
+    They arrive in step order; figures for a step that already has them, or
+    for none yet recorded, are ignored, so a caller need not count.
+    """
+    if index != self.dropped + len(self.wait_s) or index >= self.steps:
+      return
+    for name, values in per_host.items():
+      self._column(name).append(_plain(values))
+
+  @property
+  def awaiting(self) -> range:
+    """History indices whose lagging figures have not arrived (at most the last few)."""
+    return range(self.dropped + len(self.wait_s), self.steps)
+
+  def _column(self, name: str) -> list[list[float]]:
+    """A per-host column by name: `compute_s`, `wait_s`, or one of the mode's series."""
+    return getattr(self, name) if name in ("compute_s", "wait_s") else self.series[name]
 
   @property
   def steps(self) -> int:
     """Steps recorded in the whole run (dropped ones included)."""
     return self.dropped + len(self.shares)
 
-  def trim(self, warmup: int, window: int | None = None) -> None:
+  def trim(self, warmup: int | None = None, window: int | None = None) -> None:
     """Folds all but the last `window` steps into the totals, once the lists reach 2x.
 
     Only steps whose wait is known are dropped (the record stream has made
     their records by then).
     """
-    window = WINDOW if window is None else window
+    warmup = self.warmup if warmup is None else warmup
+    window = window or self.window or WINDOW
     cut = min(len(self.shares) - window, len(self.wait_s))
     if len(self.shares) < 2 * window or cut <= 0:
       return

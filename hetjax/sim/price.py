@@ -37,13 +37,13 @@ REFERENCE_BATCH = 256  # The training figures' per-GPU batch: the level is read 
 LAUNCH_S = 20e-6  # Assumed gap per program run on the device (launch, sync of the loop).
 MEMORY_GB = {"H100": 80.0, "A100": 40.0, "V100": 16.0}  # Data sheets (A100: the 1,555 GB/s part).
 SAMPLES_PER_16GB = 192  # DLE's mixed-precision ResNet-50 batch on a V100 16GB.
-MEMORY_FRACTION = 0.8  # What `auto` may fill (issue 27's default).
+MEMORY_FRACTION = 0.8  # What `auto` may fill (`--device-batch-memory-fraction`'s default).
 
 ASSUMPTIONS = (
     ("throughput vs micro-batch", f"peak x s / (s + {HALF_BATCH:g}) per device; level = the simulator's training throughput at s = {REFERENCE_BATCH}", "fit to NVIDIA DeepLearningExamples MXNet RN50 v1.5 README inference tables (A100 80GB, V100 16GB, mixed precision, batch 1-256); H100 shape assumed the same"),
     ("per program run", f"{LAUNCH_S * 1e6:g} us launch + gradient accumulation (3 x 4 B x 25.6 M / HBM bandwidth)", "launch assumed; HBM from data sheets"),
     ("largest micro-batch", f"{SAMPLES_PER_16GB} per 16 GB x memory (H100 80, A100 40, V100 16 GB) x {MEMORY_FRACTION:g}", "DLE's V100 16GB batch; data sheets"),
-    ("auto device batch", "largest power of two k with k x m fitting memory, halved while k/2 is as fast per sample", "issue 27's rule"),
+    ("auto device batch", "largest power of two k with k x m fitting memory, halved while k/2 is as fast per sample", "hetjax.step.device_batch's rule"),
 )
 
 

@@ -127,8 +127,8 @@ class ClusterSpec:
       programs plus the remainder through `k/2, ..., 1` (balancer ladders).
     price: charge for micro-batch size (`hetjax.sim.price`): throughput
       that saturates with the per-device micro-batch, and a cost per program
-      run. Off, a sample costs the same in any micro-batch (the figures
-      before issue 27).
+      run. Off, a sample costs the same in any micro-batch (every host's
+      device batch 1).
   """
 
   gpus: tuple[str, ...]

@@ -1,50 +1,28 @@
-"""The compiled programs of one training step (where arrays live: `hetjax.mesh`).
+"""The compiled programs of one training step, and the one update rule.
 
-LOCAL (`LocalProgram`): `jit(shard_map)` over this host's own devices, where
-the train state lives (replicated over them). The first micro-batch's
-program first applies the previous step's update (`apply_update`) from the
-summed row the reduction left, then every micro-batch adds its gradients.
-The host's share, a whole number of blocks of `m` positions
-(`hetjax.blocks`), is fed as fixed-shape micro-batches of `j` blocks per
-device, `j` from the host's ladder `k, k/2, ..., 1` (`k` its device batch;
-the last micro-batch padded and masked), the blocks of a device kept
-apart; each device keeps running sums of per-example gradients, losses,
-metrics, weights and the count of real examples. A block's PRNG key is
-`fold_in(fold_in(key(seed), step), block)`, whichever device runs it. No cross-host collective runs here, so hosts may
-run different numbers of micro-batches, and a new share changes only how
-often the same compiled programs run (invariant 4).
+Why a package of its own: everything that runs on the devices for a sync
+step lives here, below the trainer and above the mesh (`hetjax.mesh`), so
+the programs can be read, tested and counted without the loop around them.
 
-CROSS-HOST (`DeviceReduction` / `HostReduction`): the per-device rows are
-stitched, zero-copy, into one global array of shape `[all devices, ...]`;
-one small program sums them (invariant 2: the update divides
-`sum(grad sums)` by `sum(counts)`) and computes the step's statistics. In a
-world of one device the summed row is the next update, applied by the next
-step's first local program. In a larger world the same program also runs
-the sharded update (`hetjax.sharding`, ZeRO stage 1): each device updates
-its slice of every parameter, model-state and optimizer-state leaf, and the
-new parameters and model state are all-gathered and packed, so every bit of
-every replica comes from one computation, however differently the hosts
-compile (issue 25); the next local program unpacks them. The host backend
-runs it over its CPU mesh (one device per host).
-
-Every host contributes one row per local device, so hosts may even have
-different numbers of devices. The rows also carry a small host vector
-(timings, stop requests, shares): each device row of host `h` ends with host
-`h`'s values, so every host learns every host's values from the same
-collective (invariant 3).
-
-Per-step work does not grow with the number of parameter arrays: each
-device's sums are one float32 row, so they cross to the world mesh as one
-array and come back as one; the state never leaves the host's devices. A
-step launches one program per micro-batch and one reduction, and re-wraps
-at most two arrays (none in a one-device world), for 6 leaves or 600. What
-a step sends from the host beyond the user's arrays travels in one small
-int32 array per micro-batch (`_POSITION`): each device's step, block,
-number of real examples (its mask is built on the device) and the host
-vector, so a step makes as many transfers as a plain loop's batch has
-arrays. Under `precision` bf16 / fp16
-the local program computes in the low type from float32 master parameters;
-sums, the reduction and the update stay float32.
+- `state.py`: what a step carries (`TrainState`) and sums (`Sums`), and how
+  one device's sums travel as one float32 row (`Layout`, `LocalSums`).
+- `block.py`: one block's per-example sums; blocks keyed by their global
+  index, whichever device runs them (invariant 2).
+- `local.py`: the LOCAL program (`LocalProgram`), `jit(shard_map)` over this
+  host's devices only: the previous update applied, then the host's share
+  in fixed-shape micro-batches of whole blocks. No cross-host collective,
+  so hosts may run different numbers of them (invariant 4).
+- `reduction.py`: the CROSS-HOST program (`DeviceReduction`, or
+  `HostReduction` over CPU collectives): every device's row summed, the
+  step's statistics, and the small per-host vector every host reads
+  (invariant 3).
+- `update.py`: the update rule (`optimizer_step`), one for the whole state,
+  its slices and the rounds modes' local steps.
+- `sharding.py`: the sharded update (ZeRO stage 1): each slice of the state
+  updated by one device inside the reduction, then gathered, so replicas
+  stay bit-identical on hosts that compile differently (invariant 6).
+- `packing.py`, `precision.py`, `device_batch.py`: packing trees into rows,
+  bf16 / fp16 compute with float32 masters, and `--device-batch auto`.
 """
 
 from hetjax.step.state import Layout, LocalSums, Sums, TrainState, init_state

@@ -77,7 +77,7 @@ class LocalProgram:
                replica: packing.Packer | None = None, device_batch: int = 1):
     """`blocks_full`: no block of the run is part padding (see `block_sums`).
 
-    `replica`: the sharded update's packing of the state (`hetjax.sharding`);
+    `replica`: the sharded update's packing of the state (`hetjax.step.sharding`);
     then the update ran in the reduction, a pending update is that packed
     new state, and the first micro-batch's program only unpacks it.
     `device_batch`: `k`, blocks per device in the largest micro-batch.

@@ -39,7 +39,7 @@ class Reduced(NamedTuple):
   # A one-device world's is its local sums array `[1, n + 1 + k]` as it is:
   # summing over one device would only copy the row (ResNet-18's reduction
   # alone: 0.86 -> 0.29 ms). Under the sharded update, the new state packed
-  # (`hetjax.sharding`): the next step's program unpacks it.
+  # (`hetjax.step.sharding`): the next step's program unpacks it.
   total: Any
   shards: Any = None                     # the sharded update's new `Shards`
   learning_rate: jax.Array | None = None  # of the update the reduction applied (sharded)
@@ -74,7 +74,7 @@ class DeviceReduction:
     return self.meshes.world, ALL
 
   def attach(self, sharded) -> None:
-    """Runs `sharded` (a `hetjax.sharding.ShardedUpdate`) inside the reduction's program."""
+    """Runs `sharded` (a `hetjax.step.sharding.ShardedUpdate`) inside the reduction's program."""
     self.sharded = sharded
 
   def _build(self, layout: Layout) -> None:
@@ -138,16 +138,7 @@ class HostReduction:
     self._gather = jax.jit(lambda x: x, out_shardings=NamedSharding(self._cpu_mesh, P()))
     self._device_sum = None
     self.sharded = None
-    # gloo sets up a communicator for a new set of devices on its first
-    # collective and gives up if a peer is not there within 30 s (fixed in
-    # XLA), so a host that compiles much later (a slower or busier machine)
-    # would fail the first step. Set it up here: compile the probe, line the
-    # hosts up with a gather of host values (over these same CPUs, whose
-    # communicator the trainer's agreement checks set up), then run it at once.
-    probe = jax.make_array_from_process_local_data(self._by_host, np.zeros((1, 1), np.float32))
-    gather = self._gather.lower(probe).compile()
-    gather_host_values(np.zeros(1), meshes)
-    gather(probe).block_until_ready()
+    line_up(self._gather, self._by_host, meshes)
 
   @property
   def shard_mesh(self) -> tuple[Mesh, str]:
@@ -155,7 +146,7 @@ class HostReduction:
     return self._cpu_mesh, HOSTS
 
   def attach(self, sharded) -> None:
-    """Runs `sharded` (a `hetjax.sharding.ShardedUpdate`) in the CPU program."""
+    """Runs `sharded` (a `hetjax.step.sharding.ShardedUpdate`) in the CPU program."""
     self.sharded = sharded
 
   def _build(self, layout: Layout) -> None:
@@ -205,6 +196,22 @@ class HostReduction:
     # rows: [hosts, scale and host vector]; every host ran with host 0's scale.
     return Reduced(self._stats(total, rows[0, 0]), self._names, rows[:, 1:], self.meshes,
                    sums.flat if self.meshes.one_device else total)
+
+
+def line_up(program: Any, by_host: NamedSharding, meshes: Meshes) -> None:
+  """Runs `program` once on a `[hosts, 1]` probe with every host lined up first.
+
+  gloo sets up a communicator for a new set of devices on its first
+  collective and gives up if a peer is not there within 30 s (fixed in
+  XLA), so a host that compiles much later (a slower or busier machine)
+  would fail the first step. Set it up here: compile the probe, line the
+  hosts up with a gather of host values (over these same CPUs, whose
+  communicator the trainer's agreement checks set up), then run it at once.
+  """
+  probe = jax.make_array_from_process_local_data(by_host, np.zeros((1, 1), np.float32))
+  compiled = program.lower(probe).compile()
+  gather_host_values(np.zeros(1), meshes)
+  jax.block_until_ready(compiled(probe))
 
 
 REDUCTIONS = {"device": DeviceReduction, "host": HostReduction}

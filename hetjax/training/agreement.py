@@ -29,13 +29,25 @@ import numpy as np
 
 from hetjax import mesh as mesh_lib
 from hetjax.config import fingerprint as text_fingerprint  # noqa: F401 (JAX-free, shared with the doctor)
+from hetjax.exits import JobExit
 
 PyTree = Any
 FINGERPRINT_WIDTH = 4  # float32 values per parameter fingerprint (2 x uint32).
 
 
-class HostsDisagree(RuntimeError):
-  """Hosts that must hold the same values do not; every host raises it at the same step."""
+class HostsDisagree(JobExit):
+  """Hosts that must hold the same values do not; every host raises it at the same step.
+
+  Raised by `Trainer.check_params_agree` (every `check_every` steps and
+  before each checkpoint); the message names the hosts. Args: the message.
+
+  Example:
+    >>> error = hetjax.HostsDisagree("after step 8: host(s) [1] hold other parameters")
+    >>> error.exit_code, isinstance(error, RuntimeError)
+    (1, True)
+  """
+
+  label = "error: "
 
 
 def _odd_weights(n: int, multiplier: int) -> jax.Array:

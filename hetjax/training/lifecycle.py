@@ -1,12 +1,12 @@
-"""What every trainer shares around its loop: the run lifecycle.
+"""The run lifecycle around `hetjax.Trainer.fit`, the same for every mode.
 
-`hetjax.Trainer` (one reduction per step) and `hetjax.modes.RoundsTrainer`
-(one per round) train differently but present a run the same way: the
-same `fit()` arguments, the same run folder (metrics.jsonl, TensorBoard,
-summary.json), the same records and summary fields, the same stop, save
-and evaluation bookkeeping. `Run` is one `fit()` call of either; a trainer
-is anything with the attributes `Trained` names, so the next mode writes
-its loop and its state, not its lifecycle.
+Every mode (sync, hybrid, elastic, yours: `hetjax.modes.base.Mode`) presents
+a run the same way: the same `fit()` arguments, the same run folder
+(metrics.jsonl, TensorBoard, summary.json), the same records and summary
+fields, the same stop, save and evaluation bookkeeping. `Run` is one
+`fit()` call; the pieces a Trainer is built with (pacing, the
+checkpointer and its vote, the evaluator) are here too, so `trainer.py`
+reads as the run's outline.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from hetjax.observe import metrics as metrics_lib
 from hetjax.observe import progress as progress_lib
 from hetjax.observe.history import History
 from hetjax.training import evaluate as evaluate_lib
-from hetjax import task as task_lib
 from hetjax.task import Task
 
 PyTree = Any
@@ -38,7 +37,7 @@ Sink = Callable[[dict[str, Any]], Any]
 
 
 class Trained(Protocol):
-  """What `Run` reads of a trainer; `step` counts the steps (or rounds) run."""
+  """What `Run` reads of a trainer (`hetjax.Trainer`); `step` counts the steps (or rounds) run."""
 
   config: Any
   meshes: mesh_lib.Meshes
@@ -46,6 +45,7 @@ class Trained(Protocol):
   num_hosts: int
   history: History
   emulated: bool
+  pace: Callable[..., float] | None
   checkpointer: ckpt_lib.Checkpointer | None
   resumed_from: int | None
 
@@ -118,15 +118,6 @@ class Evaluations:
     return self._evaluator.evaluate(params, model_state, source, weights)
 
 
-def check_task(task: Task, params: PyTree, model_state: PyTree, block: dict[str, np.ndarray],
-               eval_loss: bool = True) -> None:
-  """Per-example losses and metrics, checked abstractly before anything runs."""
-  args = (params, model_state, block, jax.random.key(0))
-  task_lib.check_contract(task.loss, *args)
-  if eval_loss and task.eval_loss is not None:
-    task_lib.check_contract(task.eval_loss, *args, what="the task's evaluation loss")
-
-
 # ---- one fit() call ----------------------------------------------------------
 
 
@@ -150,33 +141,36 @@ class Run:
 
   A context manager: the run folder's writer is closed however the run ends.
 
-  Example (a trainer's `fit`):
-    >>> with Run(self, steps, until=until, unit="steps", warmup=2, ...) as run:
+  Also what a mode's `advance` reads of the call (`hetjax.modes.base.Loop`):
+  `target`, `due(step)`, `record()`, `records`.
+
+  Example (`hetjax.Trainer.fit`):
+    >>> with Run(self, steps, until=until, unit="steps", ...) as run:
     ...   with run.watching():
-    ...     while self.step < run.target:
+    ...     for boundary in self.mode.advance(run):
     ...       ...; run.record()
     ...   run.evaluate_at_end()
     ...   return run.close()
   """
 
   def __init__(self, trainer: Trained, count: int | None, *, until: int | None, unit: str,
-               warmup: int, log_every: int = 0, log: Callable[[str], None] = print,
+               log_every: int = 0, log: Callable[[str], None] = print,
                sinks: Sequence[Sink] = (), eval_every: int = 0,
                eval_source: data_lib.ArraySource | None = None, out: str | None = None,
-               global_batch: int | None = None,
-               extra: Callable[[int], dict[str, float]] | None = None):
+               every_step: bool = False, extra: Callable[[int], dict[str, float]] | None = None):
     """Checks the arguments and opens the run folder.
 
     Args:
       trainer: the trainer whose `fit` this is.
       count, until, log_every, log, sinks, eval_every, eval_source, out: `fit()`'s.
       unit: what `count` counts, for messages ('steps' or 'rounds').
-      warmup: leading steps kept out of throughput (the history folds the rest).
-      global_batch, extra: the records' (`hetjax.observe.metrics.RecordStream`).
+      every_step: stop at every boundary (an `on_step` callback is given).
+      extra: a record's own metrics of a window entry (`hetjax.observe.metrics.RecordStream`).
     """
     check_fit_args(count, until, eval_every, eval_source, unit)
-    self.trainer, self.warmup, self.out = trainer, warmup, out
+    self.trainer, self.out = trainer, out
     self.eval_every, self.eval_source = eval_every, eval_source
+    self.every_step = every_step or trainer.pace is not None  # Paced steps run one by one.
     self.target = trainer.step + count if until is None else until
     sinks = list(sinks)
     if log_every:  # The progress line of `hetjax train`, through `log`.
@@ -188,7 +182,7 @@ class Run:
       sinks.append(self.writer.write)
     # Records are built only for someone to read them: the loop stays lean.
     self.stream = None if not sinks else metrics_lib.RecordStream(
-        trainer.history, global_batch=global_batch, emulated=trainer.emulated,
+        trainer.history, global_batch=None, emulated=trainer.emulated,
         first_step=trainer.start_step, sinks=sinks, extra=extra)
 
   def __enter__(self) -> "Run":
@@ -212,13 +206,25 @@ class Run:
     return self.stream is not None
 
   def record(self) -> None:
-    """Hands the complete records to the sinks; keeps the history's memory O(1) in steps."""
+    """Hands the complete records to the sinks (the history keeps itself bounded)."""
     if self.stream is not None:
       self.stream.pop()
-    self.trainer.history.trim(self.warmup)
 
   def evaluation_due(self, step: int) -> bool:
-    return bool(self.eval_every) and step % self.eval_every == 0
+    return _every(self.eval_every, step)
+
+  def check_due(self, step: int) -> bool:
+    """Whether the hosts compare their replicas after `step` (`TrainConfig.check_every`)."""
+    return _every(self.trainer.config.check_every, step)
+
+  def save_due(self, step: int) -> bool:
+    checkpointer = self.trainer.checkpointer
+    return checkpointer is not None and _every(checkpointer.config.every, step)
+
+  def due(self, step: int) -> bool:
+    """Whether something happens at the boundary after `step` (the loop then waits there)."""
+    return (self.every_step or self.evaluation_due(step) or self.check_due(step)
+            or self.save_due(step))
 
   def evaluate(self) -> None:
     """Evaluates on the run's split; the figures join the last step's record."""
@@ -254,15 +260,34 @@ class Run:
     raise signals.stopped(code, t.step, None if t.checkpointer is None else t.checkpointer.directory)
 
 
+class OneStep:
+  """The `Loop` of a single step outside `fit` (`Trainer.train_step`): due at once, no records."""
+
+  records = False
+
+  def __init__(self, target: int):
+    self.target = target
+
+  def due(self, step: int) -> bool:
+    del step
+    return True
+
+  def record(self) -> None:
+    pass
+
+
+def _every(n: int, step: int) -> bool:
+  return bool(n) and step % n == 0
+
+
 def write_summary(out: str, summary: dict[str, Any], host_id: int) -> None:
   """OUT/summary.json, written by process 0 (what `hetjax report` reads)."""
   if host_id == 0:
     metrics_lib.write_summary(out, summary)
 
 
-def summary(trainer: Trained, *, warmup: int, balancer_mode: str, balancer_decisions: list,
-            per_host: list[dict[str, Any]], digest: bool) -> dict[str, Any]:
-  """The summary every trainer returns from `fit()` (a mode adds its own fields).
+def summary(trainer: Trained, *, digest: bool) -> dict[str, Any]:
+  """The summary fields of every mode (a mode adds its own: `Mode.summary_fields`).
 
   Call after the history holds every step's wait seconds.
   """
@@ -279,20 +304,32 @@ def summary(trainer: Trained, *, warmup: int, balancer_mode: str, balancer_decis
       "hosts": t.meshes.num_hosts,
       "devices_per_host": t.meshes.local_devices,
       "reduction": t.config.reduction,
-      "balancer_mode": balancer_mode,
-      "balancer_decisions": balancer_decisions,
-      "samples_per_sec": h.samples_per_sec(warmup),
+      "samples_per_sec": h.samples_per_sec(h.warmup),
       "final_loss": h.loss[-1] if h.loss else None,
       "final_metrics": h.metrics[-1] if h.metrics else {},
       "params_digest": params_digest(t.params()) if digest else None,
       "eval": evaluation,
       "emulated_speeds": t.emulated,
-      "per_host": per_host,
+      "per_host": h.per_host(t.num_hosts, h.warmup),
   }
 
 
 def params_digest(params: PyTree) -> str:
-  """sha256 over the float32 bytes of the parameter leaves, in tree order."""
+  """sha256 over the float32 bytes of the parameter leaves, in tree order.
+
+  Two runs that reach the same parameters bit for bit (another host count,
+  a resumed run) have the same digest.
+
+  Args:
+    params: a pytree of arrays (e.g. `Trainer.params()`).
+
+  Returns:
+    The hex digest.
+
+  Example:
+    >>> hetjax.params_digest({"w": np.zeros(2)}) == hetjax.params_digest({"w": np.zeros(2)})
+    True
+  """
   h = hashlib.sha256()
   for leaf in jax.tree.leaves(params):
     h.update(np.ascontiguousarray(np.asarray(leaf, dtype=np.float32)).tobytes())

@@ -27,7 +27,15 @@ from hetjax.input import loader as loader_lib
 from hetjax.observe.history import History
 from hetjax.training import agreement
 from hetjax.training import readiness
+from hetjax.training.host_vector import HostVector
 from hetjax.training.replica import Replica
+
+# What each host adds to a sync step's reduction: its compute and wait
+# seconds of step `s - 2`, its stop request, and the shares it used.
+HOST_VECTOR = HostVector("compute_s", "wait_s", "stop", per_host="shares")
+# The seconds no step carried yet, in `final_waits`' one small collective:
+# (compute, wait) of the last two steps (zeros where fewer are missing).
+FINAL_WAITS = HostVector("compute_s", "wait_s", "compute_s_1", "wait_s_1")
 
 
 def default_balancer(config: Any, meshes: mesh_lib.Meshes, device_batches: Any,
@@ -161,8 +169,9 @@ class StepPipeline:
     self._shares_of[step] = shares
     batch = self.loader.get(step, shares)
     self.loader.prefetch(step + 1, shares)  # A guess: shares rarely change.
-    timed = self._timings.pop(step - 2, (0.0, 0.0))
-    host_values = np.array([*timed, signals.REQUESTS.code, *shares], np.float32)
+    compute_s, wait_s = self._timings.pop(step - 2, (0.0, 0.0))
+    host_values = HOST_VECTOR.pack(compute_s=compute_s, wait_s=wait_s,
+                                   stop=signals.REQUESTS.code, shares=shares)
     self._look_at_last_step()
     live, applied, pending = replica.take()
     local = replica.local(live, pending, batch, self.example, self.base_key, step,
@@ -201,7 +210,7 @@ class StepPipeline:
     watchdog.completed(flight.step)
     fetched = time.perf_counter()
     step, shares = flight.step, flight.shares
-    code = float(rows[:, 2].max())
+    code = float(HOST_VECTOR.column(rows, "stop").max())
     if code and self._stop_at is None:
       # Acted on two steps later: by then every host has this row, whether
       # or not its loop overlaps steps.
@@ -215,21 +224,17 @@ class StepPipeline:
       update_ready = fetched
       self._timings[step] = (flight.paced, fetched - flight.t1)
     self._last_update_ready = update_ready
-    h = self.history
-    h.shares.append(shares)
+    metrics = {k: float(v) for k, v in stats.items() if k != "count"}
+    self.history.record(shares, fetched - flight.t0, metrics["loss"], metrics)
     timed = step - 2
     if timed >= self.start_step:  # Every host's compute and wait seconds of step s - 2.
-      if h.dropped + len(h.compute_s) == timed - self.start_step:  # Not yet gathered at the end.
-        h.compute_s.append([float(r) for r in rows[:, 0]])
-        h.wait_s.append([float(r) for r in rows[:, 1]])
-      self._observations.append((step, timed, rows[:, 0].tolist()))
-    h.step_s.append(fetched - flight.t0)
+      compute = HOST_VECTOR.column(rows, "compute_s")
+      self.history.arrived(timed - self.start_step, compute_s=compute,
+                           wait_s=HOST_VECTOR.column(rows, "wait_s"))
+      self._observations.append((step, timed, compute.tolist()))
     self.read_learning_rates(before=step)
-    metrics = {k: float(v) for k, v in stats.items() if k != "count"}
-    h.loss.append(metrics["loss"])
-    h.metrics.append(metrics)
     # Checked once recorded: the update has happened, whatever the check says.
-    agreement.check_shares(step, rows[:, 3:3 + self.meshes.num_hosts])
+    agreement.check_shares(step, HOST_VECTOR.per_host(rows))
     if stats["count"] <= 0:
       raise RuntimeError(f"step {step}: the hosts processed 0 examples in total; the "
                          f"assignment {shares} must give the global batch at least one sample.")
@@ -258,15 +263,17 @@ class StepPipeline:
   def final_waits(self) -> None:
     """The compute and wait seconds no step's rows carried yet travel in one small collective."""
     self.drain()
-    h = self.history
-    missing = range(h.dropped + len(h.compute_s), h.steps)  # At most the last two steps.
-    if missing:  # Every host misses the same steps.
+    missing = self.history.awaiting  # At most the last two steps, the same on every host.
+    if missing:
       mine = [x for i in missing for x in self._timings.get(self.start_step + i, (0.0, 0.0))]
       # Always four values: one compiled gather, however many steps are missing.
-      rows = mesh_lib.gather_host_values(np.array(mine + [0.0] * (4 - len(mine))), self.meshes)
-      for k in range(len(missing)):
-        h.compute_s.append([float(r) for r in rows[:, 2 * k]])
-        h.wait_s.append([float(r) for r in rows[:, 2 * k + 1]])
+      mine += [0.0] * (len(FINAL_WAITS.names) - len(mine))
+      rows = mesh_lib.gather_host_values(FINAL_WAITS.pack(**dict(zip(FINAL_WAITS.names, mine))),
+                                         self.meshes)
+      for k, index in enumerate(missing):
+        suffix = "_1" if k else ""
+        self.history.arrived(index, compute_s=FINAL_WAITS.column(rows, "compute_s" + suffix),
+                             wait_s=FINAL_WAITS.column(rows, "wait_s" + suffix))
 
   def close(self) -> None:
     self.clock.close()

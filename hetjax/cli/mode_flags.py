@@ -1,15 +1,17 @@
-"""The rounds modes' command-line flags (no JAX here); `RoundsConfig` lives in hetjax.config.
+"""The modes' command-line flags (no JAX here): `--mode` and the rounds modes' settings.
 
-Every bad value is refused here, before JAX starts, with the value, the
-limit and the fix. A flag that does not apply to the chosen mode is an
-error too: a silently ignored `--elastic-beta` is a wrong experiment.
+They become a `hetjax.config.RoundsConfig`, whose `validate()` refuses a bad
+value before JAX starts, worded here as flags (`hetjax.cli.flags`). A flag
+that does not apply to the chosen mode is an error too: a silently ignored
+`--elastic-beta` is a wrong experiment.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from hetjax.config import MODES, RoundsConfig  # noqa: F401 (the flags' choices and target)
+from hetjax.cli.flags import worded_as_flags
+from hetjax.config import MODES, RoundsConfig
 
 # flag -> the modes it applies to
 _APPLIES = {
@@ -61,19 +63,14 @@ def from_args(args: argparse.Namespace, num_hosts: int | None = None) -> RoundsC
                      f"{' or '.join(_APPLIES[wrong[0]])}. Drop it, or choose that mode.")
   if args.mode == "sync":
     return None
-  if getattr(args, "balancer", None) is not None:
-    raise ValueError(f"--balancer does not apply to --mode {args.mode}: its hosts run local "
-                     "steps of one size and the round's step counts come from their speeds "
-                     "(or --local-steps).")
   if getattr(args, "data_workers", None) is not None:
     raise ValueError(f"--data-workers does not apply to --mode {args.mode}: a round reads its "
                      "records in the training thread.")
-  if getattr(args, "assignment", "equal") != "equal":
-    raise ValueError(f"--assignment does not apply to --mode {args.mode}; use --local-steps.")
   values = {k: getattr(args, k) for k in given}
   if "local_steps" in values:
     values["local_steps"] = parse_local_steps(values["local_steps"])
   config = RoundsConfig(mode=args.mode, **values)
-  config.validate(num_hosts, getattr(args, "global_batch", None))
+  with worded_as_flags():
+    config.check_split(getattr(args, "balancer", None), getattr(args, "assignment", "equal"))
+    config.validate(num_hosts, getattr(args, "global_batch", None))
   return config
-
