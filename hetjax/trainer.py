@@ -128,6 +128,8 @@ class Trainer:
     self.replica.replace(initial)
     state = self.replica.global_view()  # Per-example losses, checked before anything runs.
     lifecycle.check_task(task, state.params, state.model_state, init_batch)
+    lifecycle.warn_fast_variance(task, state.params, state.model_state, init_batch,
+                                 self.device_batches, self.host_id)
     self.history = History()
     self.pipeline = StepPipeline(config, self.meshes, self.replica, self.reduction, self.loader,
                                  example, balancer, self.history, self.pace)

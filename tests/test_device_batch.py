@@ -204,3 +204,25 @@ def test_a_resume_may_run_another_device_batch(tmp_path):
     tr.close()
     assert summary["device_batches"] == [k]
   assert tr.resumed_from == 2 and summary["last_step"] == 3
+
+
+def _fast_variance_warnings(k: int) -> list[str]:
+  """The fast-variance warnings a Trainer with device batch `k` gives at start (nothing runs)."""
+  import warnings
+  rng = np.random.default_rng(4)
+  source = hetjax.ArraySource({"x": rng.standard_normal((32, 5)).astype(np.float32),
+                               "y": rng.integers(0, 3, 32).astype(np.int32)},
+                              hetjax.DatasetInfo("points", "image", num_classes=3))
+  config = hetjax.TrainConfig(global_batch=16, microbatch=4, device_batch=k, check_every=0)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    hetjax.Trainer(_task(), optax.sgd(0.1), source, config).close()
+  return [str(w.message) for w in caught if "fast variance" in str(w.message)]
+
+
+def test_a_user_model_with_flax_fast_variance_is_told_once_at_start_when_k_exceeds_1():
+  """Flax's default BatchNorm under device batches: one warning naming the layer and the fix."""
+  told = _fast_variance_warnings(2)
+  assert len(told) == 1, told
+  assert "BatchNorm_0" in told[0] and "use_fast_variance=False" in told[0]
+  assert _fast_variance_warnings(1) == []  # One block per program: the kernels do not change.

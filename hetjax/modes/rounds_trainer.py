@@ -129,6 +129,8 @@ class RoundsTrainer:
     # Each host's blocks per device at once (issue 27); the math does not change.
     self.device_batches = device_batch_lib.for_hosts(config, task, params, model_state, example,
                                                      self.meshes, samples=self.local_batch)
+    lifecycle.warn_fast_variance(task, params, model_state, block, self.device_batches,
+                                 self.host_id)
     self.local = rounds_lib.LocalStep(task, optimizer, self.meshes, config.microbatch,
                                       self.local_batch, config.precision,
                                       self.device_batches[self.host_id])
