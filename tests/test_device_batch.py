@@ -36,20 +36,30 @@ def _assert_close(got, want, what):
 
 
 class _BatchNormDropout(nn.Module):
+  fast_variance: bool = True  # Flax's default; False: the stable variance (docs/model.md).
+
   @nn.compact
   def __call__(self, x, train: bool = False, mask=None):
     x = nn.Dense(6)(x)
-    x = nn.BatchNorm(use_running_average=not train, momentum=0.5)(
+    x = nn.BatchNorm(use_running_average=not train, momentum=0.5,
+                     use_fast_variance=self.fast_variance)(
         x, mask=None if mask is None else mask[:, None] > 0)
     x = nn.Dropout(0.5, deterministic=not train)(nn.relu(x))
     return nn.Dense(3)(x)
 
 
-def _task():
+def _task(fast_variance: bool = True):
   def loss(logits, batch):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), {
         "correct": (jnp.argmax(logits, -1) == batch["y"]).astype(jnp.float32)}
-  return hetjax.from_linen(_BatchNormDropout(), loss)
+  return hetjax.from_linen(_BatchNormDropout(fast_variance), loss)
+
+
+def _points(n: int = 64, seed: int = 3) -> hetjax.ArraySource:
+  rng = np.random.default_rng(seed)
+  return hetjax.ArraySource({"x": rng.standard_normal((n, 5)).astype(np.float32),
+                             "y": rng.integers(0, 3, n).astype(np.int32)},
+                            hetjax.DatasetInfo("points", "image", num_classes=3))
 
 
 def test_position_rows_give_each_device_its_blocks_and_its_real_rows():
@@ -191,19 +201,103 @@ def test_auto_fits_the_largest_power_of_two_in_the_memory_fraction():
   assert device_batch.memory_k(None, Memory, 20, 0.8, cap=64) is None  # XLA:CPU reports none.
 
 
-def test_a_resume_may_run_another_device_batch(tmp_path):
-  rng = np.random.default_rng(3)
-  source = hetjax.ArraySource({"x": rng.standard_normal((64, 5)).astype(np.float32),
-                               "y": rng.integers(0, 3, 64).astype(np.int32)},
-                              hetjax.DatasetInfo("points", "image", num_classes=3))
+def test_a_resume_with_another_device_batch_continues_the_uninterrupted_run(tmp_path):
+  """Written with k = 2 after 2 steps, resumed with k = 4 for 2 more: the parameters and
+  BatchNorm statistics of 4 uninterrupted steps with k = 1 (up to float rounding)."""
+  # SGD: the bias before BatchNorm has a zero gradient up to rounding, which Adam would turn
+  # into full steps (see tests/_exact_entries.py).
+  source, task, sgd = _points(), _task(fast_variance=False), optax.sgd(0.3)
+
+  def config(k):
+    return hetjax.TrainConfig(global_batch=16, microbatch=4, device_batch=k, check_every=0)
+
   ckpt = hetjax.CheckpointConfig(str(tmp_path), every=2, async_save=False)
-  for k, steps in ((2, 2), (1, 3)):  # Written with k = 2, resumed with k = 1.
-    config = hetjax.TrainConfig(global_batch=16, microbatch=4, device_batch=k, check_every=0)
-    tr = hetjax.Trainer(_task(), optax.sgd(0.1), source, config, checkpoint=ckpt)
+  for k, steps in ((2, 2), (4, 4)):
+    tr = hetjax.Trainer(task, sgd, source, config(k), checkpoint=ckpt)
+    initial = tr.params() if k == 2 else initial
     summary = tr.fit(until=steps)
+    resumed = (tr.params(), jax.device_get(tr.state.model_state))
     tr.close()
     assert summary["device_batches"] == [k]
-  assert tr.resumed_from == 2 and summary["last_step"] == 3
+  assert tr.resumed_from == 2 and summary["last_step"] == 4
+  tr = hetjax.Trainer(task, sgd, source, config(1))
+  tr.fit(4)
+  whole = (tr.params(), jax.device_get(tr.state.model_state))
+  tr.close()
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(resumed), jax.tree.leaves(whole),
+                          strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+  # Guards the comparison: 4 steps moved every kernel well past the tolerance.
+  for layer in ("Dense_0", "Dense_1"):
+    assert np.max(np.abs(initial[layer]["kernel"] - whole[0][layer]["kernel"])) > 1e-2
+
+
+def _spy_on_local_programs(tr: hetjax.Trainer) -> dict[int, list[int]]:
+  """Wraps the trainer's compiled local programs (built by its first steps):
+  {blocks per device: the rows of each run}, filled as they run."""
+  runs: dict[int, list[int]] = {}
+
+  def spy(j, program):
+    def run(*args):
+      runs.setdefault(j, []).append(len(args[-2]["x"]))  # (..., micro-batch, key)
+      return program(*args)
+    return run
+
+  local = tr.local
+  assert local._grad and local._update_then_grad, "the first two steps build both kinds"
+  local._grad = {j: spy(j, p) for j, p in local._grad.items()}
+  local._update_then_grad = {j: spy(j, p) for j, p in local._update_then_grad.items()}
+  return runs
+
+
+@pytest.mark.parametrize("k, programs", [(4, {4: 3, 2: 3, 1: 3}), (1, {1: 21})])
+def test_a_trainer_with_device_batches_runs_programs_of_k_blocks(k, programs):
+  """Counted where they run, not read from the summary (which repeats the configuration).
+
+  28 samples in blocks of 4 on one device: 7 blocks a step, as 4 + 2 + 1
+  blocks with k = 4 (the ladder the balancer prices), 7 single blocks with
+  k = 1; each run holds j blocks of 4 rows.
+  """
+  config = hetjax.TrainConfig(global_batch=28, microbatch=4, device_batch=k, check_every=0)
+  tr = hetjax.Trainer(_task(fast_variance=False), optax.sgd(0.1), _points(), config)
+  tr.fit(2)
+  runs = _spy_on_local_programs(tr)
+  tr.fit(3)
+  tr.close()
+  assert {j: len(rows) for j, rows in runs.items()} == programs
+  assert all(rows == [4 * j] * len(rows) for j, rows in runs.items()), runs
+
+
+def _recorded_clock(run_s: list[float]):
+  """A clock that reads as if each timed run took the next of `run_s` seconds (two reads a run)."""
+  ticks, now = [], 100.0
+  for seconds in run_s:
+    ticks += [now, now + seconds]
+    now += seconds + 1.0
+  ticks = iter(ticks)
+  return lambda: next(ticks)
+
+
+@pytest.mark.parametrize("eight, four, chosen", [
+    ([8e-3, 8e-3, 8e-3], [6e-3, 6e-3, 6e-3], 8),    # 1 ms a block at 8 against 1.5 ms at 4.
+    ([16e-3, 16e-3, 16e-3], [4e-3, 4e-3, 4e-3], 4),  # 2 ms a block at 8 against 1 ms at 4.
+    ([8e-3, 0.5, 8e-3], [6e-3, 6e-3, 6e-3], 8),       # One slow run (a busy machine): the median.
+])
+def test_auto_keeps_the_device_batch_with_the_shorter_time_per_block(eight, four, chosen):
+  """`auto` on XLA:CPU (no memory reported: 8 blocks, then 8 against 4) on a recorded clock:
+  the programs compile and run; their times are the recorded ones, not the machine's."""
+  from hetjax.step import device_batch
+  task, source = _task(), _points()
+  example = source[np.arange(1)]
+  block = next(step.micro_batches(example, 4))
+  params, state = jax.jit(task.init)(jax.random.key(0), block)
+  # Timed runs alternate k and k/2, three repeats each.
+  clock = _recorded_clock([s for pair in zip(eight, four) for s in pair])
+  choice = device_batch.choose(task, params, state, example, 4, device=jax.devices()[0], cap=16,
+                               clock=clock)
+  assert choice.memory_k is None and choice.k == chosen, choice
+  assert choice.seconds_per_block == pytest.approx(
+      {8: sorted(eight)[1] / 8, 4: sorted(four)[1] / 4})
 
 
 def _fast_variance_warnings(k: int) -> list[str]:
