@@ -11,11 +11,15 @@ BASE = ["train", "--model", "mlp", "--dataset", "digits", "--steps", "2", "--out
 
 @pytest.fixture
 def compiles():
+  """Backend compilations during the test; afterwards, the listener must hear a new one."""
   events = []
   jax.monitoring.register_event_duration_secs_listener(
       lambda event, duration, **kw: events.append(event)
       if event == "/jax/core/compile/backend_compile_duration" else None)
-  return events
+  yield events
+  heard = len(events)
+  jax.jit(lambda x: x * 3 + 1)(jax.numpy.float32(2))  # A new function: a new program.
+  assert len(events) > heard, "the listener hears no compilation: `compiles == []` proves nothing"
 
 
 @pytest.mark.parametrize("extra, message", [
