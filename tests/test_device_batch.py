@@ -1,12 +1,15 @@
-"""Device batches (issue 27): `k` blocks per device per micro-batch, the math of `k = 1`.
+"""Device batches: `k` blocks per device per micro-batch, the math of `k = 1`.
 
 (a) in this process: one `LocalProgram` share run with k = 1, 2 and 4 gives
 the same sums on a BatchNorm + Dropout model, with an uneven share and a
-partial last block; (b) on a 3 hosts x 2 devices cluster with device
-batches (4, 2, 1): four models, a fixed uneven split and a balanced one,
-against an independent `jax.grad` + optax oracle (the exactness matrix's
-runs and oracle, one cluster start for both). That moving shares with
-device batches compile nothing after the start is
+partial last block; a Trainer with k > 1 runs programs of k, k/2, ..., 1
+blocks (counted where they run); a resume with another k continues the
+uninterrupted run; `auto` chooses on a recorded clock; a model with Flax's
+fast variance is told at start. (b) on a 3 hosts x 2 devices cluster with
+device batches (4, 2, 1): four models, a fixed uneven split and a balanced
+one, against an independent `jax.grad` + optax oracle (the exactness
+matrix's runs and oracle, one cluster start for both). That moving shares
+with device batches compile nothing after the start is
 tests/test_cluster.py::test_moving_shares_never_recompiles.
 """
 
@@ -201,37 +204,6 @@ def test_auto_fits_the_largest_power_of_two_in_the_memory_fraction():
   assert device_batch.memory_k(None, Memory, 20, 0.8, cap=64) is None  # XLA:CPU reports none.
 
 
-def test_a_resume_with_another_device_batch_continues_the_uninterrupted_run(tmp_path):
-  """Written with k = 2 after 2 steps, resumed with k = 4 for 2 more: the parameters and
-  BatchNorm statistics of 4 uninterrupted steps with k = 1 (up to float rounding)."""
-  # SGD: the bias before BatchNorm has a zero gradient up to rounding, which Adam would turn
-  # into full steps (see tests/_exact_entries.py).
-  source, task, sgd = _points(), _task(fast_variance=False), optax.sgd(0.3)
-
-  def config(k):
-    return hetjax.TrainConfig(global_batch=16, microbatch=4, device_batch=k, check_every=0)
-
-  ckpt = hetjax.CheckpointConfig(str(tmp_path), every=2, async_save=False)
-  for k, steps in ((2, 2), (4, 4)):
-    tr = hetjax.Trainer(task, sgd, source, config(k), checkpoint=ckpt)
-    initial = tr.params() if k == 2 else initial
-    summary = tr.fit(until=steps)
-    resumed = (tr.params(), jax.device_get(tr.state.model_state))
-    tr.close()
-    assert summary["device_batches"] == [k]
-  assert tr.resumed_from == 2 and summary["last_step"] == 4
-  tr = hetjax.Trainer(task, sgd, source, config(1))
-  tr.fit(4)
-  whole = (tr.params(), jax.device_get(tr.state.model_state))
-  tr.close()
-  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(resumed), jax.tree.leaves(whole),
-                          strict=True):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
-  # Guards the comparison: 4 steps moved every kernel well past the tolerance.
-  for layer in ("Dense_0", "Dense_1"):
-    assert np.max(np.abs(initial[layer]["kernel"] - whole[0][layer]["kernel"])) > 1e-2
-
-
 def _spy_on_local_programs(tr: hetjax.Trainer) -> dict[int, list[int]]:
   """Wraps the trainer's compiled local programs (built by its first steps):
   {blocks per device: the rows of each run}, filled as they run."""
@@ -250,22 +222,61 @@ def _spy_on_local_programs(tr: hetjax.Trainer) -> dict[int, list[int]]:
   return runs
 
 
-@pytest.mark.parametrize("k, programs", [(4, {4: 3, 2: 3, 1: 3}), (1, {1: 21})])
-def test_a_trainer_with_device_batches_runs_programs_of_k_blocks(k, programs):
-  """Counted where they run, not read from the summary (which repeats the configuration).
+def _sgd_trainer(k: int, folder) -> hetjax.Trainer:
+  """28 samples a step in blocks of 4 on one device (7 blocks), checkpoints every 2 steps.
 
-  28 samples in blocks of 4 on one device: 7 blocks a step, as 4 + 2 + 1
-  blocks with k = 4 (the ladder the balancer prices), 7 single blocks with
-  k = 1; each run holds j blocks of 4 rows.
+  SGD: the bias before BatchNorm has a zero gradient up to rounding, which
+  Adam would turn into full steps (see tests/_exact_entries.py).
   """
   config = hetjax.TrainConfig(global_batch=28, microbatch=4, device_batch=k, check_every=0)
-  tr = hetjax.Trainer(_task(fast_variance=False), optax.sgd(0.1), _points(), config)
-  tr.fit(2)
+  return hetjax.Trainer(_task(fast_variance=False), optax.sgd(0.3), _points(), config,
+                        checkpoint=hetjax.CheckpointConfig(str(folder), every=2, async_save=False))
+
+
+@pytest.fixture(scope="module")
+def four_blocks_run(tmp_path_factory):
+  """4 uninterrupted steps with k = 4, its local programs counted in steps 3 and 4, its
+  checkpoint of step 2 kept: one trainer for the next two tests."""
+  import shutil
+  folder = tmp_path_factory.mktemp("device-batch-4")
+  tr = _sgd_trainer(4, folder / "whole")
+  initial = tr.params()
+  tr.fit(until=2)
+  shutil.copytree(folder / "whole", folder / "step-2")
   runs = _spy_on_local_programs(tr)
-  tr.fit(3)
+  tr.fit(until=4)
+  out = {"runs": runs, "initial": initial, "step_2": folder / "step-2",
+         "end": (tr.params(), jax.device_get(tr.state.model_state))}
   tr.close()
-  assert {j: len(rows) for j, rows in runs.items()} == programs
+  return out
+
+
+def test_a_trainer_with_device_batches_runs_programs_of_k_blocks(four_blocks_run):
+  """Counted where they run, not read from the summary (which repeats the configuration):
+  7 blocks a step as 4 + 2 + 1 blocks with k = 4 (the ladder the balancer prices), each run
+  holding j blocks of 4 rows."""
+  runs = four_blocks_run["runs"]
+  assert {j: len(rows) for j, rows in runs.items()} == {4: 2, 2: 2, 1: 2}, runs
   assert all(rows == [4 * j] * len(rows) for j, rows in runs.items()), runs
+
+
+def test_a_resume_with_another_device_batch_continues_the_uninterrupted_run(four_blocks_run):
+  """The k = 4 run's checkpoint of step 2 resumed with k = 1 for 2 more steps: the k = 4 run's
+  parameters and BatchNorm statistics at step 4 (up to float rounding)."""
+  tr = _sgd_trainer(1, four_blocks_run["step_2"])
+  summary = tr.fit(until=4)
+  got = (tr.params(), jax.device_get(tr.state.model_state))
+  tr.close()
+  assert tr.resumed_from == 2 and summary["device_batches"] == [1]
+  want = four_blocks_run["end"]
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want),
+                          strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+  # Guards the comparison: the 2 steps after the checkpoint move every kernel past the
+  # tolerance, and so would a resume that kept the fresh parameters.
+  for layer in ("Dense_0", "Dense_1"):
+    assert np.max(np.abs(four_blocks_run["initial"][layer]["kernel"]
+                         - want[0][layer]["kernel"])) > 1e-2
 
 
 def _recorded_clock(run_s: list[float]):
@@ -287,10 +298,11 @@ def test_auto_keeps_the_device_batch_with_the_shorter_time_per_block(eight, four
   """`auto` on XLA:CPU (no memory reported: 8 blocks, then 8 against 4) on a recorded clock:
   the programs compile and run; their times are the recorded ones, not the machine's."""
   from hetjax.step import device_batch
-  task, source = _task(), _points()
-  example = source[np.arange(1)]
-  block = next(step.micro_batches(example, 4))
-  params, state = jax.jit(task.init)(jax.random.key(0), block)
+  # A linear model: the programs compile in a moment, and the choice does not look inside.
+  task = hetjax.from_functions(lambda rng, b: {"w": jnp.ones((5, 3))},
+                               lambda p, b, rng: (jnp.sum((b["x"] @ p["w"]) ** 2, -1), {}))
+  example = _points()[np.arange(1)]
+  params, state = task.init(None, example)
   # Timed runs alternate k and k/2, three repeats each.
   clock = _recorded_clock([s for pair in zip(eight, four) for s in pair])
   choice = device_batch.choose(task, params, state, example, 4, device=jax.devices()[0], cap=16,
