@@ -9,8 +9,9 @@ Two `hetjax train` runs of one job (digits, sgd 0.05, global batch 48,
 blocks of 4, seed 5): 1 host x 1 device with one block per program, and 3
 emulated hosts x 2 devices (`launch/local.py`) on a fixed uneven
 `--assignment` with a device batch per host. Both write their parameters
-with `--save-params`; the script prints, per leaf whose difference is
-largest, `max |a - b|` and `max |a - b| / max |b|`, and as its last line
+with `--save-params`; the script prints the largest `max |a - b|` over the
+leaves and the largest `max |a - b| / max |b|` (each leaf against its own
+largest value) with its leaf, and as its last line
 one JSON object `{"max_abs", "max_rel", "worst": leaf, "tolerance_used"}`,
 the last `max |a - b| / (1e-5 + 1e-4 |b|)`: at most 1 where
 `np.testing.assert_allclose(rtol=1e-4, atol=1e-5)` passes, what the
