@@ -4,6 +4,12 @@
 `optax.inject_hyperparams`, so the learning rate of every update is in the
 optimizer state, where the trainer reads it for metrics.jsonl and TensorBoard.
 
+Weight decay reaches the leaves of two or more dimensions only (kernels,
+embeddings), as the Flax examples' decay mask and big_vision's do: pulling
+biases and normalisation scales towards 0 only constrains the model's
+offsets and gains, not its capacity. `decay_all=True` (`--decay-all`)
+decays every leaf.
+
 Example:
   >>> opt = make("adam", 1e-3, schedule="cosine", warmup_steps=20, total_steps=500,
   ...            clip_norm=1.0)
@@ -18,9 +24,24 @@ SCHEDULES = ("constant", "cosine", "linear")
 ADAMW_DEFAULT_DECAY = 1e-4  # optax.adamw's own default, kept for `--optimizer adamw`.
 
 
+def decays(name: str, weight_decay: float | None) -> bool:
+  """Whether these settings decay any weight (adamw decays by default)."""
+  return bool(ADAMW_DEFAULT_DECAY if name == "adamw" and weight_decay is None else weight_decay)
+
+
+def decay_mask(params: Any) -> Any:
+  """`True` for the leaves weight decay reaches: two or more dimensions (kernels, embeddings).
+
+  An ordinary optax mask over the parameter tree: biases and normalisation
+  scales (one dimension) are exempt, as in the Flax examples and big_vision.
+  """
+  import jax
+  return jax.tree.map(lambda leaf: len(leaf.shape) > 1, params)
+
+
 def check(name: str, lr: float, *, schedule: str = "constant", warmup_steps: int = 0,
           total_steps: int = 1, clip_norm: float | None = None,
-          weight_decay: float | None = None) -> None:
+          weight_decay: float | None = None, decay_all: bool = False) -> None:
   """Raises ValueError naming the flag, the value and the limit; imports nothing heavy."""
   if name not in OPTIMIZERS:
     raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}.")
@@ -37,6 +58,10 @@ def check(name: str, lr: float, *, schedule: str = "constant", warmup_steps: int
     raise ValueError(f"--clip-norm must be > 0 (a global gradient norm), got {clip_norm}.")
   if weight_decay is not None and not weight_decay >= 0:
     raise ValueError(f"--weight-decay must be >= 0, got {weight_decay}.")
+  if decay_all and not decays(name, weight_decay):
+    raise ValueError(f"--decay-all chooses which leaves weight decay reaches, but --optimizer "
+                     f"{name} with --weight-decay {weight_decay} decays none; give --weight-decay "
+                     f"D (> 0) or drop --decay-all.")
 
 
 def learning_rate_schedule(lr: float, schedule: str, warmup_steps: int, total_steps: int):
@@ -53,7 +78,7 @@ def learning_rate_schedule(lr: float, schedule: str, warmup_steps: int, total_st
 
 def make(name: str, lr: float, *, schedule: str = "constant", warmup_steps: int = 0,
          total_steps: int = 1, clip_norm: float | None = None,
-         weight_decay: float | None = None):
+         weight_decay: float | None = None, decay_all: bool = False):
   """The optax transformation for these command-line settings.
 
   Args:
@@ -65,23 +90,30 @@ def make(name: str, lr: float, *, schedule: str = "constant", warmup_steps: int 
     clip_norm: clip the gradient to this global norm first (None: never).
     weight_decay: decoupled weight decay (adam becomes adamw; sgd adds the
       decayed weights); None keeps each optimizer's default (0; adamw 1e-4).
+    decay_all: decay every leaf; by default only leaves of two or more
+      dimensions (`decay_mask`), not biases and normalisation scales.
+
+  Example:
+    >>> opt = make("adamw", 1e-3, weight_decay=0.05)  # Kernels decay, biases do not.
   """
   import optax
   check(name, lr, schedule=schedule, warmup_steps=warmup_steps, total_steps=total_steps,
-        clip_norm=clip_norm, weight_decay=weight_decay)
+        clip_norm=clip_norm, weight_decay=weight_decay, decay_all=decay_all)
   rate = learning_rate_schedule(lr, schedule, warmup_steps, total_steps)
   decay = weight_decay
   if name == "adamw" and decay is None:
     decay = ADAMW_DEFAULT_DECAY
+  mask = None if decay_all else decay_mask
   if name in ("adam", "adamw") and decay:
-    inner = optax.inject_hyperparams(optax.adamw)(learning_rate=rate, weight_decay=decay)
+    inner = optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
+        learning_rate=rate, weight_decay=decay, mask=mask)
   elif name in ("adam", "adamw"):
     inner = optax.inject_hyperparams(optax.adam)(learning_rate=rate)
   else:
     momentum = 0.9 if name == "momentum" else None
 
     def sgd(learning_rate):
-      steps = [optax.add_decayed_weights(decay)] if decay else []
+      steps = [optax.add_decayed_weights(decay, mask=mask)] if decay else []
       return optax.chain(*steps, optax.sgd(learning_rate, momentum=momentum))
 
     inner = optax.inject_hyperparams(sgd)(learning_rate=rate)

@@ -24,7 +24,8 @@ def dynamic_balancing_on_recorded_timings(steps: int, slow_host: int, factor: fl
   every run makes the same decisions (the measured seconds, milliseconds of
   scheduling noise on a shared machine, never reach it). Compilations are counted after the first two steps: with device batches
   every program of each host's ladder is compiled by then, so no share the
-  balancer moves to may compile anything (issue 27).
+  balancer moves to may compile anything. The warm-up's own count is
+  returned too: a listener that hears nothing would pass "none after".
   """
   hetjax.initialize()
   host = jax.process_index()
@@ -50,4 +51,5 @@ def dynamic_balancing_on_recorded_timings(steps: int, slow_host: int, factor: fl
   summary = tr.fit(steps - 2)
   return {"shares": list(tr.history.shares), "params": tr.params(),
           "decisions": summary["balancer_decisions"], "compiles_after_warmup": len(compiles) - warm,
+          "compiles_in_warmup": warm,
           "device_batches": summary["device_batches"]}

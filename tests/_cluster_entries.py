@@ -75,8 +75,10 @@ MOVING_DEVICE_BATCHES = (4, 2, 1)
 def compiles_while_shares_move(reduction: str = "device"):
   """Counts backend compilations after warm-up while the split changes every step.
 
-  Each host runs its own device batch (`MOVING_DEVICE_BATCHES`, issue 27):
-  its ladder of programs is compiled at the start, and every share runs on it.
+  Each host runs its own device batch (`MOVING_DEVICE_BATCHES`): its ladder
+  of programs is compiled at the start, and every share runs on it. The
+  warm-up's own count is returned too (`in_warmup`): a listener that hears
+  nothing would pass "none after".
   """
   hetjax.initialize()
   compiles = []
@@ -88,7 +90,7 @@ def compiles_while_shares_move(reduction: str = "device"):
   tr.fit(2)
   warm = len(compiles)
   summary = tr.fit(6)
-  return {"after_warmup": len(compiles) - warm, "shares": tr.history.shares,
+  return {"after_warmup": len(compiles) - warm, "in_warmup": warm, "shares": tr.history.shares,
           "params": tr.params(), "device_batches": summary["device_batches"]}
 
 

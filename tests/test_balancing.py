@@ -33,10 +33,11 @@ def test_dynamic_balancer_moves_work_away_from_a_slowed_host_without_changing_th
   decided = [d["step"] for d in results[0]["decisions"]]
   assert any(SLOWDOWN_STEP <= s < RECOVERY_STEP for s in decided)
   assert any(s >= RECOVERY_STEP for s in decided)
-  # Issue 27: 200 dynamic steps of moving shares on device batches compile nothing after the start.
+  # 200 dynamic steps of moving shares on device batches compile nothing after the start,
+  # counted by a listener that heard the warm-up compile (a deaf one would pass the first).
   for r in results:
     assert r["device_batches"] == list(DEVICE_BATCHES)
-    assert r["compiles_after_warmup"] == 0
+    assert r["compiles_after_warmup"] == 0 and r["compiles_in_warmup"] > 0, r["compiles_in_warmup"]
   # Invariant 2 while shares move: the parameters of one device on the whole batch.
   reference = _cluster_entries.one_host_reference(256, 16, len(shares), optimizer_="sgd")
   for a, b in zip(jax.tree.leaves(results[0]["params"]), jax.tree.leaves(reference), strict=True):

@@ -11,11 +11,15 @@ BASE = ["train", "--model", "mlp", "--dataset", "digits", "--steps", "2", "--out
 
 @pytest.fixture
 def compiles():
+  """Backend compilations during the test; afterwards, the listener must hear a new one."""
   events = []
   jax.monitoring.register_event_duration_secs_listener(
       lambda event, duration, **kw: events.append(event)
       if event == "/jax/core/compile/backend_compile_duration" else None)
-  return events
+  yield events
+  heard = len(events)
+  jax.jit(lambda x: x * 3 + 1)(jax.numpy.float32(2))  # A new function: a new program.
+  assert len(events) > heard, "the listener hears no compilation: `compiles == []` proves nothing"
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -38,6 +42,7 @@ def compiles():
     (["--schedule", "cosine", "--warmup-steps", "2"], "--warmup-steps 2 leaves no step of the cosine decay (--steps 2)"),
     (["--clip-norm", "0"], "--clip-norm must be > 0 (a global gradient norm), got 0.0"),
     (["--weight-decay=-0.1"], "--weight-decay must be >= 0, got -0.1"),
+    (["--decay-all"], "--optimizer adam with --weight-decay None decays none; give --weight-decay D"),
     (["--lr", "0"], "--lr must be > 0, got 0.0"),
     (["--eval-every=-5"], "--eval-every must be >= 0 steps"),
     (["--eval-every", "5", "--model", "transformer", "--dataset", "tokens"], "--eval-every evaluates on the test split"),
@@ -121,14 +126,93 @@ def test_the_optimizer_flags_build_a_schedule_counted_in_updates_with_clipping_a
   from hetjax import optimizers
   opt = optimizers.make("sgd", 0.1, schedule="linear", warmup_steps=2, total_steps=6,
                         clip_norm=1.0, weight_decay=0.5)
-  params = {"w": jnp.array([3.0, 4.0])}
+  params = {"w": jnp.array([[3.0, 4.0]])}  # A kernel: weight decay reaches it.
   state = opt.init(params)
-  grads = {"w": jnp.array([30.0, 40.0])}  # Global norm 50: clipped to 1 -> (0.6, 0.8).
+  grads = {"w": jnp.array([[30.0, 40.0]])}  # Global norm 50: clipped to 1 -> (0.6, 0.8).
   rates = []
   for _ in range(6):
     updates, state = opt.update(grads, state, params)
     rates.append(float(state[1].hyperparams["learning_rate"]))
   assert rates == pytest.approx([0.0, 0.05, 0.1, 0.075, 0.05, 0.025])
   # The last update: -lr * (clipped grad + decay * params) = -0.025 * ((0.6, 0.8) + 0.5 * (3, 4)).
-  assert updates["w"].tolist() == pytest.approx([-0.025 * 2.1, -0.025 * 2.8])
+  assert updates["w"][0].tolist() == pytest.approx([-0.025 * 2.1, -0.025 * 2.8])
   assert isinstance(optimizers.make("adam", 1e-3, weight_decay=0.01), optax.GradientTransformation)
+
+
+# ---- weight decay: kernels, not biases or normalisation scales ----------------------
+
+
+def _resnet_leaves(seed: int):
+  """A real parameter tree (a small ResNet-18: convolutions, BatchNorm, a dense head), random
+  values of its shapes, and the oracle's decay mask written by leaf name, not by shape."""
+  import numpy as np
+  from hetjax import models as zoo
+  from hetjax.task import MASK
+  task = zoo.build("resnet18", kind="image", num_classes=3, width=4, stage_sizes=(1,))
+  batch = {"x": np.zeros((2, 8, 8, 1), np.float32), "y": np.zeros(2, np.int32),
+           MASK: np.ones(2, np.float32)}
+  shapes, _ = jax.eval_shape(task.init, jax.random.key(0), batch)
+  rng = np.random.default_rng(seed)
+  params = jax.tree.map(lambda s: rng.standard_normal(s.shape).astype(np.float32), shapes)
+  by_name = jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key == "kernel", params)
+  return params, by_name
+
+
+def _oracle(name: str, lr: float, decay: float, mask):
+  """The command line's optimizer written with plain optax: optax.adamw is this chain."""
+  import optax
+  decayed = optax.add_decayed_weights(decay) if mask is None else optax.masked(
+      optax.add_decayed_weights(decay), mask)
+  if name == "adamw":
+    return optax.chain(optax.scale_by_adam(), decayed, optax.scale(-lr))
+  return optax.chain(decayed, optax.sgd(lr, momentum=0.9 if name == "momentum" else None))
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd", "momentum"])
+def test_weight_decay_reaches_kernels_and_spares_biases_and_norm_scales(name):
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+  from hetjax import optimizers
+  params, by_name = _resnet_leaves(0)
+  assert {"kernel", "scale", "bias"} <= {p[-1].key for p, _ in
+                                         jax.tree_util.tree_leaves_with_path(params)}
+  lr, decay = 0.1, 0.5
+  for decay_all, mask in ((False, by_name), (True, None)):
+    opt = optimizers.make(name, lr, weight_decay=decay, decay_all=decay_all)
+    # Without a gradient, only the decay moves a weight.
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    moved, _ = opt.update(zeros, opt.init(params), params)
+    for (path, step), weight in zip(jax.tree_util.tree_leaves_with_path(moved),
+                                    jax.tree.leaves(params)):
+      decays = decay_all or path[-1].key == "kernel"
+      np.testing.assert_allclose(step, -lr * decay * weight if decays else 0.0, rtol=1e-6,
+                                 err_msg=f"{name} decay_all={decay_all}: {jax.tree_util.keystr(path)}")
+    # Three updates with gradients against the plain optax oracle.
+    oracle = _oracle(name, lr, decay, mask)
+    rng = np.random.default_rng(1)
+    got, want = params, params
+    state, oracle_state = opt.init(params), oracle.init(params)
+    for _ in range(3):
+      grads = jax.tree.map(lambda p: rng.standard_normal(p.shape).astype(np.float32), params)
+      updates, state = opt.update(grads, state, got)
+      got = optax.apply_updates(got, updates)
+      updates, oracle_state = oracle.update(grads, oracle_state, want)
+      want = optax.apply_updates(want, updates)
+    # inject_hyperparams holds adam's b1 and b2 as float32 arrays: ~1e-6 of rounding, where
+    # a decay misplaced moves a weight by lr x decay = 5 % an update.
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5,
+                                 err_msg=f"{name} decay_all={decay_all}: {jax.tree_util.keystr(path)}")
+
+
+def test_decay_all_is_a_config_file_key_and_part_of_the_checkpoint_identity(tmp_path):
+  from hetjax.cli import commands
+  path = tmp_path / "run.yaml"
+  path.write_text("optimizer: adamw\ndecay-all: true\n")
+  everything = cli.parse_args(["train", "--config", str(path)])
+  kernels = cli.parse_args(["train", "--optimizer", "adamw"])
+  assert everything.decay_all and not kernels.decay_all
+  # A checkpoint written before the mask (every leaf decayed) resumes only under --decay-all.
+  assert commands._optimizer_identity(everything) == "adamw|0.001|constant|0|None|None"
+  assert commands._optimizer_identity(kernels) != commands._optimizer_identity(everything)

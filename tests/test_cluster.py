@@ -46,6 +46,7 @@ def test_moving_shares_never_recompiles(three_hosts):
   results = [r["moving"] for r in three_hosts]
   for r in results:
     assert r["after_warmup"] == 0
+    assert r["in_warmup"] > 0, "the listener heard no compile, even in the warm-up"
     splits = _cluster_entries.MOVING_SPLITS
     assert r["shares"][2:] == splits[2:] + splits  # Shares moved every step,
     assert r["device_batches"] == list(_cluster_entries.MOVING_DEVICE_BATCHES)  # on device batches.

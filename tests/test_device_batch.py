@@ -1,12 +1,15 @@
-"""Device batches (issue 27): `k` blocks per device per micro-batch, the math of `k = 1`.
+"""Device batches: `k` blocks per device per micro-batch, the math of `k = 1`.
 
 (a) in this process: one `LocalProgram` share run with k = 1, 2 and 4 gives
 the same sums on a BatchNorm + Dropout model, with an uneven share and a
-partial last block; (b) on a 3 hosts x 2 devices cluster with device
-batches (4, 2, 1): four models, a fixed uneven split and a balanced one,
-against an independent `jax.grad` + optax oracle (the exactness matrix's
-runs and oracle, one cluster start for both). That moving shares with
-device batches compile nothing after the start is
+partial last block; a Trainer with k > 1 runs programs of k, k/2, ..., 1
+blocks (counted where they run); a resume with another k continues the
+uninterrupted run; `auto` chooses on a recorded clock; a model with Flax's
+fast variance is told at start. (b) on a 3 hosts x 2 devices cluster with
+device batches (4, 2, 1): four models, a fixed uneven split and a balanced
+one, against an independent `jax.grad` + optax oracle (the exactness
+matrix's runs and oracle, one cluster start for both). That moving shares
+with device batches compile nothing after the start is
 tests/test_cluster.py::test_moving_shares_never_recompiles.
 """
 
@@ -36,20 +39,30 @@ def _assert_close(got, want, what):
 
 
 class _BatchNormDropout(nn.Module):
+  fast_variance: bool = True  # Flax's default; False: the stable variance (docs/model.md).
+
   @nn.compact
   def __call__(self, x, train: bool = False, mask=None):
     x = nn.Dense(6)(x)
-    x = nn.BatchNorm(use_running_average=not train, momentum=0.5)(
+    x = nn.BatchNorm(use_running_average=not train, momentum=0.5,
+                     use_fast_variance=self.fast_variance)(
         x, mask=None if mask is None else mask[:, None] > 0)
     x = nn.Dropout(0.5, deterministic=not train)(nn.relu(x))
     return nn.Dense(3)(x)
 
 
-def _task():
+def _task(fast_variance: bool = True):
   def loss(logits, batch):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), {
         "correct": (jnp.argmax(logits, -1) == batch["y"]).astype(jnp.float32)}
-  return hetjax.from_linen(_BatchNormDropout(), loss)
+  return hetjax.from_linen(_BatchNormDropout(fast_variance), loss)
+
+
+def _points(n: int = 64, seed: int = 3) -> hetjax.ArraySource:
+  rng = np.random.default_rng(seed)
+  return hetjax.ArraySource({"x": rng.standard_normal((n, 5)).astype(np.float32),
+                             "y": rng.integers(0, 3, n).astype(np.int32)},
+                            hetjax.DatasetInfo("points", "image", num_classes=3))
 
 
 def test_position_rows_give_each_device_its_blocks_and_its_real_rows():
@@ -191,16 +204,131 @@ def test_auto_fits_the_largest_power_of_two_in_the_memory_fraction():
   assert device_batch.memory_k(None, Memory, 20, 0.8, cap=64) is None  # XLA:CPU reports none.
 
 
-def test_a_resume_may_run_another_device_batch(tmp_path):
-  rng = np.random.default_rng(3)
-  source = hetjax.ArraySource({"x": rng.standard_normal((64, 5)).astype(np.float32),
-                               "y": rng.integers(0, 3, 64).astype(np.int32)},
+def _spy_on_local_programs(tr: hetjax.Trainer) -> dict[int, list[int]]:
+  """Wraps the trainer's compiled local programs (built by its first steps):
+  {blocks per device: the rows of each run}, filled as they run."""
+  runs: dict[int, list[int]] = {}
+
+  def spy(j, program):
+    def run(*args):
+      runs.setdefault(j, []).append(len(args[-2]["x"]))  # (..., micro-batch, key)
+      return program(*args)
+    return run
+
+  local = tr.local
+  assert local._grad and local._update_then_grad, "the first two steps build both kinds"
+  local._grad = {j: spy(j, p) for j, p in local._grad.items()}
+  local._update_then_grad = {j: spy(j, p) for j, p in local._update_then_grad.items()}
+  return runs
+
+
+def _sgd_trainer(k: int, folder) -> hetjax.Trainer:
+  """28 samples a step in blocks of 4 on one device (7 blocks), checkpoints every 2 steps.
+
+  SGD: the bias before BatchNorm has a zero gradient up to rounding, which
+  Adam would turn into full steps (see tests/_exact_entries.py).
+  """
+  config = hetjax.TrainConfig(global_batch=28, microbatch=4, device_batch=k, check_every=0)
+  return hetjax.Trainer(_task(fast_variance=False), optax.sgd(0.3), _points(), config,
+                        checkpoint=hetjax.CheckpointConfig(str(folder), every=2, async_save=False))
+
+
+@pytest.fixture(scope="module")
+def four_blocks_run(tmp_path_factory):
+  """4 uninterrupted steps with k = 4, its local programs counted in steps 3 and 4, its
+  checkpoint of step 2 kept: one trainer for the next two tests."""
+  import shutil
+  folder = tmp_path_factory.mktemp("device-batch-4")
+  tr = _sgd_trainer(4, folder / "whole")
+  initial = tr.params()
+  tr.fit(until=2)
+  shutil.copytree(folder / "whole", folder / "step-2")
+  runs = _spy_on_local_programs(tr)
+  tr.fit(until=4)
+  out = {"runs": runs, "initial": initial, "step_2": folder / "step-2",
+         "end": (tr.params(), jax.device_get(tr.state.model_state))}
+  tr.close()
+  return out
+
+
+def test_a_trainer_with_device_batches_runs_programs_of_k_blocks(four_blocks_run):
+  """Counted where they run, not read from the summary (which repeats the configuration):
+  7 blocks a step as 4 + 2 + 1 blocks with k = 4 (the ladder the balancer prices), each run
+  holding j blocks of 4 rows."""
+  runs = four_blocks_run["runs"]
+  assert {j: len(rows) for j, rows in runs.items()} == {4: 2, 2: 2, 1: 2}, runs
+  assert all(rows == [4 * j] * len(rows) for j, rows in runs.items()), runs
+
+
+def test_a_resume_with_another_device_batch_continues_the_uninterrupted_run(four_blocks_run):
+  """The k = 4 run's checkpoint of step 2 resumed with k = 1 for 2 more steps: the k = 4 run's
+  parameters and BatchNorm statistics at step 4 (up to float rounding)."""
+  tr = _sgd_trainer(1, four_blocks_run["step_2"])
+  summary = tr.fit(until=4)
+  got = (tr.params(), jax.device_get(tr.state.model_state))
+  tr.close()
+  assert tr.resumed_from == 2 and summary["device_batches"] == [1]
+  want = four_blocks_run["end"]
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want),
+                          strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+  # Guards the comparison: the 2 steps after the checkpoint move every kernel past the
+  # tolerance, and so would a resume that kept the fresh parameters.
+  for layer in ("Dense_0", "Dense_1"):
+    assert np.max(np.abs(four_blocks_run["initial"][layer]["kernel"]
+                         - want[0][layer]["kernel"])) > 1e-2
+
+
+def _recorded_clock(run_s: list[float]):
+  """A clock that reads as if each timed run took the next of `run_s` seconds (two reads a run)."""
+  ticks, now = [], 100.0
+  for seconds in run_s:
+    ticks += [now, now + seconds]
+    now += seconds + 1.0
+  ticks = iter(ticks)
+  return lambda: next(ticks)
+
+
+@pytest.mark.parametrize("eight, four, chosen", [
+    ([8e-3, 8e-3, 8e-3], [6e-3, 6e-3, 6e-3], 8),    # 1 ms a block at 8 against 1.5 ms at 4.
+    ([16e-3, 16e-3, 16e-3], [4e-3, 4e-3, 4e-3], 4),  # 2 ms a block at 8 against 1 ms at 4.
+    ([8e-3, 0.5, 8e-3], [6e-3, 6e-3, 6e-3], 8),       # One slow run (a busy machine): the median.
+])
+def test_auto_keeps_the_device_batch_with_the_shorter_time_per_block(eight, four, chosen):
+  """`auto` on XLA:CPU (no memory reported: 8 blocks, then 8 against 4) on a recorded clock:
+  the programs compile and run; their times are the recorded ones, not the machine's."""
+  from hetjax.step import device_batch
+  # A linear model: the programs compile in a moment, and the choice does not look inside.
+  task = hetjax.from_functions(lambda rng, b: {"w": jnp.ones((5, 3))},
+                               lambda p, b, rng: (jnp.sum((b["x"] @ p["w"]) ** 2, -1), {}))
+  example = _points()[np.arange(1)]
+  params, state = task.init(None, example)
+  # Timed runs alternate k and k/2, three repeats each.
+  clock = _recorded_clock([s for pair in zip(eight, four) for s in pair])
+  choice = device_batch.choose(task, params, state, example, 4, device=jax.devices()[0], cap=16,
+                               clock=clock)
+  assert choice.memory_k is None and choice.k == chosen, choice
+  assert choice.seconds_per_block == pytest.approx(
+      {8: sorted(eight)[1] / 8, 4: sorted(four)[1] / 4})
+
+
+def _fast_variance_warnings(k: int) -> list[str]:
+  """The fast-variance warnings a Trainer with device batch `k` gives at start (nothing runs)."""
+  import warnings
+  rng = np.random.default_rng(4)
+  source = hetjax.ArraySource({"x": rng.standard_normal((32, 5)).astype(np.float32),
+                               "y": rng.integers(0, 3, 32).astype(np.int32)},
                               hetjax.DatasetInfo("points", "image", num_classes=3))
-  ckpt = hetjax.CheckpointConfig(str(tmp_path), every=2, async_save=False)
-  for k, steps in ((2, 2), (1, 3)):  # Written with k = 2, resumed with k = 1.
-    config = hetjax.TrainConfig(global_batch=16, microbatch=4, device_batch=k, check_every=0)
-    tr = hetjax.Trainer(_task(), optax.sgd(0.1), source, config, checkpoint=ckpt)
-    summary = tr.fit(until=steps)
-    tr.close()
-    assert summary["device_batches"] == [k]
-  assert tr.resumed_from == 2 and summary["last_step"] == 3
+  config = hetjax.TrainConfig(global_batch=16, microbatch=4, device_batch=k, check_every=0)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    hetjax.Trainer(_task(), optax.sgd(0.1), source, config).close()
+  return [str(w.message) for w in caught if "fast variance" in str(w.message)]
+
+
+def test_a_user_model_with_flax_fast_variance_is_told_once_at_start_when_k_exceeds_1():
+  """Flax's default BatchNorm under device batches: one warning naming the layer and the fix."""
+  told = _fast_variance_warnings(2)
+  assert len(told) == 1, told
+  assert "BatchNorm_0" in told[0] and "use_fast_variance=False" in told[0]
+  assert _fast_variance_warnings(1) == []  # One block per program: the kernels do not change.

@@ -75,11 +75,12 @@ def test_evaluation_equals_the_plain_mean_and_compiles_once():
                        trainer.TrainConfig(global_batch=32, microbatch=8))
   test = data.load("digits", "test")
   tr.fit(3)
-  first = tr.evaluate(test, batch_size=64)  # 360 records: the last batch is padded.
   compiles = []
   jax.monitoring.register_event_duration_secs_listener(
       lambda event, duration, **kw: compiles.append(event)
       if event == "/jax/core/compile/backend_compile_duration" else None)
+  first = tr.evaluate(test, batch_size=64)  # 360 records: the last batch is padded.
+  assert compiles, "the first evaluation compiles its program (else the listener hears nothing)"
   tr.fit(2)
   compiles.clear()
   second = tr.evaluate(test, batch_size=64)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +17,7 @@ import optax
 import pytest
 
 from hetjax import models as zoo
+from hetjax import task as task_lib
 from hetjax.models import losses
 from hetjax.task import MASK
 
@@ -284,3 +286,65 @@ def test_registry_errors(kwargs, message):
 def test_the_jax_free_catalog_lists_each_models_options(name):
   """The CLI checks options against the catalog before JAX loads; it must match the modules."""
   assert zoo.OPTIONS[name] == tuple(zoo.default_config(name))
+
+
+# ---- the variance every built-in norm layer computes ----------------------------
+# Flax's default `use_fast_variance=True` (E[x^2] - E[x]^2) amplifies the rounding
+# of kernels of another shape: with it, ResNet-18's first update on 3x2 with
+# device batches 4, 2, 1 moved 8.7e-4 from one device's, with the stable
+# variance 4.1e-6 (bench/device_batch_exactness.py, docs/model.md).
+
+
+@pytest.mark.parametrize("name", zoo.MODEL_NAMES)
+def test_every_built_in_norm_layer_computes_the_stable_variance(name):
+  """Traced abstractly: no norm layer with Flax's fast variance (the tiny configs have every
+  kind of norm the full ones have: a stem, blocks, a projection shortcut, a final norm)."""
+  task = zoo.build(name, kind=_kind(name), num_classes=NUM_CLASSES, vocab_size=VOCAB,
+                   **TINY[name])
+  batch = _batch(name)
+  params, state = jax.eval_shape(task.init, _key(0), batch)
+  assert task_lib.find_fast_variance(task, params, state, batch) == ()
+
+
+class _FlaxDefaults(nn.Module):
+  """Norm layers as Flax builds them by default, one of each kind, and one opted out."""
+
+  @nn.compact
+  def __call__(self, x, train: bool = False, mask=None):
+    mask = None if mask is None else mask[:, None, None, None] > 0
+    x = nn.Conv(4, (3, 3))(x)
+    x = nn.BatchNorm(use_running_average=not train)(x, mask=mask)
+    x = nn.LayerNorm(name="ln")(x)
+    x = nn.GroupNorm(num_groups=2)(x)
+    x = nn.RMSNorm()(x)  # No mean subtracted: nothing to cancel.
+    x = nn.BatchNorm(use_running_average=not train, use_fast_variance=False)(x, mask=mask)
+    return nn.Dense(NUM_CLASSES)(x.reshape(x.shape[0], -1))
+
+
+def test_the_finder_names_every_fast_variance_layer_of_linen_and_nnx():
+  """Guards the test above: the finder sees Flax's defaults (a blind finder would pass it)."""
+  from flax import nnx
+  task = task_lib.from_linen(_FlaxDefaults(), lambda logits, b: (
+      optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]), {}))
+  batch = _batch("cnn")
+  params, state = jax.eval_shape(task.init, _key(0), batch)
+  assert task_lib.find_fast_variance(task, params, state, batch) == (
+      "BatchNorm_0", "ln", "GroupNorm_0")
+
+  class Nnx(nnx.Module):
+    def __init__(self, rngs):
+      self.conv = nnx.Conv(1, 4, (3, 3), rngs=rngs)
+      self.bn = nnx.BatchNorm(4, rngs=rngs)
+      self.ln = nnx.LayerNorm(4, rngs=rngs)
+      self.stable = nnx.BatchNorm(4, use_fast_variance=False, rngs=rngs)
+
+    def __call__(self, x, mask=None):
+      mask = None if mask is None else mask[:, None, None, None] > 0
+      x = self.stable(self.ln(self.bn(self.conv(x), mask=mask)), mask=mask)
+      return x.reshape(x.shape[0], -1)[:, :NUM_CLASSES]
+
+  task = task_lib.from_nnx(Nnx(nnx.Rngs(0)), lambda logits, b: (
+      optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]), {}))
+  assert task.fast_variance_layers == ("bn", "ln")
+  params, state = jax.eval_shape(task.init, _key(0), batch)
+  assert task_lib.find_fast_variance(task, params, state, batch) == ("bn", "ln")

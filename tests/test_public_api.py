@@ -84,8 +84,8 @@ def test_the_cli_rejects_bad_arguments_before_jax_loads():
 CLI_FLAGS = {
     "train": [
         "--assignment", "--augment", "--balancer", "--ckpt-dir", "--ckpt-every", "--ckpt-keep",
-        "--clip-norm", "--config", "--data-dir", "--data-workers", "--dataset", "--device-batch",
-        "--device-batch-memory-fraction", "--dropout",
+        "--clip-norm", "--config", "--data-dir", "--data-workers", "--dataset", "--decay-all",
+        "--device-batch", "--device-batch-memory-fraction", "--dropout",
         "--elastic-beta", "--eval-every", "--global-batch", "--image-size", "--init-timeout",
         "--local-batch", "--local-steps", "--log-every", "--lr", "--microbatch", "--mode",
         "--model", "--model-width", "--no-resume", "--optimizer", "--out", "--outer-lr",

@@ -57,7 +57,7 @@ def _check_flags(args: argparse.Namespace) -> None:
     raise ValueError(f"--data-workers must be >= 0 (0 reads in threads), got {args.data_workers}.")
   optimizers.check(args.optimizer, args.lr, schedule=args.schedule, warmup_steps=args.warmup_steps,
                    total_steps=args.steps, clip_norm=args.clip_norm,
-                   weight_decay=args.weight_decay)
+                   weight_decay=args.weight_decay, decay_all=args.decay_all)
   if args.eval_every < 0:
     raise ValueError(f"--eval-every must be >= 0 steps (0: evaluate only at the end), got "
                      f"{args.eval_every}.")
@@ -127,12 +127,19 @@ def _train_config(args: argparse.Namespace) -> config_lib.TrainConfig:
 def _optimizer(args: argparse.Namespace):
   return optimizers.make(args.optimizer, args.lr, schedule=args.schedule,
                          warmup_steps=args.warmup_steps, total_steps=args.steps,
-                         clip_norm=args.clip_norm, weight_decay=args.weight_decay)
+                         clip_norm=args.clip_norm, weight_decay=args.weight_decay,
+                         decay_all=args.decay_all)
 
 
 def _optimizer_identity(args: argparse.Namespace) -> str:
-  return (f"{args.optimizer}|{args.lr}|{args.schedule}|{args.warmup_steps}|{args.clip_norm}|"
-          f"{args.weight_decay}")
+  """The optimizer settings a checkpoint must match to be resumed."""
+  identity = (f"{args.optimizer}|{args.lr}|{args.schedule}|{args.warmup_steps}|"
+              f"{args.clip_norm}|{args.weight_decay}")
+  # Decay of every leaf was the only rule before the mask: its checkpoints
+  # resume under --decay-all, and the mask's refuse them, naming this field.
+  if optimizers.decays(args.optimizer, args.weight_decay) and not args.decay_all:
+    identity += "|decay: leaves of 2+ dimensions"
+  return identity
 
 
 def train(args: argparse.Namespace) -> dict:
@@ -184,7 +191,8 @@ def train(args: argparse.Namespace) -> dict:
   tr.close()
   summary.update(model=args.model, dataset=args.dataset, optimizer=args.optimizer, lr=args.lr,
                  schedule=args.schedule, warmup_steps=args.warmup_steps, clip_norm=args.clip_norm,
-                 weight_decay=args.weight_decay, seed=args.seed, command=shlex.join(sys.argv),
+                 weight_decay=args.weight_decay, decay_all=args.decay_all, seed=args.seed,
+                 command=shlex.join(sys.argv),
                  params_digest=trainer.params_digest(tr.params()))
   if summary.get("eval"):
     summary["test_accuracy"] = summary["eval"].get("accuracy")

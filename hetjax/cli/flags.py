@@ -75,7 +75,11 @@ def parser() -> argparse.ArgumentParser:
   t.add_argument("--clip-norm", type=float, default=None,
                  help="clip gradients to this global norm (default: no clipping)")
   t.add_argument("--weight-decay", type=float, default=None,
-                 help="decoupled weight decay (adam becomes adamw; default: none, adamw 1e-4)")
+                 help="decoupled weight decay (adam becomes adamw; default: none, adamw 1e-4) "
+                      "of the kernels and embeddings, not of biases and normalisation scales")
+  t.add_argument("--decay-all", action="store_true",
+                 help="weight decay reaches every leaf, biases and normalisation scales too "
+                      "(default: only leaves of 2 or more dimensions)")
   t.add_argument("--eval-every", type=int, default=0,
                  help="evaluate on the test split every N steps, spread over every host "
                  "(0: only at the end)")

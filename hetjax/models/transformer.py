@@ -3,7 +3,9 @@
 Pre-LayerNorm blocks with causal self-attention and a learned positional
 embedding; optional dropout (`dropout`) on the attention weights and the
 residual branches, keyed per block by hetjax so any split computes the same
-function.
+function. The LayerNorms compute the stable variance `E[(x - E[x])^2]`
+(not Flax's default `E[x^2] - E[x]^2`, whose cancellation amplifies the
+rounding differences of kernels of another shape, such as device batches).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ class DecoderBlock(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, causal_mask: jax.Array, train: bool = False) -> jax.Array:
     d_model = x.shape[-1]
-    y = nn.LayerNorm(dtype=self.dtype)(x)
+    y = nn.LayerNorm(dtype=self.dtype, use_fast_variance=False)(x)
     # No projection biases: a key bias shifts every logit of a query equally,
     # so softmax ignores it and its gradient is zero up to rounding; Adam
     # would then turn rounding noise into full-size steps, and runs that sum
@@ -35,7 +37,7 @@ class DecoderBlock(nn.Module):
         num_heads=self.num_heads, dtype=self.dtype, dropout_rate=self.dropout,
         deterministic=not train, use_bias=False)(y, mask=causal_mask)
     x = x + nn.Dropout(self.dropout, deterministic=not train)(y)
-    y = nn.LayerNorm(dtype=self.dtype)(x)
+    y = nn.LayerNorm(dtype=self.dtype, use_fast_variance=False)(x)
     y = nn.gelu(nn.Dense(self.mlp_ratio * d_model, dtype=self.dtype)(y))
     y = nn.Dense(d_model, dtype=self.dtype)(y)
     return x + nn.Dropout(self.dropout, deterministic=not train)(y)
@@ -87,5 +89,5 @@ class TransformerLM(nn.Module):
     for i in range(self.num_layers):
       x = DecoderBlock(self.num_heads, self.mlp_ratio, self.dropout, self.dtype,
                        name=f"block{i + 1}")(x, causal_mask, train)
-    x = nn.LayerNorm(dtype=self.dtype, name="final_norm")(x)
+    x = nn.LayerNorm(dtype=self.dtype, use_fast_variance=False, name="final_norm")(x)
     return nn.Dense(self.vocab_size, dtype=self.dtype, name="head")(x)

@@ -88,6 +88,7 @@ class Rounds(ModeBase):
     self.centre = self.init_centre(params, model_state)
     setup.agree_on_model(self.centre)
     self.device_batches = setup.device_batches(params, model_state, samples=self.local_batch)
+    setup.warn_fast_variance(params, model_state, self.device_batches)
     self.local = rounds_lib.LocalStep(setup.task, setup.optimizer, meshes, config.microbatch,
                                       self.local_batch, config.precision,
                                       self.device_batches[meshes.host_id])

@@ -95,6 +95,7 @@ class Sync(ModeBase):
     self.replica.replace(initial)
     state = self.replica.global_view()  # Per-example losses, checked before anything runs.
     setup.check_task(state.params, state.model_state)
+    setup.warn_fast_variance(state.params, state.model_state, self.device_batches)
     self.loader = loader_lib.HostLoader(setup.source, setup.sampler, meshes.host_id,
                                         workers=self.data_workers,
                                         augment=augment_lib.parse(config.augment),
