@@ -33,8 +33,8 @@ OPTIMIZERS = {
     "adam": lambda: optax.adam(1e-3),
     "adamw, no decay on vectors": lambda: optax.adamw(
         1e-3, weight_decay=1e-4, mask=lambda p: jax.tree.map(lambda a: a.ndim > 1, p)),
-    "adam, clipped (probed)": lambda: optax.chain(optax.clip_by_global_norm(1.0),
-                                                  optax.adam(1e-3)),
+    "adam, clipped": lambda: optax.chain(optax.clip_by_global_norm(1.0),
+                                         optax.adam(1e-3)),
     "adafactor": lambda: optax.adafactor(1e-3),
     "muon": lambda: optax.contrib.muon(1e-3),
 }
