@@ -83,11 +83,10 @@ def unsharded_loop(steps: int):
   def step(params, opt_state, i):
     def loss(p):
       losses, _, _ = task.loss(p, model_state, batch, jax.random.fold_in(jax.random.key(0), i))
-      return jnp_mean(losses)
+      return getattr(losses, "values", losses).mean()  # Plain losses, or a `Weighted`'s values.
     updates, opt_state = optimizer.update(jax.grad(loss)(params), opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
-  jnp_mean = lambda losses: getattr(losses, "values", losses).mean()
   for i in range(steps):
     params, opt_state = step(params, opt_state, i)
   return jax.tree.map(np.asarray, params)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import threading
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest

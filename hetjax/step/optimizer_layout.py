@@ -34,11 +34,11 @@ import numpy as np
 import optax
 
 from hetjax.config import UPDATE_LAYOUTS
+from hetjax.mesh import gather_host_values
 from hetjax.step import elementwise
 
 PyTree = Any
 
-LAYOUTS = UPDATE_LAYOUTS
 PROBE_STEPS = 3
 # The largest relative difference (of a leaf's update, against its largest
 # value) that float order may cause between the two layouts: clipping by the
@@ -129,7 +129,8 @@ def sliced_kinds(optimizer: optax.GradientTransformation, params: PyTree, opt_st
   return kinds
 
 
-def _shapes(tree: PyTree) -> PyTree:
+def shapes(tree: PyTree) -> PyTree:
+  """`tree`'s leaves (arrays or shapes) as `jax.ShapeDtypeStruct`s."""
   return jax.tree.map(lambda p: jax.ShapeDtypeStruct(tuple(np.shape(p)), p.dtype), tree)
 
 
@@ -167,8 +168,7 @@ def probe(optimizer: optax.GradientTransformation, params: PyTree, shards: int
   `TOLERANCE`. A probe whose updates are all zero proves nothing: it returns
   ('every leaf', inf).
   """
-  params = jax.tree.map(lambda p: jax.ShapeDtypeStruct(np.shape(p), p.dtype), params)
-  values, grads = _stand_ins(params)
+  values, grads = _stand_ins(shapes(params))
 
   def both(values, grads):
     real = _updates(optimizer, values, grads, lambda x: x, lambda x, like: x)
@@ -213,15 +213,15 @@ def choose(optimizer: optax.GradientTransformation, params: PyTree, opt_state: P
     ValueError: `requested` is unknown, or 'sliced' for an optimizer that
       is not element-wise.
   """
-  if requested not in LAYOUTS:
-    raise ValueError(f"update layout {requested!r} is not one of {LAYOUTS}.")
+  if requested not in UPDATE_LAYOUTS:
+    raise ValueError(f"update layout {requested!r} is not one of {UPDATE_LAYOUTS}.")
   if requested == "whole":
     return Choice("whole", "asked for")
   if sliced_kinds(optimizer, params, opt_state, shards) is None:
     found = ("its state is not element-wise (a factored optimizer such as adafactor, a "
              "matrix-wise one such as Muon, or labels by shape keep state shaped by the "
              "leaves' dimensions)")
-  elif elementwise.same_elementwise(optimizer, _shapes(params), _view_shapes(params, shards)):
+  elif elementwise.same_elementwise(optimizer, shapes(params), _view_shapes(params, shards)):
     return Choice("sliced", "the optimizer is element-wise (read from its program)")
   else:
     gap = probe(optimizer, params, shards)
@@ -248,7 +248,6 @@ def for_hosts(optimizer: optax.GradientTransformation, params: PyTree, opt_state
   host must lay the state out alike (one collective, the same answer).
   Host 0 says the choice once.
   """
-  from hetjax.mesh import gather_host_values  # The one small cross-host collective.
   choice = choose(optimizer, params, opt_state, shards, requested)
   wants_whole = gather_host_values(np.array([choice.layout == "whole"], np.float32), meshes)
   if choice.layout == "sliced" and wants_whole[:, 0].any():

@@ -70,10 +70,6 @@ class Shards(NamedTuple):
   loss_scale: precision_lib.LossScale    # replicated
 
 
-def _abstract(tree: PyTree) -> PyTree:
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
-
-
 def opt_kinds(optimizer: optax.GradientTransformation, params: PyTree, opt_state: PyTree,
               shards: int, layout: str) -> list[bool]:
   """Per optimizer-state leaf: True when it is split `[S, c]`, False when a replicated scalar.
@@ -113,7 +109,7 @@ class ShardedUpdate:
     self.optimizer, self.mesh, self.axis, self.layout = optimizer, mesh, axis, layout
     self.size = mesh.devices.size
     self._state_type = type(like)
-    self.like = _abstract(like)
+    self.like = layout_lib.shapes(like)
     self._opt_split = opt_kinds(optimizer, self.like.params, self.like.opt_state, self.size,
                                 layout)
     split = NamedSharding(mesh, P(axis))
@@ -133,22 +129,25 @@ class ShardedUpdate:
 
   # ---- Layout conversions (rare: init, restore, checkpoints, reads of the state) ----
 
+  def _on_split_opt(self, fn, opt_state: PyTree) -> PyTree:
+    """`fn(leaf, its unsplit shape)` on the optimizer-state leaves the layout splits;
+    replicated scalars kept."""
+    leaves, treedef = jax.tree.flatten(opt_state)
+    return jax.tree.unflatten(treedef, [
+        fn(x, like) if split else x
+        for x, like, split in zip(leaves, jax.tree.leaves(self.like.opt_state), self._opt_split)])
+
   def _split_state(self, state: Any) -> Shards:
-    split = lambda x: split_leaf(x, self.size)
-    leaves, treedef = jax.tree.flatten(state.opt_state)
-    opt = jax.tree.unflatten(treedef, [split(x) if s else x
-                                       for x, s in zip(leaves, self._opt_split)])
-    return Shards(state.step, jax.tree.map(split, state.params), opt,
+    split = lambda x, like=None: split_leaf(x, self.size)
+    return Shards(state.step, jax.tree.map(split, state.params),
+                  self._on_split_opt(split, state.opt_state),
                   jax.tree.map(split, state.model_state), state.loss_scale)
 
   def _join_state(self, shards: Shards) -> Any:
     join = lambda x, like: join_leaf(x, like.shape)
-    leaves, treedef = jax.tree.flatten(shards.opt_state)
-    full = jax.tree.leaves(self.like.opt_state)
-    opt = jax.tree.unflatten(treedef, [join(x, f) if s else x
-                                       for x, f, s in zip(leaves, full, self._opt_split)])
     return self._state_type(shards.step, jax.tree.map(join, shards.params, self.like.params),
-                            opt, jax.tree.map(join, shards.model_state, self.like.model_state),
+                            self._on_split_opt(join, shards.opt_state),
+                            jax.tree.map(join, shards.model_state, self.like.model_state),
                             shards.loss_scale)
 
   def onto_mesh(self, tree: PyTree) -> PyTree:
@@ -277,21 +276,17 @@ class ShardedUpdate:
     """The update rule on the slices, each seen with its real leaf's ndim
     (`optimizer_layout.view`), so masks and labels by ndim choose as on one device."""
     like, size = self.like, self.size
-    see = lambda tree, shapes: jax.tree.map(lambda x, s: layout_lib.view(x, s.shape), tree, shapes)
-    back = lambda tree: jax.tree.map(lambda x: layout_lib.unview(x, size), tree)
-    leaves, opt_def = jax.tree.flatten(shards.opt_state)
-    opt = [layout_lib.view(x, s.shape) if split else x
-           for x, s, split in zip(leaves, jax.tree.leaves(like.opt_state), self._opt_split)]
-    seen = shards._replace(params=see(shards.params, like.params),
-                           opt_state=jax.tree.unflatten(opt_def, opt),
-                           model_state=see(shards.model_state, like.model_state))
-    totals = totals._replace(grads=see(totals.grads, like.params),
-                             model_state=see(totals.model_state, like.model_state))
+    view = lambda x, like: layout_lib.view(x, like.shape)
+    unview = lambda x, like=None: layout_lib.unview(x, size)
+    seen = shards._replace(params=jax.tree.map(view, shards.params, like.params),
+                           opt_state=self._on_split_opt(view, shards.opt_state),
+                           model_state=jax.tree.map(view, shards.model_state, like.model_state))
+    totals = totals._replace(grads=jax.tree.map(view, totals.grads, like.params),
+                             model_state=jax.tree.map(view, totals.model_state, like.model_state))
     new, lr = update_lib.optimizer_step(self.optimizer, seen, totals, overflow, layout)
-    leaves = jax.tree.leaves(new.opt_state)
-    opt = [layout_lib.unview(x, size) if split else x for x, split in zip(leaves, self._opt_split)]
-    return new._replace(params=back(new.params), opt_state=jax.tree.unflatten(opt_def, opt),
-                        model_state=back(new.model_state)), lr
+    return new._replace(params=jax.tree.map(unview, new.params),
+                        opt_state=self._on_split_opt(unview, new.opt_state),
+                        model_state=jax.tree.map(unview, new.model_state)), lr
 
   def _whole_step(self, shards: Shards, totals: Sums, overflow: jax.Array, layout: Layout
                   ) -> tuple[Shards, jax.Array]:
@@ -386,7 +381,7 @@ def scalar_leaves(optimizer: optax.GradientTransformation, params: PyTree, opt_s
                   shards: int) -> PyTree:
   """A tree like `opt_state`: True for the scalars a split update keeps whole
   (raises for a factored optimizer, as `ShardedUpdate` does)."""
-  split = opt_kinds(optimizer, _abstract(params), _abstract(opt_state), shards, "sliced")
+  split = opt_kinds(optimizer, layout_lib.shapes(params), layout_lib.shapes(opt_state), shards, "sliced")
   return jax.tree.unflatten(jax.tree.structure(opt_state), [not s for s in split])
 
 
@@ -408,7 +403,7 @@ def memory_per_device(like: Any, shards: int, optimizer: optax.GradientTransform
   reduction splits it). The whole layout also gathers, for the length of
   the update only, the whole gradients and optimizer state (`transient`).
   """
-  like = _abstract(like)
+  like = layout_lib.shapes(like)
   params, opt, grads = tree_bytes(like.params), tree_bytes(like.opt_state), 4 * sum(
       math.prod(x.shape) for x in jax.tree.leaves(like.params))
   out = {"unsplit": {"params": params, "opt_state": opt, "grads": grads}}

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import warnings
 from typing import Any, Callable, Iterator, NoReturn, Protocol, Sequence
 
 import jax
