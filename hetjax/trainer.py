@@ -20,6 +20,7 @@ from hetjax.checkpoint import manager as ckpt_lib
 from hetjax.cluster.signals import Interrupted, Preempted, Stopped  # noqa: F401 (public names)
 from hetjax.config import TrainConfig
 from hetjax import mesh as mesh_lib
+from hetjax import phases
 from hetjax.input import data as data_lib
 from hetjax.input import sources as sources_lib
 from hetjax.modes.base import Mode, Setup
@@ -83,6 +84,14 @@ class Trainer:
       ValueError: a setting out of range, or hosts that were told different things.
     """
     lifecycle.check_joined("a Trainer")
+    with phases.within(phases.BUILDING):
+      self._build(task, optimizer, source, config, mode, balancer, pace, identity, checkpoint,
+                  data_workers)
+
+  def _build(self, task: Task, optimizer: optax.GradientTransformation,
+             source: data_lib.ArraySource, config: TrainConfig, mode: Mode | None,
+             balancer: balancer_lib.Balancer | None, pace: Callable[[float, int, int], float] | None,
+             identity: str, checkpoint: ckpt_lib.CheckpointConfig | None, data_workers: int) -> None:
     config.validate()
     if checkpoint is not None:
       checkpoint.validate()  # An unwritable folder fails before anything compiles.
@@ -113,7 +122,8 @@ class Trainer:
         "dataset": repr(source.info), "num_records": len(source), "identity": identity})
     self.checkpointer = lifecycle.checkpointer(checkpoint, self.meshes)
     if checkpoint is not None and checkpoint.resume:
-      self._resume()
+      with phases.within(phases.RESTORING):
+        self._resume()
 
   def __getattr__(self, name: str) -> Any:
     """The mode's own parts, read through the trainer (only names the trainer lacks)."""
@@ -145,8 +155,9 @@ class Trainer:
     Raises:
       agreement.HostsDisagree: naming the hosts whose replicas differ.
     """
-    tree, what = self.mode.agreed()
-    agreement.check_replicas(self.step, tree, self.meshes, what=what)
+    with phases.within(phases.AGREEMENT, self.step):
+      tree, what = self.mode.agreed()
+      agreement.check_replicas(self.step, tree, self.meshes, what=what)
 
   def train_step(self) -> dict[str, float]:
     """Runs one step (or round) on every host, outside `fit`; returns its global metrics."""
@@ -185,7 +196,7 @@ class Trainer:
     with lifecycle.Run(self, steps, until=until, unit=self.mode.unit, log_every=log_every, log=log,
                        sinks=sinks, eval_every=eval_every, eval_source=eval_source, out=out,
                        every_step=on_step is not None, extra=self.mode.record_metrics) as run:
-      with run.watching():
+      with run.watching(), phases.within(phases.TRAINING, self.step):
         for boundary in self.mode.advance(run):
           step = boundary.step
           if run.evaluation_due(step):
@@ -207,6 +218,10 @@ class Trainer:
     fingerprints are compared first: a checkpoint never records replicas that diverged."""
     if self.checkpointer is None:
       raise ValueError("this trainer has no checkpoint folder; pass checkpoint=CheckpointConfig(...).")
+    with phases.within(phases.CHECKPOINT, self.step):
+      self._save(wait)
+
+  def _save(self, wait: bool) -> None:
     if self.checkpointer.last_saved != self.step:
       self.check_params_agree()
     state, world = self.mode.saved(background=not wait and self.checkpointer.config.async_save)
@@ -246,8 +261,9 @@ class Trainer:
       digest: also hash every parameter (`params_digest`): a copy of the whole
         model to host memory, so only on request.
     """
-    fields = self.mode.summary_fields()  # First: the last steps' late figures arrive.
-    return {**lifecycle.summary(self, digest=digest), **fields}
+    with phases.within(phases.SUMMARY, self.step):
+      fields = self.mode.summary_fields()  # First: the last steps' late figures arrive.
+      return {**lifecycle.summary(self, digest=digest), **fields}
 
   def params(self) -> PyTree:
     """The current parameters as host numpy arrays (this host's copy)."""
@@ -261,7 +277,8 @@ class Trainer:
     (its speed) and over its devices.
     """
     weights = self.history.shares[-1] if self.history.shares else [1] * self.num_hosts
-    return self._evaluations.evaluate(*self.mode.current(), source, weights, batch_size)
+    with phases.within(phases.EVALUATION, self.step):
+      return self._evaluations.evaluate(*self.mode.current(), source, weights, batch_size)
 
   def write_summary(self, out: str, summary: dict[str, Any]) -> None:
     """Writes OUT/summary.json on process 0 (what `hetjax report` reads)."""
@@ -271,7 +288,8 @@ class Trainer:
     """Stops the mode's threads and finishes any checkpoint being written."""
     self.mode.close()
     if self.checkpointer is not None:
-      self.checkpointer.wait()
+      with phases.within(phases.CHECKPOINT, self.step):
+        self.checkpointer.wait()
       self.checkpointer.close()
 
 

@@ -62,6 +62,7 @@ import jax
 from hetjax.config import Env
 from hetjax.cluster import signals
 from hetjax.cluster import watchdog
+from hetjax import phases
 
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -380,27 +381,28 @@ def initialize(coordinator: str | None = None, num_hosts: int | None = None,
       _say(f"{spec.source}")
     return topology()
 
-  if spec.detect is None or spec.detect == "ompi":
-    if spec.detect == "ompi":
-      from jax._src import clusters  # Open MPI's address: JAX reads its URI files.
-      spec = dataclasses.replace(spec, coordinator=clusters.OmpiCluster.get_coordinator_address(
-          int(spec.timeout_s), os.environ.get("JAX_COORDINATOR_PORT")))
-    if spec.host_id != 0:
-      wait_for_coordinator(spec.coordinator, spec.timeout_s)
-    _say(f"host {spec.host_id} of {spec.num_hosts} joining coordinator {spec.coordinator} "
-         f"({spec.source}), timeout {spec.timeout_s:g} s")
-    # A loopback coordinator should not listen on every interface of the machine.
-    local = split_address(spec.coordinator)[0] in _LOOPBACK
-    jax.distributed.initialize(
-        coordinator_address=spec.coordinator, num_processes=spec.num_hosts,
-        process_id=spec.host_id, local_device_ids=spec.local_device_ids,
-        cluster_detection_method="deactivate", initialization_timeout=max(1, int(spec.timeout_s)),
-        coordinator_bind_address=spec.coordinator if local else None,
-        heartbeat_timeout_seconds=heartbeat_s)
-  else:
-    _say(f"joining the cluster that JAX detects ({spec.source}), timeout {spec.timeout_s:g} s")
-    jax.distributed.initialize(initialization_timeout=max(1, int(spec.timeout_s)),
-                               heartbeat_timeout_seconds=heartbeat_s)
+  with phases.within(phases.JOINING):
+    if spec.detect is None or spec.detect == "ompi":
+      if spec.detect == "ompi":
+        from jax._src import clusters  # Open MPI's address: JAX reads its URI files.
+        spec = dataclasses.replace(spec, coordinator=clusters.OmpiCluster.get_coordinator_address(
+            int(spec.timeout_s), os.environ.get("JAX_COORDINATOR_PORT")))
+      if spec.host_id != 0:
+        wait_for_coordinator(spec.coordinator, spec.timeout_s)
+      _say(f"host {spec.host_id} of {spec.num_hosts} joining coordinator {spec.coordinator} "
+           f"({spec.source}), timeout {spec.timeout_s:g} s")
+      # A loopback coordinator should not listen on every interface of the machine.
+      local = split_address(spec.coordinator)[0] in _LOOPBACK
+      jax.distributed.initialize(
+          coordinator_address=spec.coordinator, num_processes=spec.num_hosts,
+          process_id=spec.host_id, local_device_ids=spec.local_device_ids,
+          cluster_detection_method="deactivate", initialization_timeout=max(1, int(spec.timeout_s)),
+          coordinator_bind_address=spec.coordinator if local else None,
+          heartbeat_timeout_seconds=heartbeat_s)
+    else:
+      _say(f"joining the cluster that JAX detects ({spec.source}), timeout {spec.timeout_s:g} s")
+      jax.distributed.initialize(initialization_timeout=max(1, int(spec.timeout_s)),
+                                 heartbeat_timeout_seconds=heartbeat_s)
   # Joining put JAX's preemption notifier in as the SIGTERM handler: take the
   # signal back, so that SIGTERM stops every host at one step boundary.
   signals.REQUESTS.reclaim()
