@@ -43,6 +43,30 @@ _hypothesis_settings.register_profile("explore", derandomize=False, deadline=Non
 _hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+# ---- warm test hosts ---------------------------------------------------------------
+# Every emulated host of `run_hosts` is forked from one interpreter that
+# imported JAX, Flax, optax and orbax once (hetjax.cluster.warm_hosts): a
+# fresh host spends ~3.4 s of CPU on those imports, and the suite starts
+# about a hundred hosts on 2 cores. Set HETJAX_TEST_COLD_HOSTS=1 to start
+# every host as a fresh interpreter instead.
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def warm_hosts():
+  if os.environ.get("HETJAX_TEST_COLD_HOSTS") == "1":
+    yield None
+    return
+  from hetjax.cluster import warm_hosts as warm
+  from hetjax.cluster.warm_client import SOCKET_ENV
+  with warm.running() as path:
+    os.environ[SOCKET_ENV] = path
+    try:
+      yield path
+    finally:
+      del os.environ[SOCKET_ENV]
+
+
 # ---- the exactness matrix's runs, shared by three test files --------------------
 # tests/test_exactness.py, tests/test_sharded_update.py and
 # tests/test_device_batch.py check the same 3x2 runs (with device batches
@@ -50,7 +74,6 @@ _hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # fused one; k = 1): one run of each serves all three (cluster starts and
 # compiles are most of their cost). Imported inside the fixtures: collecting a test that needs no
 # JAX should not load it.
-import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -38,6 +38,7 @@ import time
 from typing import Any, Callable, Mapping, Sequence
 
 from hetjax.cluster import procs
+from hetjax.cluster import warm_client
 
 # JAX catches SIGTERM once the distributed runtime is up (it treats it as a
 # preemption notice), so a stopped host only really ends at SIGKILL; test
@@ -89,8 +90,11 @@ def run_hosts(entry: str, *, hosts: int, devices_per_host: int = 1, args: tuple 
     with open(call_path, "wb") as f:
       pickle.dump((module, function, tuple(args), dict(kwargs or {})), f)
     result_paths = [os.path.join(tmp, f"result-{i}.pkl") for i in range(hosts)]
-    commands = [[sys.executable, "-m", "hetjax.cluster._testing_child", call_path, path]
-                for path in result_paths]
+    # Under a warm server (`warm_hosts`, the suite's conftest starts one) a
+    # host is forked from an interpreter that imported JAX once.
+    start = ([sys.executable, "-I", "-S", warm_client.CLIENT] if base.get(warm_client.SOCKET_ENV)
+             else [sys.executable, "-m", "hetjax.cluster._testing_child"])
+    commands = [[*start, call_path, path] for path in result_paths]
     outcome = procs.run_group(commands, envs, sink=sys.stderr, timeout_s=timeout_s,
                                grace_s=_GRACE_S)
     results = [_load(path) for path in result_paths]

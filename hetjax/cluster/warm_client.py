@@ -1,0 +1,122 @@
+"""A test host's stand-in process: asks the warm server (`warm_hosts`) to fork the host.
+
+Run as `python -I -S warm_client.py CHILD_ARGS...`, it imports only the
+standard library (milliseconds, where the host's own imports take seconds).
+It hands the server its stdin/stdout/stderr, environment, folder and
+arguments, passes SIGINT / SIGTERM / SIGHUP on to the forked host, and exits
+with the host's status. Without a server, or when the server answers
+"cold", it becomes the ordinary child (`python -m hetjax.cluster._testing_child`).
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import pickle
+import signal
+import socket
+import struct
+import sys
+import time
+
+CLIENT = os.path.abspath(__file__)
+SOCKET_ENV = "HETJAX_WARM_HOSTS"
+PYTHON_ENV = "HETJAX_WARM_PYTHON"   # The interpreter of a cold start.
+CONNECT_S = 120.0  # The server imports JAX once before it listens.
+_HEADER = struct.Struct("!I")
+
+
+def jax_variables(env: dict[str, str]) -> dict[str, str]:
+  """The variables JAX reads when it is imported: a fork must see the server's."""
+  return {k: v for k, v in env.items() if k.startswith("JAX_")}
+
+
+def send_message(sock: socket.socket, payload: object, fds: tuple[int, ...] = ()) -> None:
+  data = pickle.dumps(payload)
+  frame = _HEADER.pack(len(data)) + data
+  if fds:
+    sent = sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+    if sent < len(frame):
+      sock.sendall(frame[sent:])
+  else:
+    sock.sendall(frame)
+
+
+def _exactly(sock: socket.socket, n: int, start: bytes = b"") -> bytes | None:
+  data = start
+  while len(data) < n:
+    more = sock.recv(n - len(data))
+    if not more:
+      return None
+    data += more
+  return data
+
+
+def receive_message(sock: socket.socket) -> tuple[object, list[int]] | None:
+  """(payload, the file descriptors that came with it), or None when the peer has gone."""
+  fds = array.array("i")
+  head, ancillary, _, _ = sock.recvmsg(_HEADER.size, socket.CMSG_LEN(3 * fds.itemsize))
+  for level, kind, data in ancillary:
+    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+      fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
+  head = _exactly(sock, _HEADER.size, head) if head else None
+  body = None if head is None else _exactly(sock, _HEADER.unpack(head)[0])
+  if body is None:
+    for fd in fds:
+      os.close(fd)
+    return None
+  return pickle.loads(body), list(fds)
+
+
+def _connect(path: str) -> socket.socket | None:
+  deadline = time.monotonic() + CONNECT_S
+  while True:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+      sock.connect(path)
+      return sock
+    except OSError:
+      sock.close()
+      if time.monotonic() > deadline:
+        return None
+      time.sleep(0.05)
+
+
+def _cold(argv: list[str]) -> None:
+  python = os.environ.get(PYTHON_ENV, sys.executable)
+  os.execv(python, [python, "-m", "hetjax.cluster._testing_child", *argv])
+
+
+def main(argv: list[str]) -> int:
+  path = os.environ.get(SOCKET_ENV)
+  sock = _connect(path) if path else None
+  if sock is None:
+    _cold(argv)
+  with sock:
+    request = {"env": dict(os.environ), "cwd": os.getcwd(), "argv": argv}
+    try:
+      send_message(sock, request, (0, 1, 2))
+      answer = receive_message(sock)
+    except OSError:
+      answer = None
+    if answer is None or answer[0][0] == "cold":
+      _cold(argv)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+      signal.signal(signum, lambda n, _: send_message(sock, n))
+    while True:
+      try:
+        answer = receive_message(sock)
+      except InterruptedError:
+        continue
+      if answer is None:  # The server died: the host died with it.
+        return 1
+      kind, value = answer[0]
+      if kind == "exited":
+        if value < 0:  # Killed by a signal: end the same way, as the host did.
+          signal.signal(-value, signal.SIG_DFL)
+          os.kill(os.getpid(), -value)
+        return value
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
