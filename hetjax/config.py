@@ -38,6 +38,7 @@ class Env:
   DEVICE_SAMPLE_MS = "HETJAX_DEVICE_SAMPLE_MS"  # emulated device time per sample
   SHOW_GLOO = "HETJAX_SHOW_GLOO"          # 1: launchers show gloo's "Rank i is connected" lines
   HEARTBEAT_TIMEOUT = "HETJAX_HEARTBEAT_TIMEOUT"  # seconds without heartbeats: a host is dead
+  FAULTS = "HETJAX_FAULTS"                # emulated faults, HOST:KIND@STEP,... (tests, chaos)
 
   EMULATION = (SPEED, SLOWDOWN, DEVICE_SAMPLE_MS)
 

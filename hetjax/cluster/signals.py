@@ -137,6 +137,8 @@ class StopRequests:
 
   def _handle(self, signum: int, frame) -> None:
     del frame
+    if watchdog.WATCHDOG.ending.is_set():
+      return  # The job's verdict is being said on every host; its code is the one to leave with.
     if self.code == NONE:
       self.during = watchdog.WATCHDOG.position.step if watchdog.WATCHDOG.position else None
     self.code = max(self.code, _CODES[signum])
