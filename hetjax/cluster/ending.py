@@ -14,9 +14,13 @@ Stdlib only; `client` is JAX's key-value client (or a fake in tests).
 
 from __future__ import annotations
 
+import faulthandler
+import sys
 import time
 from typing import Callable
 
+from hetjax.cluster import positions
+from hetjax.cluster.positions import Position, behind, message
 from hetjax.exits import STALLED_EXIT, WRITE_FAILED_EXIT
 
 _ENDS = "hetjax/end/"      # host -> "CODE REASON": a host's verdict.
@@ -29,6 +33,7 @@ PRIORITY = (WRITE_FAILED_EXIT, STALLED_EXIT)
 # The line naming the host behind a verdict other than a stall (the watchdog's
 # MARKER names stalled hosts), for the launchers (`hetjax.cluster.supervise`).
 MARKERS = {WRITE_FAILED_EXIT: "[hetjax] checkpoint write failed on host:"}
+STALL_MARKER = "[hetjax] watchdog: stalled host(s):"  # The watchdog's, naming the stalled hosts.
 
 
 def post(client, host_id: int, code: int, reason: str) -> None:
@@ -78,3 +83,38 @@ def _dir(client, prefix: str) -> dict[int, str]:
   except Exception:  # Unreachable, or nothing posted.
     return {}
   return {int(k.rsplit("/", 1)[1]): v for k, v in entries}
+
+
+def say_stall(host_id: int, num_hosts: int, client, mine: Position | None, idle: float,
+              limit: str, unit: str, by: int, post: Callable[[], None],
+              poll_s: float) -> list[int]:
+  """A stall's words on this host: its stacks, every host's place, the hosts behind and
+  `STALL_MARKER`; then, a few polls later, the frozen hosts (returned) if any."""
+  why = "" if by == host_id else f" (host {by} stopped first)"
+  print(f"hetjax: watchdog: host {host_id}: no progress for {idle:.1f} s{why}; the stacks of "
+        "this host's threads follow.", file=sys.stderr, flush=True)
+  faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+  first = {host_id: mine} if client is None else {**positions.read_all(client, num_hosts),
+                                                  host_id: mine}
+  # Said at once: the first host to exit may end the others (JAX aborts a
+  # host whose coordinator or peer is gone), so a later line may never be written.
+  _say(message(idle, limit, first, behind(first), (), unit), behind(first))
+  if client is None:
+    return []
+  # Every live host posts each poll: one whose beat does not move over
+  # three polls is frozen (SIGSTOP, a machine that stopped answering).
+  for _ in range(3):
+    time.sleep(poll_s)
+    post()
+  later = {**positions.read_all(client, num_hosts), host_id: mine}
+  frozen = [h for h in range(num_hosts) if h != host_id and later.get(h) is not None
+            and first.get(h) is not None and later[h].beat == first[h].beat]
+  if frozen:
+    stuck = behind(later, frozen)
+    _say(message(idle, limit, later, stuck, frozen, unit), stuck)
+  return frozen
+
+
+def _say(text: str, stuck) -> None:
+  print(text, file=sys.stderr, flush=True)
+  print(f"{STALL_MARKER} {','.join(map(str, stuck)) or 'none'}", file=sys.stderr, flush=True)

@@ -20,6 +20,9 @@ from typing import Mapping, Sequence
 
 from hetjax.exits import STALLED_EXIT
 
+KEY = "hetjax/watchdog/{host}"
+_BEFORE_STEPS = ("joining", "building", "restoring")  # Phases with no step to name.  # Each host's posted position in the key-value store.
+
 
 @dataclasses.dataclass(frozen=True)
 class Position:
@@ -61,7 +64,8 @@ class Position:
       where = "waiting in its reduction" if self.waiting else "before its reduction"
       return f"inside {unit} {self.step}, {where},{held}".rstrip(",")
     wait = ", waiting for the other hosts," if self.waiting else ""
-    return f"in {self.phase} at {unit} {self.step}{wait}{held}".rstrip(",")
+    at = "" if self.phase in _BEFORE_STEPS else f" at {unit} {self.step}"
+    return f"in {self.phase}{at}{wait}{held}".rstrip(",")
 
 
 def behind(positions: Mapping[int, Position | None], frozen: Sequence[int] = ()) -> list[int]:
@@ -114,3 +118,22 @@ def message(idle_s: float, limit: str, positions: Mapping[int, Position | None],
           f"with code {STALLED_EXIT}: under --max-restarts the launcher restarts the job from its "
           "last checkpoint; raise the limit with --watchdog SECONDS if this is a slow but healthy "
           "wait.")
+
+
+def post(client, host_id: int, position: Position) -> None:
+  """Posts this host's position (nothing when the service is going away)."""
+  try:
+    client.key_value_set(KEY.format(host=host_id), position.encode(), allow_overwrite=True)
+  except Exception:  # Shutdown, or a peer's abort: nothing to post to.
+    pass
+
+
+def read_all(client, num_hosts: int) -> dict[int, Position | None]:
+  """Every host's last posted position (None for a host that never posted); non-blocking."""
+  out: dict[int, Position | None] = {}
+  for h in range(num_hosts):
+    try:
+      out[h] = Position.decode(client.key_value_try_get(KEY.format(host=h)))
+    except Exception:  # Not found (never posted) or the service is unreachable.
+      out[h] = None
+  return out

@@ -43,7 +43,6 @@ starts, and a single-host run (no client) still stops and dumps its stacks.
 from __future__ import annotations
 
 import contextlib
-import faulthandler
 import os
 import statistics
 import sys
@@ -54,6 +53,7 @@ from typing import Callable, Iterator
 from hetjax import phases
 from hetjax.cluster import ending
 from hetjax.cluster.peers import DEFAULT_HEARTBEAT_S, Peers as _Peers, heartbeat_s  # noqa: F401
+from hetjax.cluster import positions
 from hetjax.cluster.positions import Position, behind, message  # noqa: F401 (public names)
 from hetjax.exits import STALLED_EXIT, JobExit
 
@@ -64,9 +64,7 @@ STARTUP_FACTOR = 10  # Building, restoring, compiling: generous.
 PHASE_FACTOR = 3     # Evaluation, checkpoint, agreement, summary: one unbroken wait each.
 STARTUP = (phases.JOINING, phases.BUILDING, phases.RESTORING)
 BETWEEN_STEPS = (phases.EVALUATION, phases.CHECKPOINT, phases.AGREEMENT, phases.SUMMARY)
-# The line every stopping host prints, for the launchers (`hetjax.cluster.supervise`).
-MARKER = "[hetjax] watchdog: stalled host(s):"
-_KEY = "hetjax/watchdog/{host}"
+MARKER = ending.STALL_MARKER  # What every stopping host prints, for the launchers.
 _RECENT = 50  # Step times the default limit is computed from.
 
 
@@ -272,10 +270,7 @@ class Watchdog:
     if client is None or position is None:
       return position
     posted = Position(**{**position.__dict__, "beat": beat})
-    try:
-      client.key_value_set(_KEY.format(host=host_id), posted.encode(), allow_overwrite=True)
-    except Exception:  # The service is going away (shutdown, a peer's abort): nothing to post to.
-      pass
+    positions.post(client, host_id, posted)
     return posted
 
   def _run(self, host_id: int, num_hosts: int, client) -> None:
@@ -326,38 +321,17 @@ class Watchdog:
     """Dumps the stacks, names the hosts behind; returns the frozen hosts."""
     with self._lock:
       idle = stalled[0] if stalled else self._clock() - self._last_progress
-    why = "" if by == host_id else f" (host {by} stopped first)"
-    print(f"hetjax: watchdog: host {host_id}: no progress for {idle:.1f} s{why}; the stacks of "
-          "this host's threads follow.", file=sys.stderr, flush=True)
-    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
     now_limit = self.current_limit()
     limit = stalled[1] if stalled else (f"{now_limit[0]:g} s for {now_limit[1]}" if now_limit
                                         else "none in force on this host")
-    first = {host_id: mine} if client is None else {**_read_all(client, num_hosts), host_id: mine}
-    # Said at once: the first host to exit may end the others (JAX aborts a
-    # host whose coordinator or peer is gone), so a later line may never be written.
-    self._say(message(idle, limit, first, behind(first), (), self.unit), behind(first))
-    if client is None:
-      return []
-    # Every live host posts each poll: one whose beat does not move over
-    # three polls is frozen (SIGSTOP, a machine that stopped answering).
-    beat = mine.beat if mine else 0
-    for _ in range(3):
-      time.sleep(self._poll_s())
-      beat += 1
-      self._post(client, host_id, beat)
-    later = {**_read_all(client, num_hosts), host_id: mine}
-    frozen = [h for h in range(num_hosts) if h != host_id and later.get(h) is not None
-              and first.get(h) is not None and later[h].beat == first[h].beat]
-    if frozen:
-      stuck = behind(later, frozen)
-      self._say(message(idle, limit, later, stuck, frozen, self.unit), stuck)
-    return frozen
+    beat = [mine.beat if mine else 0]
 
-  @staticmethod
-  def _say(text: str, stuck) -> None:
-    print(text, file=sys.stderr, flush=True)
-    print(f"{MARKER} {','.join(map(str, stuck)) or 'none'}", file=sys.stderr, flush=True)
+    def post() -> None:  # Still alive: the others must not take this host for frozen.
+      beat[0] += 1
+      self._post(client, host_id, beat[0])
+
+    return ending.say_stall(host_id, num_hosts, client, mine, idle, limit, self.unit, by, post,
+                            self._poll_s())
 
   def wait_for_the_end(self, grace_s: float = 5.0) -> None:
     """Blocks while this host's watchdog ends the job (it exits the process); returns when no
@@ -394,17 +368,6 @@ def service_alive() -> bool:
   except Exception:
     return False
   return True
-
-
-def _read_all(client, num_hosts: int) -> dict[int, Position | None]:
-  """Every host's last posted position (None for a host that never posted); non-blocking."""
-  out: dict[int, Position | None] = {}
-  for h in range(num_hosts):
-    try:
-      out[h] = Position.decode(client.key_value_try_get(_KEY.format(host=h)))
-    except Exception:  # Not found (never posted) or the service is unreachable.
-      out[h] = None
-  return out
 
 
 WATCHDOG = Watchdog()
