@@ -231,8 +231,7 @@ class Watchdog:
       client: the key-value client (default: JAX's, on several hosts).
     """
     if self._thread is not None:
-      if self.unit != unit:
-        self.unit = unit
+      self.unit = unit  # The outer watch (the trainer's construction) knew no unit yet.
       yield self
       return
     if client is None and num_hosts > 1:
