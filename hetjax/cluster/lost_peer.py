@@ -39,7 +39,7 @@ def suspects(host_id: int, num_hosts: int, service_alive: Callable[[], bool]) ->
   The coordination service runs in host 0: when it cannot be reached, host
   0 is gone. With two hosts, the other one is.
   """
-  if host_id != 0 and not _bounded(service_alive, 3.0):
+  if host_id != 0 and not _bounded(service_alive, 1.5):
     return [0], " (the coordination service it runs is gone)"
   others = [h for h in range(num_hosts) if h != host_id]
   return (others, "") if len(others) == 1 else ([], "")

@@ -87,6 +87,9 @@ class Watchdog:
     self._failure: tuple[int, str] | None = None
     self._client = None
     self.ending = threading.Event()  # Set once this host decided to leave with the job's verdict.
+    # Set once this host's run failed in a multi-host job: a stop signal then (the launcher
+    # stopping the survivors) must not turn the failure into a preemption.
+    self.failing = threading.Event()
     self._reset(None)
 
   def _reset(self, limit_s: float | None, unit: str = "step") -> None:
@@ -252,7 +255,8 @@ class Watchdog:
         if client is not None and not isinstance(e, JobExit):
           # A peer that posted a verdict and left fails this host's collective at once: the
           # verdict, read at the next poll, is what this host says (the thread exits then).
-          self.ending.wait(3 * self._poll_s())
+          self.failing.set()
+          self.ending.wait(2 * self._poll_s())
         raise
       finally:
         self._quit.set()
