@@ -38,6 +38,7 @@ class Env:
   DEVICE_SAMPLE_MS = "HETJAX_DEVICE_SAMPLE_MS"  # emulated device time per sample
   SHOW_GLOO = "HETJAX_SHOW_GLOO"          # 1: launchers show gloo's "Rank i is connected" lines
   HEARTBEAT_TIMEOUT = "HETJAX_HEARTBEAT_TIMEOUT"  # seconds without heartbeats: a host is dead
+  FAULTS = "HETJAX_FAULTS"                # emulated faults, HOST:KIND@STEP,... (tests, chaos)
 
   EMULATION = (SPEED, SLOWDOWN, DEVICE_SAMPLE_MS)
 
@@ -89,9 +90,11 @@ class TrainConfig:
     check_every: compare every host's parameter fingerprint every this many
       steps and at every checkpoint (0: only at checkpoints).
     precision: compute type, 'fp32', 'bf16' or 'fp16' (loss scaling).
-    watchdog_s: stop the job when no step completes for this many seconds,
+    watchdog_s: the deadline of a wait on the other hosts: a step may make no
+      progress for this many seconds, evaluation, checkpoints and agreement
+      checks 3 x, building and the first steps 10 x; past it the job stops,
       naming the hosts that held it up (`hetjax.cluster.watchdog`); None: the
-      larger of 20 x the median step and 5 minutes; 0: no watchdog.
+      larger of 20 x the median step and 5 minutes; 0: no stall checks.
     device_batch: blocks per device in a host's largest micro-batch (its
       device batch `k`): one value for every host, one per host (e.g.
       (16, 8, 2)), or 'auto' (each host picks from its device's memory and

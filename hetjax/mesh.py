@@ -21,6 +21,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from hetjax.cluster import watchdog
+
 PyTree = Any
 DEV = "dev"   # axis of the local mesh: this host's devices
 ALL = "all"   # axis of the global mesh: every device of every host
@@ -180,5 +182,6 @@ def gather_host_values(values: np.ndarray, meshes: Meshes) -> np.ndarray:
   Every host must call it, in the same order.
   """
   mesh = meshes.values_mesh
-  rows = np.asarray(_all_gather(mesh)(_rows_on(values, mesh)))
+  with watchdog.waiting():  # The watchdog names first the hosts that are not waiting here.
+    rows = np.asarray(_all_gather(mesh)(_rows_on(values, mesh)))
   return rows[_first_rows(mesh)]

@@ -84,7 +84,7 @@ class Trainer:
       ValueError: a setting out of range, or hosts that were told different things.
     """
     lifecycle.check_joined("a Trainer")
-    with phases.within(phases.BUILDING):
+    with lifecycle.watched(config), phases.within(phases.BUILDING):
       self._build(task, optimizer, source, config, mode, balancer, pace, identity, checkpoint,
                   data_workers)
 
@@ -195,7 +195,8 @@ class Trainer:
     """
     with lifecycle.Run(self, steps, until=until, unit=self.mode.unit, log_every=log_every, log=log,
                        sinks=sinks, eval_every=eval_every, eval_source=eval_source, out=out,
-                       every_step=on_step is not None, extra=self.mode.record_metrics) as run:
+                       every_step=on_step is not None, extra=self.mode.record_metrics) as run, \
+        lifecycle.watched(self.config, self.host_id, self.num_hosts, run.unit):
       with run.watching(), phases.within(phases.TRAINING, self.step):
         for boundary in self.mode.advance(run):
           step = boundary.step
@@ -288,7 +289,8 @@ class Trainer:
     """Stops the mode's threads and finishes any checkpoint being written."""
     self.mode.close()
     if self.checkpointer is not None:
-      with phases.within(phases.CHECKPOINT, self.step):
+      with lifecycle.watched(self.config, self.host_id, self.num_hosts), \
+          phases.within(phases.CHECKPOINT, self.step):
         self.checkpointer.wait()
       self.checkpointer.close()
 

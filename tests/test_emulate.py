@@ -150,7 +150,24 @@ def test_the_trainer_knows_every_emulation_variable():
   """Every variable the emulation reads marks a run as emulated (`config.emulated_from_env`)."""
   import re
   read = set(re.findall(r"\bEnv\.([A-Z_]+)", open(emulate.__file__).read()))
+  read.discard("FAULTS")  # Emulated faults change no speed: the run's figures stay real.
   assert {getattr(Env, name) for name in read} == set(Env.EMULATION)
+
+
+def test_emulated_faults_name_a_host_a_kind_and_a_step():
+  faults = emulate.parse_faults("1:stall-in-evaluation@4, 0:fail-write@6")
+  assert faults == [emulate.Fault(1, "stall-in-evaluation", 4), emulate.Fault(0, "fail-write", 6)]
+  stalled = []
+  mine = emulate.Faults(1, faults, stall=lambda: stalled.append(True))
+  mine.phase_started("evaluation", 2, 0.0)
+  mine.phase_started("checkpoint", 4, 0.0)
+  assert not stalled and mine.write_error(6) is None
+  mine.phase_started("evaluation", 4, 0.0)
+  assert stalled == [True]
+  assert "No space left on device" in str(emulate.Faults(0, faults).write_error(6))
+  with pytest.raises(ValueError, match="stall-in-PHASE"):
+    emulate.parse_faults("1:stall-in-lunch@4")
+  assert emulate.faults_from_env(2, {Env.FAULTS: "1:fail-write@6"}) is None
 
 
 def test_host_env_entries_name_one_host_each_and_bad_ones_say_the_form():

@@ -1,6 +1,7 @@
 """Checkpoints: orbax saves of everything a run needs to continue exactly
-(`manager`), and the pinned-host snapshot that lets a save overlap training
-(`snapshot`)."""
+(`manager`), the pinned-host snapshot that lets a save overlap training
+(`snapshot`), and orbax's commit watched so that a write failing on one host,
+in the background too, ends every host at once (`commits`)."""
 
 import importlib as _importlib
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import sys
 import time
 from typing import Any, Callable
@@ -50,12 +51,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from hetjax.checkpoint import commits
 from hetjax.checkpoint import quiet
 from hetjax.checkpoint import snapshot as snapshot_lib
 from hetjax.checkpoint import write_failed
 from hetjax.checkpoint.jobs import describe_job, job_differences  # noqa: F401 (public names)
 from hetjax.checkpoint.write_failed import (  # noqa: F401 (public names)
     WRITE_FAILED_EXIT, CheckpointWriteFailed, WriteError)
+from hetjax.cluster import watchdog
 from hetjax.config import CheckpointConfig, is_remote, resolve  # noqa: F401 (public names)
 
 FORMAT = 1
@@ -71,13 +74,22 @@ log = logging.getLogger("hetjax.checkpoint")
 class Checkpointer:
   """An orbax `CheckpointManager` for hetjax train states.
 
+  A write that fails on one host, also inside orbax's background commit, is
+  reported at once to the run-wide watchdog, which ends every host with
+  `WRITE_FAILED_EXIT` and this host's message (`hetjax.cluster.ending`):
+  the others would otherwise wait in orbax's barrier for its whole timeout.
+
   Args:
     config: folder, interval, how many to keep.
     agree: `agree(flag) -> bool`, True when every host's flag is True (a
       collective); decides together whether a checkpoint loaded everywhere.
+    write_error: EMULATED faults only (`hetjax.cluster.emulate.Faults.write_error`):
+      `write_error(step)` is the error this host's write of `step` fails with
+      inside orbax's commit, or None.
   """
 
-  def __init__(self, config: CheckpointConfig, agree: Callable[[bool], bool]):
+  def __init__(self, config: CheckpointConfig, agree: Callable[[bool], bool], *,
+               write_error: Callable[[int], BaseException | None] | None = None):
     config.validate()
     self.config = config
     self.directory = resolve(config.directory)
@@ -92,9 +104,11 @@ class Checkpointer:
     # Handlers named up front so `item_metadata` can tell which fields a
     # checkpoint holds before its arrays are read (an older one lacks some).
     quiet.install()
+    self._reported: set[int] = set()  # Steps whose failure the watchdog ends the job with.
+    self._state_handler = commits.ReportingHandler(self._report, write_error)
     self._manager = ocp.CheckpointManager(
         self._path, options=options,
-        item_handlers={"state": ocp.StandardCheckpointHandler(),
+        item_handlers={"state": self._state_handler.handler,
                        "meta": ocp.JsonCheckpointHandler()})
     self.last_saved: int | None = None
     self._handed: list[int] = []  # Steps handed to orbax; a background write may fail later.
@@ -144,6 +158,7 @@ class Checkpointer:
     """orbax's save; its error (this one, or an earlier background write's) as a `WriteError`."""
     t0 = time.perf_counter()
     meta = {"format": FORMAT, "step": step, **meta}
+    self._state_handler.step = step
     try:
       self._manager.save(step, force=True, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state._asdict()), meta=ocp.args.JsonSave(meta)))
@@ -165,9 +180,26 @@ class Checkpointer:
 
   def _raise_if_any_failed(self, failure: WriteError | None) -> None:
     """Every host stops together when a write failed on any of them (a collective)."""
+    if failure is not None and self._reported:
+      watchdog.WATCHDOG.wait_for_the_end()  # It ends every host; the others may not join a vote.
     if self._agree(failure is None):
       return
+    watchdog.WATCHDOG.wait_for_the_end()  # Another host's verdict may be on its way.
     raise self._write_failed(failure)
+
+  def _report(self, step: int, error: BaseException) -> None:
+    """A write of `step` failed on this host (any thread, orbax's background one included):
+    the watchdog ends every host with its message now, not at the next save."""
+    if step in self._reported:
+      return
+    complete = committed_steps(self.directory)
+    good = [s for s in complete if s < step]
+    last_good = good[0] if good else None
+    size = (write_failed.folder_bytes(os.path.join(self.directory, str(last_good)))
+            if last_good is not None else None)
+    text = write_failed.message(self.directory, step, error, size, last_good)
+    if watchdog.WATCHDOG.fail(WRITE_FAILED_EXIT, f"host {jax.process_index()}: {text}"):
+      self._reported.add(step)
 
   def _write_failed(self, failure: WriteError | None) -> CheckpointWriteFailed:
     """The one message of a failed write: folder, space, last good checkpoint, how to resume."""
@@ -325,6 +357,17 @@ class Checkpointer:
       return None, []
     state = jax.tree.unflatten(treedef, leaves)
     return {k: state[k] if k in state else fresh[k] for k in fresh}, missing
+
+
+def committed_steps(directory: str) -> list[int]:
+  """Steps whose folders hold orbax's commit marker, newest first (a plain listing: any thread)."""
+  path = epath.Path(directory)
+  try:
+    names = [p.name for p in path.iterdir()]
+  except OSError:
+    return []
+  return sorted((int(n) for n in names if n.isdigit() and (path / n / _COMMIT_MARKER).exists()),
+                reverse=True)
 
 
 def _describe_fill(name: str, value: Any) -> str:

@@ -300,6 +300,21 @@ def _exit_now(code: int) -> None:
   os._exit(code)
 
 
+def _say_failure(error: BaseException, args: argparse.Namespace) -> None:
+  """A peer's loss in one line (the traceback in a file under --out); anything else in full."""
+  from hetjax.cluster import lost_peer, watchdog
+  if not lost_peer.is_peer_failure(error):
+    traceback.print_exc()
+    return
+  dog = watchdog.WATCHDOG
+  line, marker = lost_peer.explain(error, config_lib.host_id_from_env(),
+                                   config_lib.num_hosts_from_env(), dog.position,
+                                   getattr(args, "out", None) or getattr(args, "ckpt_dir", None),
+                                   watchdog.service_alive, dog.unit)
+  print(f"hetjax {args.command}: error: {line}", file=sys.stderr)
+  print(marker, file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   args = parse_args(argv)
   if args.command == "train" and args.print_config:
@@ -333,10 +348,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"hetjax {args.command}: interrupted (Ctrl-C) before a step boundary; nothing saved.",
           file=sys.stderr)
     _exit_now(exits.INTERRUPTED_EXIT)
-  except BaseException:
+  except BaseException as e:
     if not multi_host():
       raise
-    traceback.print_exc()
+    _say_failure(e, args)
     _exit_now(exits.FAILED_EXIT)
   if summary and config_lib.host_id_from_env() == 0:
     _print_summary(summary)

@@ -117,9 +117,11 @@ def parser() -> argparse.ArgumentParser:
   t.add_argument("--init-timeout", type=float, default=None,
                  help="seconds to reach the coordinator (default HETJAX_INIT_TIMEOUT or 120)")
   t.add_argument("--watchdog", type=float, default=None, metavar="S",
-                 help="stop the job (exit 69, restarted under --max-restarts) when no step "
-                      "completes for S seconds, naming the stuck host(s) and dumping every "
-                      "live host's stacks (default: max(20 x the median step, 300); 0: off)")
+                 help="stop the job (exit 69, restarted under --max-restarts) when a wait on the "
+                      "other hosts makes no progress for its deadline: S for a step, 3 x S for "
+                      "evaluation, checkpoints and agreement checks, 10 x S for building and the "
+                      "first steps; names the stuck host(s) and dumps every live host's stacks "
+                      "(default S: max(20 x the median step, 300); 0: off)")
   t.add_argument("--model-width", type=int, default=None, help="override the model's width")
   t.add_argument("--dropout", type=float, default=None,
                  help="dropout rate of mlp, cnn and transformer (default 0); keyed per block, "

@@ -1,6 +1,8 @@
 """Heterogeneity EMULATION: making identical CPU hosts behave as unequal ones.
 
-Nothing here runs on the real path. It exists so that tests and benchmarks on
+Nothing here runs on the real path. Besides speeds, the faults a real
+cluster meets are emulated here too (`Faults`, from HETJAX_FAULTS): a host
+that stalls in a phase, a checkpoint write that fails on one host. It exists so that tests and benchmarks on
 one machine can show what the balancer does on a cluster whose hosts differ
 in speed: a host with relative speed `s` (the fastest host has `s == 1.0`)
 sleeps after its real local compute so that the compute appears to take
@@ -14,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
+import threading
 import time
 from typing import Callable, Mapping, Sequence
 
@@ -237,3 +241,77 @@ def parse_host_env(entries: Sequence[str], hosts: int) -> dict[int, dict[str, st
                        "use its own flags (--speeds, --slowdown, ...) for those.")
     found.setdefault(h, {})[key.strip()] = value
   return found
+
+
+# ---- Emulated faults (HETJAX_FAULTS): what the tests and the chaos soak inject ----
+
+FAULT_KINDS = ("stall-in-<phase>", "fail-write")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+  """EMULATED: host `host` meets fault `kind` at (or after) step `step`.
+
+  Kinds: `stall-in-PHASE` (the host stops for ever on entering lifecycle
+  phase PHASE, e.g. `stall-in-evaluation`: its threads alive, as a hung read
+  leaves them) and `fail-write` (the checkpoint of that step fails inside
+  orbax's commit, in the background when the save is asynchronous, as a
+  full disk or an unreachable bucket fails it).
+  """
+
+  host: int
+  kind: str
+  step: int
+
+
+def parse_faults(text: str) -> list[Fault]:
+  """Parses `HOST:KIND@STEP[,HOST:KIND@STEP...]`, e.g. `1:stall-in-evaluation@4,0:fail-write@6`."""
+  from hetjax import phases  # Stdlib only.
+  out = []
+  for item in filter(None, (t.strip() for t in text.split(","))):
+    try:
+      host, rest = item.split(":", 1)
+      kind, step = rest.rsplit("@", 1)
+      fault = Fault(int(host), kind.strip(), int(step))
+    except ValueError:
+      raise ValueError(f"{Env.FAULTS} takes HOST:KIND@STEP items such as 1:stall-in-evaluation@4; "
+                       f"got {item!r}.") from None
+    phase = fault.kind[len("stall-in-"):] if fault.kind.startswith("stall-in-") else None
+    if fault.kind != "fail-write" and phase not in phases.NAMES:
+      raise ValueError(f"{Env.FAULTS} {item!r}: the kinds are fail-write and stall-in-PHASE, "
+                       f"PHASE one of {', '.join(phases.NAMES)}.")
+    out.append(fault)
+  return out
+
+
+class Faults:
+  """EMULATED: this host's faults; a phase listener (`hetjax.phases`) and a write hook."""
+
+  def __init__(self, host: int, faults: Sequence[Fault], *,
+               stall: Callable[[], None] | None = None):
+    self.host = host
+    self.faults = [f for f in faults if f.host == host]
+    self._stall = stall or (lambda: threading.Event().wait())
+
+  def phase_started(self, name: str, step: int | None, at: float) -> None:
+    del at
+    for f in self.faults:
+      if f.kind == f"stall-in-{name}" and (step or 0) >= f.step:
+        print(f"hetjax: emulated fault: host {self.host} stalls in {name} at step {step}",
+              file=sys.stderr, flush=True)
+        self._stall()
+
+  def phase_ended(self, name: str, step: int | None, at: float, failed: bool) -> None:
+    pass
+
+  def write_error(self, step: int) -> OSError | None:
+    """The error the checkpoint of `step` fails with on this host (None: it succeeds)."""
+    if any(f.kind == "fail-write" and step == f.step for f in self.faults):
+      return OSError(28, f"No space left on device (emulated fault: host {self.host}, step {step})")
+    return None
+
+
+def faults_from_env(host: int, env: Mapping[str, str] = os.environ) -> Faults | None:
+  """This host's emulated faults from HETJAX_FAULTS (None when it names none for this host)."""
+  found = Faults(host, parse_faults(env.get(Env.FAULTS, "")))
+  return found if found.faults else None

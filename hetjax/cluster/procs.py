@@ -39,7 +39,7 @@ from hetjax.cluster.hostgroup import POLL_S
 from hetjax.cluster.supervise import (  # noqa: F401 (public names)
     DEFAULT_MAX_PREEMPTIONS, PREEMPTED_EXIT, STALLED_EXIT, INTERRUPTED_EXIT, WRITE_FAILED_EXIT,
     Findings, Outcome, _signal_name, add_restart_arguments, check_restarts, describe, failure,
-    first_failure, note, supervise)
+    first_failure, note, settled_failure, supervise)
 
 # Signals that make the launcher stop its hosts; it then exits 128 + signum.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -94,14 +94,20 @@ def run_group(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str
     if outcome.signal is not None:
       _pass_on(group, received, grace_s)
   finally:
+    stopped = [i for i, rc in enumerate(group.poll()) if rc is None]
     # Runs on success too: it kills whatever the hosts left behind.
     group.stop(grace_s if outcome.signal is None else 0.0)
     group.join_output()
     _restore_handlers(previous)
   outcome.returncodes = group.poll()
+  if outcome.failed_host is not None:  # Every host's words are read now: blame settles.
+    outcome.failed_host = settled_failure(outcome.returncodes, stopped, group.exit_times(),
+                                          group.findings)
   outcome.tails = [group.tail(i) for i in range(len(commands))]
   outcome.unresponsive = sorted(group.findings.unresponsive)
   outcome.stalled = sorted(group.findings.stalled)
+  outcome.write_failed_hosts = sorted(group.findings.write_failed)
+  outcome.reactions = sorted(group.findings.reactions)
   return outcome
 
 

@@ -137,6 +137,8 @@ class StopRequests:
 
   def _handle(self, signum: int, frame) -> None:
     del frame
+    if watchdog.WATCHDOG.ending.is_set() or watchdog.WATCHDOG.failing.is_set():
+      return  # This host leaves with the job's verdict, or its failure: not a preemption.
     if self.code == NONE:
       self.during = watchdog.WATCHDOG.position.step if watchdog.WATCHDOG.position else None
     self.code = max(self.code, _CODES[signum])

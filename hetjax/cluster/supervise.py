@@ -26,8 +26,10 @@ import math
 import re
 import signal
 import sys
-from typing import Callable, Sequence
+from typing import Callable, Collection, Sequence
 
+from hetjax.cluster import ending
+from hetjax.cluster import lost_peer
 from hetjax.cluster import watchdog
 from hetjax.exits import (INTERRUPTED_EXIT, PREEMPTED_EXIT, STALLED_EXIT,  # noqa: F401 (re-exported)
                           WRITE_FAILED_EXIT)
@@ -49,6 +51,8 @@ class Outcome:
     tails: the last output lines of each host.
     unresponsive: hosts the coordination service declared dead (no heartbeats).
     stalled: hosts a step watchdog named as holding the job up.
+    write_failed_hosts: hosts whose checkpoint write failed (named by every host).
+    reactions: hosts whose failure was a reaction to a peer's loss (their own words).
   """
 
   returncodes: list[int | None]
@@ -58,6 +62,8 @@ class Outcome:
   tails: list[list[str]] = dataclasses.field(default_factory=list)
   unresponsive: list[int] = dataclasses.field(default_factory=list)
   stalled: list[int] = dataclasses.field(default_factory=list)
+  write_failed_hosts: list[int] = dataclasses.field(default_factory=list)
+  reactions: list[int] = dataclasses.field(default_factory=list)
 
   def blamed(self) -> list[int]:
     """The hosts that caused the failure: those named by the hosts' own reports, else the first."""
@@ -65,8 +71,11 @@ class Outcome:
       return []
     if self.unresponsive:
       return list(self.unresponsive)
-    if self.stalled and self.returncodes[self.failed_host] == STALLED_EXIT:
+    rc = self.returncodes[self.failed_host]
+    if self.stalled and rc == STALLED_EXIT:
       return list(self.stalled)
+    if self.write_failed_hosts and rc == WRITE_FAILED_EXIT:
+      return list(self.write_failed_hosts)
     return [self.failed_host]
 
   @property
@@ -106,7 +115,8 @@ class Outcome:
 
 
 def first_failure(codes: Sequence[int | None],
-                  exit_times: Sequence[float | None] | None = None) -> int | None:
+                  exit_times: Sequence[float | None] | None = None,
+                  reactions: Collection[int] = ()) -> int | None:
   """The host to blame among those that exited non-zero by themselves, if any.
 
   When a host dies, its peers fail soon after in the collective they shared,
@@ -114,13 +124,18 @@ def first_failure(codes: Sequence[int | None],
   1. a host killed by a signal from outside (SIGKILL, the OOM killer, a
      crash), never a reaction to a peer; SIGABRT does not count, it is how
      JAX ends a process whose peer vanished;
-  2. then the earliest to exit, by each process's own exit time;
-  3. at equal times, a real failure before a preemption: restarting a crash
+  2. then a host that did not say its failure was a reaction (`reactions`,
+     `hetjax.cluster.lost_peer`) nor was aborted by JAX (SIGABRT);
+  3. then the earliest to exit, by each process's own exit time;
+  4. at equal times, a real failure before a preemption: restarting a crash
      as "preempted" would hide it from --max-restarts; then the lowest index.
+  Which host the message names comes from the hosts' own words where they
+  gave them (`Outcome.blamed`), so it does not depend on who ended first.
 
   Args:
     codes: per host, its exit code (negative: the signal), None if running.
     exit_times: per host, when it exited (any clock); None: all equal.
+    reactions: hosts whose failure was a reaction to a peer's loss.
   """
   failed = [i for i, rc in enumerate(codes) if rc not in (None, 0)]
   if not failed:
@@ -130,9 +145,24 @@ def first_failure(codes: Sequence[int | None],
     rc = codes[i]
     t = exit_times[i] if exit_times is not None and exit_times[i] is not None else math.inf
     killed = rc < 0 and -rc != signal.SIGABRT
-    return (not killed, t if exit_times is not None else 0.0, rc == PREEMPTED_EXIT, i)
+    reacted = i in reactions or rc == -signal.SIGABRT
+    return (not killed, reacted, t if exit_times is not None else 0.0, rc == PREEMPTED_EXIT, i)
 
   return min(failed, key=rank)
+
+
+def settled_failure(codes: Sequence[int | None], stopped: Collection[int],
+                    exit_times: Sequence[float | None] | None,
+                    findings: "Findings") -> int | None:
+  """`first_failure` once the group has ended and every host's words are read.
+
+  Hosts the launcher itself stopped (`stopped`, ending by its SIGTERM or
+  SIGKILL) did not fail by themselves and are left out; a host that left
+  with its own code during the grace still counts.
+  """
+  own = [None if i in stopped and rc in (-signal.SIGTERM, -signal.SIGKILL) else rc
+         for i, rc in enumerate(codes)]
+  return first_failure(own, exit_times, findings.reactions)
 
 
 def add_restart_arguments(parser: argparse.ArgumentParser) -> None:
@@ -258,7 +288,8 @@ def failure(outcome: Outcome) -> str:
   if rc == PREEMPTED_EXIT:
     return f"host {i} was preempted (exit code {rc})"
   if rc == WRITE_FAILED_EXIT:
-    return f"host {i} could not write a checkpoint (exit code {rc}: a full or unwritable disk)"
+    return (f"{_hosts(outcome.blamed())} could not write a checkpoint (exit code {rc}: a full or "
+            "unwritable disk, or an unreachable bucket)")
   if outcome.stopped_by_user:
     return f"host {i} was stopped by the user ({'exit code' if rc > 0 else 'signal'} " \
            f"{rc if rc > 0 else _signal_name(-rc)})"
@@ -325,6 +356,8 @@ class Findings:
   def __init__(self):
     self.unresponsive: set[int] = set()  # Reported by the coordination service.
     self.stalled: set[int] = set()  # Named by a host's step watchdog.
+    self.write_failed: set[int] = set()  # Named by every host when one's checkpoint write failed.
+    self.reactions: set[int] = set()  # Hosts that failed because a peer was gone.
     self._listing: set[int] = set()  # Hosts whose next lines list unhealthy tasks.
 
   def scan(self, host: int, line: str) -> None:
@@ -337,5 +370,12 @@ class Findings:
     if _HEARTBEATS in line and line.rstrip().endswith(":"):
       self._listing.add(host)
     elif line.startswith(watchdog.MARKER):
-      named = line[len(watchdog.MARKER):].strip()
-      self.stalled.update(int(h) for h in named.split(",") if h.strip().isdigit())
+      self.stalled.update(_named(line[len(watchdog.MARKER):]))
+    elif line.startswith(ending.MARKERS[WRITE_FAILED_EXIT]):
+      self.write_failed.update(_named(line[len(ending.MARKERS[WRITE_FAILED_EXIT]):]))
+    elif line.startswith(lost_peer.MARKER):
+      self.reactions.add(host)
+
+
+def _named(hosts: str) -> list[int]:
+  return [int(h) for h in hosts.strip().split(",") if h.strip().isdigit()]

@@ -1,28 +1,35 @@
-"""The step watchdog: a stuck job is stopped, and the host that did not keep up is named.
+"""The run-wide watchdog: every wait has a deadline, and the host that did not keep up is named.
 
-A host stuck inside its step (a hung file read, a stuck data worker, a GPU
-hang) stalls every other host in the next cross-host reduction, silently
-and for ever: no error is raised anywhere. So every host keeps, in a thread
-of its own, the time of the job's last progress (a step entered, its
-reduction joined, a step completed). When a step has been outstanding for
-longer than the limit, every host that is still alive
-  1. dumps its threads' stacks to its log (`faulthandler`), which shows
-     where a live host waits (the collective) and where a stuck one is stuck;
-  2. reads where every host is: each host's thread posts its position (the
-     last step it entered, and whether it joined that step's reduction) to
-     the cluster's key-value store, which the coordination service answers
-     while the collective is stuck; a host whose posts stopped is frozen;
-  3. names the hosts behind the furthest one, prints a line the launchers
-     read (`MARKER`), and exits with `STALLED_EXIT`, which the launchers
-     restart from the last checkpoint under `--max-restarts`.
+A host stuck anywhere (a hung file read in a step or in evaluation, a stuck
+data worker, a GPU hang, a restore from a dead mount) stalls every other
+host in the next cross-host wait, silently and for ever. So every host
+keeps, in a thread of its own, the time of its last progress: a lifecycle
+phase entered or left (`hetjax.phases`; the watchdog is a listener), a step
+entered, its reduction joined, a step completed, a cross-host wait (vote,
+gather) entered or left. When the wait in force exceeds its limit, every
+host that is still alive
+  1. dumps its threads' stacks to its log (`faulthandler`);
+  2. reads where every host is (`hetjax.cluster.positions`: each host's
+     thread posts its phase, step and whether it waits on the others to the
+     cluster's key-value store); a host whose posts stopped is frozen;
+  3. names the hosts behind the furthest one and what they were doing
+     ("host 1: in evaluation at step 4 for 612 s"), prints a line the
+     launchers read (`MARKER`), and exits with `STALLED_EXIT` (69), which
+     the launchers restart from the last checkpoint under --max-restarts.
+The first host to stop posts its verdict (`hetjax.cluster.ending`), so the
+others stop with it, and every host leaves with the same code.
 
-The limit: `TrainConfig.watchdog_s` (`hetjax train --watchdog S`); by
-default the larger of `STEP_FACTOR` x the median step and `MIN_DEFAULT_S`
-(a slow but moving job is never stopped). It is armed only after
-`WARMUP_STEPS` completed steps of this run (compiling and the first steps,
-which may be slow for good reasons, never count), and only while a step is
-outstanding: evaluation, checkpoints and the summary between steps are not
-steps. A round of the rounds modes is one "step" here.
+The limits, from the user's one knob `--watchdog S` (`TrainConfig.watchdog_s`):
+  L = S, or by default max(STEP_FACTOR x the median step, MIN_DEFAULT_S);
+  a step or round (after the first WARMUP_STEPS of a run):  L;
+  building, restoring, and the first WARMUP_STEPS steps or rounds of each
+    run (compiling, first transfers):                       STARTUP_FACTOR x L;
+  evaluation, checkpoint, agreement, summary:               PHASE_FACTOR x L;
+  between steps with none outstanding (callbacks, the user's code): none;
+  joining: the join's own deadline (--init-timeout);
+  S = 0 switches the stall checks off (failures still end every host).
+A limit bounds one wait without progress, not a phase: a slow but moving
+job (steps completing, evaluation batches read) is never stopped.
 
 Host 0 also reads every host's posts while it watches: a host whose posts
 stop for a third of the heartbeat timeout (HETJAX_HEARTBEAT_TIMEOUT) is named
@@ -36,126 +43,104 @@ starts, and a single-host run (no client) still stops and dumps its stacks.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import faulthandler
 import os
 import statistics
 import sys
 import threading
 import time
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Callable, Iterator
 
-from hetjax.config import Env
-from hetjax.exits import STALLED_EXIT
+from hetjax import phases
+from hetjax.cluster import ending
+from hetjax.cluster.peers import DEFAULT_HEARTBEAT_S, Peers as _Peers, heartbeat_s  # noqa: F401
+from hetjax.cluster import positions
+from hetjax.cluster.positions import Position, behind, message  # noqa: F401 (public names)
+from hetjax.exits import STALLED_EXIT, JobExit
 
 STEP_FACTOR = 20
 MIN_DEFAULT_S = 300.0
 WARMUP_STEPS = 3
-# The line every stopping host prints, for the launchers (`hetjax.cluster.supervise`).
-MARKER = "[hetjax] watchdog: stalled host(s):"
-_DIR = "hetjax/watchdog/"
-_KEY = _DIR + "{host}"
-DEFAULT_HEARTBEAT_S = 100  # JAX's; hetjax.cluster.runtime passes HETJAX_HEARTBEAT_TIMEOUT on.
+STARTUP_FACTOR = 10  # Building, restoring, compiling: generous.
+PHASE_FACTOR = 3     # Evaluation, checkpoint, agreement, summary: one unbroken wait each.
+STARTUP = (phases.JOINING, phases.BUILDING, phases.RESTORING)
+BETWEEN_STEPS = (phases.EVALUATION, phases.CHECKPOINT, phases.AGREEMENT, phases.SUMMARY)
+MARKER = ending.STALL_MARKER  # What every stopping host prints, for the launchers.
 _RECENT = 50  # Step times the default limit is computed from.
-
-ENTERED, REDUCING = 0, 1
-
-
-@dataclasses.dataclass(frozen=True)
-class Position:
-  """Where a host is: the last step it entered, and whether it joined that step's reduction."""
-
-  step: int
-  phase: int
-  beat: int = 0  # Counts the host's posts: a beat that stops moving means a frozen host.
-
-  def encode(self) -> str:
-    return f"{self.step} {self.phase} {self.beat}"
-
-  @classmethod
-  def decode(cls, text: str) -> "Position":
-    step, phase, beat = (int(x) for x in text.split())
-    return cls(step, phase, beat)
-
-  def describe(self) -> str:
-    where = "waiting in its reduction" if self.phase == REDUCING else "inside it, before its reduction"
-    return f"entered step {self.step}, {where}"
-
-
-def behind(positions: Mapping[int, Position | None], frozen: Sequence[int] = ()) -> list[int]:
-  """The hosts that held the job up: frozen, never posted, or behind the furthest host.
-
-  When every live host stands at the same place, nobody is behind: all wait
-  in one collective (a device, network or collective-library hang), and the
-  answer is the empty list.
-  """
-  silent = sorted(set(frozen) | {h for h, p in positions.items() if p is None})
-  known = {h: (p.step, p.phase) for h, p in positions.items() if p is not None and h not in silent}
-  if not known:
-    return silent
-  front = max(known.values())
-  return sorted(set(silent) | {h for h, at in known.items() if at < front})
-
-
-def message(idle_s: float, limit_s: float, positions: Mapping[int, Position | None],
-            stuck: Sequence[int], frozen: Sequence[int]) -> str:
-  """What a stopping host prints: the wait, every host's place, the culprits, the fix."""
-  places = []
-  for h in sorted(positions):
-    p = positions[h]
-    if h in frozen:
-      places.append(f"host {h}: stopped posting (frozen, or its machine is unreachable)")
-    elif p is None:
-      places.append(f"host {h}: never posted a position")
-    else:
-      places.append(f"host {h}: {p.describe()}")
-  if stuck:
-    who = (f"host(s) {', '.join(map(str, stuck))} did not keep up with the others")
-  else:
-    who = ("no host is behind: every host waits in the same reduction (a device, network or "
-           "collective-library hang)")
-  return (f"hetjax: watchdog: no step completed for {idle_s:.1f} s (limit {limit_s:g} s): {who}. "
-          f"{'; '.join(places)}. This host's thread stacks are above. Exiting with code "
-          f"{STALLED_EXIT}: under --max-restarts the launcher restarts the job from its last "
-          "checkpoint; raise the limit with --watchdog SECONDS if steps are this slow.")
 
 
 class Watchdog:
-  """One per process (`WATCHDOG`); the trainers report progress, a thread watches it.
+  """One per process (`WATCHDOG`): a phase listener; the trainers report steps, a thread watches.
 
   The trainers call `entered(step)` when they start a step, `reducing(step)`
   when they join its reduction and `completed(step)` when its results are
-  back; each is a few attribute writes, so the step loop stays lean.
+  back; cross-host waits outside steps are wrapped in `waiting()`. Each is a
+  few attribute writes, so the step loop stays lean.
   """
 
-  def __init__(self, *, clock: Callable[[], float] = time.monotonic):
-    self._clock = clock
+  def __init__(self, *, clock: Callable[[], float] = time.monotonic,
+               wall: Callable[[], float] = time.time, exit: Callable[[int], None] = os._exit):
+    self._clock, self._wall, self._exit = clock, wall, exit
     self._lock = threading.Lock()
     self._thread: threading.Thread | None = None
     self._quit = threading.Event()
+    self._seq = 0  # Never reset: hosts compare it along their common path.
+    self._failure: tuple[int, str] | None = None
+    self._client = None
+    self.ending = threading.Event()  # Set once this host decided to leave with the job's verdict.
+    # Set once this host's run failed in a multi-host job: a stop signal then (the launcher
+    # stopping the survivors) must not turn the failure into a preemption.
+    self.failing = threading.Event()
     self._reset(None)
 
-  def _reset(self, limit_s: float | None) -> None:
-    self.limit_s = limit_s
+  def _reset(self, limit_s: float | None, unit: str = "step") -> None:
+    self.limit_s, self.unit = limit_s, unit
     self.position: Position | None = None
+    self._phases: list[tuple[str, int | None]] = []
+    self._step = 0
+    self._waiting = False
     self._outstanding = 0
     self._completed = 0
     self._last_progress = self._clock()
+    self._since = self._wall()
     self._last_done: float | None = None
     self._step_s: list[float] = []
 
-  # ---- what the trainers call --------------------------------------------------
+  def _moved(self) -> None:
+    """Notes progress and the position it leads to (call with the lock held)."""
+    self._last_progress, self._since = self._clock(), self._wall()
+    name, step = self._phases[-1] if self._phases else (phases.TRAINING, None)
+    self.position = Position(self._seq, self._step if step is None or name == phases.TRAINING
+                             else step, self._waiting, name, self._since)
+
+  # ---- what the lifecycle (`hetjax.phases`) and the trainers call ------------------
+
+  def phase_started(self, name: str, step: int | None, at: float) -> None:
+    del at
+    with self._lock:
+      self._phases.append((name, step))
+      self._seq += 1
+      self._waiting = False
+      self._moved()
+
+  def phase_ended(self, name: str, step: int | None, at: float, failed: bool) -> None:
+    del name, step, at, failed
+    with self._lock:
+      if self._phases:
+        self._phases.pop()
+      self._seq += 1
+      self._waiting = False
+      self._moved()
 
   def entered(self, step: int) -> None:
     with self._lock:
-      self.position = Position(step, ENTERED)
+      self._step, self._waiting = step, False
       self._outstanding += 1
-      self._last_progress = self._clock()
+      self._moved()
 
   def reducing(self, step: int) -> None:
     with self._lock:
-      self.position = Position(step, REDUCING)
-      self._last_progress = self._clock()
+      self._step, self._waiting = step, True
+      self._moved()
 
   def completed(self, step: int) -> None:
     del step
@@ -165,100 +150,206 @@ class Watchdog:
       self._completed += 1
       if self._last_done is not None and self._completed > WARMUP_STEPS:
         self._step_s = [*self._step_s[-_RECENT + 1:], now - self._last_done]
-      self._last_done = self._last_progress = now
+      self._last_done = now
+      self._waiting = False
+      self._moved()
+
+  def tick(self) -> None:
+    """Progress inside a phase (an evaluation batch read): the wait so far was not a stall."""
+    self._last_progress = self._clock()
+
+  @contextlib.contextmanager
+  def waiting(self) -> Iterator[None]:
+    """Marks a cross-host wait outside a step (a vote, a gather): the others are named first."""
+    with self._lock:
+      before, self._waiting = self._waiting, True
+      self._moved()
+    try:
+      yield
+    finally:
+      with self._lock:
+        self._waiting = before
+        self._moved()
+
+  def fail(self, code: int, reason: str) -> bool:
+    """Ends every host with `code`, `reason` (one line) said on each; False when not watching
+    several hosts (the caller then reports the failure itself)."""
+    if self._thread is None or self._client is None:
+      return False
+    with self._lock:
+      self._failure = self._failure or (code, reason)
+    return True
 
   # ---- the decision ------------------------------------------------------------------
 
-  def current_limit(self) -> float | None:
-    """The limit in force now: None while not armed (warming up, or switched off)."""
-    if self.limit_s == 0 or self._completed < WARMUP_STEPS:
+  def step_limit(self) -> float | None:
+    """L: --watchdog S, else the default from the measured steps (None: switched off)."""
+    if self.limit_s == 0:
       return None
     if self.limit_s is not None:
       return self.limit_s
     if not self._step_s:
-      return None
+      return MIN_DEFAULT_S
     return max(STEP_FACTOR * statistics.median(self._step_s), MIN_DEFAULT_S)
 
-  def stalled_for(self) -> float | None:
-    """Seconds a step has been outstanding past the limit's start, when over the limit."""
+  def current_limit(self) -> tuple[float, str] | None:
+    """The limit of the wait in force now and what it is, e.g. (15.0, 'evaluation, 3 x ...')."""
+    base = self.step_limit()
+    if base is None:
+      return None
+    source = f"--watchdog {self.limit_s:g}" if self.limit_s else f"the step limit {base:g} s"
+    phase = self._phases[-1][0] if self._phases else None
+    if phase in STARTUP:
+      return STARTUP_FACTOR * base, f"{phase}, {STARTUP_FACTOR} x {source}"
+    if phase in BETWEEN_STEPS:
+      return PHASE_FACTOR * base, f"{phase}, {PHASE_FACTOR} x {source}"
+    if not self._outstanding:
+      return None  # Between steps: the user's callbacks, not a wait on the others.
+    if self._completed < WARMUP_STEPS:
+      return STARTUP_FACTOR * base, (f"the first {WARMUP_STEPS} {self.unit}s, "
+                                     f"{STARTUP_FACTOR} x {source}")
+    return base, f"a {self.unit}, {source}"
+
+  def stalled_for(self) -> tuple[float, str] | None:
+    """(seconds without progress, the limit's words), when over the limit."""
     with self._lock:
       limit = self.current_limit()
-      if limit is None or not self._outstanding:
-        return None
       idle = self._clock() - self._last_progress
-    return idle if idle > limit else None
+    if limit is None or idle <= limit[0]:
+      return None
+    return idle, f"{limit[0]:g} s for {limit[1]}"
 
   # ---- the thread --------------------------------------------------------------------
 
   @contextlib.contextmanager
-  def watching(self, limit_s: float | None, host_id: int, num_hosts: int) -> Iterator["Watchdog"]:
-    """Watches the steps inside the block (nested blocks share the outer watch).
+  def watching(self, limit_s: float | None, host_id: int, num_hosts: int,
+               unit: str = "step", client=None) -> Iterator["Watchdog"]:
+    """Watches every phase and step inside the block (nested blocks share the outer watch).
 
     Args:
-      limit_s: seconds; None: the default from the measured step time; 0: off.
+      limit_s: --watchdog seconds; None: the default from the measured step time; 0: no stall
+        checks (a failure on one host still ends every host).
       host_id, num_hosts: this host's place, to name the others.
+      unit: what the run counts, for the lines ('step' or 'round').
+      client: the key-value client (default: JAX's, on several hosts).
     """
-    if self._thread is not None or limit_s == 0:
+    if self._thread is not None:
+      self.unit = unit  # The outer watch (the trainer's construction) knew no unit yet.
       yield self
       return
-    self._reset(limit_s)
+    if client is None and num_hosts > 1:
+      client = _kv_client()
+    if limit_s == 0 and client is None:
+      yield self
+      return
+    self._reset(limit_s, unit)
+    self._client, self._failure = client, None
     self._quit.clear()
-    client = _kv_client() if num_hosts > 1 else None
     self._thread = threading.Thread(target=self._run, args=(host_id, num_hosts, client),
                                     name="hetjax-watchdog", daemon=True)
-    self._thread.start()
-    try:
-      yield self
-    finally:
-      self._quit.set()
-      self._thread.join()
-      self._thread = None
+    with phases.PHASES.subscribe(self):
+      self._thread.start()
+      try:
+        yield self
+      except BaseException as e:
+        if client is not None and not isinstance(e, JobExit):
+          # A peer that posted a verdict and left fails this host's collective at once: the
+          # verdict, read at the next poll, is what this host says (the thread exits then).
+          self.failing.set()
+          self.ending.wait(2 * self._poll_s())
+        raise
+      finally:
+        self._quit.set()
+        self._thread.join()
+        self._thread = None
 
   def _poll_s(self) -> float:
-    limit = self.current_limit() or self.limit_s or MIN_DEFAULT_S
+    limit = self.step_limit() or MIN_DEFAULT_S
     return min(1.0, max(0.05, limit / 10))
 
+  def _post(self, client, host_id: int, beat: int) -> Position | None:
+    with self._lock:
+      position = self.position
+    if client is None or position is None:
+      return position
+    posted = Position(**{**position.__dict__, "beat": beat})
+    positions.post(client, host_id, posted)
+    return posted
+
   def _run(self, host_id: int, num_hosts: int, client) -> None:
-    beat, posted = 0, None
-    peers = _Peers(_heartbeat_s()) if client is not None and host_id == 0 else None
+    beat = 0
+    peers = _Peers(heartbeat_s()) if client is not None and host_id == 0 else None
     while not self._quit.wait(self._poll_s()):
-      with self._lock:
-        position = self.position
-      if client is not None and position is not None:
-        beat += 1
-        posted = dataclasses.replace(position, beat=beat)
-        _post(client, host_id, posted)
+      beat += 1
+      mine = self._post(client, host_id, beat)
+      if client is not None:
+        with self._lock:
+          failure = self._failure
+        if failure is not None:
+          ending.post(client, host_id, *failure)
+        found = ending.verdicts(client)
+        if found:
+          self.end(found, host_id, num_hosts, client, mine)
+          return
       if peers is not None and self._completed >= WARMUP_STEPS:  # Compiling may hold the GIL.
         peers.check(client, self._clock(), skip=host_id)
-      idle = self.stalled_for()
-      if idle is not None:
-        self._stop(idle, host_id, num_hosts, client, posted)
+      stalled = self.stalled_for()
+      if stalled is not None:
+        if client is not None:
+          ending.post(client, host_id, STALLED_EXIT, f"{stalled[0]:.1f} s over {stalled[1]}")
+          found = ending.verdicts(client) or {host_id: (STALLED_EXIT, "")}
+        else:
+          found = {host_id: (STALLED_EXIT, "")}
+        self.end(found, host_id, num_hosts, client, mine, stalled)
+        return
 
-  def _stop(self, idle: float, host_id: int, num_hosts: int, client, mine: Position | None) -> None:
-    """Dumps the stacks, names the hosts behind, exits STALLED_EXIT (never returns)."""
-    print(f"hetjax: watchdog: host {host_id}: no step completed for {idle:.1f} s; the stacks of "
-          "this host's threads follow.", file=sys.stderr, flush=True)
-    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-    limit = self.current_limit() or 0.0
-    first = {host_id: mine} if client is None else {**_read_all(client, num_hosts), host_id: mine}
-    # Said at once: the first host to exit ends the others (JAX aborts a host
-    # whose coordinator or peer is gone), so a later line may never be written.
-    _say(message(idle, limit, first, behind(first), ()), behind(first))
+  def end(self, found: dict[int, tuple[int, str]], host_id: int, num_hosts: int, client,
+          mine: Position | None, stalled: tuple[float, str] | None = None) -> None:
+    """Says this host's piece of the job's verdict, waits for the others, exits with its code."""
+    self.ending.set()
+    by, code, reason = ending.first(found)
+    if code != STALLED_EXIT:
+      print(f"hetjax: {reason}", file=sys.stderr, flush=True)
+      print(f"{ending_marker(code)} {by}", file=sys.stderr, flush=True)
+      skip: set[int] = set()
+    else:
+      skip = set(self._stop(host_id, num_hosts, client, mine, stalled, by))
     if client is not None:
-      # Every live host posts each poll: one whose beat does not move over
-      # three polls is frozen (SIGSTOP, a machine that stopped answering).
-      time.sleep(3 * self._poll_s())
-      later = {**_read_all(client, num_hosts), host_id: mine}
-      frozen = [h for h in range(num_hosts) if h != host_id and later.get(h) is not None
-                and first.get(h) is not None and later[h].beat == first[h].beat]
-      if frozen:
-        _say(message(idle, limit, later, behind(later, frozen), frozen), behind(later, frozen))
-    os._exit(STALLED_EXIT)
+      ending.acknowledge(client, host_id)
+      ending.wait_for_acknowledgements(client, host_id, num_hosts, skip)
+    self._exit(code)
+
+  def _stop(self, host_id: int, num_hosts: int, client, mine: Position | None,
+            stalled: tuple[float, str] | None, by: int) -> list[int]:
+    """Dumps the stacks, names the hosts behind; returns the frozen hosts."""
+    with self._lock:
+      idle = stalled[0] if stalled else self._clock() - self._last_progress
+    now_limit = self.current_limit()
+    limit = stalled[1] if stalled else (f"{now_limit[0]:g} s for {now_limit[1]}" if now_limit
+                                        else "none in force on this host")
+    beat = [mine.beat if mine else 0]
+
+    def post() -> None:  # Still alive: the others must not take this host for frozen.
+      beat[0] += 1
+      self._post(client, host_id, beat[0])
+
+    return ending.say_stall(host_id, num_hosts, client, mine, idle, limit, self.unit, by, post,
+                            self._poll_s())
+
+  def wait_for_the_end(self, grace_s: float = 5.0) -> None:
+    """Blocks while this host's watchdog ends the job (it exits the process); returns when no
+    verdict came within `grace_s`. A main thread that failed because a peer left (or whose
+    write failed) calls it first, so the job's verdict, not its echo, is what this host says."""
+    if self._thread is None or self._client is None:
+      return
+    if self.ending.wait(grace_s):
+      time.sleep(2 * ending.ACK_WAIT_S + 30)  # The watchdog thread exits the process.
 
 
-def _say(text: str, stuck: Sequence[int]) -> None:
-  print(text, file=sys.stderr, flush=True)
-  print(f"{MARKER} {','.join(map(str, stuck)) or 'none'}", file=sys.stderr, flush=True)
+def ending_marker(code: int) -> str:
+  """The line naming the host behind a verdict, for the launchers (`hetjax.cluster.supervise`)."""
+  return MARKER if code == STALLED_EXIT else ending.MARKERS.get(code, f"[hetjax] job ended "
+                                                                     f"with code {code} by host:")
 
 
 def _kv_client():
@@ -270,58 +361,16 @@ def _kv_client():
   return distributed.global_state.client
 
 
-def _post(client, host_id: int, position: Position) -> None:
+def service_alive() -> bool:
+  """Whether the coordination service (in host 0) still answers."""
+  client = _kv_client()
+  if client is None:
+    return False
   try:
-    client.key_value_set(_KEY.format(host=host_id), position.encode(), allow_overwrite=True)
-  except Exception:  # The service is going away (shutdown, a peer's abort): nothing to post to.
-    pass
-
-
-def _read_all(client, num_hosts: int) -> dict[int, Position | None]:
-  """Every host's last posted position (None for a host that never posted); non-blocking."""
-  out: dict[int, Position | None] = {}
-  for h in range(num_hosts):
-    try:
-      out[h] = Position.decode(client.key_value_try_get(_KEY.format(host=h)))
-    except Exception:  # Not found (never posted) or the service is unreachable.
-      out[h] = None
-  return out
-
-
-class _Peers:
-  """Host 0's view of the other hosts' posts: it names a host whose posts stopped."""
-
-  def __init__(self, heartbeat_s: float):
-    self.heartbeat_s = heartbeat_s
-    self._seen: dict[int, tuple[int, float]] = {}  # host -> (beat, when it last moved)
-    self._named: set[int] = set()
-
-  def check(self, client, now: float, skip: int) -> None:
-    try:
-      entries = client.key_value_dir_get(_DIR)  # One call, whatever the number of hosts.
-    except Exception:  # The service is going away: JAX speaks for itself then.
-      return
-    for key, value in entries:
-      host, beat = int(key.rsplit("/", 1)[1]), Position.decode(value).beat
-      if host == skip:
-        continue
-      last = self._seen.get(host)
-      if last is None or last[0] != beat:
-        self._seen[host] = (beat, now)
-      elif now - last[1] > self.heartbeat_s / 3 and host not in self._named:
-        self._named.add(host)
-        print(f"hetjax: host {host} stopped responding: frozen, or its machine is unreachable "
-              f"(no sign of life for {now - last[1]:.0f} s; the coordination service declares "
-              f"it dead after {Env.HEARTBEAT_TIMEOUT}={self.heartbeat_s:g} s, and JAX then "
-              "aborts the other hosts).", file=sys.stderr, flush=True)
-
-
-def _heartbeat_s() -> float:
-  raw = os.environ.get(Env.HEARTBEAT_TIMEOUT)
-  try:
-    return float(raw) if raw else DEFAULT_HEARTBEAT_S
-  except ValueError:  # runtime.initialize refused it already.
-    return DEFAULT_HEARTBEAT_S
+    client.key_value_dir_get("hetjax/")
+  except Exception:
+    return False
+  return True
 
 
 WATCHDOG = Watchdog()
@@ -339,6 +388,11 @@ def completed(step: int) -> None:
   WATCHDOG.completed(step)
 
 
-def watching(limit_s: float | None, host_id: int, num_hosts: int):
-  """`WATCHDOG.watching`: what `fit` wraps its loop in."""
-  return WATCHDOG.watching(limit_s, host_id, num_hosts)
+def waiting() -> contextlib.AbstractContextManager[None]:
+  """`WATCHDOG.waiting`: what a cross-host vote or gather is wrapped in."""
+  return WATCHDOG.waiting()
+
+
+def watching(limit_s: float | None, host_id: int, num_hosts: int, unit: str = "step"):
+  """`WATCHDOG.watching`: what the trainer wraps its construction, `fit` and `close` in."""
+  return WATCHDOG.watching(limit_s, host_id, num_hosts, unit)

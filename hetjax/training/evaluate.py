@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from hetjax import mesh as mesh_lib
 from hetjax import step as step_lib
+from hetjax.cluster import watchdog
 from hetjax.task import MASK, Task, split_losses
 
 PyTree = Any
@@ -105,6 +106,7 @@ class Evaluator:
     for first in range(start, stop, self.batch):
       records = self._padded(source[np.arange(first, min(first + self.batch, stop))])
       out = self._sums(params, model_state, jax.device_put(records, sharding))
+      watchdog.WATCHDOG.tick()  # A long split that moves is no stall.
       if pending is not None:  # Fetch one batch late, so the next one is already queued.
         total += _ordered(jax.device_get(pending), names)
       pending = out

@@ -21,6 +21,7 @@ import numpy as np
 
 from hetjax import config as config_lib
 from hetjax import mesh as mesh_lib
+from hetjax import phases
 from hetjax.checkpoint import manager as ckpt_lib
 from hetjax.cluster import runtime
 from hetjax.cluster import signals
@@ -83,7 +84,9 @@ def checkpointer(checkpoint: ckpt_lib.CheckpointConfig | None,
   """The checkpointer of `checkpoint` (None without), voting over every host."""
   if checkpoint is None:
     return None
-  return ckpt_lib.Checkpointer(checkpoint, lambda flag: all_hosts_agree(flag, meshes))
+  faults = emulated_faults(meshes.host_id)
+  return ckpt_lib.Checkpointer(checkpoint, lambda flag: all_hosts_agree(flag, meshes),
+                               write_error=None if faults is None else faults.write_error)
 
 
 def all_hosts_agree(flag: bool, meshes: mesh_lib.Meshes) -> bool:
@@ -116,6 +119,34 @@ class Evaluations:
     if self._evaluator is None or self._evaluator.batch != batch_size * self.meshes.local_devices:
       self._evaluator = evaluate_lib.Evaluator(self.task, self.meshes, batch_size)
     return self._evaluator.evaluate(params, model_state, source, weights)
+
+
+@contextlib.contextmanager
+def watched(config: config_lib.TrainConfig, host_id: int | None = None,
+            num_hosts: int | None = None, unit: str = "step") -> Iterator[None]:
+  """The run-wide watchdog over the block (`hetjax.cluster.watchdog`): every phase announced
+  inside it (building, restoring, steps, evaluation, checkpoints, agreement, the summary) has
+  a deadline derived from `config.watchdog_s`. Nested blocks share the outer watch.
+
+  Emulated faults (HETJAX_FAULTS, `hetjax.cluster.emulate`) are injected here, after the
+  watchdog hears of each phase, so an emulated stall is watched like a real one.
+  """
+  host_id = jax.process_index() if host_id is None else host_id
+  num_hosts = jax.process_count() if num_hosts is None else num_hosts
+  with contextlib.ExitStack() as stack:
+    stack.enter_context(watchdog.watching(config.watchdog_s, host_id, num_hosts, unit))
+    faults = emulated_faults(host_id)
+    if faults is not None:
+      stack.enter_context(phases.PHASES.subscribe(faults))
+    yield
+
+
+def emulated_faults(host_id: int):
+  """This host's emulated faults (a phase listener), or None when HETJAX_FAULTS names none."""
+  if not os.environ.get(config_lib.Env.FAULTS):
+    return None
+  from hetjax.cluster import emulate  # Emulation stays off the real path.
+  return emulate.faults_from_env(host_id)
 
 
 # ---- one fit() call ----------------------------------------------------------
@@ -168,7 +199,7 @@ class Run:
       extra: a record's own metrics of a window entry (`hetjax.observe.metrics.RecordStream`).
     """
     check_fit_args(count, until, eval_every, eval_source, unit)
-    self.trainer, self.out = trainer, out
+    self.trainer, self.out, self.unit = trainer, out, unit[:-1]
     self.eval_every, self.eval_source = eval_every, eval_source
     self.every_step = every_step or trainer.pace is not None  # Paced steps run one by one.
     self.target = trainer.step + count if until is None else until
@@ -194,10 +225,9 @@ class Run:
 
   @contextlib.contextmanager
   def watching(self) -> Iterator[None]:
-    """The loop's surroundings: stop signals caught, the watchdog on."""
+    """The loop's surroundings: stop signals caught, the watchdog on (`watched`)."""
     t = self.trainer
-    with signals.REQUESTS.installed(), watchdog.watching(t.config.watchdog_s, t.host_id,
-                                                          t.num_hosts):
+    with signals.REQUESTS.installed(), watched(t.config, t.host_id, t.num_hosts, self.unit):
       yield
 
   @property

@@ -1,0 +1,77 @@
+"""orbax's commit, watched: a write that fails, in the background too, is reported as it fails.
+
+orbax writes an asynchronous checkpoint in its own background thread and
+reports a failure only at the next save; the other hosts meanwhile wait in
+its barrier until its timeout (20 minutes). So the state item's handler
+wraps the futures its commit waits on: the first to fail calls `report`
+from whichever thread waits on it, and the manager ends the job at once.
+
+The same seam injects an EMULATED failure (`hetjax.cluster.emulate.Faults`):
+one more future in the commit, which fails as a full disk does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import orbax.checkpoint as ocp
+
+Report = Callable[[int, BaseException], None]
+
+
+class ReportingHandler:
+  """orbax's standard handler (`handler`), whose commit futures report a failure.
+
+  The handler keeps its own type (orbax pairs argument types with handler
+  types); only this instance's `async_save` is wrapped. Set `step` before
+  each save.
+  """
+
+  def __init__(self, report: Report,
+               inject: Callable[[int], BaseException | None] | None = None):
+    self.handler = ocp.StandardCheckpointHandler()
+    self._report, self._inject = report, inject
+    self.step: int | None = None
+    original = self.handler.async_save
+
+    async def async_save(directory: Any, *args: Any, **kwargs: Any) -> list[Any]:
+      futures = list(await original(directory, *args, **kwargs) or [])
+      step = self.step
+      injected = None if self._inject is None or step is None else self._inject(step)
+      if injected is not None:
+        futures.append(_Failed(injected))
+      return [_Reported(f, step, self._report) for f in futures]
+
+    self.handler.async_save = async_save
+
+
+class _Reported:
+  """A commit future whose failure is reported before orbax sees it."""
+
+  def __init__(self, inner: Any, step: int | None, report: Report):
+    self._inner, self._step, self._report = inner, step, report
+
+  def result(self, timeout: float | None = None) -> Any:
+    try:
+      return self._inner.result(timeout=timeout)
+    except Exception as e:  # pylint: disable=broad-except
+      if self._step is not None and not isinstance(e, TimeoutError):
+        self._report(self._step, e)
+      raise
+
+  def cancel(self) -> Any:
+    return getattr(self._inner, "cancel", lambda: None)()
+
+
+class _Failed:
+  """EMULATED: a commit that fails with `error` (`hetjax.cluster.emulate.Faults.write_error`)."""
+
+  def __init__(self, error: BaseException):
+    self._error = error
+
+  def result(self, timeout: float | None = None) -> Any:
+    del timeout
+    raise self._error
+
+  def cancel(self) -> None:
+    pass

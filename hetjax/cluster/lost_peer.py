@@ -1,0 +1,86 @@
+"""A host whose peer is gone says so in one line; the full traceback goes to a file.
+
+When a host dies (kill -9, the OOM killer, a lost machine), the others fail
+in the collective they shared with a long gloo or coordination-service
+traceback ("Gloo AllGather failed ... Connection closed by peer") that names
+nobody. The surviving host prints instead one line: which host stopped
+responding, at which step and phase, where the traceback is; then a marker
+that tells the launcher its failure was a reaction, so the launcher blames
+the host that died (`hetjax.cluster.supervise`).
+
+Stdlib only.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import traceback
+from typing import Callable
+
+from hetjax.cluster.positions import Position
+
+# Words of the errors a host meets when a peer, or the coordination service, is gone.
+PEER_ERRORS = ("gloo", "connection closed by peer", "connection reset by peer", "socket closed",
+               "deadline_exceeded", "unavailable", "failed to connect", "broken pipe")
+MARKER = "[hetjax] lost a peer; this host's failure is a reaction:"
+LOG_NAME = "host{host}-error.log"
+
+
+def is_peer_failure(error: BaseException) -> bool:
+  """Whether `error` is what a collective raises when another host is gone."""
+  text = f"{type(error).__name__} {error}".lower()
+  return any(words in text for words in PEER_ERRORS)
+
+
+def suspects(host_id: int, num_hosts: int, service_alive: Callable[[], bool]) -> tuple[list[int], str]:
+  """(the hosts that stopped responding, how it is known); [] when it cannot be told.
+
+  The coordination service runs in host 0: when it cannot be reached, host
+  0 is gone. With two hosts, the other one is.
+  """
+  if host_id != 0 and not _bounded(service_alive, 1.5):
+    return [0], " (the coordination service it runs is gone)"
+  others = [h for h in range(num_hosts) if h != host_id]
+  return (others, "") if len(others) == 1 else ([], "")
+
+
+def explain(error: BaseException, host_id: int, num_hosts: int, position: Position | None,
+            log_dir: str | None, service_alive: Callable[[], bool],
+            unit: str = "step") -> tuple[str, str]:
+  """(the one line a surviving host prints, the launcher's marker); writes the traceback
+  to `log_dir`/host{H}-error.log."""
+  hosts, how = suspects(host_id, num_hosts, service_alive)
+  who = (f"host {hosts[0]}" if len(hosts) == 1 else "another host") + " stopped responding"
+  if position is not None:
+    who += (f" at {unit} {position.step}" if position.phase == "training"
+            else f" in {position.phase} at {unit} {position.step}")
+  first = next((l.strip() for l in str(error).splitlines() if l.strip()), type(error).__name__)
+  first = first if len(first) <= 200 else first[:197] + "..."
+  path = _write(error, host_id, log_dir)
+  kept = f"full traceback in {path}" if path else "no folder to keep the traceback in (--out)"
+  line = (f"{who}{how}: this host's collective failed ({first}); {kept}. Under --max-restarts "
+          "the launcher restarts the job from its last checkpoint.")
+  return line, f"{MARKER} {','.join(map(str, hosts)) or 'unknown'}"
+
+
+def _write(error: BaseException, host_id: int, log_dir: str | None) -> str | None:
+  if not log_dir:
+    return None
+  path = os.path.join(log_dir, LOG_NAME.format(host=host_id))
+  try:
+    os.makedirs(log_dir, exist_ok=True)
+    with open(path, "w") as f:
+      f.write("".join(traceback.format_exception(type(error), error, error.__traceback__)))
+  except OSError:
+    return None
+  return path
+
+
+def _bounded(check: Callable[[], bool], timeout_s: float) -> bool:
+  """`check()`, or False when it does not answer within `timeout_s` (a dead service may hang)."""
+  answer: list[bool] = []
+  thread = threading.Thread(target=lambda: answer.append(bool(check())), daemon=True)
+  thread.start()
+  thread.join(timeout_s)
+  return bool(answer and answer[0])
