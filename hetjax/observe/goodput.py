@@ -110,6 +110,7 @@ class HostTime:
   seconds: dict[str, float]   # COMPUTE and every cause in CAUSES
   attempts: int
   redone_steps: int
+  steps_run: int              # steps recorded over every attempt (redone ones twice)
   flops_per_s: float | None = None   # over its compute seconds after warm-up
   device_kind: str | None = None
   devices: int = 1
@@ -205,7 +206,7 @@ def host_time(attempts: Sequence[Attempt], host: int = 0, warmup: int = WARMUP_S
   compute = sum(s.compute_s for s in steady)
   known = steady and all(s.flops is not None for s in steady) and compute > 0
   return HostTime(host, attempts[-1].end - attempts[0].process_start, seconds, len(attempts),
-                  redone, flops / compute if known else None, device.get("device_kind"),
+                  redone, sum(len(a.steps) for a in attempts), flops / compute if known else None, device.get("device_kind"),
                   int(device.get("devices", 1)), device.get("precision", "fp32"),
                   bool(device.get("emulated", False)))
 

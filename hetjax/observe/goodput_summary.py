@@ -22,11 +22,11 @@ _SECONDS = (goodput_lib.COMPUTE,) + goodput_lib.CAUSES
 VECTOR_LENGTH = 1 + len(_SECONDS) + 6
 
 
-def host_vector(host: goodput_lib.HostTime, steps: int) -> list[float]:
+def host_vector(host: goodput_lib.HostTime) -> list[float]:
   """One host's figures as floats (NaN: unknown), for `fields` on every host."""
   peak = goodput_peaks.peak(host.device_kind, host.precision)
   return ([host.wall_s] + [host.seconds[c] for c in _SECONDS]
-          + [host.attempts, host.redone_steps, steps,
+          + [host.attempts, host.redone_steps, host.steps_run,
              math.nan if host.flops_per_s is None else host.flops_per_s,
              math.nan if peak is None else peak.flops_per_s * host.devices,
              -1 if peak is None else peak.index, float(host.emulated)])
@@ -45,6 +45,7 @@ def fields(rows: Sequence[Sequence[float]]) -> dict[str, Any]:
     known = goodput_peaks.row(int(index))
     per_host.append({
         "wall_s": float(r[0]), "compute_s": float(r[1]),
+        "badput_s": {c: float(r[2 + i]) for i, c in enumerate(goodput_lib.CAUSES)},
         "goodput": float(r[1]) / float(r[0]) if r[0] > 0 else 0.0,
         "flops_per_s": None if math.isnan(flops) else flops,
         "peak_flops_per_s": None if math.isnan(peak) else peak,
@@ -61,9 +62,9 @@ def fields(rows: Sequence[Sequence[float]]) -> dict[str, Any]:
           "emulated": any(h["emulated"] for h in per_host), "per_host": per_host}
 
 
-def from_job(job: goodput_lib.JobTime, steps: int) -> dict[str, Any]:
+def from_job(job: goodput_lib.JobTime) -> dict[str, Any]:
   """The same entry from phase files read back (`hetjax report`)."""
-  return fields([host_vector(h, steps) for h in job.hosts])
+  return fields([host_vector(h) for h in job.hosts])
 
 
 def saving_fields(saving: Saving | None) -> dict[str, Any] | None:
@@ -106,10 +107,13 @@ def _flops(x: float) -> str:
 
 
 def lines(goodput: dict[str, Any] | None, saving: dict[str, Any] | None,
-          causes: int = 6) -> list[str]:
-  """The goodput, the largest `causes` badput causes, FLOP/s per host and the saving, as text."""
+          causes: int | None = 6) -> list[str]:
+  """The goodput, the largest `causes` badput causes (None: every cause, one a line),
+  FLOP/s per host and the saving, as text."""
   out = []
-  if goodput:
+  if goodput and causes is None:
+    out += table(goodput)
+  elif goodput:
     tag = " (emulated speeds)" if goodput["emulated"] else ""
     wall = goodput["wall_s"]
     restarts = goodput["attempts"] - 1
@@ -122,14 +126,28 @@ def lines(goodput: dict[str, Any] | None, saving: dict[str, Any] | None,
     if rest > 0 and wall > 0:
       badput += f", other {rest / wall:.1%}"
     out.append(f"badput: {badput}")
-    for i, h in enumerate(goodput["per_host"]):
-      out.append(f"  host {i}: " + host_flops(h))
+  for i, h in enumerate((goodput or {}).get("per_host", [])):
+    out.append(f"  host {i}: " + host_flops(h))
   if saving:
     tag = " (emulated speeds)" if saving["emulated"] else ""
     out.append(f"balancer saved {saving['fraction']:.1%} of an equal split's step "
                f"({saving['balanced_step_s'] * 1e3:,.1f} ms against {saving['equal_step_s'] * 1e3:,.1f}"
                f" ms, modelled), {duration(max(saving['saved_s'], 0.0))} over "
                f"{saving['steps']} steps{tag}")
+  return out
+
+
+def table(goodput: dict[str, Any]) -> list[str]:
+  """The job's wall time by cause, one a line, largest first (the hosts' means)."""
+  wall, restarts = goodput["wall_s"], goodput["attempts"] - 1
+  tag = "  (emulated speeds)" if goodput["emulated"] else ""
+  out = [f"where the time went: {duration(wall)} job time over {restarts + 1} attempt(s), "
+         f"{goodput['redone_steps']} steps redone (hosts' means){tag}",
+         f"  {'compute (goodput)':26s} {goodput['compute_s']:9.2f} s  {goodput['fraction']:6.1%}"]
+  shown = sorted(((s, c) for c, s in goodput["badput_s"].items() if s > 0), reverse=True)
+  for s, c in shown:
+    if wall > 0 and s / wall >= 0.0005:
+      out.append(f"  {c:26s} {s:9.2f} s  {s / wall:6.1%}")
   return out
 
 

@@ -332,8 +332,7 @@ def goodput_fields(trainer: Trained, recorder: goodput_record.Recorder) -> dict[
   """The summary's `goodput` (every host's record so far, gathered) and `balancer_saving`."""
   t, h = trainer, trainer.history
   attempts = goodput_lib.attempts_of(goodput_lib.read_lines(recorder.path))
-  steps = sum(len(a.steps) for a in attempts)
-  mine = goodput_summary.host_vector(goodput_lib.host_time(attempts, t.host_id, h.warmup), steps)
+  mine = goodput_summary.host_vector(goodput_lib.host_time(attempts, t.host_id, h.warmup))
   rows = mesh_lib.gather_host_values(np.asarray(mine, np.float32), t.meshes)
   goodput = goodput_summary.fields(rows.tolist())
   saving = None
