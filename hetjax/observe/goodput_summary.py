@@ -128,7 +128,11 @@ def lines(goodput: dict[str, Any] | None, saving: dict[str, Any] | None,
     out.append(f"badput: {badput}")
   for i, h in enumerate((goodput or {}).get("per_host", [])):
     out.append(f"  host {i}: " + host_flops(h))
-  if saving:
+  if saving and saving["fraction"] < 0.005:
+    out.append(f"balancer: the split that ran is no faster than an equal split "
+               f"({saving['balanced_step_s'] * 1e3:,.1f} ms against {saving['equal_step_s'] * 1e3:,.1f}"
+               f" ms a step, modelled)" + (" (emulated speeds)" if saving["emulated"] else ""))
+  elif saving:
     tag = " (emulated speeds)" if saving["emulated"] else ""
     out.append(f"balancer saved {saving['fraction']:.1%} of an equal split's step "
                f"({saving['balanced_step_s'] * 1e3:,.1f} ms against {saving['equal_step_s'] * 1e3:,.1f}"

@@ -21,6 +21,7 @@ import numpy as np
 
 from hetjax import config as config_lib
 from hetjax import mesh as mesh_lib
+from hetjax import phases
 from hetjax.checkpoint import manager as ckpt_lib
 from hetjax.cluster import runtime
 from hetjax.cluster import signals
@@ -182,7 +183,8 @@ class Run:
                                          log=log))
     self.writer = None
     if out is not None and trainer.host_id == 0:
-      self.writer = metrics_lib.MetricsWriter(out, resume_step=trainer.step or None)
+      with phases.within(phases.BUILDING):  # Opening the folder, importing TensorBoard's writer.
+        self.writer = metrics_lib.MetricsWriter(out, resume_step=trainer.step or None)
       sinks.append(self.writer.write)
     # Every host's phases and steps, for where the job's time went (hetjax.observe.goodput).
     self._recording = contextlib.ExitStack()
@@ -254,6 +256,10 @@ class Run:
 
     The last record's wait seconds are known once `summary` gathered them.
     """
+    with phases.within(phases.SUMMARY, self.trainer.step):
+      return self._close()
+
+  def _close(self) -> dict[str, Any]:
     t = self.trainer
     if t.checkpointer is not None:
       t.save_checkpoint(wait=True)
