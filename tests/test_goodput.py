@@ -9,8 +9,9 @@ from hetjax.observe import goodput as g
 from hetjax.observe import goodput_peaks, goodput_record, goodput_saving, goodput_summary
 
 
-def _attempt(n, start, at=None):
-  return {"kind": "attempt", "attempt": n, "process_start": start, "at": at or start, "pid": n}
+def _attempt(n, start, at=None, restart_count=None):
+  return {"kind": "attempt", "attempt": n, "process_start": start, "at": at or start, "pid": n,
+          "restart_count": n if restart_count is None else restart_count}
 
 
 def _phase(name, start, end, step=None, failed=False):
@@ -89,6 +90,16 @@ def test_steps_redone_after_a_restart_are_progress_lost_with_their_first_time():
   # (at 25) is the fault's tail; the open checkpoint at 26 takes nothing.
   assert s["disruption"] == pytest.approx(1.0)
   assert host.wall_s == 42 and sum(s.values()) == pytest.approx(42)
+
+
+def test_a_run_started_again_by_hand_from_step_0_is_a_new_job_and_a_resumed_one_is_not():
+  lines = _killed_and_restarted_lines()
+  lines[lines.index(next(l for l in lines if l.get("attempt") == 1))]["restart_count"] = 0
+  assert g.host_time(g.attempts_of(lines), warmup=0).attempts == 2  # It resumed at step 10.
+  t0, t1 = _phase("training", 50, 52, step=0)
+  again = [_attempt(2, 45.0, restart_count=0), t0, _step(1, 51, 1.0, 0.5, 0.1), t1]
+  host = g.host_time(g.attempts_of(lines + again), warmup=0)
+  assert host.attempts == 1 and host.wall_s == 52 - 45
 
 
 def test_the_job_is_the_hosts_mean_and_its_badput_is_listed_largest_first():

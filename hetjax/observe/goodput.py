@@ -94,6 +94,12 @@ class Attempt:
   steps: list[Step] = dataclasses.field(default_factory=list)
   device: dict[str, Any] = dataclasses.field(default_factory=dict)
   closed: bool = False        # it ended through the recorder's close (not killed)
+  restart_count: int = 0      # the launcher's HETJAX_RESTART_COUNT
+
+  @property
+  def fresh(self) -> bool:
+    """Whether it began a job: started by hand (no restart count), from step 0 or before any."""
+    return self.restart_count == 0 and self.start_step in (None, 0)
 
   @property
   def start_step(self) -> int | None:
@@ -150,7 +156,8 @@ def attempts_of(lines: Iterable[dict[str, Any]]) -> list[Attempt]:
       if out and out[-1].number == line["attempt"]:
         continue  # Another fit() of the same process: the same attempt goes on.
       _close_open(out[-1] if out else None, stack)
-      out.append(Attempt(line["attempt"], line["process_start"], line["at"]))
+      out.append(Attempt(line["attempt"], line["process_start"], line["at"],
+                         restart_count=int(line.get("restart_count") or 0)))
       stack = []
       continue
     if not out:
@@ -187,8 +194,15 @@ def _close_open(attempt: Attempt | None, stack: list[int]) -> None:
     iv.end, iv.open = attempt.end, True
 
 
+def job_attempts(attempts: Sequence[Attempt]) -> list[Attempt]:
+  """The attempts of the newest job in a file: from its last fresh attempt on."""
+  starts = [i for i, a in enumerate(attempts) if a.fresh]
+  return list(attempts[starts[-1] if starts else 0:])
+
+
 def host_time(attempts: Sequence[Attempt], host: int = 0, warmup: int = WARMUP_STEPS) -> HostTime:
-  """One host's wall time by cause (see the module docstring), over all its attempts."""
+  """One host's wall time by cause (see the module docstring), over its job's attempts."""
+  attempts = job_attempts(attempts)
   if not attempts:
     raise ValueError(f"host {host} recorded no attempt; was the run started with --out?")
   seconds = dict.fromkeys((COMPUTE,) + CAUSES, 0.0)

@@ -11,7 +11,10 @@ FLOPs of its share), `device` (what it ran on), `close` (a clean end).
 The same job's processes append to one file: a restarted host (the
 launchers' HETJAX_RESTART_COUNT > 0), or any process after one that did not
 close, continues the job; a process after a closed one with no restart
-count starts the file afresh (a new job in the same folder).
+count starts the file afresh (a new job in the same folder). A process
+with no restart count that starts from step 0 also begins a new job when
+the file is read (`hetjax.observe.goodput.job_attempts`): a crashed run
+started again by hand from scratch is not the crashed one's restart.
 
 `hetjax train --out` records the whole process (`recording`, from before
 joining); `Trainer.fit(out=...)` records its call when nothing else does
@@ -59,7 +62,8 @@ class Recorder:
     start = process_start_time() if process_start is None else process_start
     # Lines wait here until the host is known (after joining).
     self._buffer: list[dict[str, Any]] = [{"kind": "attempt", "process_start": start,
-                                           "at": clock(), "pid": os.getpid()}]
+                                           "at": clock(), "pid": os.getpid(),
+                                           "restart_count": _restart_count()}]
     self.attempt: int | None = None
 
   @property
@@ -75,7 +79,7 @@ class Recorder:
       self.host = host
       os.makedirs(os.path.dirname(self.path), exist_ok=True)
       previous = _previous_attempts(self.path)
-      restarted = int(os.environ.get("HETJAX_RESTART_COUNT") or 0) > 0
+      restarted = _restart_count() > 0
       fresh = previous and previous[-1]["closed"] and not restarted
       same_process = previous and previous[-1]["pid"] == os.getpid() and not fresh
       self.attempt = (previous[-1]["attempt"] if same_process
@@ -128,6 +132,11 @@ class Recorder:
     self._write({"kind": "close", "at": self._clock()})
     with self._lock:
       self._file.close()
+
+
+def _restart_count() -> int:
+  """Which restart of the job this process is (the launchers' HETJAX_RESTART_COUNT; 0 unset)."""
+  return int(os.environ.get("HETJAX_RESTART_COUNT") or 0)
 
 
 def _previous_attempts(path: str) -> list[dict[str, Any]]:
