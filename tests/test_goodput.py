@@ -158,14 +158,21 @@ def test_the_recorder_appends_a_restarted_process_and_starts_afresh_after_a_clos
       rec.step_sink(0, lambda share: 10.0 * share)(
           {"step": 1, "step_s": 0.5, "compute_s": [0.3, 0.2], "wait_s": [0.1, 0.2],
            "shares": [3, 1]})
-  lines = g.read_lines(rec.path)  # A killed process: no close line.
+  lines = g.read_lines(rec.path)  # No close line yet (a killed process never writes one).
   assert [l["kind"] for l in lines] == ["attempt", "start", "end", "start", "step", "end"]
   assert lines[4]["flops"] == 30.0 and lines[4]["reduction_s"] == 0.1
-  monkeypatch.setattr(goodput_record.os, "getpid", lambda: -1)  # Another process.
-  again = goodput_record.Recorder(str(tmp_path), process_start=200.0, clock=clock)
-  again.close(0)
+  rec.close()
+  again = goodput_record.Recorder(str(tmp_path), process_start=1.0, clock=clock)
+  again.bind(0)  # Another fit() of the same process: the same attempt goes on.
+  assert again.attempt == 0 and len(g.read_lines(rec.path)) == 8
+  again.close()
+  monkeypatch.setattr(goodput_record.os, "getpid", lambda: -1)  # Another process: a restart.
+  monkeypatch.setenv("HETJAX_RESTART_COUNT", "1")
+  restarted = goodput_record.Recorder(str(tmp_path), process_start=200.0, clock=clock)
+  restarted.close(0)
   assert [a.number for a in g.attempts_of(g.read_lines(rec.path))] == [0, 1]
   monkeypatch.setattr(goodput_record.os, "getpid", lambda: -2)
+  monkeypatch.delenv("HETJAX_RESTART_COUNT")
   fresh = goodput_record.Recorder(str(tmp_path), process_start=300.0, clock=clock)
   fresh.close(0)  # After a closed job, without a restart count: a new job.
   with open(rec.path) as f:

@@ -80,8 +80,8 @@ class Recorder:
       os.makedirs(os.path.dirname(self.path), exist_ok=True)
       previous = _previous_attempts(self.path)
       restarted = _restart_count() > 0
-      fresh = previous and previous[-1]["closed"] and not restarted
-      same_process = previous and previous[-1]["pid"] == os.getpid() and not fresh
+      same_process = bool(previous) and previous[-1]["pid"] == os.getpid()  # Another fit().
+      fresh = bool(previous) and previous[-1]["closed"] and not restarted and not same_process
       self.attempt = (previous[-1]["attempt"] if same_process
                       else 0 if fresh or not previous else previous[-1]["attempt"] + 1)
       self._file = open(self.path, "w" if fresh else "a")

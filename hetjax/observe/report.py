@@ -25,6 +25,13 @@ steps done, as the records do.
 The first `WARMUP_STEPS` steps (compilation) are left out of every figure
 but the plots.
 
+Where the job's time went, over every restart (`hetjax.observe.goodput`,
+from OUT/phases/, or summary.json's figures where the folder has none):
+the goodput (compute over the job's wall time), the badput by cause, each
+host's achieved FLOP/s against its vendor peak, and what the balancer saved
+against an equal split (`hetjax.observe.goodput_saving`): a table in the
+text, and a last panel of stacked bars, one per host.
+
 A run of the rounds modes (hybrid, elastic: one record per round, with
 `tau/<host>`, `spread/<host>` and `reduction_s` in its metrics) is drawn in
 rounds: (b) becomes each host's local steps per round (tau) and samples,
