@@ -7,7 +7,6 @@ get the same arguments. Process 0 writes OUT/summary.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import sys
@@ -145,7 +144,6 @@ def _optimizer_identity(args: argparse.Namespace) -> str:
 def train(args: argparse.Namespace) -> dict:
   """Runs one host's part of the job; returns the summary."""
   _check_args(args)
-  import numpy as np
   from hetjax import modes
   from hetjax import trainer
   from hetjax.input import loader

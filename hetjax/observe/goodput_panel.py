@@ -1,7 +1,7 @@
 """The report's panel of where the job's time went: one bar per host, the job's mean on top.
 
 Each bar is the host's wall time over every restart, split by cause
-(`hetjax.observe.goodput`): the goodput (its own compute) first, in green,
+(`hetjax.observe.goodput`): the goodput (its own compute) first, in black,
 then the badput causes in the order a job meets them. Each host's label
 carries its achieved FLOP/s and its fraction of the vendor peak; the title
 carries the goodput and what the balancer saved against an equal split.
@@ -14,16 +14,19 @@ from typing import Any
 from hetjax.observe import goodput as goodput_lib
 from hetjax.observe import goodput_summary
 
-# Cause -> colour: compute green; startup and set-up greys; the step's parts
-# blues; the lifecycle's pauses oranges; faults reds.
-_COLOURS = {
-    goodput_lib.COMPUTE: "#2ca02c", goodput_lib.STARTUP: "0.35", "joining": "0.5",
-    "building": "0.65", "restoring": "0.8", goodput_lib.COMPILING: "#9467bd",
-    goodput_lib.INPUT: "#aec7e8", goodput_lib.WAITING: "#1f77b4", goodput_lib.REDUCTION: "#17becf",
-    "evaluation": "#ffbb78", "checkpoint": "#ff7f0e", "agreement": "#dbdb8d",
-    "summary": "#bcbd22", goodput_lib.LOST: "#d62728", goodput_lib.DISRUPTION: "#ff9896",
-    goodput_lib.RESTART_WAIT: "#8c564b", goodput_lib.OVERHEAD: "#c7c7c7",
-    goodput_lib.UNTRACKED: "white",
+# Cause -> (grey, hatch). In the report a colour always means a host, so the
+# causes are told apart by greys and hatches: the goodput black, setting up
+# plain greys, a step's parts white with hatches, the pauses between steps
+# light grey with hatches, the faults dark grey with hatches.
+_STYLES = {
+    goodput_lib.COMPUTE: ("0.0", ""), goodput_lib.STARTUP: ("0.55", ""), "joining": ("0.65", ""),
+    "building": ("0.75", ""), "restoring": ("0.87", ""), goodput_lib.COMPILING: ("0.87", "xx"),
+    goodput_lib.INPUT: ("1.0", ".."), goodput_lib.WAITING: ("1.0", "//"),
+    goodput_lib.REDUCTION: ("1.0", "\\\\"), "evaluation": ("0.8", ".."),
+    "checkpoint": ("0.8", "//"), "agreement": ("0.8", "\\\\"), "summary": ("0.8", "++"),
+    goodput_lib.LOST: ("0.5", "xx"), goodput_lib.DISRUPTION: ("0.5", ".."),
+    goodput_lib.RESTART_WAIT: ("0.5", "//"), goodput_lib.OVERHEAD: ("0.95", "--"),
+    goodput_lib.UNTRACKED: ("1.0", ""),
 }
 
 
@@ -42,8 +45,9 @@ def draw(ax, goodput: dict[str, Any], saving: dict[str, Any] | None, letter: str
         continue
       label = None if cause in labelled else cause
       labelled.add(cause)
-      ax.barh(y, seconds, left=left, color=_COLOURS.get(cause, "0.9"), edgecolor="0.3",
-              lw=0.3, label="compute (goodput)" if label == goodput_lib.COMPUTE else label)
+      grey, hatch = _STYLES.get(cause, ("0.9", ""))
+      ax.barh(y, seconds, left=left, color=grey, hatch=hatch, edgecolor="0.25", lw=0.3,
+              label="compute (goodput)" if label == goodput_lib.COMPUTE else label)
       left += seconds
   ax.set_yticks(range(len(rows)), [r[0] for r in reversed(rows)], fontsize=8)
   ax.set_xlabel("seconds of the job's wall time (every attempt, restarts included)")

@@ -118,8 +118,8 @@ def lines(goodput: dict[str, Any] | None, saving: dict[str, Any] | None,
     wall = goodput["wall_s"]
     restarts = goodput["attempts"] - 1
     out.append(f"goodput: {goodput['fraction']:.1%} of {duration(wall)} job time trained the "
-               f"model{tag} ({restarts} restart{'s' if restarts != 1 else ''}, "
-               f"{goodput['redone_steps']} steps redone)")
+               f"model ({restarts} restart{'s' if restarts != 1 else ''}, "
+               f"{goodput['redone_steps']} steps redone){tag}")
     shown = sorted(((s, c) for c, s in goodput["badput_s"].items() if s > 0), reverse=True)
     badput = ", ".join(f"{c} {s / wall:.1%}" for s, c in shown[:causes]) if wall > 0 else ""
     rest = sum(s for s, _ in shown[causes:])
