@@ -177,3 +177,14 @@ def test_the_recorder_appends_a_restarted_process_and_starts_afresh_after_a_clos
   fresh.close(0)  # After a closed job, without a restart count: a new job.
   with open(rec.path) as f:
     assert [json.loads(l)["attempt"] for l in f] == [0, 0]
+
+
+def test_a_fit_that_fails_leaves_its_attempt_unclosed(tmp_path):
+  bus_before = list(phases.PHASES._listeners)
+  with pytest.raises(RuntimeError):
+    with goodput_record.for_fit(str(tmp_path), 0):
+      with phases.within(phases.TRAINING, 0):
+        raise RuntimeError("a step failed")
+  lines = g.read_lines(str(tmp_path / "phases" / "host0.jsonl"))
+  assert [l["kind"] for l in lines] == ["attempt", "start", "end"] and lines[-1]["failed"]
+  assert phases.PHASES._listeners == bus_before and goodput_record.active() is None

@@ -204,7 +204,7 @@ class Run:
   def __exit__(self, *exc: Any) -> None:
     if self.writer is not None:
       self.writer.close()
-    self._recording.close()
+    self._recording.__exit__(*exc)  # A failed fit() leaves no close line: it did not end well.
 
   @contextlib.contextmanager
   def watching(self) -> Iterator[None]:
