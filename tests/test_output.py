@@ -54,8 +54,31 @@ def test_a_rounds_summary_says_which_figures_are_per_round(capsys):
   cli._print_summary({"mode": "hybrid", "steps": 4, "global_batch": 64, "hosts": 1,
                       "emulated_speeds": False, "per_host": [host]})
   out = capsys.readouterr().out
-  assert '"rounds": 4' in out and '"samples_per_local_step": 64' in out and "global_batch" not in out
+  assert "hybrid mode, 4 rounds" in out and "64 samples/local step over 1 host" in out
   assert "128 samples/round (4 local steps)" in out and "ms/round" in out
   cli._print_summary({"steps": 4, "global_batch": 64, "hosts": 1, "emulated_speeds": False,
                       "per_host": [host]})
   assert "128 samples/step" in capsys.readouterr().out
+
+
+def test_the_end_of_a_run_reads_as_rounded_figures_with_units_and_points_at_the_json(capsys):
+  host = {"batch": [24, 8], "compute_s": [0.05] * 4, "wait_s": [0.01] * 4}
+  goodput = {"fraction": 0.6123, "wall_s": 125.0, "compute_s": 76.5, "attempts": 2,
+             "redone_steps": 7, "emulated": False,
+             "badput_s": {"startup": 10.0, "compiling": 20.0, "restart wait": 18.5},
+             "per_host": [{"goodput": 0.6123, "flops_per_s": 2.5e12, "peak_fraction": 0.008,
+                           "peak_flops_per_s": 312e12, "peak_device": "A100",
+                           "peak_source": "vendor figure: NVIDIA A100 datasheet",
+                           "emulated": False}]}
+  cli._print_summary({"steps": 30, "global_batch": 32, "hosts": 1, "emulated_speeds": False,
+                      "samples_per_sec": 1312.463390088058, "final_loss": 0.123456,
+                      "test_accuracy": 0.98765, "params_digest": "ab" * 32, "goodput": goodput,
+                      "per_host": [host]}, "runs/x")
+  lines = capsys.readouterr().out.splitlines()
+  assert lines[0] == ("hetjax: 30 steps, 2.1 min job time, 1,312.5 samples/s, 32 samples/step "
+                      "over 1 host, final loss 0.1235, test accuracy 98.77%")
+  text = "\n".join(lines)
+  assert "goodput: 61.2% of 2.1 min job time trained the model (1 restart, 7 steps redone)" in text
+  assert "badput: compiling 16.0%, restart wait 14.8%, startup 8.0%" in text
+  assert "2.50 TFLOP/s achieved, 0.8% of A100 peak 312.00 TFLOP/s (vendor figure" in text
+  assert lines[-1].startswith("  every figure: runs/x/summary.json") and "{" not in text

@@ -7,7 +7,6 @@ get the same arguments. Process 0 writes OUT/summary.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import sys
@@ -145,23 +144,28 @@ def _optimizer_identity(args: argparse.Namespace) -> str:
 def train(args: argparse.Namespace) -> dict:
   """Runs one host's part of the job; returns the summary."""
   _check_args(args)
-  import numpy as np
   from hetjax import modes
   from hetjax import trainer
   from hetjax.input import loader
   from hetjax.observe import progress
   from hetjax.cluster import runtime
 
+  from hetjax import phases
+  from hetjax.observe import goodput_record
+
   topo = runtime.initialize(timeout_s=args.init_timeout)
+  if goodput_record.active() is not None:
+    goodput_record.active().bind(topo.host_id)
   images = {"image_size": args.image_size} if args.image_size is not None else {}
-  source, test_source = _load_data(args)
-  if test_source is not None:
-    from hetjax.input import sources
-    sources.check_records(test_source, sources.record_spec(source))  # Before, not after, training.
-  if args.eval_every and test_source is None:
-    raise ValueError(f"--eval-every evaluates on the test split of image datasets; dataset "
-                     f"{args.dataset!r} has none here, so drop --eval-every.")
-  task = _build_task(args, source.info)
+  with phases.within(phases.BUILDING):  # The data and the model: building, as the Trainer's.
+    source, test_source = _load_data(args)
+    if test_source is not None:
+      from hetjax.input import sources
+      sources.check_records(test_source, sources.record_spec(source))  # Before training.
+    if args.eval_every and test_source is None:
+      raise ValueError(f"--eval-every evaluates on the test split of image datasets; dataset "
+                       f"{args.dataset!r} has none here, so drop --eval-every.")
+    task = _build_task(args, source.info)
   config = _train_config(args)
   identity = f"{args.model}|{_optimizer_identity(args)}|{args.model_width}|{args.dropout}"
   identity += f"|{args.image_size}|{args.augment}" if images else ""
@@ -188,6 +192,16 @@ def train(args: argparse.Namespace) -> dict:
     raise
   finally:
     bar.close()
+  with phases.within(phases.SUMMARY, tr.step):  # Closing, the digest, the files: the run's end.
+    _finish(args, tr, summary, topo.host_id, tracked)
+  return summary
+
+
+def _finish(args: argparse.Namespace, tr, summary: dict, host_id: int, tracked) -> None:
+  """After the last step: close the trainer, complete and write the summary, save the params."""
+  import numpy as np
+  from hetjax import trainer
+
   tr.close()
   summary.update(model=args.model, dataset=args.dataset, optimizer=args.optimizer, lr=args.lr,
                  schedule=args.schedule, warmup_steps=args.warmup_steps, clip_norm=args.clip_norm,
@@ -198,7 +212,7 @@ def train(args: argparse.Namespace) -> dict:
     summary["test_accuracy"] = summary["eval"].get("accuracy")
     summary["test_loss"] = summary["eval"]["loss"]
   tr.write_summary(args.out, summary)
-  if topo.host_id == 0:
+  if host_id == 0:
     if args.save_params:
       import jax
       flat = {jax.tree_util.keystr(k): np.asarray(v)
@@ -206,7 +220,6 @@ def train(args: argparse.Namespace) -> dict:
       np.savez(args.save_params, **flat)
   if tracked is not None:
     tracked.finish(summary, _report_picture(args.out))
-  return summary
 
 
 def _tracking(args: argparse.Namespace):
@@ -262,18 +275,26 @@ def _write_config(args: argparse.Namespace) -> None:
     f.write(config_file.dump(resolved_config(args), head=True))
 
 
-def _print_summary(summary: dict) -> None:
-  """The end of a run in a few lines; a rounds run says which figures are per round."""
+def _print_summary(summary: dict, out: str | None = None) -> None:
+  """The end of a run as a person reads it: a few rounded figures with units, where the
+  time went, and where the whole summary is (OUT/summary.json). A rounds run says which
+  figures are per round."""
+  from hetjax.observe import goodput_summary
   rounds = summary.get("mode") in ("hybrid", "elastic")
-  # name shown -> summary key; in rounds modes global_batch is one local step over all hosts.
-  keys = {"steps": "steps", "global_batch": "global_batch", "hosts": "hosts",
-          "samples_per_sec": "samples_per_sec", "final_loss": "final_loss",
-          "test_accuracy": "test_accuracy", "params_digest": "params_digest"}
-  if rounds:
-    keys = {"mode": "mode", "rounds": "steps", "samples_per_local_step": "global_batch",
-            **{k: v for k, v in keys.items() if k not in ("steps", "global_batch")}}
-  print("summary: " + json.dumps({k: summary[v] for k, v in keys.items() if v in summary}))
   per = "/round" if rounds else "/step"
+  head = [f"{summary['mode']} mode, {summary['steps']} rounds" if rounds
+          else f"{summary['steps']} steps"]
+  goodput = summary.get("goodput")
+  if goodput:
+    head.append(f"{goodput_summary.duration(goodput['wall_s'])} job time")
+  head.append(f"{summary.get('samples_per_sec') or 0.0:,.1f} samples/s")
+  head.append(f"{summary['global_batch']} samples{'/local step' if rounds else '/step'} over "
+              f"{summary['hosts']} host{'s' if summary['hosts'] != 1 else ''}")
+  if summary.get("final_loss") is not None:
+    head.append(f"final loss {summary['final_loss']:.4f}")
+  if summary.get("test_accuracy") is not None:
+    head.append(f"test accuracy {summary['test_accuracy']:.2%}")
+  print("hetjax: " + ", ".join(head) + ("  (emulated speeds)" if summary["emulated_speeds"] else ""))
   for i, host in enumerate(summary["per_host"]):
     if not host["compute_s"] or not host["wait_s"]:
       continue  # A resumed run that had nothing left to do.
@@ -283,6 +304,11 @@ def _print_summary(summary: dict) -> None:
     print(f"  host {i}: {work}  compute {sum(c) / len(c) * 1e3:7.1f} ms{per}  "
           f"wait {sum(w) / len(w) * 1e3:7.1f} ms{per}"
           + ("  (emulated speeds)" if summary["emulated_speeds"] else ""))
+  for line in goodput_summary.lines(goodput, summary.get("balancer_saving"), causes=4):
+    print("  " + line)
+  where = os.path.join(out, "summary.json") if out else "summary.json"
+  print(f"  every figure: {where}" + (f" (params digest {summary['params_digest'][:16]})"
+                                      if summary.get("params_digest") else ""))
 
 
 def _check_args_or_exit(args: argparse.Namespace) -> None:
@@ -334,7 +360,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Caught from the start: a signal while joining or compiling stops this host
     # at once (exit 75 / 130) instead of being swallowed by JAX's SIGTERM handler;
     # inside the step loop it waits for the boundary every host agrees on.
-    with signals.REQUESTS.installed(defer=False):
+    from hetjax.observe import goodput_record  # Stdlib only, as signals.
+    with signals.REQUESTS.installed(defer=False), goodput_record.recording(
+        args.out, config_lib.host_id_from_env):
       summary = train(args)
   except (ValueError, ConnectionError) as e:
     print(f"hetjax {args.command}: error: {e}", file=sys.stderr)
@@ -354,6 +382,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     _say_failure(e, args)
     _exit_now(exits.FAILED_EXIT)
   if summary and config_lib.host_id_from_env() == 0:
-    _print_summary(summary)
+    _print_summary(summary, args.out)
   return 0
 

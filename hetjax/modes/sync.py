@@ -162,6 +162,10 @@ class Sync(ModeBase):
     self.replica.block_until_ready()
     return self
 
+  def flops_of(self, rows: int) -> float | None:
+    """FLOPs this host's compiled programs run for a share of `rows` samples (None: unknown)."""
+    return self.local.flops_of(rows)
+
   def learning_rate(self) -> float | None:
     """The learning rate of the last update; None for an optimizer that hides it (found
     in an `optax.inject_hyperparams` state, as the command line builds its optimizers)."""

@@ -46,6 +46,9 @@ class Figures:
   reduction_s: float = 0.0      # mean of the fastest host's wait per step: the reduction itself
   resumes: list[int] = dataclasses.field(default_factory=list)  # steps a restarted run resumed at
   device_batches: list[int] | None = None  # blocks per device per program, per host (summary)
+  # Where the job's time went (hetjax.observe.goodput_summary's entries), over every restart.
+  goodput: dict[str, Any] | None = None
+  balancer_saving: dict[str, Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

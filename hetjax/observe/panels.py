@@ -48,10 +48,17 @@ def plot(records: list[dict[str, Any]], fig: Figures, path: str, title: str = ""
   extra = 0 if fig.rounds is None else 2  # Round and reduction seconds; spread.
   unit = "step" if fig.rounds is None else "round"
   panels = 3 + extra + (1 if evaluated else 0)
-  figure = Figure(figsize=(11, 2.2 + 0.7 * hosts + 5 + 2.5 * extra + (2.2 if evaluated else 0)),
-                  layout="constrained")
-  axes = figure.subplots(panels, 1, sharex=True,
-                         height_ratios=[0.6 + 0.45 * hosts] + [1.2] * (panels - 1))
+  height = 2.2 + 0.7 * hosts + 5 + 2.5 * extra + (2.2 if evaluated else 0)
+  below = 0.0 if fig.goodput is None else 2.0 + 0.25 * hosts  # Where the job's time went.
+  figure = Figure(figsize=(11, height + below), layout="constrained")
+  steps_part = figure
+  if below:
+    steps_part, time_part = figure.subfigures(2, 1, height_ratios=[height, below])
+    from hetjax.observe import goodput_panel
+    goodput_panel.draw(time_part.subplots(1, 1), fig.goodput, fig.balancer_saving,
+                       "defg"[extra + (1 if evaluated else 0)])
+  axes = steps_part.subplots(panels, 1, sharex=True,
+                             height_ratios=[0.6 + 0.45 * hosts] + [1.2] * (panels - 1))
   _plot_fractions(axes[0], records, fig, unit)
   if fig.rounds is None:
     _plot_shares(axes[1], records, hosts)

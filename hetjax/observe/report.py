@@ -25,6 +25,13 @@ steps done, as the records do.
 The first `WARMUP_STEPS` steps (compilation) are left out of every figure
 but the plots.
 
+Where the job's time went, over every restart (`hetjax.observe.goodput`,
+from OUT/phases/, or summary.json's figures where the folder has none):
+the goodput (compute over the job's wall time), the badput by cause, each
+host's achieved FLOP/s against its vendor peak, and what the balancer saved
+against an equal split (`hetjax.observe.goodput_saving`): a table in the
+text, and a last panel of stacked bars, one per host.
+
 A run of the rounds modes (hybrid, elastic: one record per round, with
 `tau/<host>`, `spread/<host>` and `reduction_s` in its metrics) is drawn in
 rounds: (b) becomes each host's local steps per round (tau) and samples,
@@ -35,6 +42,7 @@ the hosts' models (each host's distance to their sample-weighted mean).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from typing import Sequence
@@ -44,6 +52,7 @@ from typing import Sequence
 from hetjax.observe.figures import (  # noqa: F401 (public names)
     SUMMARY_FILE, WARMUP_STEPS, Figures, RoundsFigures, analyze, analyze_rounds, balancer_moves,
     host_throughput, is_rounds, load_run, resumed_at, steady)
+from hetjax.observe import goodput, goodput_saving, goodput_summary
 from hetjax.observe.panels import BINS, binned_fractions, host_colour, plot  # noqa: F401
 
 PNG_FILE = "report.png"
@@ -88,6 +97,7 @@ def format_text(fig: Figures, out_dir: str) -> str:
   lines += _device_batch_lines(fig)
   if fig.resumes:
     lines.append(f"resumed after step {', '.join(map(str, fig.resumes))} (a restart)")
+  lines += goodput_summary.lines(fig.goodput, fig.balancer_saving, causes=None)
   return "\n".join(lines) + "\n"
 
 
@@ -127,10 +137,27 @@ def _format_rounds(fig: Figures, out_dir: str) -> str:
   return "\n".join(lines + _device_batch_lines(fig)) + "\n"
 
 
+def where_the_time_went(out_dir: str, summary: dict | None,
+                        records: list[dict]) -> tuple[dict | None, dict | None]:
+  """(goodput, balancer saving) of the run folder: from every host's phase records where
+  the folder has them (complete, to each process's end), else as summary.json has them."""
+  job = goodput.read_job(out_dir)
+  if job is None:
+    return (summary or {}).get("goodput"), (summary or {}).get("balancer_saving")
+  entry = goodput_summary.from_job(job)
+  saving = None
+  if not is_rounds(records):
+    saving = goodput_summary.saving_fields(goodput_saving.from_records(
+        records, WARMUP_STEPS, steps=entry["steps_run"]))
+  return entry, saving
+
+
 def make_report(out_dir: str) -> tuple[Figures, str]:
   """Writes OUT/report.png and OUT/report.txt; returns the figures and the text."""
   summary, records = load_run(out_dir)
-  fig = analyze(summary, records)
+  fig = dataclasses.replace(analyze(summary, records),
+                            **dict(zip(("goodput", "balancer_saving"),
+                                       where_the_time_went(out_dir, summary, records))))
   text = format_text(fig, out_dir)
   plot(records, fig, os.path.join(out_dir, PNG_FILE), title=f"hetjax run {out_dir}")
   with open(os.path.join(out_dir, TEXT_FILE), "w") as f:

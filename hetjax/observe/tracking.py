@@ -3,8 +3,9 @@
 Host 0 logs the resolved configuration (what OUT/config.yaml holds), every
 record OUT/metrics.jsonl gets (as the TensorBoard scalars: loss, samples/s,
 metrics/*, eval/*, lr, host<i>/share, host<i>/compute_s, host<i>/wait_s, at
-the record's step), the summary's figures, and the report picture at the
-end. The other hosts log nothing: their records are the same.
+the record's step), the summary's figures (with where the job's time went:
+goodput, badput_s/<cause>, host<i>/flops_per_s, balancer_saving/*), and the
+report picture at the end. The other hosts log nothing: their records are the same.
 
 `wandb` is an optional extra (`pip install 'hetjax[wandb]'`); `check_installed`
 says so before JAX starts. `WANDB_MODE=offline` (or `disabled`), the API key
@@ -18,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
+from hetjax.observe import goodput_summary
 from hetjax.observe import metrics as metrics_lib
 
 EXTRA = "pip install 'hetjax[wandb]'  (or: pip install wandb)"
@@ -58,4 +60,7 @@ class WandbRun:
     if summary:
       self.run.summary.update({k: v for k, v in summary.items()
                                if isinstance(v, (int, float, str, bool)) or v is None})
+      # Where the job's time went: goodput, badput_s/<cause>, host<i>/flops_per_s, the saving.
+      self.run.summary.update(goodput_summary.flat(summary.get("goodput"),
+                                                   summary.get("balancer_saving")))
     self.run.finish()

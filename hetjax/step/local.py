@@ -194,6 +194,8 @@ class LocalProgram:
                                  out_specs=P(DEV)), donate_argnums=(1,))
     self._grad = {j: grad.lower(state, sums_like, self._micro_like[j], rng).compile()
                   for j in self.ladder.sizes}
+    # Read once per program, off the step's path: what `flops_of` prices a share with.
+    self._flops = {j: _flops(program, d) for j, program in self._grad.items()}
     if replica is not None:
       self._fused_program = jax.jit(
           jax.shard_map(unpack_then_grad, mesh=local, in_specs=(P(), P(DEV), P()),
@@ -213,6 +215,14 @@ class LocalProgram:
         in_shardings=self.meshes.local_replicated,
         out_shardings=self.meshes.local_by_device).lower(
             scalar, jax.ShapeDtypeStruct((k,), jnp.float32)).compile()
+
+  def flops_of(self, rows: int) -> float | None:
+    """FLOPs this host's devices run for a share of `rows` samples: XLA's cost analysis of
+    each compiled program the share runs (`programs`), summed; None before the first step,
+    or where XLA gives no figure. The update's own FLOPs are left out (a small part)."""
+    if not getattr(self, "_flops", None) or any(f is None for f in self._flops.values()):
+      return None
+    return float(sum(self._flops[j] for j in self.programs(rows)))
 
   def programs(self, rows: int) -> list[int]:
     """Blocks per device of each micro-batch a share of `rows` samples runs, in order.
@@ -294,3 +304,15 @@ class LocalProgram:
     if self._unpack is not None:
       return self._unpack(pending), None
     return self._update_alone(state, pending)
+
+
+def _flops(compiled: Any, devices: int) -> float | None:
+  """FLOPs of one run of a compiled program over all `devices` (XLA counts one device's)."""
+  try:
+    cost = compiled.cost_analysis()
+  except Exception:  # noqa: BLE001 (a backend without cost analysis: the figure is unknown)
+    return None
+  if isinstance(cost, (list, tuple)):  # Older JAX: one dict per program.
+    cost = cost[0] if cost else None
+  flops = (cost or {}).get("flops")
+  return None if flops is None or flops < 0 else float(flops) * devices

@@ -27,6 +27,10 @@ from hetjax.cluster import runtime
 from hetjax.cluster import signals
 from hetjax.cluster import watchdog
 from hetjax.input import data as data_lib
+from hetjax.observe import goodput as goodput_lib
+from hetjax.observe import goodput_record
+from hetjax.observe import goodput_saving
+from hetjax.observe import goodput_summary
 from hetjax.observe import metrics as metrics_lib
 from hetjax.observe import progress as progress_lib
 from hetjax.observe.history import History
@@ -209,8 +213,16 @@ class Run:
                                          log=log))
     self.writer = None
     if out is not None and trainer.host_id == 0:
-      self.writer = metrics_lib.MetricsWriter(out, resume_step=trainer.step or None)
+      with phases.within(phases.BUILDING):  # Opening the folder, importing TensorBoard's writer.
+        self.writer = metrics_lib.MetricsWriter(out, resume_step=trainer.step or None)
       sinks.append(self.writer.write)
+    # Every host's phases and steps, for where the job's time went (hetjax.observe.goodput).
+    self._recording = contextlib.ExitStack()
+    self.recorder = self._recording.enter_context(goodput_record.for_fit(out, trainer.host_id))
+    if self.recorder is not None:
+      self.recorder.device(trainer.meshes.local.devices.flat[0].device_kind,
+                           trainer.meshes.local_devices, trainer.config.precision, trainer.emulated)
+      sinks.append(self.recorder.step_sink(trainer.host_id, getattr(trainer, "flops_of", None)))
     # Records are built only for someone to read them: the loop stays lean.
     self.stream = None if not sinks else metrics_lib.RecordStream(
         trainer.history, global_batch=None, emulated=trainer.emulated,
@@ -222,6 +234,7 @@ class Run:
   def __exit__(self, *exc: Any) -> None:
     if self.writer is not None:
       self.writer.close()
+    self._recording.__exit__(*exc)  # A failed fit() leaves no close line: it did not end well.
 
   @contextlib.contextmanager
   def watching(self) -> Iterator[None]:
@@ -272,12 +285,18 @@ class Run:
 
     The last record's wait seconds are known once `summary` gathered them.
     """
+    with phases.within(phases.SUMMARY, self.trainer.step):
+      return self._close()
+
+  def _close(self) -> dict[str, Any]:
     t = self.trainer
     if t.checkpointer is not None:
       t.save_checkpoint(wait=True)
     summary = t.summary()
     if self.stream is not None:
       self.stream.pop()
+    if self.recorder is not None:
+      summary.update(goodput_fields(t, self.recorder))
     if self.out is not None:
       write_summary(self.out, summary, t.host_id)
     return summary
@@ -342,6 +361,23 @@ def summary(trainer: Trained, *, digest: bool) -> dict[str, Any]:
       "emulated_speeds": t.emulated,
       "per_host": h.per_host(t.num_hosts, h.warmup),
   }
+
+
+def goodput_fields(trainer: Trained, recorder: goodput_record.Recorder) -> dict[str, Any]:
+  """The summary's `goodput` (every host's record so far, gathered) and `balancer_saving`."""
+  t, h = trainer, trainer.history
+  attempts = goodput_lib.attempts_of(goodput_lib.read_lines(recorder.path))
+  mine = goodput_summary.host_vector(goodput_lib.host_time(attempts, t.host_id, h.warmup))
+  rows = mesh_lib.gather_host_values(np.asarray(mine, np.float32), t.meshes)
+  goodput = goodput_summary.fields(rows.tolist())
+  saving = None
+  if getattr(getattr(t, "mode", None), "name", None) == "sync":  # Rounds price rounds, not splits.
+    skip = max(0, h.warmup - h.dropped) if len(h.step_s) > h.warmup else 0
+    end = min(len(h.shares), len(h.compute_s), len(h.wait_s))
+    saving = goodput_saving.equal_split(
+        h.shares[skip:end], h.compute_s[skip:end], h.wait_s[skip:end], h.step_s[skip:end],
+        t.config.global_batch, steps=goodput["steps_run"], emulated=t.emulated)
+  return {"goodput": goodput, "balancer_saving": goodput_summary.saving_fields(saving)}
 
 
 def params_digest(params: PyTree) -> str:
