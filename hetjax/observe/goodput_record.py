@@ -72,27 +72,39 @@ class Recorder:
                                                        f"host{self.host}.jsonl")
 
   def bind(self, host: int) -> None:
-    """Opens this host's file (once; the lines so far are written then)."""
+    """Files the lines under `host` (once); the file opens when the run is underway."""
     with self._lock:
-      if self._file is not None:
-        return
-      self.host = host
-      os.makedirs(os.path.dirname(self.path), exist_ok=True)
-      previous = _previous_attempts(self.path)
-      restarted = _restart_count() > 0
-      same_process = bool(previous) and previous[-1]["pid"] == os.getpid()  # Another fit().
-      fresh = bool(previous) and previous[-1]["closed"] and not restarted and not same_process
-      self.attempt = (previous[-1]["attempt"] if same_process
-                      else 0 if fresh or not previous else previous[-1]["attempt"] + 1)
-      self._file = open(self.path, "w" if fresh else "a")
-      lines, self._buffer = self._buffer, []
-      for line in lines:
-        self._write_locked(line)
+      if self.host is None:
+        self.host = host
+      self._open_if_underway_locked(None)
+
+  def _open_if_underway_locked(self, line: dict[str, Any] | None) -> None:
+    """Opens the file once the host is known and the run is underway: its folder exists, or
+    a phase past building starts. A command refused while building leaves no folder."""
+    if self._file is not None or self.host is None:
+      return
+    underway = os.path.isdir(self.out) or (
+        line is not None and line.get("kind") != "attempt"
+        and line.get("phase") not in (phases_lib.JOINING, phases_lib.BUILDING))
+    if not underway:
+      return
+    os.makedirs(os.path.dirname(self.path), exist_ok=True)
+    previous = _previous_attempts(self.path)
+    restarted = _restart_count() > 0
+    same_process = bool(previous) and previous[-1]["pid"] == os.getpid()  # Another fit().
+    fresh = bool(previous) and previous[-1]["closed"] and not restarted and not same_process
+    self.attempt = (previous[-1]["attempt"] if same_process
+                    else 0 if fresh or not previous else previous[-1]["attempt"] + 1)
+    self._file = open(self.path, "w" if fresh else "a")
+    lines, self._buffer = self._buffer, []
+    for buffered in lines:
+      self._write_locked(buffered)
 
   def _write(self, line: dict[str, Any]) -> None:
     with self._lock:
       if self._file is None:
         self._buffer.append(line)
+        self._open_if_underway_locked(line)
       else:
         self._write_locked(line)
 
@@ -126,9 +138,14 @@ class Recorder:
     return sink
 
   def close(self, host: int | None = None) -> None:
-    """Marks a clean end and closes the file (binding to `host` first if never bound)."""
+    """Marks a clean end and closes the file (binding to `host` first if never bound).
+
+    A process that never got underway (a command refused while building, in
+    a folder no job has used) leaves nothing behind."""
     if self._file is None:
       self.bind(self.host if host is None else host)
+      if self._file is None:
+        return
     self._write({"kind": "close", "at": self._clock()})
     with self._lock:
       self._file.close()
