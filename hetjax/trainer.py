@@ -85,45 +85,38 @@ class Trainer:
     """
     lifecycle.check_joined("a Trainer")
     with lifecycle.watched(config), phases.within(phases.BUILDING):
-      self._build(task, optimizer, source, config, mode, balancer, pace, identity, checkpoint,
-                  data_workers)
-
-  def _build(self, task: Task, optimizer: optax.GradientTransformation,
-             source: data_lib.ArraySource, config: TrainConfig, mode: Mode | None,
-             balancer: balancer_lib.Balancer | None, pace: Callable[[float, int, int], float] | None,
-             identity: str, checkpoint: ckpt_lib.CheckpointConfig | None, data_workers: int) -> None:
-    config.validate()
-    if checkpoint is not None:
-      checkpoint.validate()  # An unwritable folder fails before anything compiles.
-    if mode is not None and (balancer is not None or data_workers):
-      raise ValueError("`balancer` and `data_workers` are the sync mode's settings: give them "
-                       "as mode=hetjax.Sync(balancer=..., data_workers=...).")
-    self.mode = Sync(balancer, data_workers) if mode is None else mode
-    self.task, self.optimizer, self.source, self.config = task, optimizer, source, config
-    self.meshes = mesh_lib.Meshes.create(config.reduction)
-    self.host_id, self.num_hosts = self.meshes.host_id, self.meshes.num_hosts
-    self.sampler = data_lib.GlobalSampler(len(source), config.global_batch, config.seed,
-                                          name=source.info.name)
-    agreement.agree_on(f"{config!r}|{self.mode!r}|{source.info!r}|{len(source)}|{identity}|"
-                       f"{checkpoint!r}", self.meshes, what="configuration", fix="(config hash "
-                       "mismatch): every host must run the same command and arguments.")
-    self.emulated, self.pace = lifecycle.pacing(pace, self.host_id)
-    example = source[np.arange(1)]
-    task_lib.check_batch_keys(list(example))
-    # Records that disagree with one another fail here, not mid-run.
-    sources_lib.check_records(source, sources_lib.record_spec(source))
-    self.history = History(warmup=self.mode.warmup, series={s: [] for s in self.mode.series})
-    state, job = self.mode.build(Setup(task, optimizer, source, config, self.meshes, self.sampler,
-                                       example, self.pace, self.history))
-    self._evaluations = lifecycle.Evaluations(task, self.meshes)
-    self.resumed_from: int | None = None
-    self.job = ckpt_lib.describe_job(state, {
-        **job, "global_batch": config.global_batch, "seed": config.seed,
-        "dataset": repr(source.info), "num_records": len(source), "identity": identity})
-    self.checkpointer = lifecycle.checkpointer(checkpoint, self.meshes)
-    if checkpoint is not None and checkpoint.resume:
-      with phases.within(phases.RESTORING):
-        self._resume()
+      config.validate()
+      if checkpoint is not None:
+        checkpoint.validate()  # An unwritable folder fails before anything compiles.
+      if mode is not None and (balancer is not None or data_workers):
+        raise ValueError("`balancer` and `data_workers` are the sync mode's settings: give them "
+                         "as mode=hetjax.Sync(balancer=..., data_workers=...).")
+      self.mode = Sync(balancer, data_workers) if mode is None else mode
+      self.task, self.optimizer, self.source, self.config = task, optimizer, source, config
+      self.meshes = mesh_lib.Meshes.create(config.reduction)
+      self.host_id, self.num_hosts = self.meshes.host_id, self.meshes.num_hosts
+      self.sampler = data_lib.GlobalSampler(len(source), config.global_batch, config.seed,
+                                            name=source.info.name)
+      agreement.agree_on(f"{config!r}|{self.mode!r}|{source.info!r}|{len(source)}|{identity}|"
+                         f"{checkpoint!r}", self.meshes, what="configuration", fix="(config hash "
+                         "mismatch): every host must run the same command and arguments.")
+      self.emulated, self.pace = lifecycle.pacing(pace, self.host_id)
+      example = source[np.arange(1)]
+      task_lib.check_batch_keys(list(example))
+      # Records that disagree with one another fail here, not mid-run.
+      sources_lib.check_records(source, sources_lib.record_spec(source))
+      self.history = History(warmup=self.mode.warmup, series={s: [] for s in self.mode.series})
+      state, job = self.mode.build(Setup(task, optimizer, source, config, self.meshes, self.sampler,
+                                         example, self.pace, self.history))
+      self._evaluations = lifecycle.Evaluations(task, self.meshes)
+      self.resumed_from: int | None = None
+      self.job = ckpt_lib.describe_job(state, {
+          **job, "global_batch": config.global_batch, "seed": config.seed,
+          "dataset": repr(source.info), "num_records": len(source), "identity": identity})
+      self.checkpointer = lifecycle.checkpointer(checkpoint, self.meshes)
+      if checkpoint is not None and checkpoint.resume:
+        with phases.within(phases.RESTORING):
+          self._resume()
 
   def __getattr__(self, name: str) -> Any:
     """The mode's own parts, read through the trainer (only names the trainer lacks)."""
