@@ -122,6 +122,8 @@ MODELS = ("resnet18", "transformer", "linen", "nnx")
 # of a trainer's cost). The saved models take the device backend: on it the
 # sharded update splits adam's state over all 6 devices.
 CLUSTER_REDUCTION = {"resnet18": "device", "transformer": "device", "linen": "host", "nnx": "host"}
+# On 1x1 each model meets the other backend: every model sees both, each backend all four.
+ONE_DEVICE_REDUCTION = {m: "host" if r == "device" else "device" for m, r in CLUSTER_REDUCTION.items()}
 SAVED = ("resnet18", "transformer")  # Checkpointed at STEPS by `clusters` (see the docstring).
 
 
@@ -172,8 +174,10 @@ def recorded_timings(compute_s: float, step: int, samples: int = 0) -> float:
 
 def matrix(layout: str, models=MODELS, reductions=("device", "host"),
            global_batch: int = GLOBAL_BATCH, save_to: str | None = None,
-           device_batches: tuple[int, ...] | None = None):
+           device_batches: tuple[int, ...] | None = None,
+           plan: dict[str, str] | None = None):
   """Every (model, reduction) on this cluster; `layout` is 'equal' or 'uneven-then-static'.
+  `plan` ({model: reduction}) runs those pairs instead of the product.
 
   Returns {(model, reduction): (params, model state, shares, memory, the
   summary's device batches)}; with `save_to`, the `SAVED` models write their
@@ -182,27 +186,27 @@ def matrix(layout: str, models=MODELS, reductions=("device", "host"),
   """
   hetjax.initialize()
   out = {}
-  for model in models:
-    for reduction in reductions:
-      source, task, optimizer = build(model)
-      config = trainer.TrainConfig(
-          global_batch=global_batch, microbatch=BLOCK, seed=SEED, reduction=reduction,
-          device_batch=device_batches or 1)
-      custom, pace = None, None
-      if layout == "uneven-then-static":
-        custom = FixedThenStatic(_static_balancer(
-            [jax.local_device_count()] * jax.process_count(), device_batches))
-        pace = recorded_timings
-      saving = None
-      if save_to is not None and model in SAVED:
-        saving = checkpoint.CheckpointConfig(f"{save_to}/{model}", every=STEPS)
-      tr = trainer.Trainer(task, optimizer, source, config, balancer=custom, pace=pace,
-                           checkpoint=saving)
-      summary = tr.fit(STEPS)
-      state = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tr.state.model_state)
-      out[(model, reduction)] = (tr.params(), state, list(tr.history.shares),
-                                 optimizer_memory(tr, summary), summary["device_batches"])
-      tr.close()
+  pairs = plan.items() if plan else [(m, r) for m in models for r in reductions]
+  for model, reduction in pairs:
+    source, task, optimizer = build(model)
+    config = trainer.TrainConfig(
+        global_batch=global_batch, microbatch=BLOCK, seed=SEED, reduction=reduction,
+        device_batch=device_batches or 1)
+    custom, pace = None, None
+    if layout == "uneven-then-static":
+      custom = FixedThenStatic(_static_balancer(
+          [jax.local_device_count()] * jax.process_count(), device_batches))
+      pace = recorded_timings
+    saving = None
+    if save_to is not None and model in SAVED:
+      saving = checkpoint.CheckpointConfig(f"{save_to}/{model}", every=STEPS)
+    tr = trainer.Trainer(task, optimizer, source, config, balancer=custom, pace=pace,
+                         checkpoint=saving)
+    summary = tr.fit(STEPS)
+    state = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tr.state.model_state)
+    out[(model, reduction)] = (tr.params(), state, list(tr.history.shares),
+                               optimizer_memory(tr, summary), summary["device_batches"])
+    tr.close()
   return out
 
 
