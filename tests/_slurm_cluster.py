@@ -52,7 +52,10 @@ def _free_port() -> int:
 def _config(base: str, ctl_port: int, node_ports: dict[str, int]) -> str:
   lines = [
       "ClusterName=hetjaxtest", f"SlurmctldHost=localhost(127.0.0.1)", f"SlurmctldPort={ctl_port}",
-      "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={base}/munge.sock",
+      # A requeued job waits cred_expire + 1 s before it starts again (SLURM's
+      # default 120 s): slurmd refuses its revoked credential until then.
+      "AuthType=auth/munge", "CredType=cred/munge",
+      f"AuthInfo=socket={base}/munge.sock,cred_expire=10",
       "SlurmUser=root", "SlurmdUser=root", f"StateSaveLocation={base}/state",
       f"SlurmdSpoolDir={base}/spool/%n", f"SlurmctldPidFile={base}/slurmctld.pid",
       f"SlurmdPidFile={base}/slurmd-%n.pid", f"SlurmctldLogFile={base}/slurmctld.log",
@@ -230,17 +233,9 @@ class LocalSlurm:
         return fields
       if time.monotonic() > deadline:
         text = open(log).read()[-4000:] if log and os.path.exists(log) else ""
-        raise AssertionError(f"job {job_id} never {what} in {deadline_s:g} s: {fields}\n{text}")
+        raise AssertionError(f"job {job_id} never {what} in {deadline_s:g} s: {fields}\n{text}\n"
+                             f"{self.logs()}")
       time.sleep(0.2)
-
-  def release(self, job_id: int) -> None:
-    """Starts a requeued job now, once its last run's processes are gone.
-
-    SLURM holds a requeued job for 120 s (its BeginTime); the tests do not wait.
-    """
-    self.wait_job(job_id, lambda f: f["JobState"] == "PENDING" and f["Restarts"] != "0"
-                  and not self.pids(f"SLURM_JOB_ID={job_id}"), "requeued, its processes gone")
-    self.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])
 
   def wait_ended(self, job_id: int, log: str | None = None) -> dict[str, str]:
     """Waits until the job ended and every one of its processes is gone."""

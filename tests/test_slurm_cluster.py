@@ -142,7 +142,6 @@ def test_a_stall_requeues_the_job_and_the_restart_gets_a_new_port(cluster, tmp_p
   # Host 1 stalls (exit 69) while host 0 runs on: srun kills host 0, the job requeues.
   job = cluster.sbatch([], script, [sys.executable, "-c", _REPORT], str(tmp_path),
                        **_report_env(tmp_path, EXITS="1@0=69", SLEEP_UNLESS="1"))
-  cluster.release(job)
   fields = cluster.wait_ended(job, tmp_path / f"slurm-{job}.out")
   log = _log(tmp_path, job)
   assert (fields["JobState"], fields["Restarts"]) == ("COMPLETED", "1"), log
@@ -174,27 +173,14 @@ def _env_has(pid: int, entry: str) -> bool:
 
 # ---------------------------------------------------------------- hetjax itself
 
-def _train(out, steps: int, *extra: str) -> list[str]:
+def _train(out, *extra: str) -> list[str]:
   return [sys.executable, "-m", "hetjax.cli", "train", "--model", "mlp", "--dataset", "digits",
-          "--global-batch", "32", "--microbatch", "4", "--steps", str(steps), "--log-every", "0",
-          "--out", str(out), *extra]
+          "--global-batch", "32", "--microbatch", "4", "--log-every", "0", "--out", str(out), *extra]
 
 
 def _hetjax_env(**extra: str) -> dict[str, str]:
   return {"PYTHONPATH": ROOT, "HETJAX_CPU_DEVICES": "1", "HETJAX_INIT_TIMEOUT": "120",
           "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1", **extra}
-
-
-def test_hetjob_trains_two_hosts_to_the_end(cluster, tmp_path):
-  script = _template(tmp_path, HETJOB, [("a100", 1), ("v100", 1)])
-  out = tmp_path / "run"
-  job = cluster.sbatch([], script, _train(out, 6), str(tmp_path), **_hetjax_env())
-  fields = cluster.wait_ended(job, tmp_path / f"slurm-{job}.out")
-  log = _log(tmp_path, job)
-  assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("COMPLETED", "0:0", "0"), log
-  summary = json.loads((out / "summary.json").read_text())
-  assert (summary["hosts"], summary["steps"]) == (2, 6)
-  assert "2 host(s) in 2 component(s) (1 1)" in log
 
 
 # Stands in for the wandb library on the hosts: each init() is one JSON line.
@@ -239,50 +225,80 @@ def _wait_for(what: str, ready, log, deadline_s: float = DEADLINE_S):
   return found
 
 
-def test_time_limit_warning_saves_requeues_once_and_scancel_stops(cluster, tmp_path):
-  """The warning: save, requeue, resume at the saved step; then scancel: save, no requeue.
+def test_hetjob_trains_through_a_time_limit_warning_that_saves_and_requeues_once(cluster, tmp_path):
+  """The warning: every host saves, the job requeues once, resumes at the saved step, ends.
 
   The job asks for a warning 110 s before its limit and starts with 5 minutes;
   once it trains, the limit drops to 2 minutes, so the warning is due: SLURM
-  sends it within its 30 s check. The requeued job gets its 5 minutes back.
+  sends it within its 30 s check. The requeued job gets its 5 minutes back
+  and a config file that now ends 3 steps after the saved one; SLURM starts
+  it again itself (after cred_expire, 10 s here).
   """
   fake = tmp_path / "fake_wandb"
   (fake / "wandb").mkdir(parents=True)
   (fake / "wandb" / "__init__.py").write_text(_FAKE_WANDB)
   inits = tmp_path / "wandb-inits.jsonl"
-  script = _template(tmp_path, PLAIN, [("a100", 2)], time_limit="5", warning_s=110)
+  config = tmp_path / "steps.yaml"
+  config.write_text("steps: 100000\n")
+  script = _template(tmp_path, HETJOB, [("a100", 1), ("v100", 1)], time_limit="5", warning_s=110)
   out, ckpt = tmp_path / "run", tmp_path / "ckpt"
-  command = _train(out, 100000, "--ckpt-dir", str(ckpt), "--ckpt-every", "100000",
-                   "--wandb", "hetjax-test")
+  command = _train(out, "--config", str(config), "--ckpt-dir", str(ckpt), "--ckpt-every",
+                   "100000", "--wandb", "hetjax-test")
   job = cluster.sbatch([], script, command, str(tmp_path), **_hetjax_env(
       PYTHONPATH=f"{fake}{os.pathsep}{ROOT}", FAKE_WANDB_LOG=str(inits)))
-  log = lambda: _log(tmp_path, job)  # noqa: E731
+  log = lambda: _log(tmp_path, job) + cluster.logs()  # noqa: E731
 
-  _wait_for("training", lambda: len(_records(out)) >= 2, log)
+  _wait_for("training", lambda: len(_records(out)) >= 1, log)
   cluster.run(["scontrol", "update", f"JobId={job}", "TimeLimit=2"])
+  _wait_for("the warning", lambda: "time-limit warning (SIGUSR1)" in log(), log, deadline_s=90)
+  cluster.run(["scontrol", "update", f"JobId={job}", "TimeLimit=5"])  # For the requeued run.
   saved = _wait_for("checkpoint saved on the warning", lambda: re.findall(
-      r"preempted: checkpoint of step (\d+) saved", log()), log, deadline_s=90)
-  cluster.wait_job(job, lambda f: f["JobState"] == "PENDING" and f["Restarts"] == "1", "requeued",
-                   tmp_path / f"slurm-{job}.out")
-  cluster.run(["scontrol", "update", f"JobId={job}", "TimeLimit=5"])
-  cluster.release(job)
+      r"preempted: checkpoint of step (\d+) saved", log()), log)
   step = int(saved[0])
+  config.write_text(f"steps: {step + 3}\n")  # Read by the requeued run, 11 s after the requeue.
+  fields = cluster.wait_ended(job, tmp_path / f"slurm-{job}.out")
+  assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("COMPLETED", "0:0", "1"), (
+      log() + cluster.logs())
   assert set(saved) == {str(step)}  # Every host saved the same step.
   assert "time-limit warning (SIGUSR1): every host saves" in log()
   assert f"time-limit warning: every host saved; requeueing job {job} to resume (requeue 1/20)" in log()
-
-  resumed = _wait_for("resume", lambda: re.search(r"hetjax: resumed from \S+/(\d+) ", log()), log)
-  assert int(resumed.group(1)) == step
-  _wait_for("a step after the resume", lambda: any(r["step"] > step + 1 for r in _records(out)), log)
-  cluster.run(["scancel", str(job)])
-  fields = cluster.wait_ended(job, tmp_path / f"slurm-{job}.out")
-  assert (fields["JobState"], fields["Restarts"]) == ("CANCELLED", "1"), log()
-  assert "stopped by SIGTERM: every host saved; not requeued by this script" in log()
   assert log().count("requeueing job") == 1
-  steps = sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())
-  assert steps[0] == step and steps[-1] > step  # The scancel saved too.
+  assert re.search(rf"hetjax: resumed from \S+/{step} ", log()), log()
+  summary = json.loads((out / "summary.json").read_text())
+  assert (summary["hosts"], summary["resumed_from"]) == (2, step)
+  assert [r["step"] for r in _records(out)] == list(range(1, step + 4))  # To the end.
+  assert "2 host(s) in 2 component(s) (1 1)" in log()
 
   # W&B: host 0 opened one run per attempt, both the same; host 1 none.
   opened = [json.loads(l) for l in inits.read_text().splitlines()]
   assert [o["host"] for o in opened] == ["0", "0"]
   assert len({o["id"] for o in opened}) == 1 and {o["resume"] for o in opened} == {"allow"}
+
+
+# Saves on SIGTERM as a hetjax host does (tests/test_preemption.py checks hetjax's own).
+_SAVES_ON_SIGTERM = textwrap.dedent("""
+  import os, signal, sys, time
+  folder, host = os.environ["REPORT_DIR"], os.environ["HETJAX_HOST_ID"]
+  def saved(signum, frame):
+    open(os.path.join(folder, f"saved-{host}"), "w").close()
+    sys.exit(75)
+  signal.signal(signal.SIGTERM, saved)
+  open(os.path.join(folder, f"up-{host}"), "w").close()
+  time.sleep(300)
+""")
+
+
+def test_scancel_stops_the_job_after_every_host_saved_and_never_requeues(cluster, tmp_path):
+  script = _template(tmp_path, PLAIN, [("a100", 2)])
+  env = _report_env(tmp_path)
+  job = cluster.sbatch([], script, [sys.executable, "-c", _SAVES_ON_SIGTERM], str(tmp_path), **env)
+  reports = tmp_path / "reports"
+  _wait_for("both hosts up", lambda: len(list(reports.glob("up-*"))) == 2,
+            lambda: _log(tmp_path, job))
+  cluster.run(["scancel", str(job)])
+  fields = cluster.wait_ended(job, tmp_path / f"slurm-{job}.out")
+  log = _log(tmp_path, job)
+  assert (fields["JobState"], fields["Restarts"]) == ("CANCELLED", "0"), log
+  assert sorted(p.name for p in reports.glob("saved-*")) == ["saved-0", "saved-1"]
+  assert "stopped by SIGTERM: every host saved; not requeued by this script" in log
+  assert "requeueing" not in log
