@@ -217,10 +217,11 @@ def _records(out) -> list[dict]:
   return [json.loads(l) for l in path.read_text().splitlines() if l.endswith("}")]
 
 
-def _wait_for(what: str, ready, log, deadline_s: float = DEADLINE_S):
+def _wait_for(what: str, ready, describe, deadline_s: float = DEADLINE_S):
+  """`ready()` once true; fails after `deadline_s` with `describe()` (the logs)."""
   deadline = time.monotonic() + deadline_s
   while not (found := ready()):
-    assert time.monotonic() < deadline, f"no {what} in {deadline_s:g} s:\n{log()[-4000:]}"
+    assert time.monotonic() < deadline, f"no {what} in {deadline_s:g} s:\n{describe()[-8000:]}"
     time.sleep(0.2)
   return found
 
@@ -246,14 +247,16 @@ def test_hetjob_trains_through_a_time_limit_warning_that_saves_and_requeues_once
                    "100000", "--wandb", "hetjax-test")
   job = cluster.sbatch([], script, command, str(tmp_path), **_hetjax_env(
       PYTHONPATH=f"{fake}{os.pathsep}{ROOT}", FAKE_WANDB_LOG=str(inits)))
-  log = lambda: _log(tmp_path, job) + cluster.logs()  # noqa: E731
+  log = lambda: _log(tmp_path, job)  # noqa: E731
+  described = lambda: log() + cluster.logs()  # noqa: E731
 
-  _wait_for("training", lambda: len(_records(out)) >= 1, log)
+  _wait_for("training", lambda: len(_records(out)) >= 1, described)
   cluster.run(["scontrol", "update", f"JobId={job}", "TimeLimit=2"])
-  _wait_for("the warning", lambda: "time-limit warning (SIGUSR1)" in log(), log, deadline_s=90)
+  _wait_for("the warning", lambda: "time-limit warning (SIGUSR1)" in log(), described,
+            deadline_s=90)
   cluster.run(["scontrol", "update", f"JobId={job}", "TimeLimit=5"])  # For the requeued run.
   saved = _wait_for("checkpoint saved on the warning", lambda: re.findall(
-      r"preempted: checkpoint of step (\d+) saved", log()), log)
+      r"preempted: checkpoint of step (\d+) saved", log()), described)
   step = int(saved[0])
   config.write_text(f"steps: {step + 3}\n")  # Read by the requeued run, 11 s after the requeue.
   fields = cluster.wait_ended(job, tmp_path / f"slurm-{job}.out")
