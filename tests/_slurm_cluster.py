@@ -17,6 +17,7 @@ the README's test command does it as root), and the node names resolving to
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
 import shutil
@@ -236,6 +237,21 @@ class LocalSlurm:
         raise AssertionError(f"job {job_id} never {what} in {deadline_s:g} s: {fields}\n{text}\n"
                              f"{self.logs()}")
       time.sleep(0.2)
+
+  def start_requeued_hetjob(self, job_id: int) -> None:
+    """Starts a requeued heterogeneous job once it is eligible again.
+
+    On this idle cluster the backfill scheduler (the only one that starts
+    heterogeneous jobs) tries again only after some change of state, which
+    a busy cluster has all the time: an update of the job's start time, made
+    once SLURM's own hold (cred_expire + 1 s) has passed, is that change.
+    """
+    fields = self.wait_job(job_id, lambda f: f["JobState"] == "PENDING" and f["Restarts"] != "0",
+                           "requeued")
+    eligible = datetime.datetime.strptime(fields["EligibleTime"], "%Y-%m-%dT%H:%M:%S")
+    while datetime.datetime.now() < eligible + datetime.timedelta(seconds=1):
+      time.sleep(0.2)
+    self.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])
 
   def wait_ended(self, job_id: int, log: str | None = None) -> dict[str, str]:
     """Waits until the job ended and every one of its processes is gone."""

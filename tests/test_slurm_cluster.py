@@ -232,8 +232,8 @@ def test_hetjob_trains_through_a_time_limit_warning_that_saves_and_requeues_once
   The job asks for a warning 110 s before its limit and starts with 5 minutes;
   once it trains, the limit drops to 2 minutes, so the warning is due: SLURM
   sends it within its 30 s check. The requeued job gets its 5 minutes back
-  and a config file that now ends 3 steps after the saved one; SLURM starts
-  it again itself (after cred_expire, 10 s here).
+  and a config file that now ends 3 steps after the saved one; it starts
+  again once SLURM's hold after a requeue (cred_expire + 1 s, 11 s here) passed.
   """
   fake = tmp_path / "fake_wandb"
   (fake / "wandb").mkdir(parents=True)
@@ -259,6 +259,7 @@ def test_hetjob_trains_through_a_time_limit_warning_that_saves_and_requeues_once
       r"preempted: checkpoint of step (\d+) saved", log()), described)
   step = int(saved[0])
   config.write_text(f"steps: {step + 3}\n")  # Read by the requeued run, 11 s after the requeue.
+  cluster.start_requeued_hetjob(job)
   fields = cluster.wait_ended(job, tmp_path / f"slurm-{job}.out")
   assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("COMPLETED", "0:0", "1"), (
       log() + cluster.logs())
