@@ -20,7 +20,8 @@ by another name than the one ssh uses). Restart k of the job uses PORT + k,
 as the last coordinator's port may still be held.
 
 Every host gets, inside its remote command, HETJAX_COORDINATOR,
-HETJAX_NUM_HOSTS, HETJAX_HOST_ID (and HETJAX_INIT_TIMEOUT, HETJAX_RESTART_COUNT,
+HETJAX_NUM_HOSTS, HETJAX_HOST_ID (and HETJAX_INIT_TIMEOUT,
+HETJAX_HEARTBEAT_TIMEOUT from --heartbeat-timeout, HETJAX_RESTART_COUNT,
 PYTHONUNBUFFERED, any `--env KEY=VALUE`, then its own settings), runs from its
 workdir, and its output comes back prefixed with `[host i] `. `--dry-run`
 prints the exact ssh command of each host, in host order, and starts nothing.
@@ -171,7 +172,8 @@ def remote_command(command: Sequence[str], env: Mapping[str, str], workdir: str 
 def host_commands(hosts: Sequence[Host], command: Sequence[str], *, coordinator: str,
                   ssh: str = DEFAULT_SSH, workdir: str | None = None,
                   env: Mapping[str, str] | None = None, init_timeout_s: float | None = None,
-                  restart_count: int = 0) -> list[list[str]]:
+                  restart_count: int = 0,
+                  heartbeat_timeout_s: int | None = None) -> list[list[str]]:
   """The local argv (ssh, host, remote line) that starts process i on host i."""
   ssh_argv = shlex.split(ssh)
   if not ssh_argv:
@@ -183,6 +185,8 @@ def host_commands(hosts: Sequence[Host], command: Sequence[str], *, coordinator:
                 "PYTHONUNBUFFERED": "1"}
     if init_timeout_s is not None:
       host_env[Env.INIT_TIMEOUT] = f"{init_timeout_s:g}"
+    if heartbeat_timeout_s is not None:
+      host_env[Env.HEARTBEAT_TIMEOUT] = str(heartbeat_timeout_s)
     host_env.update(env or {})
     host_env.update(host.env)
     commands.append([*ssh_argv, host.address,
@@ -194,7 +198,7 @@ def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog="launch/hosts.py",
       usage="%(prog)s --hostfile FILE [--workdir DIR] [--port P] [--ssh CMD] [--env K=V] "
-            "[--dry-run] [--max-restarts K] -- COMMAND ...",
+            "[--heartbeat-timeout S] [--dry-run] [--max-restarts K] -- COMMAND ...",
       description="Run COMMAND as one hetjax host per line of FILE, over ssh.")
   parser.add_argument("--hostfile", required=True,
                       help="one [user@]host [KEY=VALUE ...] [workdir=DIR] per line; # comments")
@@ -209,6 +213,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="extra environment for every host (repeatable)")
   parser.add_argument("--init-timeout", type=float, default=None,
                       help="seconds a host may take to join the cluster")
+  launcher_cli.add_heartbeat_argument(parser)
   parser.add_argument("--dry-run", action="store_true",
                       help="print each host's ssh command, one per line, and start nothing")
   launcher_cli.add_stop_arguments(
@@ -238,7 +243,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       coordinator = coordinator_address(hosts, args.port, args.coordinator, restart_count)
       return host_commands(hosts, command, coordinator=coordinator, ssh=args.ssh,
                            workdir=args.workdir, env=extra_env,
-                           init_timeout_s=args.init_timeout, restart_count=restart_count)
+                           init_timeout_s=args.init_timeout, restart_count=restart_count,
+                           heartbeat_timeout_s=args.heartbeat_timeout)
 
     first = commands(0)
   except ValueError as e:

@@ -65,10 +65,7 @@ def _parser() -> argparse.ArgumentParser:
                            "compile differently); repeatable")
   parser.add_argument("--init-timeout", type=float, default=None,
                       help="seconds a host may take to join the cluster")
-  parser.add_argument("--heartbeat-timeout", type=int, default=None, metavar="S",
-                      help="seconds without heartbeats before a host counts as dead (frozen or "
-                           "unreachable) and the job stops naming it (default 100, JAX's; "
-                           "HETJAX_HEARTBEAT_TIMEOUT)")
+  launcher_cli.add_heartbeat_argument(parser)
   launcher_cli.add_stop_arguments(
       parser, "seconds between SIGTERM and SIGKILL when stopping hosts (after a Ctrl-C: once "
               "the first host has ended)")

@@ -1,6 +1,9 @@
-"""Stand-ins for SLURM's `srun` and `scontrol` that behave as the real ones do.
+"""A stand-in for SLURM's `srun` that behaves as the real one does.
 
-What the real srun does and these reproduce (no cluster here):
+Only for what one machine cannot show (a user's own srun keeping every GPU
+of a node: tests/test_cluster_launchers.py); the templates run on a real
+localhost SLURM in tests/test_slurm_cluster.py. What the real srun does and
+this reproduces:
   - runs `--ntasks` tasks, each with the step's variables (SLURM_PROCID,
     SLURM_LOCALID, SLURM_STEP_NUM_TASKS, SLURM_STEP_NODELIST, ...);
   - a signal to srun reaches every process of every task (slurmstepd signals
@@ -14,7 +17,7 @@ What the real srun does and these reproduce (no cluster here):
     guardian process stands in for here.
 Each task's output goes to $FAKE_OUT/task-<group>-<rank>.txt, and a file
 $FAKE_OUT/ended-<group>-<rank> appears when a task has ended (for tests that
-order events); the options srun got and scontrol's calls go to $FAKE_LOG.
+order events); the options srun got go to $FAKE_LOG.
 """
 
 from __future__ import annotations
@@ -89,17 +92,9 @@ while len(codes) < len(tasks):
 sys.exit(max(codes.values()))
 '''
 
-SCONTROL = r'''#!/bin/bash
-# `show hostnames LIST` prints $FAKE_NODES, one per line; every call is logged.
-echo "scontrol $*" >> "$FAKE_LOG"
-if [[ "$1 $2" == "show hostnames" ]]; then tr ' ' '\n' <<< "$FAKE_NODES"; fi
-'''
-
-
 def install(bin_dir) -> None:
-  """Writes executable `srun` and `scontrol` stand-ins into `bin_dir`."""
-  for name, text in (("srun", SRUN.replace("{python}", sys.executable)), ("scontrol", SCONTROL)):
-    path = os.path.join(bin_dir, name)
-    with open(path, "w") as f:
-      f.write(text)
-    os.chmod(path, os.stat(path).st_mode | stat.S_IXUSR)
+  """Writes an executable `srun` stand-in into `bin_dir`."""
+  path = os.path.join(bin_dir, "srun")
+  with open(path, "w") as f:
+    f.write(SRUN.replace("{python}", sys.executable))
+  os.chmod(path, os.stat(path).st_mode | stat.S_IXUSR)

@@ -1,11 +1,11 @@
 """The cluster launchers: `launch/slurm*.sbatch`, `launch/hosts.py`, `launch/k8s/`.
 
-No cluster here, so each runs against stand-ins: SLURM's `scontrol` and
-`srun` as small scripts on PATH that behave as the real ones do (see
-tests/_slurm_standins.py; srun runs its tasks on this machine), ssh as a
-script that drops the host and runs the remote line with `bash -c`. What the
-hosts receive is then checked with `hetjax.cluster.runtime.resolve`, the function that
-reads it in a real job. Nothing here has run on a real cluster.
+The SLURM templates run on a real localhost SLURM in tests/test_slurm_cluster.py;
+here are their static checks, and a stand-in `srun` (tests/_slurm_standins.py)
+only for what one machine cannot show: every GPU of a node kept by a
+user's own srun. ssh is a script that drops the host and runs the remote
+line with `bash -c`. What the hosts receive is checked with
+`hetjax.cluster.runtime.resolve`, the function that reads it in a real job.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import time
 import pytest
 
 import _slurm_standins
+from hetjax import exits
 from hetjax.cluster import procs
 from test_launcher import _assert_none_left, _marked, marker  # noqa: F401  (fixture)
 
@@ -57,69 +58,34 @@ def _runtime_spec(env: dict):
   return runtime.spec_from_env(env)
 
 
-def _runtime_resolve(env: dict):
+def _runtime_heartbeat(env: dict) -> int:
   from hetjax.cluster import runtime
-  return runtime.resolve(env)
+  return runtime.heartbeat_from_env(env)
 
 
 # ---------------------------------------------------------------- SLURM
 
-# Two ways to describe the same kind of job to the stand-ins: a plain 3-node
-# job, and a heterogeneous job of 2 A100 nodes + 1 V100 node.
-PLAIN_JOB = {"SLURM_JOB_NODELIST": "gpu[07-09]", "SLURM_JOB_NUM_NODES": "3",
-             "SLURM_CPUS_PER_TASK": "16", "FAKE_NODES": "gpu07 gpu08 gpu09"}
-HET_JOB = {"SLURM_HET_SIZE": "2", "SLURM_JOB_NODELIST": "a100-[1-2]",
-           "SLURM_JOB_NUM_NODES": "2",  # As SLURM sets it: component 0 only.
-           "SLURM_JOB_NODELIST_HET_GROUP_0": "a100-[1-2]", "SLURM_JOB_NUM_NODES_HET_GROUP_0": "2",
-           "SLURM_CPUS_PER_TASK_HET_GROUP_0": "32",
-           "SLURM_JOB_NODELIST_HET_GROUP_1": "v100-1", "SLURM_JOB_NUM_NODES_HET_GROUP_1": "1",
-           "SLURM_CPUS_PER_TASK_HET_GROUP_1": "16", "FAKE_NODES": "a100-1 a100-2"}
-
-
 @pytest.fixture
-def slurm(tmp_path):
-  """Runs an sbatch script as SLURM would, with stand-in srun / scontrol on PATH.
+def standin_srun(tmp_path):
+  """A stand-in srun on PATH (tests/_slurm_standins.py), for what one machine cannot show.
 
-  Returns run(script, job, *command, **env) -> (result, reports by host id, log lines).
+  Returns (bin folder, task output folder, reports(): the REPORT lines by host id).
   """
-  bin_dir = tmp_path / "bin"
+  bin_dir, out = tmp_path / "bin", tmp_path / "out"
   bin_dir.mkdir()
-  _slurm_standins.install(str(bin_dir))
-  log, out = tmp_path / "log.txt", tmp_path / "out"
   out.mkdir()
+  _slurm_standins.install(str(bin_dir))
 
-  def environment(job: dict, env: dict) -> dict:
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "HETJAX_"))}
-    base.update(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", FAKE_LOG=str(log),
-                FAKE_OUT=str(out), SLURM_JOB_ID="1234", SLURM_LOCALID="0",
-                # Left over from a local run in the submitting shell: must not leak in.
-                HETJAX_COORDINATOR="127.0.0.1:1", HETJAX_NUM_HOSTS="9")
-    base.update(job)
-    base.update(env)
-    return base
-
-  def collect(result):
-    reports = {}
+  def reports() -> dict[int, dict]:
+    found = {}
     for task in sorted(out.glob("task-*.txt")):
       for line in task.read_text().splitlines():
         if line.startswith("REPORT "):
           report = json.loads(line[len("REPORT "):])
-          reports[int(report["env"]["HETJAX_HOST_ID"])] = report
-    logged = log.read_text().splitlines() if log.exists() else []
-    return result, reports, logged
+          found[int(report["env"]["HETJAX_HOST_ID"])] = report
+    return found
 
-  def run(script: str, job: dict, *command: str, **env: str):
-    result = subprocess.run(["bash", script, *command], env=environment(job, env),
-                            capture_output=True, text=True, timeout=DEADLINE_S, cwd=tmp_path)
-    return collect(result)
-
-  def start(script: str, job: dict, *command: str, **env: str) -> subprocess.Popen:
-    return subprocess.Popen(["bash", script, *command], env=environment(job, env),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=tmp_path, start_new_session=True)
-
-  run.start, run.collect, run.out = start, collect, out
-  return run
+  return bin_dir, out, reports
 
 
 @pytest.mark.parametrize("script", [SBATCH, HETJOB])
@@ -140,13 +106,15 @@ def _directives(script: str) -> list[str]:
 def test_sbatch_templates_shape(script):
   text = open(script).read()
   options = _directives(script)
-  for needed in ("--signal=TERM@300", "--open-mode=append", "--requeue", "--ntasks-per-node=1"):
+  for needed in ("--signal=B:USR1@300", "--open-mode=append", "--requeue", "--ntasks-per-node=1"):
     assert needed in options, needed
-  # --signal without B: the hosts get SIGTERM, not the batch shell.
-  assert not any(o.startswith("--signal=B:") for o in options)
+  # The time-limit warning goes to the batch shell only (B:), as SIGUSR1: SIGTERM means a stop.
+  assert [o for o in options if o.startswith("--signal")] == ["--signal=B:USR1@300"]
   banners = [l for l in text.splitlines() if l.startswith("# ====") and "EDIT" in l]
   assert len(banners) == 2 and "EDIT 1/2" in banners[0] and "EDIT 2/2" in banners[1]
-  assert f"PREEMPTED_EXIT={procs.PREEMPTED_EXIT} " in text
+  assert f"PREEMPTED_EXIT={exits.PREEMPTED_EXIT} " in text
+  assert f"STALLED_EXIT={exits.STALLED_EXIT} " in text
+  assert f"WRITE_FAILED_EXIT={exits.WRITE_FAILED_EXIT} " in text
 
 
 def test_hetjob_template_has_one_component_per_kind_of_node():
@@ -164,157 +132,6 @@ def test_both_templates_share_the_code_below_the_edits():
   assert plain == het
 
 
-def test_sbatch_gives_every_task_the_cluster(slurm):
-  result, reports, logged = slurm(SBATCH, PLAIN_JOB, sys.executable, "-c", _REPORT, "an arg", "it's")
-  assert result.returncode == 0, result.stderr
-  assert sorted(reports) == [0, 1, 2]
-  for i, report in reports.items():
-    env = report["env"]
-    assert env["HETJAX_COORDINATOR"] == f"gpu07:{20000 + 1234 % 10000}"
-    assert env["HETJAX_NUM_HOSTS"] == "3" and env["HETJAX_RESTART_COUNT"] == "0"
-    assert report["argv"] == ["an arg", "it's"]
-    spec = _runtime_resolve(env)
-    # Explicit settings: JAX's SLURM detection stays off, every GPU visible.
-    assert (spec.coordinator, spec.num_hosts, spec.host_id) == ("gpu07:21234", 3, i)
-    assert spec.detect is None and spec.local_device_ids is None
-  for option in ("--ntasks=3", "--nodes=3", "--ntasks-per-node=1", "--distribution=block",
-                 "--kill-on-bad-exit=1", "--cpus-per-task=16"):
-    assert f"srun-option {option}" in logged
-  assert not any("--het-group" in line for line in logged)
-  assert "scontrol show hostnames gpu[07-09]" in logged
-  assert "coordinator gpu07:21234" in result.stderr
-
-
-def test_hetjob_numbers_hosts_across_components(slurm):
-  result, reports, logged = slurm(HETJOB, HET_JOB, sys.executable, "-c", _REPORT)
-  assert result.returncode == 0, result.stderr
-  assert sorted(reports) == [0, 1, 2]
-  groups = {i: r["env"]["SLURM_STEP_NODELIST"] for i, r in reports.items()}
-  assert groups == {0: "a100-[1-2]", 1: "a100-[1-2]", 2: "v100-1"}
-  for i, report in reports.items():
-    spec = _runtime_resolve(report["env"])
-    assert (spec.coordinator, spec.num_hosts, spec.host_id) == ("a100-1:21234", 3, i)
-  for option in ("--het-group=0", "--het-group=1", "--nodes=2", "--nodes=1", "--ntasks=2",
-                 "--ntasks=1", "--cpus-per-task=32", "--cpus-per-task=16"):
-    assert f"srun-option {option}" in logged
-  assert "3 host(s) in 2 component(s) (2 1)" in result.stderr
-
-
-def test_sbatch_port_override_and_no_cpus_per_task(slurm):
-  result, reports, logged = slurm(SBATCH, PLAIN_JOB, sys.executable, "-c", _REPORT,
-                                  HETJAX_PORT="4242", SLURM_CPUS_PER_TASK="")
-  assert result.returncode == 0, result.stderr
-  assert {r["env"]["HETJAX_COORDINATOR"] for r in reports.values()} == {"gpu07:4242"}
-  assert not any("--cpus-per-task" in line for line in logged)
-
-
-# A host that exits as a hetjax host would after saving on a preemption (75):
-# host 1 at once; host 0 only once srun has seen host 1's task end, the moment
-# when a srun with --kill-on-bad-exit kills peers whose task exited non-zero.
-_PREEMPTED_ONE_AFTER_THE_OTHER = textwrap.dedent("""
-  import os, sys, time
-  host, out = os.environ["HETJAX_HOST_ID"], os.environ["FAKE_OUT"]
-  print("REPORT " + __import__("json").dumps({"env": dict(os.environ), "argv": [], "cwd": ""}),
-        flush=True)
-  if host == "0":
-    while not os.path.exists(os.path.join(out, "ended-0-1")):
-      time.sleep(0.01)
-    open(os.path.join(out, "host-0-saved"), "w").close()
-  sys.exit(75)
-""")
-
-
-@pytest.mark.parametrize("script, job", [(SBATCH, PLAIN_JOB), (HETJOB, HET_JOB)])
-def test_a_preempted_job_requeues_even_when_hosts_end_apart(slurm, script, job):
-  result, _, logged = slurm(script, job, sys.executable, "-c", _PREEMPTED_ONE_AFTER_THE_OTHER)
-  assert result.returncode == procs.PREEMPTED_EXIT, result.stderr
-  assert (slurm.out / "host-0-saved").exists()  # Not killed by --kill-on-bad-exit.
-  assert "scontrol requeue 1234" in logged
-  assert "preempted: host 0 saved a checkpoint; requeueing job 1234 to resume (requeue 1/20)" in (
-      result.stderr)
-  assert not list(slurm.out.parent.glob(".hetjax-preempted-*"))  # The marker is consumed.
-
-
-def test_requeues_stop_at_the_cap(slurm):
-  result, _, logged = slurm(SBATCH, PLAIN_JOB, sys.executable, "-c", _REPORT,
-                            FAIL="0=75,1=75,2=75", SLURM_RESTART_COUNT="3", HETJAX_MAX_REQUEUES="3")
-  assert result.returncode == procs.PREEMPTED_EXIT
-  assert not any("requeue" in line for line in logged)
-  assert "after 3 requeue(s): not requeueing again (HETJAX_MAX_REQUEUES=3)" in result.stderr
-
-
-def test_a_requeued_job_gets_a_new_port_and_its_restart_count(slurm):
-  result, reports, _ = slurm(SBATCH, PLAIN_JOB, sys.executable, "-c", _REPORT,
-                             SLURM_RESTART_COUNT="2")
-  assert result.returncode == 0, result.stderr
-  assert {r["env"]["HETJAX_COORDINATOR"] for r in reports.values()} == {"gpu07:21236"}
-  assert {r["env"]["HETJAX_RESTART_COUNT"] for r in reports.values()} == {"2"}
-
-
-def test_a_stale_marker_from_an_earlier_run_is_ignored(slurm, tmp_path):
-  (tmp_path / ".hetjax-preempted-1234").write_text("")
-  result, _, logged = slurm(SBATCH, PLAIN_JOB, sys.executable, "-c", _REPORT, FAIL="2=3")
-  assert result.returncode != 0
-  assert not any("requeue" in line for line in logged)
-
-
-def test_a_failure_is_not_requeued_and_srun_kills_the_peers(slurm, marker):
-  code = _REPORT.replace("sys.exit(", "import time\nif host != '2': time.sleep(120)\nsys.exit(")
-  result, reports, logged = slurm(SBATCH, PLAIN_JOB, sys.executable, "-c", code, marker,
-                                  FAIL="2=3")
-  assert result.returncode == 128 + signal.SIGKILL  # srun: the highest code, a killed peer's.
-  assert not any("requeue" in line for line in logged)
-  assert "failed: srun exit code 137 (no requeue)" in result.stderr
-  assert 2 in reports  # The failing host ran (a peer may be killed before it reports).
-  _assert_none_left(marker)  # The sleeping peers were killed, not left behind.
-
-
-def test_a_failing_component_of_a_hetjob_takes_the_others_down(slurm, marker):
-  code = _REPORT.replace("sys.exit(", "import time\nif host != '2': time.sleep(120)\nsys.exit(")
-  result, reports, logged = slurm(HETJOB, HET_JOB, sys.executable, "-c", code, marker,
-                                  FAIL="2=3")
-  assert result.returncode != 0
-  assert not any("requeue" in line for line in logged)
-  # The failing component's host ran, and no host outlived the job: the
-  # failing component took the sleeping others down.
-  assert 2 in reports
-  _assert_none_left(marker)
-
-
-# Waits for SIGTERM (what --signal=TERM@300, or the time limit, delivers), then
-# saves and exits 75 as a hetjax host does.
-_SAVES_ON_SIGTERM = textwrap.dedent("""
-  import os, signal, sys, time
-  def preempted(signum, frame):
-    print("got SIGTERM, saving", flush=True)
-    sys.exit(75)
-  signal.signal(signal.SIGTERM, preempted)
-  open(os.path.join(os.environ["FAKE_OUT"], "up-" + os.environ["HETJAX_HOST_ID"]), "w").close()
-  time.sleep(120)
-""")
-
-
-def test_sigterm_to_the_whole_job_saves_and_requeues(slurm):
-  job = slurm.start(SBATCH, PLAIN_JOB, sys.executable, "-c", _SAVES_ON_SIGTERM)
-  try:
-    deadline = time.monotonic() + DEADLINE_S
-    while len(list(slurm.out.glob("up-*"))) < 3:
-      assert job.poll() is None and time.monotonic() < deadline, job.communicate()
-      time.sleep(0.05)
-    os.killpg(job.pid, signal.SIGTERM)  # The batch shell and srun; srun passes it to the tasks.
-    _, err = job.communicate(timeout=DEADLINE_S)
-  finally:
-    if job.poll() is None:
-      try:
-        os.killpg(job.pid, signal.SIGKILL)
-      except ProcessLookupError:  # It ended between the poll and the kill.
-        pass
-  result, _, logged = slurm.collect(subprocess.CompletedProcess(job.args, job.returncode, "", err))
-  assert job.returncode == procs.PREEMPTED_EXIT, err
-  assert "SIGTERM: waiting for the hosts to save and stop" in err
-  assert "scontrol requeue 1234" in logged
-
-
 def test_sbatch_outside_slurm_says_how_to_run_it(tmp_path):
   env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
   for script in (SBATCH, HETJOB):
@@ -324,7 +141,7 @@ def test_sbatch_outside_slurm_says_how_to_run_it(tmp_path):
     assert "SLURM_JOB_ID: is not set: submit this script with sbatch" in result.stderr
 
 
-def test_a_users_own_srun_keeps_every_device_and_finds_the_cluster(slurm, tmp_path):
+def test_a_users_own_srun_keeps_every_device_and_finds_the_cluster(standin_srun, tmp_path):
   """`srun hetjax ...` without the template: the runtime reads the step itself."""
   code = textwrap.dedent("""
     import json, jax, hetjax
@@ -334,18 +151,17 @@ def test_a_users_own_srun_keeps_every_device_and_finds_the_cluster(slurm, tmp_pa
           "cwd": ""}), flush=True)
   """)
   port = str(procs.free_port())
-  bin_dir = tmp_path / "bin"
+  bin_dir, out, reports = standin_srun
   env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "HETJAX_"))}
   env.update(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", FAKE_LOG=str(tmp_path / "log"),
-             FAKE_OUT=str(slurm.out), SLURM_JOB_ID="1234", SLURM_JOB_NODELIST="localhost",
+             FAKE_OUT=str(out), SLURM_JOB_ID="1234", SLURM_JOB_NODELIST="localhost",
              HETJAX_PORT=port, HETJAX_CPU_DEVICES="2", HETJAX_INIT_TIMEOUT="60")
   result = subprocess.run(["srun", "--ntasks=2", sys.executable, "-c", code], env=env,
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
-  _, reports, _ = slurm.collect(result)
-  assert result.returncode == 0, [p.read_text()[-2000:] for p in slurm.out.glob("task-*")]
+  assert result.returncode == 0, [p.read_text()[-2000:] for p in out.glob("task-*")]
   # Two hosts, each with both of its devices; JAX's SLURM detection would have
   # narrowed each task to the GPU numbered SLURM_LOCALID.
-  assert {i: r["argv"] for i, r in reports.items()} == {0: [2, 2, "all"], 1: [2, 2, "all"]}
+  assert {i: r["argv"] for i, r in reports().items()} == {0: [2, 2, "all"], 1: [2, 2, "all"]}
 
 
 # ---------------------------------------------------------------- ssh host list
@@ -396,8 +212,8 @@ def test_hosts_env_workdir_and_quoting_arrive(ssh_run, tmp_path, marker):
   workdir.mkdir()
   odd = "it's a \"test\" $HOME `x` ; &&"
   result, reports = ssh_run(
-      ["--workdir", str(workdir), "--port", "4242", "--init-timeout", "9",
-       "--env", "XLA_FLAGS=--a=1 --b='2'", "--env", "EMPTY="],
+      ["--workdir", str(workdir), "--port", "4242", "--init-timeout", "9", "--heartbeat-timeout",
+       "7", "--env", "XLA_FLAGS=--a=1 --b='2'", "--env", "EMPTY="],
       [sys.executable, "-c", _REPORT, marker, odd])
   assert result.returncode == 0, result.stderr
   assert sorted(reports) == [0, 1, 2]
@@ -411,6 +227,7 @@ def test_hosts_env_workdir_and_quoting_arrive(ssh_run, tmp_path, marker):
     spec = _runtime_spec(env)
     assert (spec.coordinator, spec.num_hosts, spec.host_id, spec.timeout_s) == (
         "node-a:4242", 3, i, 9.0)
+    assert _runtime_heartbeat(env) == 7  # --heartbeat-timeout, as the runtime reads it.
   assert "coordinator node-a:4242: host 0 alice@node-a, host 1 node-b, host 2 node-c" in (
       result.stderr)
   _assert_none_left(marker)
@@ -570,6 +387,7 @@ def test_hosts_dry_run_prints_the_exact_commands(tmp_path):
     ("node-a\n", ["--env", "HETJAX_HOST_ID=3"], "--env HETJAX_HOST_ID is set by the launcher"),
     ("node-a\n", ["--env", "1X=2"], "is not KEY=VALUE"),
     ("node-a\n", ["--max-restarts", "-1"], "--max-restarts must be an integer >= 0"),
+    ("node-a\n", ["--heartbeat-timeout", "0"], "--heartbeat-timeout must be a whole number of seconds >= 1"),
 ])
 def test_hosts_bad_input_fails_before_ssh(tmp_path, hostfile, args, message):
   path = tmp_path / "hosts.txt"

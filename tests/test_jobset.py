@@ -23,12 +23,13 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from hetjax import exits
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOBSET = os.path.join(ROOT, "launch", "k8s", "jobset.yaml")
 INDEXED_JOB = os.path.join(ROOT, "launch", "k8s", "hetjax-job.yaml")
 JOBSET_SCHEMA = os.path.join(ROOT, "tests", "data", "jobset-v1alpha2-schema.json")
 K8S_VERSION = "1.31"  # Indexed Jobs with pod failure policies are GA since 1.31.
-PREEMPTED_EXIT = 75  # hetjax.cluster.procs.PREEMPTED_EXIT
 
 
 def _docs(path: str) -> dict:
@@ -163,20 +164,60 @@ def test_each_pod_computes_its_host_id_and_the_runtime_reads_it(pool_index, comp
   assert spec.detect is None and spec.local_device_ids is None  # Every GPU of the pod.
 
 
-def test_a_preempted_host_restarts_the_jobset_without_spending_the_failure_budget():
+# The chosen policy, pinned: what each exit of a host does (docs/cluster.md).
+POD_RULES = [
+    {"action": "FailJob", "onExitCodes": {"containerName": "host", "operator": "In",
+                                          "values": [exits.WRITE_FAILED_EXIT]}},
+    {"action": "Ignore", "onExitCodes": {"containerName": "host", "operator": "In",
+                                         "values": [exits.PREEMPTED_EXIT]}},
+    {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+]
+
+
+def _outcome(pod_rules: list[dict], jobset_rules: list[dict], exit_code: int) -> str:
+  """What Kubernetes and JobSet do when one host's container exits `exit_code`.
+
+  A pod rule matches first (in order); Ignore replaces the pod; FailJob fails
+  the Job with reason PodFailurePolicy; no match spends backoffLimit (0), so
+  the Job fails with BackoffLimitExceeded. The JobSet then applies its first
+  rule for that reason, or its default: a restart counted against maxRestarts.
+  """
+  action = next((r["action"] for r in pod_rules
+                 if exit_code in r.get("onExitCodes", {}).get("values", [])), None)
+  if action == "Ignore":
+    return "pod replaced in place"
+  reason = "PodFailurePolicy" if action == "FailJob" else "BackoffLimitExceeded"
+  rule = next((r for r in jobset_rules if reason in r["onJobFailureReasons"]), None)
+  if rule is None:
+    return "counted restart"  # JobSet's default: RestartJobSet, up to maxRestarts.
+  return {"FailJobSet": "job set fails"}.get(rule["action"], rule["action"])
+
+
+@pytest.mark.parametrize("exit_code, outcome", [
+    (exits.PREEMPTED_EXIT, "pod replaced in place"),
+    (exits.WRITE_FAILED_EXIT, "job set fails"),
+    (exits.STALLED_EXIT, "counted restart"),
+    (exits.FAILED_EXIT, "counted restart"),
+    (137, "counted restart"),
+])
+def test_each_exit_of_a_host_ends_as_the_docs_say(exit_code, outcome):
   jobset = _docs(JOBSET)["JobSet"]
   policy = jobset["spec"]["failurePolicy"]
   assert policy["maxRestarts"] >= 1
-  (rule,) = policy["rules"]
-  assert rule["action"] == "RestartJobSetAndIgnoreMaxRestarts"
-  assert rule["onJobFailureReasons"] == ["PodFailurePolicy"]
+  assert policy["rules"] == [{"name": "checkpointWriteFailed", "action": "FailJobSet",
+                              "onJobFailureReasons": ["PodFailurePolicy"]}]
   for pool in _pools(jobset):
-    # Exit 75 is the only thing that fails a pool's Job through its pod failure policy.
-    (pod_rule,) = pool["template"]["spec"]["podFailurePolicy"]["rules"]
-    assert pod_rule["action"] == "FailJob"
-    assert pod_rule["onExitCodes"] == {"containerName": "host", "operator": "In",
-                                       "values": [PREEMPTED_EXIT]}
-    assert pool["template"]["spec"]["template"]["spec"]["restartPolicy"] == "Never"
+    spec = pool["template"]["spec"]
+    assert spec["podFailurePolicy"]["rules"] == POD_RULES
+    assert spec["backoffLimit"] == 0 and spec["template"]["spec"]["restartPolicy"] == "Never"
+    assert _outcome(spec["podFailurePolicy"]["rules"], policy["rules"], exit_code) == outcome
+
+
+def test_the_indexed_job_replaces_a_preempted_pod_and_stops_on_anything_else():
+  job = _docs(INDEXED_JOB)["Job"]
+  assert job["spec"]["podFailurePolicy"]["rules"] == POD_RULES
+  assert job["spec"]["backoffLimit"] == 0
+  assert job["spec"]["template"]["spec"]["restartPolicy"] == "Never"
 
 
 @pytest.mark.parametrize("path", [JOBSET, INDEXED_JOB])

@@ -2,12 +2,16 @@
 
 WANDB_MODE=offline: nothing reaches the network; the run is read back from
 the file wandb writes under OUT/wandb (a LevelDB-style log of protobuf
-records, read here with wandb's own protobuf classes).
+records, read here with wandb's own protobuf classes). Which run a resumed
+job continues is checked with a stand-in for the library; that only host 0
+opens one, across a real requeue, in tests/test_slurm_cluster.py.
 """
 
 import glob
 import json
 import pathlib
+import sys
+import types
 
 import pytest
 
@@ -45,6 +49,7 @@ def test_an_offline_run_holds_the_config_and_every_step(tmp_path, monkeypatch):
                    "examples.custom_model:dataset", "--global-batch", "64", "--microbatch", "8",
                    "--steps", "4", "--log-every", "0", "--out", str(out), "--wandb", "hetjax-test"]) == 0
   (path,) = glob.glob(str(out / "wandb" / "offline-run-*" / "run-*.wandb"))
+  assert path.endswith(f"run-{tracking.kept_run_id(str(out))}.wandb")  # The id a resume reuses.
   config, history = {}, []
   for record in _wandb_records(path):
     kind = record.WhichOneof("record_type")
@@ -68,3 +73,51 @@ def test_without_the_library_wandb_says_what_to_install(monkeypatch, capsys):
   monkeypatch.setattr(tracking.importlib.util, "find_spec", lambda name: None)
   assert cli.main(["train", "--model", "mlp", "--steps", "2", "--wandb", "p", "--out", "x"]) == 2
   assert "pip install 'hetjax[wandb]'" in capsys.readouterr().err
+
+
+class _FakeWandb(types.ModuleType):
+  """Stands in for the wandb library: records each init() and what the run was given."""
+
+  def __init__(self):
+    super().__init__("wandb")
+    self.inits: list[dict] = []
+    self.Settings = lambda **kwargs: kwargs
+    self.Image = lambda path: path
+
+  def init(self, **kwargs):
+    self.inits.append(kwargs)
+    return types.SimpleNamespace(log=lambda values, step=None: None, summary={},
+                                 finish=lambda **kwargs: None)
+
+
+def _record(step: int) -> dict:
+  return {"step": step, "loss": 1.0, "samples_per_sec": 10.0, "step_s": 0.1, "metrics": {},
+          "shares": [8, 8], "compute_s": [0.1, 0.1], "wait_s": [0.0, 0.0]}
+
+
+def test_a_resumed_job_continues_its_run_and_a_fresh_one_opens_a_new(tmp_path, monkeypatch):
+  fake = _FakeWandb()
+  monkeypatch.setitem(sys.modules, "wandb", fake)
+  out = str(tmp_path / "run")
+
+  def attempt(first_step: int | None) -> dict | None:
+    run = tracking.WandbRun("p", {}, out)
+    if first_step is not None:
+      run(_record(first_step))
+    run.finish()
+    return fake.inits[-1] if fake.inits else None
+
+  first = attempt(1)  # A fresh job: a new run, its id kept under OUT.
+  assert first["resume"] == "allow" and tracking.kept_run_id(out) == first["id"]
+  assert attempt(41)["id"] == first["id"]  # Resumed at step 40: the same run.
+  assert attempt(None)["id"] == first["id"]  # Resumed at its end: no step, the same run.
+  fresh = attempt(1)  # Started afresh in the same OUT: a new run, as metrics.jsonl.
+  assert fresh["id"] != first["id"] and tracking.kept_run_id(out) == fresh["id"]
+  assert len(fake.inits) == 4
+
+
+def test_a_run_that_never_logged_closes_without_opening(tmp_path, monkeypatch):
+  fake = _FakeWandb()
+  monkeypatch.setitem(sys.modules, "wandb", fake)
+  tracking.WandbRun("p", {}, str(tmp_path)).run.finish(exit_code=1)  # The CLI's failure path.
+  assert fake.inits == [] and tracking.kept_run_id(str(tmp_path)) is None

@@ -1,8 +1,9 @@
 """The command line that both launchers share (`launch/local.py`, `launch/hosts.py`).
 
 How a launcher stops and restarts its hosts (--grace, --max-restarts,
---max-preemptions), and its own arguments standing before `-- COMMAND`, are
-one behaviour in both, so they are spelled once. Stdlib only: the launchers
+--max-preemptions), how long a silent host lives (--heartbeat-timeout), and
+its own arguments standing before `-- COMMAND`, are one behaviour in both,
+so they are spelled once. Stdlib only: the launchers
 never import JAX.
 """
 
@@ -23,12 +24,20 @@ def add_stop_arguments(parser: argparse.ArgumentParser, grace_help: str) -> None
   add_restart_arguments(parser)
 
 
+def add_heartbeat_argument(parser: argparse.ArgumentParser) -> None:
+  """Adds --heartbeat-timeout S, passed to every host as HETJAX_HEARTBEAT_TIMEOUT."""
+  parser.add_argument("--heartbeat-timeout", type=int, default=None, metavar="S",
+                      help="seconds without heartbeats before a host counts as dead (frozen or "
+                           "unreachable) and the job stops naming it (default 100, JAX's; "
+                           "HETJAX_HEARTBEAT_TIMEOUT)")
+
+
 def parse(parser: argparse.ArgumentParser,
           argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
   """`argv` (default: sys.argv[1:]) as (the launcher's arguments, the host command).
 
-  A negative --grace or a restart budget that is not a count exits 2 with
-  the usage line, before anything starts.
+  A negative --grace, a restart budget that is not a count or a heartbeat
+  timeout under 1 s exits 2 with the usage line, before anything starts.
   """
   own, command = split_command(sys.argv[1:] if argv is None else argv)
   args = parser.parse_args(own)
@@ -36,6 +45,10 @@ def parse(parser: argparse.ArgumentParser,
     if args.grace < 0:
       raise ValueError(f"--grace must be >= 0 seconds, got {args.grace!r}.")
     check_restarts(args.max_restarts, args.max_preemptions)
+    heartbeat = getattr(args, "heartbeat_timeout", None)
+    if heartbeat is not None and heartbeat < 1:
+      raise ValueError(f"--heartbeat-timeout must be a whole number of seconds >= 1, "
+                       f"got {heartbeat!r}.")
   except ValueError as e:
     parser.error(str(e))  # Exits 2 with the usage line.
   return args, command

@@ -5,7 +5,17 @@ record OUT/metrics.jsonl gets (as the TensorBoard scalars: loss, samples/s,
 metrics/*, eval/*, lr, host<i>/share, host<i>/compute_s, host<i>/wait_s, at
 the record's step), the summary's figures (with where the job's time went:
 goodput, badput_s/<cause>, host<i>/flops_per_s, balancer_saving/*), and the
-report picture at the end. The other hosts log nothing: their records are the same.
+report picture at the end. The other hosts log nothing: their records are
+the same, and only host 0 builds a `WandbRun` (`hetjax.cli.commands`).
+
+A job that resumes from a checkpoint (a requeue, a launcher's restart, the
+same command again) continues the same W&B run: its id is kept in
+OUT/wandb_run_id and passed back with `resume="allow"`. Whether the job
+resumed is read from its first record (a step after 1), so the run opens
+with that record; a job that starts afresh in the same OUT gets a new run,
+as its metrics.jsonl starts afresh. Steps redone after a crash (those after
+the checkpoint that a lost attempt had logged) are dropped by W&B, which
+keeps a run's steps increasing.
 
 `wandb` is an optional extra (`pip install 'hetjax[wandb]'`); `check_installed`
 says so before JAX starts. `WANDB_MODE=offline` (or `disabled`), the API key
@@ -17,12 +27,15 @@ line and the launchers' per-host prefixes own.
 from __future__ import annotations
 
 import importlib.util
+import os
+import secrets
 from typing import Any
 
 from hetjax.observe import goodput_summary
 from hetjax.observe import metrics as metrics_lib
 
 EXTRA = "pip install 'hetjax[wandb]'  (or: pip install wandb)"
+RUN_ID_FILE = "wandb_run_id"  # Under OUT: the W&B run a resumed job continues.
 
 
 def check_installed() -> None:
@@ -32,13 +45,41 @@ def check_installed() -> None:
                      f"install it with {EXTRA}, or drop --wandb.")
 
 
+def kept_run_id(out_dir: str) -> str | None:
+  """The W&B run id an earlier attempt of this job kept in OUT, or None."""
+  try:
+    with open(os.path.join(out_dir, RUN_ID_FILE)) as f:
+      return f.read().strip() or None
+  except FileNotFoundError:
+    return None
+
+
+def _keep_run_id(out_dir: str, run_id: str) -> None:
+  os.makedirs(out_dir, exist_ok=True)
+  path = os.path.join(out_dir, RUN_ID_FILE)
+  with open(path + ".tmp", "w") as f:
+    f.write(run_id + "\n")
+  os.replace(path + ".tmp", path)  # Never half written, whenever the job is stopped.
+
+
+class _NotOpened:
+  """`WandbRun.run` before the first record: finishing it does nothing."""
+
+  def finish(self, **kwargs: Any) -> None:
+    del kwargs
+
+
 class WandbRun:
   """One W&B run fed like a metrics sink: `run(record)` per step, `finish()` at the end.
+
+  The run opens with the first record: a continuation of the kept run when
+  that record's step shows the job resumed, else a new run.
 
   Args:
     project: the W&B project.
     config: the resolved configuration (nested dicts, as OUT/config.yaml).
-    out_dir: the run folder; wandb's own files go under OUT/wandb.
+    out_dir: the run folder; wandb's own files go under OUT/wandb, the run's
+      id in OUT/wandb_run_id.
     name: the run's display name (default: W&B's own).
   """
 
@@ -46,21 +87,40 @@ class WandbRun:
     import wandb  # Only host 0 of a --wandb run pays for the import.
 
     self._wandb = wandb
-    self.run = wandb.init(project=project, config=config, dir=out_dir, name=name,
-                          settings=wandb.Settings(console="off"))
+    self._init = dict(project=project, config=config, dir=out_dir, name=name)
+    self._out_dir = out_dir
+    self._run = None
+
+  @property
+  def run(self):
+    """The wandb run (a stand-in whose `finish` does nothing before the first record)."""
+    return _NotOpened() if self._run is None else self._run
+
+  def _open(self, resumed: bool) -> None:
+    run_id = kept_run_id(self._out_dir) if resumed else None
+    if run_id is None:
+      run_id = secrets.token_hex(4)
+      _keep_run_id(self._out_dir, run_id)
+    self._run = self._wandb.init(id=run_id, resume="allow", **self._init,
+                                 settings=self._wandb.Settings(console="off"))
 
   def __call__(self, record: dict[str, Any]) -> None:
     """Logs one metrics record (`hetjax.observe.metrics` schema) at its step."""
-    self.run.log(metrics_lib.scalars_of(record), step=int(record["step"]))
+    step = int(record["step"])
+    if self._run is None:
+      self._open(resumed=step > 1)
+    self._run.log(metrics_lib.scalars_of(record), step=step)
 
   def finish(self, summary: dict[str, Any] | None = None, picture: str | None = None) -> None:
     """Adds the summary's figures and the report picture, then closes the run."""
+    if self._run is None:  # No step trained in this attempt: it resumed at the end.
+      self._open(resumed=True)
     if picture is not None:
-      self.run.log({"report": self._wandb.Image(picture)})
+      self._run.log({"report": self._wandb.Image(picture)})
     if summary:
-      self.run.summary.update({k: v for k, v in summary.items()
-                               if isinstance(v, (int, float, str, bool)) or v is None})
+      self._run.summary.update({k: v for k, v in summary.items()
+                                if isinstance(v, (int, float, str, bool)) or v is None})
       # Where the job's time went: goodput, badput_s/<cause>, host<i>/flops_per_s, the saving.
-      self.run.summary.update(goodput_summary.flat(summary.get("goodput"),
-                                                   summary.get("balancer_saving")))
-    self.run.finish()
+      self._run.summary.update(goodput_summary.flat(summary.get("goodput"),
+                                                    summary.get("balancer_saving")))
+    self._run.finish()
