@@ -33,7 +33,7 @@ def compiles():
     (["--assignment", "63"], "sums to 63 but the global batch is 64"),
     (["--assignment=-64"], "negative share"),
     (["--assignment", "half"], "'equal' or comma-separated integers"),
-    (["--global-batch", "5000"], "fewer than one global batch (5000)"),
+    (["--global-batch", "5000"], "fewer than one global batch (5000); lower --global-batch"),
     (["--model", "transformer"], "model 'transformer' needs token data"),
     (["--augment", "rotate"], "rotate"),
     (["--ckpt-dir", "/tmp/hetjax-cli-test", "--ckpt-every", "0"], "--ckpt-every"),

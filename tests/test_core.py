@@ -164,7 +164,8 @@ def test_a_dataset_smaller_than_one_global_batch_is_refused():
   hetjax.initialize()
   source = data.ArraySource({"x": np.zeros((10, 2), np.float32)})
   task = hetjax.from_functions(lambda rng, b: {"w": jnp.zeros(2)}, lambda p, b, r: (b["x"] @ p["w"], {}))
-  with pytest.raises(ValueError, match="has 10 records, fewer than one global batch"):
+  # The API names its fields (the command line's words are the CLI's).
+  with pytest.raises(ValueError, match="fewer than one global batch .*; lower `global_batch`"):
     hetjax.Trainer(task, optax.sgd(0.1), source, hetjax.TrainConfig(global_batch=11))
 
 

@@ -279,8 +279,9 @@ class Checkpointer:
       differences = job_differences(meta["job"], job)
       if differences:
         raise ValueError(f"checkpoint {self.directory}/{step} belongs to another job: "
-                         + "; ".join(differences) + ". Use another --ckpt-dir, or "
-                         "--no-resume to start afresh (its checkpoints are then replaced).")
+                         + "; ".join(differences) + ". Use another checkpoint folder (`ckpt_dir`), "
+                         "or start afresh without resuming (`resume`; its checkpoints are then "
+                         "replaced).")
       state, missing = self._read_state(step, like)
       if not self._agree(state is not None):
         self._set_aside(step, "has damaged or incomplete arrays")

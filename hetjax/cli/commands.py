@@ -365,7 +365,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.out, config_lib.host_id_from_env):
       summary = train(args)
   except (ValueError, ConnectionError) as e:
-    print(f"hetjax {args.command}: error: {e}", file=sys.stderr)
+    # The library names its settings as fields (`global_batch`); here they are flags.
+    print(f"hetjax {args.command}: error: {flags.as_flags(str(e))}", file=sys.stderr)
     if multi_host():
       _exit_now(exits.USAGE_EXIT)
     return exits.USAGE_EXIT

@@ -40,7 +40,7 @@ class GlobalSampler:
       raise ValueError(f"the global batch must be >= 1, got {global_batch}.")
     if num_records < global_batch:
       raise ValueError(f"{what} has {num_records} records, fewer than one global batch "
-                       f"({global_batch}); lower --global-batch or use a larger dataset.")
+                       f"({global_batch}); lower `global_batch` or use a larger dataset.")
     if num_records > shuffle.MAX_RECORDS:
       raise ValueError(f"{what} has {num_records} records; the sampler handles up to 2^62.")
     self.num_records = int(num_records)
@@ -84,8 +84,8 @@ class GlobalSampler:
     for key, mine, fix in (
         ("version", SAMPLER_VERSION, "resume with the hetjax version that wrote it"),
         ("num_records", self.num_records, "resume on the same dataset and split"),
-        ("seed", self.seed, "resume with the same --seed"),
-        ("global_batch", self.global_batch, "resume with the same --global-batch")):
+        ("seed", self.seed, "resume with the same `seed`"),
+        ("global_batch", self.global_batch, "resume with the same `global_batch`")):
       if int(state[key]) != mine:
         raise ValueError(f"the checkpoint's data cursor has {key}={int(state[key])} but this run has "
                          f"{key}={mine}; its sample order would not continue: {fix}.")

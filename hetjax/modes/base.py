@@ -96,7 +96,7 @@ class Setup:
           f"rounding (ResNet-18: 8.7e-4 relative after one update instead of 4.1e-6): {shown}. "
           f"Build them with use_fast_variance=False (e.g. nn.BatchNorm(..., "
           f"use_fast_variance=False)) to keep results equal up to float reduction order, or run "
-          f"--device-batch 1.", stacklevel=3)
+          f"one block per program (`device_batch` 1).", stacklevel=3)
     return layers
 
 
