@@ -15,14 +15,22 @@ import sys
 import threading
 import time
 
+from hetjax.testing import module_command
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEADLINE_S = 300.0  # Only a broken job waits this long.
 
 
-def train_command(out, *extra: str, mode: str = "sync") -> list[str]:
-  """A tiny, endless `hetjax train` (mlp on digits); the tests stop it."""
+def train_command(out, *extra: str, mode: str = "sync", warm: bool = True) -> list[str]:
+  """A tiny, endless `hetjax train` (mlp on digits); the tests stop it.
+
+  `warm`: each host forked from the suite's warm server (`module_command`);
+  a test that freezes a host with SIGSTOP needs `warm=False` (a stopped
+  client does not stop the host it stands for).
+  """
   rounds = [] if mode == "sync" else ["--mode", mode, "--local-steps", "2,2"]
-  return [sys.executable, "-m", "hetjax.cli", "train", "--model", "mlp", "--dataset", "digits",
+  start = module_command("hetjax.cli") if warm else [sys.executable, "-m", "hetjax.cli"]
+  return [*start, "train", "--model", "mlp", "--dataset", "digits",
           "--global-batch", "32", "--microbatch", "4", "--steps", "100000", "--log-every", "1",
           "--out", str(out), *rounds, *extra]
 

@@ -24,7 +24,7 @@ from hetjax.checkpoint import manager as checkpoint
 from hetjax.input import data
 from hetjax.cluster import procs
 from hetjax.checkpoint import snapshot
-from hetjax.testing import run_hosts
+from hetjax.testing import run_hosts, module_command
 
 DIGITS = data.load("digits")
 
@@ -264,7 +264,7 @@ def _cli(out, ckpt, steps):
   # Every 100 of 1000 steps: the signal comes after the first checkpoint, and
   # its save is at whatever boundary the stop lands on, not a multiple of 100.
   ckpt_flags = [] if ckpt is None else ["--ckpt-dir", str(ckpt), "--ckpt-every", "100"]
-  return [sys.executable, "-m", "hetjax.cli", "train", "--model", "mlp", "--global-batch", "32",
+  return [*module_command("hetjax.cli"), "train", "--model", "mlp", "--global-batch", "32",
           "--microbatch", "4", "--steps", str(steps), *ckpt_flags, "--out", str(out),
           "--log-every", "0"]
 

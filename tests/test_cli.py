@@ -5,6 +5,7 @@ import pytest
 
 from hetjax import cli
 from hetjax.cluster import runtime
+from hetjax.testing import module_command
 
 BASE = ["train", "--model", "mlp", "--dataset", "digits", "--steps", "2", "--out", "unused"]
 
@@ -74,7 +75,7 @@ def test_a_host_that_cannot_reach_the_coordinator_exits_naming_it():
   import subprocess
   import sys
   env = dict(os.environ, HETJAX_COORDINATOR="127.0.0.1:9", HETJAX_NUM_HOSTS="2", HETJAX_HOST_ID="1")
-  run = subprocess.run([sys.executable, "-m", "hetjax.cli", *BASE, "--init-timeout", "1"],
+  run = subprocess.run([*module_command("hetjax.cli"), *BASE, "--init-timeout", "1"],
                        env=env, capture_output=True, text=True, timeout=120)
   assert run.returncode == 2
   assert "Could not reach the hetjax coordinator at 127.0.0.1:9 within 1 s" in run.stderr

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from hetjax.testing import run_hosts
+from hetjax.testing import run_hosts, module_command
 
 import _cluster_entries
 
@@ -93,7 +93,7 @@ def test_the_demo_command_writes_the_summary_contract(tmp_path):
   # The README demo's flags, shortened: emulated devices, a slowdown, the dynamic balancer.
   cmd = [sys.executable, str(ROOT / "launch" / "local.py"), "--hosts", "3", "--devices-per-host", "1",
          "--speeds", "1,0.5,0.25", "--device-sample-ms", "0.5", "--slowdown", "0:3@8", "--",
-         sys.executable, "-m", "hetjax.cli", "train", "--model", "mlp", "--dataset", "digits",
+         *module_command("hetjax.cli"), "train", "--model", "mlp", "--dataset", "digits",
          "--global-batch", "48", "--steps", "10", "--balancer", "dynamic", "--microbatch", "4",
          "--out", str(out), "--save-params", str(tmp_path / "p.npz")]
   run = subprocess.run(cmd, timeout=300, capture_output=True, text=True)
@@ -127,7 +127,7 @@ def test_a_slurm_job_without_an_srun_step_trains_as_one_host(tmp_path):
   """`hetjax train` inside salloc, or in a batch script without srun."""
   env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "HETJAX_"))}
   env.update(SLURM_JOB_ID="1", SLURM_LOCALID="0")
-  run = subprocess.run([sys.executable, "-m", "hetjax.cli", "train", "--model", "mlp", "--steps",
+  run = subprocess.run([*module_command("hetjax.cli"), "train", "--model", "mlp", "--steps",
                         "2", "--out", str(tmp_path / "run")], env=env, capture_output=True,
                        text=True, timeout=300, cwd=tmp_path)
   assert run.returncode == 0, run.stderr[-3000:]

@@ -19,6 +19,7 @@ import pytest
 
 import hetjax
 from hetjax import cli
+from hetjax.testing import module_command
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FLAGS = ["--model", "examples.custom_model:task", "--dataset", "examples.custom_model:dataset",
@@ -59,7 +60,7 @@ def test_cli_custom_model_on_one_and_three_uneven_hosts_matches_the_script(tmp_p
   env = dict(os.environ, PYTHONUNBUFFERED="1")
   three = subprocess.Popen(  # Beside the one-host runs: independent processes, one wall time.
       [sys.executable, str(ROOT / "launch" / "local.py"), "--hosts", "3", "--speeds",
-       "1,0.5,0.25", "--", sys.executable, "-m", "hetjax.cli", "train", *FLAGS,
+       "1,0.5,0.25", "--", *module_command("hetjax.cli"), "train", *FLAGS,
        "--assignment", "8,24,32", "--out", str(tmp_path / "three"),
        "--save-params", str(tmp_path / "three.npz")],
       cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -9,7 +9,7 @@ import pytest
 
 from hetjax.cluster import doctor
 from _doctor_entries import BATCH
-from hetjax.testing import run_hosts
+from hetjax.testing import run_hosts, module_command
 
 SPEEDS = (1.0, 0.5, 0.25)
 STEP_S = 1 / 64  # Every step's recorded real duration (exact in binary).
@@ -109,7 +109,7 @@ def test_devices_per_host_are_checked_against_the_expectation():
 def _doctor_cli(*args, **env):
   base = {k: v for k, v in os.environ.items() if not k.startswith(("HETJAX_", "SLURM_"))}
   base.update(env)
-  return subprocess.run([sys.executable, "-m", "hetjax.cli", "doctor", *args], env=base,
+  return subprocess.run([*module_command("hetjax.cli"), "doctor", *args], env=base,
                         capture_output=True, text=True, timeout=120)
 
 

@@ -14,6 +14,7 @@ import time
 
 from hetjax.cluster.testing import host_pid
 from hetjax.observe import goodput, report
+from hetjax.testing import module_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -21,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _command(ckpt, out):
   return [sys.executable, os.path.join(ROOT, "launch", "local.py"), "--hosts", "2",
           "--max-restarts", "2", "--speeds", "1,1", "--device-sample-ms", "10",  # 80 ms steps.
-          "--", sys.executable, "-m", "hetjax.cli", "train",
+          "--", *module_command("hetjax.cli"), "train",
           "--model", "mlp", "--optimizer", "sgd", "--lr", "0.1",
           "--global-batch", "16", "--microbatch", "4", "--steps", "40", "--ckpt-dir", str(ckpt),
           "--ckpt-every", "10", "--out", str(out), "--log-every", "0"]

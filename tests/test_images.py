@@ -15,6 +15,7 @@ from hetjax.input import data
 from hetjax.input import images
 from hetjax.input import loader
 from hetjax.input import tfds_data
+from hetjax.testing import module_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZE = 16
@@ -203,7 +204,7 @@ def test_three_uneven_hosts_train_a_jpeg_dataset_from_tfds_to_95_percent(jpeg_di
   out = tmp_path / "run"
   run = subprocess.run(
       [sys.executable, os.path.join(ROOT, "launch", "local.py"), "--hosts", "3", "--",
-       sys.executable, "-m", "hetjax.cli", "train", "--model", "cnn", "--dataset", "tfds:jpeg_digits",
+       *module_command("hetjax.cli"), "train", "--model", "cnn", "--dataset", "tfds:jpeg_digits",
        "--data-dir", jpeg_digits, "--image-size", str(SIZE), "--data-workers", "1", "--steps", "80",
        "--global-batch", "64", "--microbatch", "8", "--assignment", "40,16,8", "--log-every", "0", "--out", str(out)],
       capture_output=True, text=True, timeout=600)

@@ -61,7 +61,7 @@ def test_the_client_passes_sigterm_on_and_a_killed_client_kills_its_host(tmp_pat
     import pickle
     with open(call, "wb") as f:
       pickle.dump(("_warm_entries", "sleep_and_report", (str(tmp_path / f"{name}.pid"),), {}), f)
-    started.append(subprocess.Popen([sys.executable, "-I", "-S", warm_client.CLIENT, str(call),
+    started.append(subprocess.Popen([*warm_client.command("hetjax.cluster._testing_child"), str(call),
                                      str(tmp_path / f"{name}.out")], env=env,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
   pids = []

@@ -230,7 +230,7 @@ def ended_jobs(tmp_path_factory):
   folders = {name: tmp_path_factory.mktemp(name) for name in ("stuck", "write", "frozen")}
   jobs = {"stuck": _stuck_job(folders["stuck"]), "write": _failing_write_job(folders["write"]),
           "frozen": _cli_job.Job(["--heartbeat-timeout", "12"],
-                                 _cli_job.train_command(folders["frozen"] / "run"))}
+                                 _cli_job.train_command(folders["frozen"] / "run", warm=False))}
   try:
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
       freezing = pool.submit(_freeze_host_1, jobs["frozen"])

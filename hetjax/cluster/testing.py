@@ -92,8 +92,7 @@ def run_hosts(entry: str, *, hosts: int, devices_per_host: int = 1, args: tuple 
     result_paths = [os.path.join(tmp, f"result-{i}.pkl") for i in range(hosts)]
     # Under a warm server (`warm_hosts`, the suite's conftest starts one) a
     # host is forked from an interpreter that imported JAX once.
-    start = ([sys.executable, "-I", "-S", warm_client.CLIENT] if base.get(warm_client.SOCKET_ENV)
-             else [sys.executable, "-m", "hetjax.cluster._testing_child"])
+    start = warm_client.command("hetjax.cluster._testing_child", base)
     commands = [[*start, call_path, path] for path in result_paths]
     outcome = procs.run_group(commands, envs, sink=sys.stderr, timeout_s=timeout_s,
                                grace_s=_GRACE_S)

@@ -1,11 +1,13 @@
 """A test host's stand-in process: asks the warm server (`warm_hosts`) to fork the host.
 
-Run as `python -I -S warm_client.py CHILD_ARGS...`, it imports only the
-standard library (milliseconds, where the host's own imports take seconds).
-It hands the server its stdin/stdout/stderr, environment, folder and
-arguments, passes SIGINT / SIGTERM / SIGHUP on to the forked host, and exits
-with the host's status. Without a server, or when the server answers
-"cold", it becomes the ordinary child (`python -m hetjax.cluster._testing_child`).
+Run as `python -I -S warm_client.py -m MODULE ARGS...` in place of `python -m
+MODULE ARGS...`, it imports only the standard library (milliseconds, where
+the host's own imports take seconds). It hands the server its
+stdin/stdout/stderr, environment, folder and arguments, passes SIGINT /
+SIGTERM / SIGHUP on to the forked host, and exits with the host's status.
+Without a server, or when the server answers "cold", it execs `python -m
+MODULE ARGS...` itself. A stopped client (SIGSTOP) does not stop its host:
+tests that freeze a host start it cold.
 """
 
 from __future__ import annotations
@@ -82,12 +84,23 @@ def _connect(path: str) -> socket.socket | None:
       time.sleep(0.05)
 
 
+def command(module: str, env: dict[str, str] | None = None) -> list[str]:
+  """How to run `python -m module`: through the warm server when `env` names one."""
+  env = os.environ if env is None else env
+  if env.get(SOCKET_ENV):
+    return [sys.executable, "-I", "-S", CLIENT, "-m", module]
+  return [sys.executable, "-m", module]
+
+
 def _cold(argv: list[str]) -> None:
   python = os.environ.get(PYTHON_ENV, sys.executable)
-  os.execv(python, [python, "-m", "hetjax.cluster._testing_child", *argv])
+  os.execv(python, [python, *argv])
 
 
 def main(argv: list[str]) -> int:
+  if len(argv) < 2 or argv[0] != "-m":
+    print("usage: warm_client.py -m MODULE [ARGS...]", file=sys.stderr)
+    return 2
   path = os.environ.get(SOCKET_ENV)
   sock = _connect(path) if path else None
   if sock is None:

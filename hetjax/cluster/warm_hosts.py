@@ -32,15 +32,18 @@ import signal
 import socket
 import subprocess
 import sys
+import runpy
 import tempfile
 import threading
+import traceback
 from typing import Iterator
 
 from hetjax.cluster.warm_client import SOCKET_ENV, jax_variables, receive_message, send_message
 
 # What a test host imports anyway: loaded once here, shared by every fork.
 PRELOAD = ("jax", "jax.numpy", "optax", "flax.linen", "orbax.checkpoint", "numpy",
-           "hetjax", "hetjax.trainer", "hetjax.cluster.runtime", "hetjax.cluster._testing_child")
+           "hetjax", "hetjax.trainer", "hetjax.cluster.runtime", "hetjax.cli.commands")
+# Never the modules hosts run as __main__ (`runpy` would warn of a second copy).
 
 
 def _become_host(request: dict, fds: list[int]) -> None:
@@ -60,13 +63,16 @@ def _become_host(request: dict, fds: list[int]) -> None:
   if request["env"].get("PYTHONUNBUFFERED"):
     sys.stdout.reconfigure(line_buffering=True, write_through=True)
     sys.stderr.reconfigure(line_buffering=True, write_through=True)
-  from hetjax.cluster import _testing_child  # pylint: disable=g-import-not-at-top
-  code = 1
+  _, module, *args = request["argv"]  # "-m", MODULE, ARGS...: `python -m MODULE ARGS`.
+  code = 0
   try:
-    sys.argv = ["hetjax.cluster._testing_child", *request["argv"]]
-    code = _testing_child.main(request["argv"])
+    sys.argv = [module, *args]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
   except SystemExit as e:
-    code = e.code if isinstance(e.code, int) else 1
+    code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+  except BaseException:  # pylint: disable=broad-except
+    traceback.print_exc()
+    code = 1
   finally:
     # The end of an interpreter, as the ordinary child has it after a clean
     # return (a failing child left through os._exit already): non-daemon
