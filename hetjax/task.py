@@ -26,6 +26,8 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
+from hetjax import fast_variance
+
 PyTree = Any
 Batch = dict[str, jax.Array]
 MASK = "hetjax.mask"  # Reserved batch key of the padding mask; no dataset may use it.
@@ -85,7 +87,7 @@ class Task:
       blocks); `None`: `loss` serves every block.
     fast_variance_layers: the model's NNX normalisation layers (by path)
       that compute Flax's fast variance (`from_nnx` fills it); linen layers
-      are found by tracing `loss` (`find_fast_variance`), so a `Task` built
+      are found by tracing `loss` (`hetjax.fast_variance.find`), so a `Task` built
       by hand may leave it empty.
 
   Example:
@@ -153,51 +155,6 @@ def check_contract(loss: LossFn, params: PyTree, model_state: PyTree, batch: Bat
     raise ValueError(f"{what} returned a model state whose structure differs from the one "
                      f"init made: {jax.tree.structure(new_state)} vs "
                      f"{jax.tree.structure(model_state)}; return the same collections.")
-
-
-# Flax's normalisation layers whose variance subtracts a mean: `use_fast_variance=True`
-# (their default) computes it as E[x^2] - E[x]^2. RMSNorm subtracts none.
-NORM_LAYERS = ("BatchNorm", "LayerNorm", "GroupNorm", "InstanceNorm")
-
-
-def find_fast_variance(task: Task, params: PyTree, model_state: PyTree,
-                       batch: Batch) -> tuple[str, ...]:
-  """The Flax normalisation layers of `task` that compute the fast variance, by path.
-
-  Why: the fast variance `E[x^2] - E[x]^2` cancels, so it turns the rounding
-  of its means, which changes with a kernel's shape (a device batch of `k`
-  blocks), into differences far larger than float reduction order gives
-  (ResNet-18's BatchNorm scales: 8.7e-4 relative after one update against
-  4.1e-6 with the stable variance). Linen layers are found by tracing the
-  training loss abstractly (`jax.eval_shape`, nothing runs) under
-  `flax.linen.intercept_methods`, whatever built the `Task`; NNX layers come
-  from `task.fast_variance_layers`.
-  """
-  import flax.linen as nn  # Only a run that may need the answer pays for the import.
-
-  kinds = tuple(getattr(nn, name) for name in NORM_LAYERS)
-  found: dict[str, None] = dict.fromkeys(task.fast_variance_layers)
-
-  def record(call, args, kwargs, context):
-    module = context.module
-    if (context.method_name == "__call__" and isinstance(module, kinds)
-        and getattr(module, "use_fast_variance", False)):
-      found["/".join(module.path) or type(module).__name__] = None
-    return call(*args, **kwargs)
-
-  with nn.intercept_methods(record):
-    # A fresh function: jax caches traces by function, and a cached one calls no module.
-    jax.eval_shape(lambda *a: task.loss(*a), params, model_state, batch, jax.random.key(0))
-  return tuple(found)
-
-
-def _nnx_fast_variance(model: Any) -> tuple[str, ...]:
-  """`find_fast_variance` for an NNX model: its norm layers with the fast variance, by path."""
-  from flax import nnx
-  kinds = tuple(getattr(nnx, name) for name in NORM_LAYERS if hasattr(nnx, name))
-  return tuple("/".join(str(p) for p in path) or type(node).__name__
-               for path, node in nnx.iter_graph(model)
-               if isinstance(node, kinds) and getattr(node, "use_fast_variance", False))
 
 
 def check_batch_keys(keys: Sequence[str]) -> None:
@@ -465,4 +422,4 @@ def from_nnx(
 
   return Task(init, make_loss(True), make_loss(False),
               make_loss(True, masked=False) if _mask_optional(model.__call__) else None,
-              fast_variance_layers=_nnx_fast_variance(model))
+              fast_variance_layers=fast_variance.nnx_layers(model))

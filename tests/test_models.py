@@ -16,6 +16,7 @@ import numpy as np
 import optax
 import pytest
 
+from hetjax import fast_variance
 from hetjax import models as zoo
 from hetjax import task as task_lib
 from hetjax.models import losses
@@ -303,7 +304,7 @@ def test_every_built_in_norm_layer_computes_the_stable_variance(name):
                    **TINY[name])
   batch = _batch(name)
   params, state = jax.eval_shape(task.init, _key(0), batch)
-  assert task_lib.find_fast_variance(task, params, state, batch) == ()
+  assert fast_variance.find(task, params, state, batch) == ()
 
 
 class _FlaxDefaults(nn.Module):
@@ -328,7 +329,7 @@ def test_the_finder_names_every_fast_variance_layer_of_linen_and_nnx():
       optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]), {}))
   batch = _batch("cnn")
   params, state = jax.eval_shape(task.init, _key(0), batch)
-  assert task_lib.find_fast_variance(task, params, state, batch) == (
+  assert fast_variance.find(task, params, state, batch) == (
       "BatchNorm_0", "ln", "GroupNorm_0")
 
   class Nnx(nnx.Module):
@@ -347,4 +348,4 @@ def test_the_finder_names_every_fast_variance_layer_of_linen_and_nnx():
       optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]), {}))
   assert task.fast_variance_layers == ("bn", "ln")
   params, state = jax.eval_shape(task.init, _key(0), batch)
-  assert task_lib.find_fast_variance(task, params, state, batch) == ("bn", "ln")
+  assert fast_variance.find(task, params, state, batch) == ("bn", "ln")

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from hetjax import fast_variance
 from hetjax import mesh as mesh_lib
 from hetjax import step as step_lib
 from hetjax import task as task_lib
@@ -80,13 +81,13 @@ class Setup:
 
     Why: a device batch keeps its blocks' math, but runs them in kernels of
     another shape, which round differently; the fast variance amplifies that
-    rounding far past float reduction order (see `task.find_fast_variance`).
+    rounding far past float reduction order (see `hetjax.fast_variance.find`).
     Nothing to say when every host runs one block per program. Returns the
     layers named (empty on other hosts), for tests.
     """
     if max(device_batches) <= 1 or self.meshes.host_id != 0:
       return ()
-    layers = task_lib.find_fast_variance(self.task, params, model_state, self.first_block)
+    layers = fast_variance.find(self.task, params, model_state, self.first_block)
     if layers:
       shown = ", ".join(layers[:6]) + (f" and {len(layers) - 6} more" if len(layers) > 6 else "")
       warnings.warn(

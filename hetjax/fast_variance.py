@@ -1,0 +1,60 @@
+"""Which of a model's normalisation layers compute Flax's fast variance.
+
+Why it matters: device batches run each block in kernels of another shape,
+which round differently; the fast variance `E[x^2] - E[x]^2` cancels and
+amplifies that rounding far past float reduction order. The trainer names
+such layers before it compiles (`hetjax.modes.base.Setup.warn_fast_variance`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import jax
+
+if TYPE_CHECKING:
+  from hetjax.task import Batch, PyTree, Task
+
+# Flax's normalisation layers whose variance subtracts a mean: `use_fast_variance=True`
+# (their default) computes it as E[x^2] - E[x]^2. RMSNorm subtracts none.
+NORM_LAYERS = ("BatchNorm", "LayerNorm", "GroupNorm", "InstanceNorm")
+
+
+def find(task: "Task", params: PyTree, model_state: PyTree,
+                       batch: Batch) -> tuple[str, ...]:
+  """The Flax normalisation layers of `task` that compute the fast variance, by path.
+
+  Why: the fast variance `E[x^2] - E[x]^2` cancels, so it turns the rounding
+  of its means, which changes with a kernel's shape (a device batch of `k`
+  blocks), into differences far larger than float reduction order gives
+  (ResNet-18's BatchNorm scales: 8.7e-4 relative after one update against
+  4.1e-6 with the stable variance). Linen layers are found by tracing the
+  training loss abstractly (`jax.eval_shape`, nothing runs) under
+  `flax.linen.intercept_methods`, whatever built the `Task`; NNX layers come
+  from `task.fast_variance_layers`.
+  """
+  import flax.linen as nn  # Only a run that may need the answer pays for the import.
+
+  kinds = tuple(getattr(nn, name) for name in NORM_LAYERS)
+  found: dict[str, None] = dict.fromkeys(task.fast_variance_layers)
+
+  def record(call, args, kwargs, context):
+    module = context.module
+    if (context.method_name == "__call__" and isinstance(module, kinds)
+        and getattr(module, "use_fast_variance", False)):
+      found["/".join(module.path) or type(module).__name__] = None
+    return call(*args, **kwargs)
+
+  with nn.intercept_methods(record):
+    # A fresh function: jax caches traces by function, and a cached one calls no module.
+    jax.eval_shape(lambda *a: task.loss(*a), params, model_state, batch, jax.random.key(0))
+  return tuple(found)
+
+
+def nnx_layers(model: Any) -> tuple[str, ...]:
+  """`find` for an NNX model: its norm layers with the fast variance, by path."""
+  from flax import nnx
+  kinds = tuple(getattr(nnx, name) for name in NORM_LAYERS if hasattr(nnx, name))
+  return tuple("/".join(str(p) for p in path) or type(node).__name__
+               for path, node in nnx.iter_graph(model)
+               if isinstance(node, kinds) and getattr(node, "use_fast_variance", False))
