@@ -17,7 +17,7 @@ import hetjax
 from hetjax import models as zoo
 from hetjax import trainer
 from hetjax.input import data
-from hetjax.step import within_host
+from hetjax.step import within_host, within_host_choice
 
 STEPS = 3
 GLOBAL_BATCH = 30   # Not a multiple of the block: the last block is partial.
@@ -55,7 +55,8 @@ def train(shard_within_host: str, assignment=UNEVEN, models=MODELS):
 
 
 def peaks(width: int, num_layers: int):
-  """{'off' | 'on': per-device peak bytes of the steady local program} on this host."""
+  """{'off' | 'on': per-device peak bytes of the steady local program} on this host, and
+  what 'auto' decides against an emulated device of 1 MB and of 1 TB."""
   out = {}
   for mode in ("off", "on"):
     source = data.load("tokens")
@@ -65,5 +66,12 @@ def peaks(width: int, num_layers: int):
     tr = trainer.Trainer(task, optax.sgd(0.1), source, config)
     tr.fit(1)
     out[mode] = max(within_host.peak_bytes(c) for c in tr.mode.local._grad.values())
+    if mode == "off":
+      state, example = tr.state, {k: v[:1] for k, v in source.arrays.items()}
+      for gb in (1e-3, 1e3):
+        auto = trainer.TrainConfig(global_batch=16, microbatch=4, shard_within_host="auto",
+                                   device_memory=gb)
+        out[f"auto {gb:g} GB"] = within_host_choice.for_host(
+            auto, task, state.params, state.model_state, example, tr.mode.meshes)
     tr.close()
   return out

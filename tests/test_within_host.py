@@ -61,3 +61,6 @@ def test_sharding_cuts_the_local_programs_peak_bytes():
   (peaks,) = run_hosts("_within_host_entries:peaks", hosts=1, devices_per_host=4,
                        args=(256, 2), timeout_s=600)
   assert peaks["on"] <= 0.8 * peaks["off"], peaks
+  small, large = peaks["auto 0.001 GB"], peaks["auto 1000 GB"]
+  assert small.on and "emulated" in small.reason, small
+  assert not large.on and "emulated" in large.reason, large
