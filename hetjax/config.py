@@ -108,6 +108,15 @@ class TrainConfig:
       element-wise one, whole leaves for one whose update depends on leaf
       shapes), 'whole' (skip the probe) or 'sliced' (refuse an optimizer
       that needs whole leaves). Every choice computes what one device would.
+    shard_within_host: 'off' (default: every device holds the whole
+      parameters, no gathers), 'on' (a host of several devices keeps its
+      parameters and gradient sums split over them, gathering each leaf where
+      the loss uses it), 'auto' (on only where the whole state does not fit
+      `device_batch_memory_fraction` of the device's memory), or one per host
+      ('off,off,on'). What crosses hosts and the math do not change
+      (`hetjax.step.within_host`).
+    device_memory: a device's memory in GB for 'auto', where the backend
+      reports none (XLA:CPU): an emulated limit, labelled so where reported.
 
   Example:
     >>> config = hetjax.TrainConfig(global_batch=64, microbatch=8, balancer="dynamic")
@@ -131,6 +140,8 @@ class TrainConfig:
   device_batch: int | tuple[int, ...] | str = 1
   device_batch_memory_fraction: float = 0.8
   update_layout: str = "auto"
+  shard_within_host: str | tuple[str, ...] = "off"
+  device_memory: float | None = None
 
   def validate(self, num_hosts: int | None = None) -> None:
     """Raises ValueError naming the value, the limit and the fix.
@@ -170,6 +181,10 @@ class TrainConfig:
     if self.update_layout not in UPDATE_LAYOUTS:
       raise ValueError(f"`update_layout` {self.update_layout!r} is unknown; choose one of "
                        f"{', '.join(UPDATE_LAYOUTS)}.")
+    check_shard_within_host(self.shard_within_host, num_hosts)
+    if self.device_memory is not None and not float(self.device_memory) > 0:
+      raise ValueError(f"`device_memory` must be > 0 GB (unset: what the device reports), "
+                       f"got {self.device_memory}.")
 
   def device_batches(self, num_hosts: int) -> tuple[int, ...] | None:
     """Every host's device batch `k`; None under 'auto' (the hosts choose at start)."""
@@ -177,6 +192,21 @@ class TrainConfig:
 
 
 AUTO = "auto"
+SHARD_WITHIN_HOST = ("auto", "on", "off")  # per host (hetjax.step.within_host)
+
+
+def check_shard_within_host(value: str | tuple[str, ...], num_hosts: int | None = None) -> None:
+  """Raises ValueError unless `value` is one of `SHARD_WITHIN_HOST`, or one per host."""
+  parts = ([p.strip() for p in value.split(",")] if isinstance(value, str) else list(value))
+  bad = [p for p in parts if p not in SHARD_WITHIN_HOST]
+  if bad or not parts:
+    raise ValueError(f"`shard_within_host` {value!r}: choose {', '.join(SHARD_WITHIN_HOST)}, "
+                     "or one per host ('off,off,on').")
+  if len(parts) > 1 and num_hosts is not None and len(parts) != num_hosts:
+    raise ValueError(f"`shard_within_host` {value!r} gives {len(parts)} values for {num_hosts} "
+                     "hosts; give one value, or one per host.")
+
+
 UPDATE_LAYOUTS = ("auto", "sliced", "whole")  # the sharded update's (hetjax.step.optimizer_layout)
 
 

@@ -120,6 +120,7 @@ def _train_config(args: argparse.Namespace) -> config_lib.TrainConfig:
       device_batch=config_lib.parse_device_batch(args.device_batch),
       device_batch_memory_fraction=args.device_batch_memory_fraction,
       update_layout=args.update_layout,
+      shard_within_host=args.shard_within_host, device_memory=args.device_memory,
       augment="none" if args.image_size is not None else args.augment)  # Else the recipe's.
 
 

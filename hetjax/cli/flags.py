@@ -104,6 +104,14 @@ def parser() -> argparse.ArgumentParser:
                  help="the sharded update's optimizer layout: auto (probe: slices for an "
                       "element-wise optimizer, whole leaves otherwise), whole, or sliced "
                       "(refuse an optimizer that needs whole leaves)")
+  t.add_argument("--shard-within-host", default="off", metavar="auto|on|off[,...]",
+                 help="keep a host's parameters and gradient sums split over its own devices, "
+                      "gathered where used: off (default), on, auto (only where the whole "
+                      "state does not fit the device), or one per host (off,off,on); the math "
+                      "and what crosses hosts do not change")
+  t.add_argument("--device-memory", type=float, default=None, metavar="GB",
+                 help="a device's memory for --shard-within-host auto where the backend "
+                      "reports none (XLA:CPU): an emulated limit")
   t.add_argument("--out", default="runs/latest",
                  help="folder for summary.json, metrics.jsonl and tensorboard/ (host 0)")
   t.add_argument("--wandb", default=None, metavar="PROJECT",

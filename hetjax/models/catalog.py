@@ -13,7 +13,7 @@ OPTIONS = {
     "cnn": ("features", "hidden", "dropout", "dtype"),
     "resnet18": ("width", "stage_sizes", "small_input", "momentum", "dtype"),
     "transformer": ("d_model", "num_layers", "num_heads", "max_len", "mlp_ratio", "dropout",
-                    "dtype"),
+                    "dtype", "width"),
     "resnet50": ("width", "stage_sizes", "small_input", "momentum", "dtype"),
 }
 

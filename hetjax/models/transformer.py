@@ -58,6 +58,8 @@ class TransformerLM(nn.Module):
     mlp_ratio: hidden width of each MLP, as a multiple of d_model.
     dropout: rate of dropout (attention weights, residual branches) in training.
     dtype: computation dtype (parameters stay float32).
+    width: when given, the residual stream width in place of `d_model`: what
+      the command line's `--model-width` sets for every model.
   """
 
   vocab_size: int
@@ -68,22 +70,24 @@ class TransformerLM(nn.Module):
   mlp_ratio: int = 4
   dropout: float = 0.0
   dtype: Any = jnp.float32
+  width: int | None = None
 
   @nn.compact
   def __call__(self, tokens: jax.Array, train: bool = False) -> jax.Array:
     length = tokens.shape[1]
+    d_model = self.width or self.d_model
     if length > self.max_len:
       raise ValueError(
           f"Sequence length {length} exceeds max_len={self.max_len}; "
           f"build the model with max_len >= {length}.")
-    if self.d_model % self.num_heads:
+    if d_model % self.num_heads:
       raise ValueError(
-          f"d_model={self.d_model} is not divisible by "
+          f"d_model={d_model} is not divisible by "
           f"num_heads={self.num_heads}.")
-    x = nn.Embed(self.vocab_size, self.d_model, dtype=self.dtype,
+    x = nn.Embed(self.vocab_size, d_model, dtype=self.dtype,
                  name="token_embed")(tokens.astype(jnp.int32))
     pos = self.param("pos_embed", nn.initializers.normal(0.02),
-                     (self.max_len, self.d_model))
+                     (self.max_len, d_model))
     x = x + pos[:length].astype(self.dtype)
     causal_mask = nn.make_causal_mask(tokens)
     for i in range(self.num_layers):

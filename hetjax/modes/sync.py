@@ -29,6 +29,8 @@ from hetjax.input import loader as loader_lib
 from hetjax.modes.base import Boundary, Loop, ModeBase, Resumed, Setup
 from hetjax.step import optimizer_layout as layout_lib
 from hetjax.step import sharding as sharding_lib
+from hetjax.step import within_host as within_lib
+from hetjax.step import within_host_choice
 from hetjax.training import pipeline as pipeline_lib
 from hetjax.training.replica import Replica
 
@@ -85,11 +87,17 @@ class Sync(ModeBase):
       self.sharded = sharding_lib.ShardedUpdate(optimizer, *shard_mesh, initial,
                                                 self.update_layout.layout)
       self.reduction.attach(self.sharded)
+    # This host's own choice: its parameters and sums split over its devices.
+    self.within = within_host_choice.for_host(config, task, initial.params,
+                                              initial.model_state, setup.example, meshes)
+    split = None
+    if self.within.on and self.sharded is not None:
+      split = within_lib.Split(initial.params, meshes.local_devices)
     self.local = step_lib.LocalProgram(
         task, optimizer, meshes, config.microbatch, config.precision,
         blocks_lib.every_block_whole(config.global_batch, config.microbatch),
         replica=None if self.sharded is None else self.sharded.replica_packer,
-        device_batch=self.device_batches[meshes.host_id])
+        device_batch=self.device_batches[meshes.host_id], within=split)
     self.replica = Replica(self.local, meshes, self.sharded,
                            optimizers_lib.find_learning_rate(initial.opt_state) is not None)
     self.replica.replace(initial)
@@ -175,7 +183,11 @@ class Sync(ModeBase):
     """Bytes of parameters, optimizer state and gradients one device holds, from the
     arrays' sizes: `unsplit` (every device updating a whole replica) and, when the
     update is sharded, `split` over `split_over` devices (`hetjax.step.sharding`)."""
-    return self.replica.memory_per_device(self.config.reduction, self.optimizer)
+    memory = dict(self.replica.memory_per_device(self.config.reduction, self.optimizer))
+    split = self.local.within
+    memory["within_host"] = ({"split_over": 1} if split is None else
+                             {"split_over": split.devices, "params": split.bytes_per_device()})
+    return memory
 
   def current(self) -> tuple[PyTree, PyTree]:
     state = self.replica.applied()

@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from hetjax.step import packing
 from hetjax.step import precision as precision_lib
+from hetjax.step import within_host as within_lib
 from hetjax.mesh import DEV, Meshes
 from hetjax.task import MASK, Task
 from hetjax.step.state import Layout, LocalSums, Sums, TrainState
@@ -74,14 +75,21 @@ class LocalProgram:
 
   def __init__(self, task: Task, optimizer: optax.GradientTransformation, meshes: Meshes,
                microbatch_per_device: int, precision: str = "fp32", blocks_full: bool = False,
-               replica: packing.Packer | None = None, device_batch: int = 1):
+               replica: packing.Packer | None = None, device_batch: int = 1,
+               within: within_lib.Split | None = None):
     """`blocks_full`: no block of the run is part padding (see `block_sums`).
 
     `replica`: the sharded update's packing of the state (`hetjax.step.sharding`);
     then the update ran in the reduction, a pending update is that packed
     new state, and the first micro-batch's program only unpacks it.
     `device_batch`: `k`, blocks per device in the largest micro-batch.
+    `within`: this host's parameters and gradient sums split over its devices
+    (`hetjax.step.within_host`; only with `replica`): the state's parameters
+    are then rows `[L, c]`, gathered where the loss uses them.
     """
+    if within is not None and replica is None:
+      raise ValueError("within-host sharding needs the sharded update (more than one device "
+                       "in the world); a world of one device has nothing to split over.")
     if microbatch_per_device < 1:
       raise ValueError(f"--microbatch must be >= 1, got {microbatch_per_device}.")
     if int(device_batch) < 1:
@@ -95,11 +103,20 @@ class LocalProgram:
     self.precision = precision_lib.check(precision)
     self.layout: Layout | None = None
     self._task, self._optimizer = task, optimizer
-    self.replica = replica
+    self.replica, self.within = replica, within
+    self._joined: tuple[TrainState, TrainState] | None = None
     # The sharded update's new state alone (a share of 0, a read of the state;
     # also before the first step, so not built with the other programs).
     self._unpack = None if replica is None else jax.jit(
         replica.unpack, out_shardings=meshes.local_replicated)
+    if within is not None:
+      self._state_specs = within_lib.sharding_specs(jax.eval_shape(replica.unpack, {
+          g: jax.ShapeDtypeStruct((size,), jnp.dtype(g)) for g, size in replica.sizes.items()}))
+      self._unpack = jax.jit(jax.shard_map(self._unpack_rows, mesh=meshes.local, in_specs=P(),
+                                           out_specs=self._state_specs))
+      self._join = jax.jit(jax.shard_map(
+          lambda s: s._replace(params=within.join(s.params)), mesh=meshes.local,
+          in_specs=(self._state_specs,), out_specs=P(), check_vma=False))
     self._key = None
     # Sums buffers recycled from two steps back: the last step's may still be
     # read (by its reduction, or the thread that times it) while this one runs.
@@ -114,19 +131,37 @@ class LocalProgram:
     """Fixes the row layout and compiles the programs, once."""
     per_device = {k: v[:self.per_device] for k, v in
                   next(micro_batches(example, self.micro)).items()}
-    _, metrics, new_state = jax.eval_shape(self._task.loss, state.params, state.model_state,
+    within = self.within
+    whole_params = state.params if within is None else within.like
+    _, metrics, new_state = jax.eval_shape(self._task.loss, whole_params, state.model_state,
                                            per_device, rng)
     scalar = jax.ShapeDtypeStruct((), jnp.float32)
     shapes = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
-    sums_like = Sums(shapes(state.params), scalar, scalar, scalar, {k: scalar for k in metrics},
+    sums_like = Sums(shapes(whole_params), scalar, scalar, scalar, {k: scalar for k in metrics},
                      shapes(new_state))
     layout = self.layout = Layout(packing.Packer(sums_like, dtype=jnp.float32), self.precision)
     task, optimizer, n, m = self._task, self._optimizer, layout.row_size, self.per_device
+    if within is not None:
+      task = within.gathering(task)
+      offsets = within_lib.grad_offsets(layout.sums, whole_params)
+      rest = packing.Packer(tuple(sums_like)[1:], dtype=jnp.float32)
 
-    def grad_row(state, sums, batch, key):
+    def to_row(sums, scale, host, base):
+      # One device's `[1, n + 1 + k]`: `base` (kept sums, or None: zeros) plus this
+      # micro-batch's sums, the loss scale and host vector set in the tail.
+      if within is None:
+        row = jnp.concatenate([layout.sums.pack(sums)["float32"], scale[None], host])[None]
+        return row if base is None else base + row
+      base = jnp.zeros((1, n + 1 + host.size), jnp.float32) if base is None else base
+      tail = jnp.concatenate([rest.pack(tuple(sums)[1:])["float32"], scale[None], host])
+      base = base.at[0, n + 1 + host.size - tail.size:].add(tail)
+      return within.place(base, sums.grads, offsets)
+
+    def grad_row(state, buffer, batch, key):
       # Without the cast, grad of a replicated input would already be summed
       # over the local devices; per-device sums let one reduction do it all.
-      params = jax.lax.pcast(state.params, DEV, to="varying")
+      params = state.params if within is not None else jax.lax.pcast(state.params, DEV,
+                                                                      to="varying")
       batch = dict(batch)
       position = batch.pop(_POSITION)[0]
       step, block, first, real = (position[i] for i in range(_POSITION_FIELDS))
@@ -146,29 +181,28 @@ class LocalProgram:
         keys = jax.vmap(lambda b: jax.random.fold_in(step_key, b))(block + jnp.arange(j))
         sums = blocks_sums(task, params, state.model_state, blocks, keys, scale, self.precision,
                            self.blocks_full)
-      row = layout.sums.pack(sums)["float32"]
       # The first micro-batch of a step starts from zero in a recycled buffer;
       # the scale and host vector are set, not summed. One elementwise pass, in place.
-      row = jnp.concatenate([row, scale[None], host])[None]
-      return row, first
+      if buffer is None:
+        return to_row(sums, scale, host, None)
+      keep = (first == 0) & (jnp.arange(buffer.shape[-1]) < n)
+      return to_row(sums, scale, host, jnp.where(keep[None], buffer, 0.0))
 
     def accumulate(state, sums, batch, key):
-      row, first = grad_row(state, sums, batch, key)
-      keep = (first == 0) & (jnp.arange(row.shape[-1]) < n)
-      return jnp.where(keep[None], sums, 0.0) + row
+      return grad_row(state, sums, batch, key)
 
     def update_then_grad(state, total, batch, key):
       # Always a step's first micro-batch: its row starts the sums, so the
       # recycled buffer is neither read nor cleared (a pass over the row saved).
       state, lr = apply_update(optimizer, state, total, layout)
-      return state, lr, grad_row(state, None, batch, key)[0]
+      return state, lr, grad_row(state, None, batch, key)
 
     replica = self.replica
 
     def unpack_then_grad(packed, batch, key):
       # The sharded update's new state, gathered: unpacked where it is first read.
-      state = replica.unpack(packed)
-      return state, grad_row(state, None, batch, key)[0]
+      state = replica.unpack(packed) if within is None else self._unpack_rows(packed)
+      return state, grad_row(state, None, batch, key)
 
     local, d, k = self.meshes.local, self.meshes.local_devices, host_width
     self._host_width = k
@@ -190,16 +224,22 @@ class LocalProgram:
     # Every program is compiled at a step every host reaches, whatever its
     # share: the first call (and, for the update, the first with one pending).
     # A new share then compiles nothing on any host (invariant 4).
-    grad = jax.jit(jax.shard_map(accumulate, mesh=local, in_specs=(P(), P(DEV), P(DEV), P()),
-                                 out_specs=P(DEV)), donate_argnums=(1,))
-    self._grad = {j: grad.lower(state, sums_like, self._micro_like[j], rng).compile()
+    state_spec, state_like = P(), state
+    if within is not None:  # Parameters as rows, whatever placement `state` came in.
+      state_spec = self._state_specs
+      state_like = jax.tree.map(like, state)._replace(
+          params=within.shapes(self.meshes.local_by_device))
+    grad = jax.jit(jax.shard_map(accumulate, mesh=local,
+                                 in_specs=(state_spec, P(DEV), P(DEV), P()), out_specs=P(DEV)),
+                   donate_argnums=(1,))
+    self._grad = {j: grad.lower(state_like, sums_like, self._micro_like[j], rng).compile()
                   for j in self.ladder.sizes}
     # Read once per program, off the step's path: what `flops_of` prices a share with.
     self._flops = {j: _flops(program, d) for j, program in self._grad.items()}
     if replica is not None:
       self._fused_program = jax.jit(
           jax.shard_map(unpack_then_grad, mesh=local, in_specs=(P(), P(DEV), P()),
-                        out_specs=(P(), P(DEV))))
+                        out_specs=(P() if within is None else self._state_specs, P(DEV))))
     else:
       self._fused_program = jax.jit(
           jax.shard_map(update_then_grad, mesh=local, in_specs=(P(), P(), P(DEV), P()),
@@ -215,6 +255,20 @@ class LocalProgram:
         in_shardings=self.meshes.local_replicated,
         out_shardings=self.meshes.local_by_device).lower(
             scalar, jax.ShapeDtypeStruct((k,), jnp.float32)).compile()
+
+  def _unpack_rows(self, packed: Any) -> TrainState:
+    """The sharded update's new state with this device's parameter rows (in a `shard_map`)."""
+    state = self.replica.unpack(packed)
+    return state._replace(params=self.within.chunk(state.params))
+
+  def joined(self, state: TrainState) -> TrainState:
+    """`state` with whole parameters (replicated on this host's devices): itself unless
+    within-host sharding keeps them as rows; then gathered, cached for this `state`."""
+    if self.within is None:
+      return state
+    if self._joined is None or self._joined[0] is not state:
+      self._joined = (state, self._join(state))
+    return self._joined[1]
 
   def flops_of(self, rows: int) -> float | None:
     """FLOPs this host's devices run for a share of `rows` samples: XLA's cost analysis of

@@ -78,7 +78,7 @@ class Replica:
     """This host's replica, every update applied; under the sharded update without
     its optimizer state (parameters, model state, step, loss scale)."""
     self.apply_pending()
-    return self.live
+    return self.local.joined(self.live)  # Whole parameters, under within-host sharding too.
 
   def settled(self) -> step_lib.TrainState:
     """The replica whole, for reads that keep nothing past the next step.

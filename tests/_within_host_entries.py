@@ -1,0 +1,77 @@
+"""Entries for tests/test_within_host.py, run on every host of an emulated cluster.
+
+`train`: each model of `MODELS` trained `STEPS` steps on an uneven split with
+`shard_within_host` as given (one value per host); each host returns its final
+parameters and its choice. `peaks`: the compiled local program's per-device
+peak bytes (XLA's memory analysis) of a transformer, with and without
+sharding, on this host's devices.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+
+import hetjax
+from hetjax import models as zoo
+from hetjax import trainer
+from hetjax.input import data
+from hetjax.step import within_host, within_host_choice
+
+STEPS = 3
+GLOBAL_BATCH = 30   # Not a multiple of the block: the last block is partial.
+BLOCK = 4
+UNEVEN = (16, 8, 6)  # 4, 2 and 2 blocks: host 2 (sharded) runs one per device, the last partial.
+MODELS = ("mlp", "transformer")
+
+
+def build(model: str, width: int = 16):
+  """(source, task, optimizer): an mlp with sgd; a one-layer transformer with dropout, adam."""
+  if model == "mlp":
+    return (data.load("digits"), zoo.build("mlp", kind="image", num_classes=10, hidden=(32,)),
+            optax.sgd(0.1))
+  source = data.load("tokens")
+  task = zoo.build("transformer", kind="tokens", vocab_size=source.info.vocab_size,
+                   num_layers=1, d_model=width, num_heads=2, dropout=0.1)
+  return source, task, optax.adam(3e-3)
+
+
+def train(shard_within_host: str, assignment=UNEVEN, models=MODELS):
+  """Per model: (this host's final parameters as numpy, this host's choice on)."""
+  if jax.process_count() > 1:
+    hetjax.initialize()
+  out = []
+  for model in models:
+    source, task, optimizer = build(model)
+    config = trainer.TrainConfig(global_batch=GLOBAL_BATCH, microbatch=BLOCK, seed=3,
+                                 assignment=assignment, shard_within_host=shard_within_host)
+    tr = trainer.Trainer(task, optimizer, source, config)
+    tr.fit(STEPS)
+    params = jax.tree.map(np.asarray, tr.params())
+    out.append((params, tr.mode.local.within is not None))
+    tr.close()
+  return out
+
+
+def peaks(width: int, num_layers: int):
+  """{'off' | 'on': per-device peak bytes of the steady local program} on this host, and
+  what 'auto' decides against an emulated device of 1 MB and of 1 TB."""
+  out = {}
+  for mode in ("off", "on"):
+    source = data.load("tokens")
+    task = zoo.build("transformer", kind="tokens", vocab_size=source.info.vocab_size,
+                     num_layers=num_layers, d_model=width)
+    config = trainer.TrainConfig(global_batch=16, microbatch=4, shard_within_host=mode)
+    tr = trainer.Trainer(task, optax.sgd(0.1), source, config)
+    tr.fit(1)
+    out[mode] = max(within_host.peak_bytes(c) for c in tr.mode.local._grad.values())
+    if mode == "off":
+      state, example = tr.state, {k: v[:1] for k, v in source.arrays.items()}
+      for gb in (1e-3, 1e3):
+        auto = trainer.TrainConfig(global_batch=16, microbatch=4, shard_within_host="auto",
+                                   device_memory=gb)
+        out[f"auto {gb:g} GB"] = within_host_choice.for_host(
+            auto, task, state.params, state.model_state, example, tr.mode.meshes)
+    tr.close()
+  return out

@@ -1,0 +1,66 @@
+"""Sharding within a host (`hetjax.step.within_host`): the same math, less memory per device.
+
+One cluster of 3 hosts x 2 devices trains an mlp and a transformer with
+dropout on an uneven split, sharding on host 2 only: every host holds the
+same bits, and they match one device up to float reduction order. One host
+of 4 devices compiles a transformer's local program with and without
+sharding and compares XLA's per-device peak bytes.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import _within_host_entries as entries
+from hetjax import config as config_lib
+from hetjax.step import within_host
+from hetjax.testing import run_hosts
+
+
+def test_config_refuses_unknown_modes_and_wrong_counts():
+  with pytest.raises(ValueError, match="shard_within_host"):
+    config_lib.TrainConfig(global_batch=8, shard_within_host="sometimes").validate()
+  with pytest.raises(ValueError, match="2 values for 3 hosts"):
+    config_lib.TrainConfig(global_batch=8, shard_within_host="on,off").validate(num_hosts=3)
+  with pytest.raises(ValueError, match="device_memory"):
+    config_lib.TrainConfig(global_batch=8, device_memory=0).validate()
+  config_lib.TrainConfig(global_batch=8, shard_within_host="off,off,on").validate(num_hosts=3)
+
+
+def test_auto_shards_only_when_the_whole_state_does_not_fit():
+  gb = 10**9
+  assert not within_host.decide("auto", 4, 2 * gb, gb, 16 * gb, True, 0.8).on
+  tight = within_host.decide("auto", 4, 20 * gb, 8 * gb, 16 * gb, True, 0.8)
+  assert tight.on and "emulated" in tight.reason and "fits" in tight.reason
+  assert not within_host.decide("auto", 4, 20 * gb, 8 * gb, None, False, 0.8).on
+  assert not within_host.decide("on", 1, None, None, None, False, 0.8).on  # one device
+  assert within_host.mode_of("off,off,on", 2) == "on"
+
+
+@pytest.fixture(scope="module")
+def one_device():
+  assert jax.local_device_count() == 1
+  return entries.train("off", assignment="equal")
+
+
+def test_sharding_on_one_host_keeps_the_math_and_the_replicas(one_device):
+  hosts = run_hosts("_within_host_entries:train", hosts=3, devices_per_host=2,
+                    args=("off,off,on",), timeout_s=600)
+  for m, model in enumerate(entries.MODELS):
+    assert [host[m][1] for host in hosts] == [False, False, True], model
+    reference = jax.tree.leaves(hosts[0][m][0])
+    for host in hosts[1:]:  # Bit-identical replicas: each slice from its one owner.
+      assert all(np.array_equal(a, b) for a, b in zip(reference, jax.tree.leaves(host[m][0])))
+    for a, b in zip(reference, jax.tree.leaves(one_device[m][0])):
+      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=model)
+
+
+def test_sharding_cuts_the_local_programs_peak_bytes():
+  (peaks,) = run_hosts("_within_host_entries:peaks", hosts=1, devices_per_host=4,
+                       args=(256, 2), timeout_s=600)
+  assert peaks["on"] <= 0.8 * peaks["off"], peaks
+  small, large = peaks["auto 0.001 GB"], peaks["auto 1000 GB"]
+  assert small.on and "emulated" in small.reason, small
+  assert not large.on and "emulated" in large.reason, large
