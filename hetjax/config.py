@@ -400,8 +400,16 @@ class RoundsConfig:
       raise ValueError(f"`elastic_beta` must be in (0, 1], got {self.elastic_beta}: it is "
                        "the share of the way to the centre the hosts move each round.")
 
-  def check_split(self, balancer: str | None, assignment: str | tuple[int, ...]) -> None:
-    """A rounds mode sizes the hosts' work by local steps: no `balancer`, no `assignment`."""
+  def check_split(self, balancer: str | None, assignment: str | tuple[int, ...],
+                  shard_within_host: str | tuple[str, ...] = "off") -> None:
+    """A rounds mode sizes the hosts' work by local steps: no `balancer`, no `assignment`;
+    its hosts hold whole parameters on every device: no `shard_within_host`."""
+    values = (shard_within_host.split(",") if isinstance(shard_within_host, str)
+              else shard_within_host)
+    if any(v.strip() != "off" for v in values):
+      raise ValueError(f"`shard_within_host` {shard_within_host!r} applies to the sync mode "
+                       f"only: `mode` {self.mode}'s local steps hold whole parameters on every "
+                       "device; leave `shard_within_host` off.")
     if balancer is not None:
       raise ValueError(f"`balancer` does not apply to `mode` {self.mode}: its hosts run local "
                        "steps of one size and the round's step counts come from their speeds "

@@ -64,3 +64,18 @@ def test_sharding_cuts_the_local_programs_peak_bytes():
   small, large = peaks["auto 0.001 GB"], peaks["auto 1000 GB"]
   assert small.on and "emulated" in small.reason, small
   assert not large.on and "emulated" in large.reason, large
+
+
+@pytest.mark.parametrize("value", ["on", "auto", ("off", "on")])
+def test_the_rounds_modes_refuse_sharding_within_a_host_before_compiling(value):
+  """Hybrid and elastic hold whole parameters on every device: refused, never ignored."""
+  from hetjax.config import RoundsConfig
+  with pytest.raises(ValueError, match="`shard_within_host` .* applies to the sync mode only"):
+    RoundsConfig(mode="hybrid").check_split(None, "equal", value)
+  RoundsConfig(mode="elastic").check_split(None, "equal", "off")  # The default passes.
+
+
+def test_the_command_line_refuses_it_for_a_rounds_mode(capsys):
+  from hetjax import cli
+  assert cli.main(["train", "--mode", "hybrid", "--shard-within-host", "on"]) == 2
+  assert "--shard-within-host 'on' applies to the sync mode only" in capsys.readouterr().err

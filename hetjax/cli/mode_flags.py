@@ -71,6 +71,7 @@ def from_args(args: argparse.Namespace, num_hosts: int | None = None) -> RoundsC
     values["local_steps"] = parse_local_steps(values["local_steps"])
   config = RoundsConfig(mode=args.mode, **values)
   with worded_as_flags():
-    config.check_split(getattr(args, "balancer", None), getattr(args, "assignment", "equal"))
+    config.check_split(getattr(args, "balancer", None), getattr(args, "assignment", "equal"),
+                       getattr(args, "shard_within_host", None) or "off")
     config.validate(num_hosts, getattr(args, "global_batch", None))
   return config

@@ -75,7 +75,7 @@ class Rounds(ModeBase):
 
   def build(self, setup: Setup) -> tuple[PyTree, dict[str, Any]]:
     config, meshes, s = setup.config, setup.meshes, self.settings
-    s.check_split(config.balancer, config.assignment)
+    s.check_split(config.balancer, config.assignment, config.shard_within_host)
     s.validate(meshes.num_hosts, config.global_batch)
     self.config, self.meshes, self.history, self.pace = config, meshes, setup.history, setup.pace
     self.source, self.sampler = setup.source, setup.sampler
