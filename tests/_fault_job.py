@@ -56,7 +56,8 @@ def preempted(job: _cli_job.Job, start: int, end: int) -> dict[int, int]:
   """{host: the step its checkpoint saved} from each host's preemption line between two lines."""
   found = {}
   for line in job.lines[start:end]:
-    m = re.search(r"\[host (\d)\] hetjax train: preempted: checkpoint of step (\d+) saved in "
+    m = re.search(r"\[host (\d)\] hetjax train: preempted: checkpoint of (?:step|round) (\d+) "
+                  r"saved in "
                   r"\S+; exiting with code 75", line)
     if m:
       found[int(m.group(1))] = int(m.group(2))
