@@ -67,8 +67,9 @@ def draw(faults: int, seed: int, *, hosts: int = 2, first: int = 20, gap: int = 
   """
   if faults < 0 or hosts < 2:
     raise ValueError(f"a soak needs faults >= 0 and hosts >= 2; got {faults} and {hosts}.")
-  rng, hosts_rng = random.Random(seed), random.Random(f"{seed}/hosts")  # A longer soak
-  kinds: list[str] = []                                                  # extends a shorter one.
+  # Kinds and victims from two streams: a longer soak extends a shorter one.
+  rng, hosts_rng = random.Random(seed), random.Random(f"{seed}/hosts")
+  kinds: list[str] = []
   while len(kinds) < faults:
     kinds += rng.sample(KINDS, len(KINDS))
   out, killed_0 = [], False
