@@ -16,11 +16,19 @@ import time
 
 import _cli_job
 
-def on_attempt(command: list[str], attempt: int, assignment: str) -> list[str]:
-  """`command` with `assignment` (KEY=VALUE, e.g. an emulated slowdown) on that attempt only."""
+def on_attempt(command: list[str], attempt: int, exports: str) -> list[str]:
+  """`command` with the shell text `exports` (e.g. `export HETJAX_SLOWDOWN=1:50@23`) run first
+  on that attempt (HETJAX_RESTART_COUNT) only."""
   quoted = " ".join(f"'{c}'" for c in command)
-  return ["sh", "-c", f'if [ "$HETJAX_RESTART_COUNT" = {attempt} ]; then export {assignment}; '
-                      f"fi; exec {quoted}"]
+  return ["sh", "-c", f'if [ "$HETJAX_RESTART_COUNT" = {attempt} ]; then {exports}; fi; '
+                      f"exec {quoted}"]
+
+
+def slow_after_resume(host: int, factor: int, ckpt, steps: int = 3) -> str:
+  """Shell text: `host` becomes `factor` x slower `steps` steps after the newest checkpoint
+  (emulated), so the steps that compile, which the pacing would stretch too, stay fast."""
+  return (f'newest=$(ls {ckpt} | grep -xE "[0-9]+" | sort -n | tail -n 1); '
+          f"export HETJAX_SLOWDOWN={host}:{factor}@$((newest + {steps}))")
 
 
 def reference(command: list[str], log: str) -> subprocess.Popen:

@@ -59,23 +59,25 @@ def _launch(ckpt, out, extra=()):
 
 def test_host_0_killed_then_sigterm_mid_collective_resume_to_the_uninterrupted_digest(tmp_path):
   """kill -9 of host 0 (it runs the coordination service) -> restart; then SIGTERM to host 0
-  while it waits in the reduction for host 1, slowed 50 x (emulated) on that attempt only ->
-  every host saves and exits 75 -> the preemption restart resumes there; the end is bit for
-  bit the uninterrupted run's (a fixed equal split, so speeds do not change the sums)."""
+  while it waits in the reduction for host 1, slowed 50 x (emulated) on that attempt only,
+  from 3 steps after its resume -> every host saves and exits 75 -> the preemption restart
+  resumes there; the end is bit for bit the uninterrupted run's (a fixed equal split, so
+  speeds do not change the sums)."""
   ref_log = str(tmp_path / "ref.log")
   ref = _fault_job.reference(_launch(None, tmp_path / "ref"), ref_log)
   ckpt, out = tmp_path / "ckpt", tmp_path / "run"
   command = _launch(ckpt, out)[_launch(ckpt, out).index("--") + 1:]
   command[command.index("--log-every") + 1] = "1"  # Host 0's step lines drive the test.
   job = _cli_job.Job(["--max-restarts", "1", "--max-preemptions", "1"],
-                     _fault_job.on_attempt(command, 1, "HETJAX_SLOWDOWN=1:50@0"))
+                     _fault_job.on_attempt(command, 1,
+                                           _fault_job.slow_after_resume(1, 50, ckpt)))
   try:
     _fault_job.wait_committed(ckpt, 20, job)
     job.signal_hosts([0], signal.SIGKILL)
     _, restarted = job.wait_for(r"\[launcher\] restart 1/1 after host 0 failed with signal SIGKILL")
     first, at = _fault_job.resumed(job, restarted)
-    job.wait_for_step(first + 2, at)  # Host 1 is slow: host 0 waits in the reduction.
-    job.signal_hosts([0], signal.SIGTERM)
+    job.wait_for_step(first + 5, at)  # Host 1 is slow from first + 3: host 0 waits in the
+    job.signal_hosts([0], signal.SIGTERM)  # reduction nearly all the time.
     _, again = job.wait_for(r"\[launcher\] preemption restart 1/1 after", at)
     saved = _fault_job.preempted(job, at, again)
     second, _ = _fault_job.resumed(job, again)
