@@ -174,18 +174,21 @@ class Soak:
     self.command, self.env, self.ckpt = command, env, ckpt
     self.lines = Lines(echo)
     self.resumes = 0  # Jobs the bench started again by hand (after exit 74).
+    self.cursor = 0   # The line after the last fault's recovery: the next fault's lines follow it.
     self.lines.start(command, env)
 
   def inject(self, fault: cs.Fault) -> tuple[float, int, str]:
     """Waits for the fault's step and sends it (or waits for the emulated one): (time, index, note)."""
-    start = len(self.lines.items)
+    start = self.cursor  # An emulated fault may fire while the last one's lines are still read.
     if fault.kind in cs.INSIDE:
       _, i = self.lines.wait(cs.EMULATED, start, lambda m: int(m.group(2)) == fault.host)
       return self.lines.items[i][0], i, ""
     _, i = self.lines.wait(cs.STEP, start, lambda m: int(m.group(1)) >= fault.step)
     note = ""
     if fault.kind == cs.DAMAGE:
-      note = f"checkpoint {damage_newest(self.ckpt, fault.step)} truncated"
+      # The newest committed one, already there (an asynchronous commit of the step's own
+      # checkpoint may lag under load, and the next fault comes a gap later).
+      note = f"checkpoint {damage_newest(self.ckpt, fault.step - 10)} truncated"
     pids = self.lines.host_pids()
     signum = {cs.KILL: signal.SIGKILL, cs.DAMAGE: signal.SIGKILL, cs.STOP: signal.SIGSTOP}.get(
         fault.kind, signal.SIGTERM)
@@ -212,17 +215,24 @@ class Soak:
     return named, "exit 74, resumed by the bench", i
 
   def run(self, fault: cs.Fault) -> Result:
-    before = len(self.lines.items)
+    before = self.cursor
     sent_at, since, note = self.inject(fault)
     named, how, end = self.outcome(fault, since)
-    resumed, r = self.lines.wait(cs.RESUMED, end)
-    _, back = self.lines.wait(cs.STEP, r)
+    # Resumed, or (killed before the first checkpoint was committed) started over.
+    found, r = self.lines.wait(cs.RESUMED_OR_STEP, end)
+    start_step = int(found.group(1)) if found.group(1) is not None else 0
+    if found.group(1) is None:
+      back = r
+      note += ("; " if note else "") + "no checkpoint committed yet: started over"
+    else:
+      _, back = self.lines.wait(cs.STEP, r)
+    self.cursor = back + 1
     last = self.lines.last_step_before(end, before) or 0
     if fault.kind == cs.DAMAGE:
       moved = cs.MOVED_ASIDE.search(self.lines.text(end, back))
       note += f"; {moved.group(0)} moved aside" if moved else "; NOT moved aside"
     return Result(fault, named, how, self.lines.items[back][0] - sent_at,
-                  max(0, last - int(resumed.group(1))), note)
+                  max(0, last - start_step), note)
 
   def finish(self) -> int:
     code = self.lines.proc.wait(timeout=WAIT_S * 4)
@@ -262,6 +272,7 @@ def soak(faults: int, seed: int, folder: pathlib.Path, *, gap: int = 20, every: 
     code = run.finish()
   finally:
     run.lines.kill()
+    (folder / "soak.log").write_text(run.lines.text())
   if code != 0:
     raise RuntimeError(f"the soak run ended with {code}:\n{run.lines.text()[-4000:]}")
   return {"seed": seed, "steps": steps, "results": results, "resumed_by_bench": run.resumes,
@@ -300,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
   folder.mkdir(parents=True, exist_ok=True)
   report = soak(args.faults, args.seed, folder, gap=args.gap, watchdog_s=args.watchdog,
                 echo=args.echo)
-  (folder / "soak.log").write_text(report.pop("text"))
+  report.pop("text")
   print(table(report))
   ok = report["digest"] == report["reference_digest"] and all(r.ok for r in report["results"])
   print(json.dumps({"seed": args.seed, "faults": args.faults, "ok": ok,

@@ -95,6 +95,7 @@ def faults_env(schedule: list[Fault]) -> str:
 
 STEP = re.compile(r"^\[host 0\] step\s+(\d+)/")
 RESUMED = re.compile(r"^\[host 0\] hetjax: resumed from \S*?/(\d+) ")
+RESUMED_OR_STEP = re.compile(RESUMED.pattern + r"|^\[host 0\] step\s+\d+/")
 ENDED = re.compile(r"^\[launcher\] (preemption restart|restart) \d+/\d+ after (.*)$")
 WRITE_FAILED = re.compile(r"^\[launcher\] host (\d+) could not write a checkpoint")
 REACHED = re.compile(r"^\[host (\d+)\] hetjax train: preempted\b.*reached this host during step")
