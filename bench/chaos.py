@@ -229,8 +229,9 @@ class Soak:
     self.cursor = back + 1
     last = self.lines.last_step_before(end, before) or 0
     if fault.kind == cs.DAMAGE:
-      moved = cs.MOVED_ASIDE.search(self.lines.text(end, back))
-      note += f"; {moved.group(0)} moved aside" if moved else "; NOT moved aside"
+      damaged = int(note.split()[1])
+      moved = f"{damaged}.damaged" in self.lines.text(end, back)
+      note += f"; {damaged}.damaged moved aside" if moved else "; NOT moved aside"
     return Result(fault, named, how, self.lines.items[back][0] - sent_at,
                   max(0, last - start_step), note)
 
@@ -252,7 +253,7 @@ def soak(faults: int, seed: int, folder: pathlib.Path, *, gap: int = 20, every: 
          watchdog_s: float = 3.0, echo: bool = False) -> dict:
   """Runs the reference, then the soak; returns the per-fault results and both digests."""
   schedule = cs.draw(faults, seed, first=2 * every, gap=gap)
-  steps = 2 * every + faults * gap + gap
+  steps = (schedule[-1].step if schedule else 2 * every) + cs.AFTER_FAILED_WRITE * gap
   base = {k: v for k, v in os.environ.items() if k not in (FAULTS, FAULTS_ONCE)}
   base["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), base.get("PYTHONPATH")]))
   t0 = time.monotonic()

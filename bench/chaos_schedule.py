@@ -57,9 +57,13 @@ class Fault:
     return f"{self.kind} of {who} at step {self.step}"
 
 
+AFTER_FAILED_WRITE = 3  # gaps before the fault that follows a failed write
+
+
 def draw(faults: int, seed: int, *, hosts: int = 2, first: int = 20, gap: int = 20
          ) -> list[Fault]:
-  """`faults` faults from `seed`, one every `gap` steps from step `first` (a checkpoint step).
+  """`faults` faults from `seed`, one every `gap` steps from step `first` (a checkpoint step;
+  three gaps after a failed write).
 
   Every kind comes once (shuffled) before any comes again. The first kill -9
   hits host 0; SIGSTOP never does: a frozen host 0 freezes the coordination
@@ -72,8 +76,8 @@ def draw(faults: int, seed: int, *, hosts: int = 2, first: int = 20, gap: int = 
   kinds: list[str] = []
   while len(kinds) < faults:
     kinds += rng.sample(KINDS, len(KINDS))
-  out, killed_0 = [], False
-  for i, kind in enumerate(kinds[:faults]):
+  out, killed_0, step = [], False, first
+  for kind in kinds[:faults]:
     if kind == TERM_ALL:
       host = None
     elif kind == KILL and not killed_0:
@@ -82,7 +86,10 @@ def draw(faults: int, seed: int, *, hosts: int = 2, first: int = 20, gap: int = 
       host = hosts_rng.randrange(1, hosts)
     else:
       host = hosts_rng.randrange(hosts)
-    out.append(Fault(kind, host, first + i * gap))
+    out.append(Fault(kind, host, step))
+    # A write that fails in orbax's background commit surfaces steps later (the hosts vote on
+    # it): the next fault must not come before the job has ended and resumed.
+    step += gap * (AFTER_FAILED_WRITE if kind == FAIL_WRITE else 1)
   return out
 
 
@@ -100,7 +107,6 @@ ENDED = re.compile(r"^\[launcher\] (preemption restart|restart) \d+/\d+ after (.
 WRITE_FAILED = re.compile(r"^\[launcher\] host (\d+) could not write a checkpoint")
 REACHED = re.compile(r"^\[host (\d+)\] hetjax train: preempted\b.*reached this host during step")
 EMULATED = re.compile(r"^\[host (\d+)\] hetjax: emulated fault: host (\d+)")
-MOVED_ASIDE = re.compile(r"(\d+)\.damaged")
 
 
 def named_hosts(text: str) -> set[int]:

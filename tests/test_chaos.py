@@ -58,7 +58,9 @@ def test_the_schedule_covers_every_kind_names_host_0_and_extends_with_more_fault
   for seed in range(5):
     schedule = cs.draw(12, seed)
     assert {f.kind for f in schedule} == set(cs.KINDS)
-    assert [f.step for f in schedule] == [20 + 20 * i for i in range(12)]
+    assert schedule[0].step == 20
+    for before, after in zip(schedule, schedule[1:]):  # A failed write surfaces steps later.
+      assert after.step - before.step == (60 if before.kind == cs.FAIL_WRITE else 20)
     assert next(f for f in schedule if f.kind == cs.KILL).host == 0
     assert all(f.host != 0 for f in schedule if f.kind == cs.STOP)
     assert all(f.host is None for f in schedule if f.kind == cs.TERM_ALL)
@@ -91,6 +93,5 @@ def test_the_soak_reads_who_the_launcher_and_the_hosts_named():
   assert cs.STEP.search("[host 0] step  41/100  loss 2.2870").group(1) == "41"
   assert cs.EMULATED.search("[host 1] hetjax: emulated fault: host 1 stalls in step at step "
                             "45").group(2) == "1"
-  assert cs.MOVED_ASIDE.search("skipped (moved to 20.damaged for inspection)").group(1) == "20"
   fault = cs.Fault(cs.TERM_ALL, None, 40)
   assert fault.expected == {0, 1} and fault.env_item() is None and cs.ENDS[fault.kind] == "preemption"
