@@ -1,14 +1,18 @@
 """Checkpoints on emulated multi-host clusters: preemption and elastic resume."""
 
 import os
+import re
+import signal
 import sys
 
 import jax
 import numpy as np
 
-from hetjax.testing import killed_and_uninterrupted, run_hosts
+from hetjax.testing import run_hosts
 
+import _cli_job
 import _ckpt_entries
+import _fault_job
 
 
 def test_sigterm_to_one_host_makes_every_host_save_at_the_next_boundary_and_resume_exactly(tmp_path):
@@ -53,8 +57,40 @@ def _launch(ckpt, out, extra=()):
           "--out", str(out), "--log-every", "0"]
 
 
-def test_a_host_killed_mid_run_is_restarted_from_the_checkpoint_and_finishes_exactly(tmp_path):
-  run, summary, expected = killed_and_uninterrupted(_launch, tmp_path, hosts=2)
-  assert "resumed from" in run.stdout
-  assert summary["resumed_from"] is not None and summary["resumed_from"] % 20 == 0
-  assert summary["params_digest"] == expected["params_digest"], f"seed {run.seed}"
+def test_host_0_killed_then_sigterm_mid_collective_resume_to_the_uninterrupted_digest(tmp_path):
+  """kill -9 of host 0 (it runs the coordination service) -> restart; then SIGTERM to host 0
+  while it waits in the reduction for host 1, slowed 50 x (emulated) on that attempt only,
+  from 3 steps after its resume -> every host saves and exits 75 -> the preemption restart
+  resumes there; the end is bit for bit the uninterrupted run's (a fixed equal split, so
+  speeds do not change the sums)."""
+  ref_log = str(tmp_path / "ref.log")
+  ref = _fault_job.reference(_launch(None, tmp_path / "ref"), ref_log)
+  ckpt, out = tmp_path / "ckpt", tmp_path / "run"
+  command = _launch(ckpt, out)[_launch(ckpt, out).index("--") + 1:]
+  command[command.index("--log-every") + 1] = "1"  # Host 0's step lines drive the test.
+  job = _cli_job.Job(["--max-restarts", "1", "--max-preemptions", "1"],
+                     _fault_job.on_attempt(command, 1,
+                                           _fault_job.slow_after_resume(1, 50, ckpt)))
+  try:
+    _fault_job.wait_committed(ckpt, 20, job)
+    job.signal_hosts([0], signal.SIGKILL)
+    _, restarted = job.wait_for(r"\[launcher\] restart 1/1 after host 0 failed with signal SIGKILL")
+    first, at = _fault_job.resumed(job, restarted)
+    job.wait_for_step(first + 5, at)  # Host 1 is slow from first + 3: host 0 waits in the
+    job.signal_hosts([0], signal.SIGTERM)  # reduction nearly all the time.
+    _, again = job.wait_for(r"\[launcher\] preemption restart 1/1 after", at)
+    saved = _fault_job.preempted(job, at, again)
+    second, _ = _fault_job.resumed(job, again)
+    assert job.finish() == 0, job.text()[-3000:]
+  finally:
+    job.kill()
+  _fault_job.finish_reference(ref, ref_log)
+  text = job.text()
+  assert first >= 20 and first % 20 == 0, text[-3000:]
+  assert "host 0 failed with signal SIGKILL" in text
+  assert saved == {0: second, 1: second} and second > first, text[-3000:]  # 75 on every host.
+  assert re.search(r"\[host 0\] hetjax train: preempted: .*reached this host during step", text)
+  assert "all hosts exited 0 after 1 restart and 1 preemption restart" in text
+  summary, expected = _fault_job.summary(out), _fault_job.summary(tmp_path / "ref")
+  assert summary["resumed_from"] == second
+  assert summary["params_digest"] == expected["params_digest"]

@@ -1,6 +1,7 @@
-"""Rounds modes under failure: kill -9 of one host mid-run, restart, the uninterrupted centre."""
+"""Rounds modes under failure: kill -9 of one host mid-run, restart, SIGTERM, resume: the uninterrupted centre."""
 
 import os
+import signal
 import sys
 
 import jax
@@ -15,7 +16,10 @@ from hetjax.cluster import runtime
 from hetjax.input import data
 from hetjax.modes import RoundsConfig
 from hetjax.modes.rounds_trainer import RoundsTrainer
-from hetjax.testing import killed_and_uninterrupted, run_hosts
+from hetjax.testing import run_hosts
+
+import _cli_job
+import _fault_job
 
 
 def _hybrid(ckpt: str) -> RoundsTrainer:
@@ -73,10 +77,34 @@ def _launch(ckpt, out, extra=()):
           "--out", str(out), "--log-every", "0"]
 
 
-def test_elastic_host_killed_mid_round_resumes_to_the_uninterrupted_centre(tmp_path):
-  """Per-host parameters and inner (momentum) state are checkpointed: the restart is exact."""
-  run, summary, expected = killed_and_uninterrupted(_launch, tmp_path, hosts=2)
-  assert "resumed elastic from" in run.stdout
+def test_elastic_killed_then_stopped_resumes_to_the_uninterrupted_centre(tmp_path):
+  """Per-host parameters and inner (momentum) state are checkpointed: kill -9 of host 1, the
+  restart, then SIGTERM to every host (each saves, exits 75, the job resumes) end where an
+  uninterrupted run does, bit for bit."""
+  ref_log = str(tmp_path / "ref.log")
+  ref = _fault_job.reference(_launch(None, tmp_path / "ref"), ref_log)
+  ckpt, out = tmp_path / "ckpt", tmp_path / "run"
+  command = _launch(ckpt, out)[_launch(ckpt, out).index("--") + 1:]
+  command[command.index("--log-every") + 1] = "1"  # Host 0's round lines drive the test.
+  job = _cli_job.Job(["--max-restarts", "1", "--max-preemptions", "1"], command)
+  try:
+    _fault_job.wait_committed(ckpt, 20, job)
+    job.signal_hosts([1], signal.SIGKILL)
+    _, restarted = job.wait_for(r"\[launcher\] restart 1/1 after host 1 failed with signal SIGKILL")
+    first, at = _fault_job.resumed(job, restarted)
+    job.wait_for_step(first + 2, at)
+    job.signal_hosts([0, 1], signal.SIGTERM)
+    _, again = job.wait_for(r"\[launcher\] preemption restart 1/1 after", at)
+    saved = _fault_job.preempted(job, at, again)
+    second, _ = _fault_job.resumed(job, again)
+    assert job.finish() == 0, job.text()[-3000:]
+  finally:
+    job.kill()
+  _fault_job.finish_reference(ref, ref_log)
+  text = job.text()
+  assert "resumed elastic from" in text and first >= 20 and first % 20 == 0, text[-3000:]
+  assert saved == {0: second, 1: second} and second > first, text[-3000:]  # 75 on every host.
+  summary, expected = _fault_job.summary(out), _fault_job.summary(tmp_path / "ref")
   assert summary["mode"] == "elastic" and summary["last_step"] == 100
-  assert summary["resumed_from"] is not None and summary["resumed_from"] % 20 == 0
-  assert summary["params_digest"] == expected["params_digest"], f"seed {run.seed}"
+  assert summary["resumed_from"] == second
+  assert summary["params_digest"] == expected["params_digest"]

@@ -245,7 +245,11 @@ def parse_host_env(entries: Sequence[str], hosts: int) -> dict[int, dict[str, st
 
 # ---- Emulated faults (HETJAX_FAULTS): what the tests and the chaos soak inject ----
 
-FAULT_KINDS = ("stall-in-<phase>", "fail-write")
+FAULT_KINDS = ("stall-in-<phase>", "stall-in-step", "fail-write")
+# A folder: with it, each fault fires once per job, whatever the restarts (a
+# marker file per fault, made when it fires), so a seeded schedule of faults
+# (bench/chaos.py) can run under a launcher that restarts the same command.
+FAULTS_ONCE = "HETJAX_FAULTS_ONCE"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,10 +258,16 @@ class Fault:
 
   Kinds: `stall-in-PHASE` (the host stops for ever on entering lifecycle
   phase PHASE, e.g. `stall-in-evaluation`: its threads alive, as a hung read
-  leaves them) and `fail-write` (the checkpoint of that step fails inside
+  leaves them), `stall-in-step` (the host stops for ever inside step STEP,
+  after its local compute and before the reduction, as a hung device or
+  kernel leaves it) and `fail-write` (the checkpoint of that step fails inside
   orbax's commit, in the background when the save is asynchronous, as a
   full disk or an unreachable bucket fails it).
   """
+
+  @property
+  def label(self) -> str:
+    return f"{self.host}:{self.kind}@{self.step}"
 
   host: int
   kind: str
@@ -277,41 +287,89 @@ def parse_faults(text: str) -> list[Fault]:
       raise ValueError(f"{Env.FAULTS} takes HOST:KIND@STEP items such as 1:stall-in-evaluation@4; "
                        f"got {item!r}.") from None
     phase = fault.kind[len("stall-in-"):] if fault.kind.startswith("stall-in-") else None
-    if fault.kind != "fail-write" and phase not in phases.NAMES:
-      raise ValueError(f"{Env.FAULTS} {item!r}: the kinds are fail-write and stall-in-PHASE, "
+    if fault.kind not in ("fail-write", "stall-in-step") and phase not in phases.NAMES:
+      raise ValueError(f"{Env.FAULTS} {item!r}: the kinds are fail-write, stall-in-step and "
+                       f"stall-in-PHASE, "
                        f"PHASE one of {', '.join(phases.NAMES)}.")
     out.append(fault)
   return out
 
 
 class Faults:
-  """EMULATED: this host's faults; a phase listener (`hetjax.phases`) and a write hook."""
+  """EMULATED: this host's faults; a phase listener (`hetjax.phases`), a step hook, a write hook.
+
+  With `once_dir` (HETJAX_FAULTS_ONCE) each fault fires at most once per job:
+  a restarted host that passes the same step again does not meet it again.
+  """
 
   def __init__(self, host: int, faults: Sequence[Fault], *,
-               stall: Callable[[], None] | None = None):
+               stall: Callable[[], None] | None = None, once_dir: str | None = None):
     self.host = host
     self.faults = [f for f in faults if f.host == host]
     self._stall = stall or (lambda: threading.Event().wait())
+    self._once_dir = once_dir
+
+  def _fires(self, fault: Fault) -> bool:
+    """Whether `fault` fires now: always, or (with `once_dir`) the first time only."""
+    if self._once_dir is None:
+      return True
+    os.makedirs(self._once_dir, exist_ok=True)
+    try:  # O_EXCL: the marker is made by exactly one caller.
+      os.close(os.open(os.path.join(self._once_dir, f"fired-{fault.label}"),
+                       os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+      return False
+    return True
+
+  def _stall_if(self, kind: str, where: str, step: int | None) -> None:
+    for f in self.faults:
+      if f.kind == kind and (step or 0) >= f.step and self._fires(f):
+        print(f"hetjax: emulated fault: host {self.host} stalls in {where} at step {step}",
+              file=sys.stderr, flush=True)
+        self._stall()
 
   def phase_started(self, name: str, step: int | None, at: float) -> None:
     del at
-    for f in self.faults:
-      if f.kind == f"stall-in-{name}" and (step or 0) >= f.step:
-        print(f"hetjax: emulated fault: host {self.host} stalls in {name} at step {step}",
-              file=sys.stderr, flush=True)
-        self._stall()
+    self._stall_if(f"stall-in-{name}", name, step)
 
   def phase_ended(self, name: str, step: int | None, at: float, failed: bool) -> None:
     pass
 
+  def in_step(self, step: int) -> None:
+    """Called inside step `step`, between the local compute and the reduction."""
+    self._stall_if("stall-in-step", "step", step)
+
   def write_error(self, step: int) -> OSError | None:
     """The error the checkpoint of `step` fails with on this host (None: it succeeds)."""
-    if any(f.kind == "fail-write" and step == f.step for f in self.faults):
-      return OSError(28, f"No space left on device (emulated fault: host {self.host}, step {step})")
+    for f in self.faults:
+      if f.kind == "fail-write" and step == f.step and self._fires(f):
+        print(f"hetjax: emulated fault: host {self.host}'s checkpoint write of step {step} fails",
+              file=sys.stderr, flush=True)
+        return OSError(28, f"No space left on device (emulated fault: host {self.host}, "
+                           f"step {step})")
     return None
 
 
 def faults_from_env(host: int, env: Mapping[str, str] = os.environ) -> Faults | None:
   """This host's emulated faults from HETJAX_FAULTS (None when it names none for this host)."""
-  found = Faults(host, parse_faults(env.get(Env.FAULTS, "")))
+  found = Faults(host, parse_faults(env.get(Env.FAULTS, "")),
+                 once_dir=env.get(FAULTS_ONCE) or None)
   return found if found.faults else None
+
+
+def with_step_faults(pace: Pace | None, host: int,
+                     env: Mapping[str, str] = os.environ) -> Pace | None:
+  """`pace` with this host's emulated `stall-in-step` faults inside it (`pace` itself without).
+
+  The pacing hook is the one place inside a step, after the local compute
+  and before the reduction, that emulation reaches; a hook that only stalls
+  reports the compute time unchanged, so a run is not marked emulated by it.
+  """
+  faults = faults_from_env(host, env)
+  if faults is None or not any(f.kind == "stall-in-step" for f in faults.faults):
+    return pace
+
+  def paced(compute_s: float, step: int, samples: int = 0) -> float:
+    faults.in_step(step)
+    return compute_s if pace is None else pace(compute_s, step, samples)
+  return paced

@@ -121,7 +121,8 @@ class KilledRun:
 
 
 def kill_a_host_mid_run(command: Sequence[str], ckpt_dir: str | os.PathLike, *, hosts: int,
-                        seed: int = 0, timeout_s: float = 600) -> KilledRun:
+                        seed: int = 0, timeout_s: float = 600,
+                        victim: int | None = None) -> KilledRun:
   """Runs a launcher `command`; SIGKILLs one host once a checkpoint is committed; waits for the end.
 
   The hosts announce a step by committing its checkpoint (orbax renames
@@ -130,7 +131,9 @@ def kill_a_host_mid_run(command: Sequence[str], ckpt_dir: str | os.PathLike, *, 
   delay, so the run is killed between that checkpoint and the next one (a
   few steps on), and `announced` says which. The victim is drawn from
   `seed` (the same one in every run unless the caller passes another), so a
-  failure replays. The host is found in /proc by its `HETJAX_HOST_ID` and
+  failure replays; `victim=` names it instead (host 0, which runs the
+  coordination service, is the one whose loss the others cannot outlive
+  quietly). The host is found in /proc by its `HETJAX_HOST_ID` and
   by `ckpt_dir` in its command line, so `command` must name the checkpoint
   folder and run `hetjax.cli` on every host (e.g. `launch/local.py
   --max-restarts 2 -- python -m hetjax.cli train ...`).
@@ -149,7 +152,10 @@ def kill_a_host_mid_run(command: Sequence[str], ckpt_dir: str | os.PathLike, *, 
   if not any(ckpt_dir in part for part in command):
     raise ValueError(f"the command must name the checkpoint folder {ckpt_dir!r} (it finds the "
                      "host processes by it); pass the same folder as --ckpt-dir.")
-  victim = random.Random(seed).randrange(hosts)
+  if victim is None:
+    victim = random.Random(seed).randrange(hosts)
+  elif not 0 <= victim < hosts:
+    raise ValueError(f"victim must be a host of the run, 0..{hosts - 1}; got {victim!r}.")
   proc = subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   try:
     deadline = time.monotonic() + timeout_s
@@ -186,7 +192,7 @@ def _committed_steps(ckpt_dir: str) -> list[int]:
 
 
 def killed_and_uninterrupted(launch: Callable[..., Sequence[str]], folder: str | os.PathLike, *,
-                             hosts: int, seed: int = 0
+                             hosts: int, seed: int = 0, victim: int | None = None
                              ) -> tuple[KilledRun, dict[str, Any], dict[str, Any]]:
   """The same training twice: uninterrupted, and with one host killed mid-run.
 
@@ -194,7 +200,7 @@ def killed_and_uninterrupted(launch: Callable[..., Sequence[str]], folder: str |
   killed run gets `("--max-restarts", "2")` as `extra`, the uninterrupted
   one `ckpt=None`: the same training without checkpoints (saving must not
   change the result, and it is work that nothing reads). Both runs live in
-  `folder`. Returns the killed run and both runs' summary.json, after
+  `folder`. `victim` as in `kill_a_host_mid_run`. Returns the killed run and both runs' summary.json, after
   checking that both finished and that the launcher restarted the killed
   host: what is left to compare is the caller's.
   """
@@ -209,7 +215,7 @@ def killed_and_uninterrupted(launch: Callable[..., Sequence[str]], folder: str |
     try:
       ckpt, out = os.path.join(folder, "ckpt"), os.path.join(folder, "run")
       run = kill_a_host_mid_run(launch(ckpt, out, ("--max-restarts", "2")), ckpt, hosts=hosts,
-                                seed=seed)
+                                seed=seed, victim=victim)
       assert run.returncode == 0, f"seed {run.seed}: {run.stderr[-3000:]}"
       assert f"restart 1/2 after host {run.victim} failed with signal SIGKILL" in run.stderr, (
           f"seed {run.seed}: {run.stderr[-3000:]}")

@@ -80,6 +80,9 @@ def pacing(pace: Callable[..., float] | None, host_id: int) -> tuple[bool, Calla
   if pace is None and emulated:
     from hetjax.cluster import emulate  # Emulation stays off the real path.
     pace = emulate.pacing_from_env(host_id)
+  if os.environ.get(config_lib.Env.FAULTS):  # An emulated stall inside a step rides the pace.
+    from hetjax.cluster import emulate
+    pace = emulate.with_step_faults(pace, host_id)
   return emulated, pace
 
 
