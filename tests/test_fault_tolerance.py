@@ -8,7 +8,7 @@ import sys
 import jax
 import numpy as np
 
-from hetjax.testing import run_hosts
+from hetjax.testing import run_hosts, module_command
 
 import _cli_job
 import _ckpt_entries
@@ -51,7 +51,7 @@ def _checkpoints(ckpt):
 def _launch(ckpt, out, extra=()):
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   return [sys.executable, os.path.join(root, "launch", "local.py"), "--hosts", "2", *extra, "--",
-          sys.executable, "-m", "hetjax.cli", "train", "--model", "mlp", "--optimizer", "sgd",
+          *module_command("hetjax.cli"), "train", "--model", "mlp", "--optimizer", "sgd",
           "--lr", "0.1", "--global-batch", "32",
           "--microbatch", "4", "--steps", "200", *_checkpoints(ckpt),
           "--out", str(out), "--log-every", "0"]

@@ -16,7 +16,7 @@ from hetjax.cluster import runtime
 from hetjax.input import data
 from hetjax.modes import RoundsConfig
 from hetjax.modes.rounds_trainer import RoundsTrainer
-from hetjax.testing import run_hosts
+from hetjax.testing import run_hosts, module_command
 
 import _cli_job
 import _fault_job
@@ -71,7 +71,7 @@ def _checkpoints(ckpt):
 def _launch(ckpt, out, extra=()):
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   return [sys.executable, os.path.join(root, "launch", "local.py"), "--hosts", "2", *extra, "--",
-          sys.executable, "-m", "hetjax.cli", "train", "--model", "mlp", "--mode", "elastic",
+          *module_command("hetjax.cli"), "train", "--model", "mlp", "--mode", "elastic",
           "--local-steps", "2,1", "--optimizer", "momentum", "--lr", "0.05",
           "--global-batch", "32", "--microbatch", "4", "--steps", "100", *_checkpoints(ckpt),
           "--out", str(out), "--log-every", "0"]
