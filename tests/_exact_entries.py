@@ -10,7 +10,7 @@ every step used, the optimizer state's memory and the device batches.
 `clusters` trains every model once on 3x2, in one cluster start: the fixed
 uneven split for `FIXED_STEPS` steps, then the split a static balancer
 solves from recorded timings, every host with its own device batch
-(`DEVICE_BATCHES`, issue 27). It saves the `SAVED` models' runs for
+(`DEVICE_BATCHES`). It saves the `SAVED` models' runs for
 tests/test_sharded_update.py, which resumes them on 2 hosts x 1 device: one
 start of 3 hosts serves three test files (tests/test_device_batch.py
 checks the device batches on these runs).

@@ -18,7 +18,7 @@ split, so every model meets both backends and each backend meets all four
 models, with a quarter of the trainers of the full product (the matrix was
 a quarter of the suite's time). On 3x2
 every host runs its own device batch (4, 2, 1 blocks per device per
-program, issue 27); on 1x1 one block. The 3x2 runs share one cluster start, and
+program); on 1x1 one block. The 3x2 runs share one cluster start, and
 tests/test_sharded_update.py and tests/test_device_batch.py read the same
 runs (the session fixtures `exact_one_device` and `exact_clusters` in
 conftest.py).

@@ -1,4 +1,4 @@
-"""The sharded update (issue 25): each slice of the state updated once, then gathered.
+"""The sharded update: each slice of the state updated once, then gathered.
 
 1. Hosts whose compilers differ (host 0 with XLA's default passes, host 1 at
    `--xla_backend_optimization_level=0`, standing in for another GPU
