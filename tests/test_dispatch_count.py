@@ -1,4 +1,4 @@
-"""Per-step work must not grow with the number of parameter arrays (issue 13).
+"""Per-step work must not grow with the number of parameter arrays.
 
 A ResNet-50 has ~270 parameter and statistics arrays; per-leaf Python work in
 the step (re-wrapping each leaf onto a mesh, one transfer per leaf) costs
@@ -127,7 +127,7 @@ def test_the_counter_sees_per_leaf_work():
 
 
 def test_a_step_transfers_one_array_per_micro_batch_besides_the_models():
-  """Positions, mask and host vector ride in the micro-batch's transfer (issue 13).
+  """Positions, mask and host vector ride in the micro-batch's transfer.
 
   The batch here is {x, y}: with the position array, one batched transfer
   per micro-batch, and nothing made from host data. Re-wrapped per step:

@@ -4,7 +4,7 @@ Every relative link in README.md and docs/*.md must name a file of the
 repository, and a `#anchor` must name a heading of that page (GitHub's
 slugs); no page sends a reader outside the repository's own folders
 (`../shared/`); README.md and BUILD_NOTES.md keep to their lengths
-(issue 24: a front page and a card file, not a history).
+(a front page and a card file, not a history).
 """
 
 from __future__ import annotations

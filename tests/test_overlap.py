@@ -1,4 +1,4 @@
-"""`fit` overlaps steps: no wait for the devices on the critical path (issue 13 item 3).
+"""`fit` overlaps steps: no wait for the devices on the critical path.
 
 A step's statistics and host rows are fetched only after the next step's
 local programs (and their micro-batches) are on the devices, so the devices

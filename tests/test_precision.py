@@ -1,4 +1,4 @@
-"""Mixed precision (issue 13): bf16 / fp16 compute, float32 master parameters and
+"""Mixed precision: bf16 / fp16 compute, float32 master parameters and
 sums, fp16 dynamic loss scaling decided the same on every host."""
 
 import jax

@@ -3,7 +3,7 @@
 16, 256 and 1024 hosts x slow-spell rates 0, 1e-3, 1e-2 x three seeds, both
 profiling modes on identical conditions (pure numpy, deterministic; the
 whole grid runs in seconds). SIMULATED clusters; see hetjax.sim.ASSUMPTIONS.
-The last two tests check the same on micro-batch ladders (issue 27).
+The last two tests check the same on micro-batch ladders.
 """
 
 import dataclasses
