@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import time
 
@@ -70,6 +71,28 @@ def preempted(job: _cli_job.Job, start: int, end: int) -> dict[int, int]:
     if m:
       found[int(m.group(1))] = int(m.group(2))
   return found
+
+
+def kill_then_stop(job: _cli_job.Job, ckpt, killed: int, stopped: list[int],
+                   steps_after_resume: int) -> tuple[int, int, dict[int, int]]:
+  """kill -9 of host `killed` once checkpoint 20 is committed, the launcher's restart, then
+  SIGTERM to `stopped` `steps_after_resume` steps after the resume, the preemption restart.
+
+  Returns (the step the restart resumed from, the step the preemption's resume started at,
+  {host: the step its preemption checkpoint saved}), after the job finished with 0.
+  """
+  wait_committed(ckpt, 20, job)
+  job.signal_hosts([killed], signal.SIGKILL)
+  _, restarted = job.wait_for(
+      rf"\[launcher\] restart 1/1 after host {killed} failed with signal SIGKILL")
+  first, at = resumed(job, restarted)
+  job.wait_for_step(first + steps_after_resume, at)
+  job.signal_hosts(stopped, signal.SIGTERM)
+  _, again = job.wait_for(r"\[launcher\] preemption restart 1/1 after", at)
+  saved = preempted(job, at, again)
+  second, _ = resumed(job, again)
+  assert job.finish() == 0, job.text()[-3000:]
+  return first, second, saved
 
 
 def summary(out) -> dict:

@@ -1,7 +1,6 @@
 """Rounds modes under failure: kill -9 of one host mid-run, restart, SIGTERM, resume: the uninterrupted centre."""
 
 import os
-import signal
 import sys
 
 import jax
@@ -88,16 +87,8 @@ def test_elastic_killed_then_stopped_resumes_to_the_uninterrupted_centre(tmp_pat
   command[command.index("--log-every") + 1] = "1"  # Host 0's round lines drive the test.
   job = _cli_job.Job(["--max-restarts", "1", "--max-preemptions", "1"], command)
   try:
-    _fault_job.wait_committed(ckpt, 20, job)
-    job.signal_hosts([1], signal.SIGKILL)
-    _, restarted = job.wait_for(r"\[launcher\] restart 1/1 after host 1 failed with signal SIGKILL")
-    first, at = _fault_job.resumed(job, restarted)
-    job.wait_for_step(first + 2, at)
-    job.signal_hosts([0, 1], signal.SIGTERM)
-    _, again = job.wait_for(r"\[launcher\] preemption restart 1/1 after", at)
-    saved = _fault_job.preempted(job, at, again)
-    second, _ = _fault_job.resumed(job, again)
-    assert job.finish() == 0, job.text()[-3000:]
+    first, second, saved = _fault_job.kill_then_stop(job, ckpt, killed=1, stopped=[0, 1],
+                                                     steps_after_resume=2)
   finally:
     job.kill()
   _fault_job.finish_reference(ref, ref_log)

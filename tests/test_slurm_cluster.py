@@ -105,8 +105,10 @@ def _report_env(tmp_path, **extra: str) -> dict[str, str]:
   return {"REPORT_DIR": str(reports), **extra}
 
 
-def test_plain_template_runs_one_host_per_node(cluster, tmp_path):
-  script = _template(tmp_path, PLAIN, [("all", 3)])
+def _reporting_job(cluster, tmp_path, template: str, parts) -> tuple[int, dict]:
+  """Submits `template` with `parts` running the host report; (job id, {host: its report})
+  once the job completed, every host on its own node, in order."""
+  script = _template(tmp_path, template, parts)
   job = cluster.sbatch([], script, [sys.executable, "-c", _REPORT], str(tmp_path),
                        **_report_env(tmp_path))
   fields = cluster.wait_ended(job, tmp_path / f"slurm-{job}.out")
@@ -114,6 +116,11 @@ def test_plain_template_runs_one_host_per_node(cluster, tmp_path):
   reports = _reports(tmp_path / "reports")
   assert {h: r["SLURMD_NODENAME"] for h, r in reports.items()} == {
       0: "hetjax-n1", 1: "hetjax-n2", 2: "hetjax-n3"}
+  return job, reports
+
+
+def test_plain_template_runs_one_host_per_node(cluster, tmp_path):
+  job, reports = _reporting_job(cluster, tmp_path, PLAIN, [("all", 3)])
   from hetjax.cluster import runtime  # Imports JAX: only once the job ran.
   for host, env in reports.items():
     spec = runtime.resolve(env)
@@ -124,14 +131,7 @@ def test_plain_template_runs_one_host_per_node(cluster, tmp_path):
 
 
 def test_hetjob_numbers_hosts_across_partitions(cluster, tmp_path):
-  script = _template(tmp_path, HETJOB, [("a100", 2), ("v100", 1)])
-  job = cluster.sbatch([], script, [sys.executable, "-c", _REPORT], str(tmp_path),
-                       **_report_env(tmp_path))
-  fields = cluster.wait_ended(job, tmp_path / f"slurm-{job}.out")
-  assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), _log(tmp_path, job)
-  reports = _reports(tmp_path / "reports")
-  assert {h: r["SLURMD_NODENAME"] for h, r in reports.items()} == {
-      0: "hetjax-n1", 1: "hetjax-n2", 2: "hetjax-n3"}
+  job, reports = _reporting_job(cluster, tmp_path, HETJOB, [("a100", 2), ("v100", 1)])
   assert {r["HETJAX_COORDINATOR"] for r in reports.values()} == {f"hetjax-n1:{20000 + job % 10000}"}
   assert {r["HETJAX_NUM_HOSTS"] for r in reports.values()} == {"3"}
   assert "3 host(s) in 2 component(s) (2 1)" in _log(tmp_path, job)
