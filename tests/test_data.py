@@ -194,6 +194,18 @@ def test_digits_keep_their_exact_values():
   assert batch["x"].dtype == np.float32 and batch["x"].shape == (1437, 8, 8, 1)
   assert batch["y"].dtype == np.int32
   assert set(np.unique(batch["x"] * 16)) <= set(range(17))
+  from sklearn.datasets import load_digits  # The oracle: scikit-learn's own reader.
+  digits = load_digits()
+  order = np.random.default_rng(0).permutation(1797)
+  np.testing.assert_array_equal(batch["x"][..., 0] * 16, digits.images[order[:1437]])
+  np.testing.assert_array_equal(batch["y"], digits.target[order[:1437]])
+
+
+def test_digits_without_scikit_learn_say_what_to_install(monkeypatch):
+  import importlib.util
+  monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+  with pytest.raises(FileNotFoundError, match="pip install scikit-learn"):
+    data.load("digits")
 
 
 def test_the_big_synthetic_dataset_computes_records_from_their_index():
