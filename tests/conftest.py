@@ -52,8 +52,16 @@ _hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 import pytest  # noqa: E402
 
 
+# Emulated hosts (and this process) share compiled programs: one host
+# compiles a program, the others load it (hetjax.cluster.shared_programs).
+# HETJAX_TEST_SHARE_PROGRAMS=0 keeps JAX's own cache keys.
+os.environ.setdefault("HETJAX_TEST_SHARE_PROGRAMS", "1")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def warm_hosts():
+  from hetjax.cluster import shared_programs
+  shared_programs.install()
   if os.environ.get("HETJAX_TEST_COLD_HOSTS") == "1":
     yield None
     return

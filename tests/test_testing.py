@@ -13,17 +13,18 @@ _PACKAGE = __name__.rpartition(".")[0]
 ENTRIES = f"{_PACKAGE}._mh_entries" if _PACKAGE else "_mh_entries"
 
 
-def test_two_hosts_two_devices_join_one_collective_and_both_fill_the_compilation_cache(tmp_path):
+def test_two_hosts_two_devices_join_one_collective_and_share_one_compiled_program(tmp_path):
   cache = tmp_path / "xla-cache"
-  results = testing.run_hosts(f"{ENTRIES}:topology_and_sum", hosts=2, devices_per_host=2,
-                              kwargs={"scale": 0.5}, speeds=[1.0, 0.5], timeout_s=120,
-                              env={"JAX_COMPILATION_CACHE_DIR": str(cache)})
-  # Devices of host i hold 0.5 * (i + 1): 0.5 * (1 + 1 + 2 + 2) on every host.
-  assert results == [(0, 2, 2, 3.0, "1.0"), (1, 2, 2, 3.0, "0.5")]
-  # Each host's program is keyed by its devices; JAX alone writes host 0's
-  # entry only, so host 1 of every later cluster would compile it again.
+  env = {"JAX_COMPILATION_CACHE_DIR": str(cache), "HETJAX_TEST_SHARE_PROGRAMS": "1"}
+  for _ in range(2):  # The second cluster loads what the first compiled.
+    results = testing.run_hosts(f"{ENTRIES}:topology_and_sum", hosts=2, devices_per_host=2,
+                                kwargs={"scale": 0.5}, speeds=[1.0, 0.5], timeout_s=120, env=env)
+    # Devices of host i hold 0.5 * (i + 1): 0.5 * (1 + 1 + 2 + 2) on every host.
+    assert results == [(0, 2, 2, 3.0, "1.0"), (1, 2, 2, 3.0, "0.5")]
+  # One program over the 4 devices: JAX alone keys it apart on each host (by
+  # its topology fingerprint) and writes host 0's entry only; shared, one.
   entries = sorted(f.name for f in cache.iterdir() if f.name.startswith("jit_sum-"))
-  assert len(entries) == 2, entries
+  assert len(entries) == 1, entries
 
 
 def test_failing_host_is_named_with_its_traceback():

@@ -38,6 +38,7 @@ import threading
 import traceback
 from typing import Iterator
 
+from hetjax.cluster import shared_programs
 from hetjax.cluster.warm_client import SOCKET_ENV, jax_variables, receive_message, send_message
 
 # What a test host imports anyway: loaded once here, shared by every fork.
@@ -91,6 +92,7 @@ def serve(path: str) -> None:
   """Answers clients on the UNIX socket `path` until SIGTERM; never returns normally."""
   for name in PRELOAD:
     __import__(name)
+  shared_programs.install()  # Every fork inherits it (the CLI hosts too).
   own_jax = jax_variables(dict(os.environ))
   listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
   listener.bind(path)
