@@ -13,7 +13,7 @@ import random
 import re
 
 # Sent by the bench from outside the hosts.
-KILL = "kill-9"                 # SIGKILL of one host (host 0 too: it runs the coordination service)
+KILL = "kill-9"                 # SIGKILL of one host (host 0 too)
 TERM_ONE = "sigterm-one"        # SIGTERM to one host: a preemption notice
 TERM_ALL = "sigterm-all"        # SIGTERM to every host at once
 STOP = "sigstop"                # SIGSTOP: a frozen host, which the watchdog must name
