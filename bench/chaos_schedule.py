@@ -13,10 +13,10 @@ import random
 import re
 
 # Sent by the bench from outside the hosts.
-KILL = "kill-9"                 # SIGKILL of one host (host 0 too: it runs the coordination service)
+KILL = "kill-9"                 # SIGKILL of one host (host 0 too)
 TERM_ONE = "sigterm-one"        # SIGTERM to one host: a preemption notice
 TERM_ALL = "sigterm-all"        # SIGTERM to every host at once
-STOP = "sigstop"                # SIGSTOP: a frozen host, which the watchdog must name
+STOP = "sigstop"                # SIGSTOP: a frozen host (host 0 too), which must be named
 DAMAGE = "damaged-checkpoint"   # the newest committed checkpoint truncated, then kill -9 of a host
 # EMULATED inside a host (HETJAX_FAULTS, hetjax.cluster.emulate), each once per job.
 STALL_STEP = "stall-in-step"
@@ -66,8 +66,9 @@ def draw(faults: int, seed: int, *, hosts: int = 2, first: int = 20, gap: int = 
   three gaps after a failed write).
 
   Every kind comes once (shuffled) before any comes again. The first kill -9
-  hits host 0; SIGSTOP never does: a frozen host 0 freezes the coordination
-  service with it, and what the others then see is JAX's to say.
+  and the first SIGSTOP hit host 0 (the launcher runs the coordination
+  service apart from it, so a frozen host 0 is named as any host is); a
+  later SIGSTOP hits another host, drawn as before.
   """
   if faults < 0 or hosts < 2:
     raise ValueError(f"a soak needs faults >= 0 and hosts >= 2; got {faults} and {hosts}.")
@@ -76,14 +77,16 @@ def draw(faults: int, seed: int, *, hosts: int = 2, first: int = 20, gap: int = 
   kinds: list[str] = []
   while len(kinds) < faults:
     kinds += rng.sample(KINDS, len(KINDS))
-  out, killed_0, step = [], False, first
+  out, killed_0, stopped_0, step = [], False, False, first
   for kind in kinds[:faults]:
     if kind == TERM_ALL:
       host = None
     elif kind == KILL and not killed_0:
       host, killed_0 = 0, True
     elif kind == STOP:
-      host = hosts_rng.randrange(1, hosts)
+      host = hosts_rng.randrange(1, hosts)  # Drawn even for host 0: the others' victims stay.
+      if not stopped_0:
+        host, stopped_0 = 0, True
     else:
       host = hosts_rng.randrange(hosts)
     out.append(Fault(kind, host, step))

@@ -39,6 +39,7 @@ class Env:
   SHOW_GLOO = "HETJAX_SHOW_GLOO"          # 1: launchers show gloo's "Rank i is connected" lines
   HEARTBEAT_TIMEOUT = "HETJAX_HEARTBEAT_TIMEOUT"  # seconds without heartbeats: a host is dead
   FAULTS = "HETJAX_FAULTS"                # emulated faults, HOST:KIND@STEP,... (tests, chaos)
+  SERVICE = "HETJAX_SERVICE"              # "launcher": the coordination service runs beside host 0
 
   EMULATION = (SPEED, SLOWDOWN, DEVICE_SAMPLE_MS)
 

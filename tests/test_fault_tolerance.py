@@ -56,8 +56,13 @@ def _launch(ckpt, out, extra=()):
           "--out", str(out), "--log-every", "0"]
 
 
+# What a host must never print when a peer dies: a C++ fatal check or abort, a Python traceback.
+_CRASH = re.compile(r"Check fail|^F\d{4} |SIGABRT|Abort|\*\*\* |Fatal|Traceback")
+
+
 def test_host_0_killed_then_sigterm_mid_collective_resume_to_the_uninterrupted_digest(tmp_path):
-  """kill -9 of host 0 (it runs the coordination service) -> restart; then SIGTERM to host 0
+  """kill -9 of host 0 (the launcher runs the coordination service beside it) -> host 1 says
+  so in one line, the traceback in its log under --out -> restart; then SIGTERM to host 0
   while it waits in the reduction for host 1, slowed 50 x (emulated) on that attempt only,
   from 3 steps after its resume -> every host saves and exits 75 -> the preemption restart
   resumes there; the end is bit for bit the uninterrupted run's (a fixed equal split, so
@@ -81,6 +86,15 @@ def test_host_0_killed_then_sigterm_mid_collective_resume_to_the_uninterrupted_d
   text = job.text()
   assert first >= 20 and first % 20 == 0, text[-3000:]
   assert "host 0 failed with signal SIGKILL" in text
+  restart = next(i for i, line in enumerate(job.lines) if "[launcher] restart 1/1" in line)
+  survivor = [line[len("[host 1] "):] for line in job.lines[:restart]
+              if line.startswith("[host 1] ")]
+  said = [line for line in survivor if "error:" in line]
+  assert len(said) == 1 and re.match(r"hetjax train: error: host 0 stopped responding at "
+                                     r"step \d+: ", said[0]), "\n".join(survivor)
+  assert not [line for line in survivor if _CRASH.search(line)], "\n".join(survivor)
+  assert f"full traceback in {out / 'host1-error.log'}" in said[0]
+  assert "Traceback (most recent call last)" in (out / "host1-error.log").read_text()
   assert saved == {0: second, 1: second} and second > first, text[-3000:]  # 75 on every host.
   assert re.search(r"\[host 0\] hetjax train: preempted: .*reached this host during step", text)
   assert "all hosts exited 0 after 1 restart and 1 preemption restart" in text

@@ -36,8 +36,8 @@ def is_peer_failure(error: BaseException) -> bool:
 def suspects(host_id: int, num_hosts: int, service_alive: Callable[[], bool]) -> tuple[list[int], str]:
   """(the hosts that stopped responding, how it is known); [] when it cannot be told.
 
-  The coordination service runs in host 0: when it cannot be reached, host
-  0 is gone. With two hosts, the other one is.
+  Where the coordination service runs in host 0 and cannot be reached, host
+  0 is gone (where a launcher runs it, it answers). With two hosts, the other one is.
   """
   if host_id != 0 and not _bounded(service_alive, 1.5):
     return [0], " (the coordination service it runs is gone)"

@@ -34,6 +34,8 @@ from hetjax.cluster.hostenv import (  # noqa: F401 (public names)
 from hetjax.cluster.hostgroup import (  # noqa: F401 (public names)
     DEFAULT_GRACE_S, TAIL_LINES, HostGroup, split_lines)
 from hetjax.cluster.hostgroup import POLL_S
+from hetjax.cluster.service import ELSEWHERE, Service
+from hetjax.cluster.peers import DEFAULT_HEARTBEAT_S
 # How a group ended and whether to restart it lives in `supervise`; its public
 # names are importable from here too, where the launchers and tests use them.
 from hetjax.cluster.supervise import (  # noqa: F401 (public names)
@@ -41,6 +43,8 @@ from hetjax.cluster.supervise import (  # noqa: F401 (public names)
     Findings, Outcome, _signal_name, add_restart_arguments, check_restarts, describe, failure,
     first_failure, note, settled_failure, supervise)
 
+# The key under which the service's log lines reach `Findings` (hosts use their index).
+SERVICE_LINES = -1
 # Signals that make the launcher stop its hosts; it then exits 128 + signum.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # What the hosts receive when the launcher gets one of STOP_SIGNALS: a user's
@@ -52,7 +56,7 @@ FORWARDED = {signal.SIGINT: signal.SIGINT, signal.SIGTERM: signal.SIGTERM,
 def run_group(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str]], *,
               sink: IO[str] | None = None, timeout_s: float | None = None,
               grace_s: float = DEFAULT_GRACE_S, handle_signals: bool = False,
-              tail_lines: int = TAIL_LINES) -> Outcome:
+              tail_lines: int = TAIL_LINES, service: tuple[str, int] | None = None) -> Outcome:
   """Runs one process per host until all exit 0, one fails, a deadline or a signal.
 
   On the first failure (or timeout, or signal) every other host is stopped.
@@ -67,13 +71,29 @@ def run_group(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str
     handle_signals: catch SIGINT / SIGTERM / SIGHUP while running (main
       thread only) to stop the hosts instead of dying and orphaning them.
     tail_lines: how many last output lines to keep per host.
+    service: (the coordinator's address, the heartbeat timeout in seconds) to
+      run the coordination service here, beside the hosts, so that host 0's
+      death does not abort the others (`hetjax.cluster.service`); None, or a
+      launcher without jaxlib: host 0 runs it.
 
   Returns:
     The `Outcome`.
   """
   received: list[int] = []
   previous = _install_handlers(received) if handle_signals else {}
+  findings = Findings()
+  beside = None
+  if service is not None:
+    beside = Service(service[0], len(commands), service[1], sink,
+                     lambda line: findings.scan(SERVICE_LINES, line))
+    why = beside.start()
+    if why is None:
+      envs = [{**env, Env.SERVICE: ELSEWHERE} for env in envs]
+    else:
+      beside = None
+      note(f"host 0 runs the coordination service: {why}; if host 0 dies, JAX aborts the others.")
   group = HostGroup(commands, envs, sink=sink, tail_lines=tail_lines)
+  group.findings = findings
   outcome = Outcome(returncodes=[None] * len(commands))
   deadline = None if timeout_s is None else time.monotonic() + timeout_s
   try:
@@ -97,6 +117,8 @@ def run_group(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str
     stopped = [i for i, rc in enumerate(group.poll()) if rc is None]
     # Runs on success too: it kills whatever the hosts left behind.
     group.stop(grace_s if outcome.signal is None else 0.0)
+    if beside is not None:  # After the hosts: a host whose service vanishes is aborted.
+      beside.stop()
     group.join_output()
     _restore_handlers(previous)
   outcome.returncodes = group.poll()
@@ -151,7 +173,8 @@ def launch_local(command: Sequence[str], *, hosts: int, devices_per_host: int = 
   The code is 0 when every host exits 0, the last failing host's code when
   the job fails (after any restarts), and 128 + signal when the launcher
   itself is interrupted. What went wrong is printed to stderr. Every attempt
-  gets a fresh coordinator port; see `supervise` for the restart rules.
+  gets a fresh coordinator port and its own coordination service, run here
+  (`hetjax.cluster.service`); see `supervise` for the restart rules.
 
   Raises:
     ValueError: on a bad argument, before anything starts.
@@ -165,6 +188,8 @@ def launch_local(command: Sequence[str], *, hosts: int, devices_per_host: int = 
   cluster_envs(hosts, devices_per_host, init_timeout_s=init_timeout_s,
                **emulation)  # Validates everything before the first start.
 
+  heartbeat_s = heartbeat_timeout_s or DEFAULT_HEARTBEAT_S
+
   def attempt(restart_count: int) -> Outcome:
     envs = cluster_envs(hosts, devices_per_host, init_timeout_s=init_timeout_s, **emulation)
     for env in envs:
@@ -174,7 +199,7 @@ def launch_local(command: Sequence[str], *, hosts: int, devices_per_host: int = 
     for host, extra in sorted((host_env or {}).items()):
       note(f"emulated: host {host} runs with " + " ".join(f"{k}={v}" for k, v in extra.items()))
     return run_group([command] * hosts, envs, sink=sink or sys.stdout, grace_s=grace_s,
-                     handle_signals=True)
+                     handle_signals=True, service=(envs[0][Env.COORDINATOR], heartbeat_s))
 
   try:
     return supervise(attempt, max_restarts=max_restarts, max_preemptions=max_preemptions)

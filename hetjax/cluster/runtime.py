@@ -41,7 +41,9 @@ HETJAX_HEARTBEAT_TIMEOUT seconds (default 100, JAX's) is declared dead by the
 coordination service, and JAX aborts every other host (SIGABRT; JAX 0.10's
 Python callback for it crashes, so hetjax cannot soften that). The service
 logs the dead hosts' numbers; the launchers read them and name those hosts
-(`hetjax.cluster.supervise.Findings`). Joining also installs JAX's SIGTERM
+(`hetjax.cluster.supervise.Findings`). The service runs in host 0, unless
+HETJAX_SERVICE=launcher says that the launcher runs it (`hetjax.cluster.service`):
+then host 0 joins as a client only, and its death no longer aborts the others. Joining also installs JAX's SIGTERM
 handler, which hetjax takes back at once (`signals.StopRequests.reclaim`).
 """
 
@@ -60,6 +62,7 @@ from typing import Mapping
 import jax
 
 from hetjax.config import Env
+from hetjax.cluster import service
 from hetjax.cluster import signals
 from hetjax.cluster import watchdog
 from hetjax import phases
@@ -387,18 +390,24 @@ def initialize(coordinator: str | None = None, num_hosts: int | None = None,
         from jax._src import clusters  # Open MPI's address: JAX reads its URI files.
         spec = dataclasses.replace(spec, coordinator=clusters.OmpiCluster.get_coordinator_address(
             int(spec.timeout_s), os.environ.get("JAX_COORDINATOR_PORT")))
-      if spec.host_id != 0:
+      client_only = spec.host_id == 0 and service.runs_elsewhere()
+      if spec.host_id != 0 or client_only:
         wait_for_coordinator(spec.coordinator, spec.timeout_s)
       _say(f"host {spec.host_id} of {spec.num_hosts} joining coordinator {spec.coordinator} "
            f"({spec.source}), timeout {spec.timeout_s:g} s")
       # A loopback coordinator should not listen on every interface of the machine.
       local = split_address(spec.coordinator)[0] in _LOOPBACK
-      jax.distributed.initialize(
-          coordinator_address=spec.coordinator, num_processes=spec.num_hosts,
-          process_id=spec.host_id, local_device_ids=spec.local_device_ids,
-          cluster_detection_method="deactivate", initialization_timeout=max(1, int(spec.timeout_s)),
-          coordinator_bind_address=spec.coordinator if local else None,
-          heartbeat_timeout_seconds=heartbeat_s)
+      if client_only:  # The launcher runs the service: host 0 must not start another.
+        service.join_as_client(spec.coordinator, spec.num_hosts, 0, heartbeat_s=heartbeat_s,
+                               init_timeout_s=max(1, int(spec.timeout_s)))
+      else:
+        jax.distributed.initialize(
+            coordinator_address=spec.coordinator, num_processes=spec.num_hosts,
+            process_id=spec.host_id, local_device_ids=spec.local_device_ids,
+            cluster_detection_method="deactivate",
+            initialization_timeout=max(1, int(spec.timeout_s)),
+            coordinator_bind_address=spec.coordinator if local else None,
+            heartbeat_timeout_seconds=heartbeat_s)
     else:
       _say(f"joining the cluster that JAX detects ({spec.source}), timeout {spec.timeout_s:g} s")
       jax.distributed.initialize(initialization_timeout=max(1, int(spec.timeout_s)),

@@ -1,0 +1,180 @@
+"""JAX's coordination service in a process of its own, beside the hosts rather than inside host 0.
+
+`jax.distributed.initialize` starts the coordination service inside process 0.
+When host 0 dies, the service dies with it, and JAX aborts every other host
+(a C++ fatal error, SIGABRT) before Python can say a word. The local launcher
+(`hetjax.cluster.procs.launch_local`) therefore runs the service, for each
+attempt, in a small process of its own:
+
+    python -I hetjax/cluster/service.py ADDRESS NUM_HOSTS HEARTBEAT_S
+
+and tells the hosts so (HETJAX_SERVICE=launcher); host 0 then joins as a
+client only, like every other host (`join_as_client`). When host 0 dies, the
+service lives on, the survivors' next collective fails in Python, and they
+say who stopped responding in one line (`hetjax.cluster.lost_peer`). The
+service behaves as JAX's own otherwise: a host silent for the heartbeat
+timeout is declared dead and the others are aborted, and its log lines (which
+name the dead hosts) reach the launcher's `Findings` as the hosts' do.
+
+Where the launcher cannot host the service (it needs jaxlib in the
+launcher's Python; `launch/hosts.py`, SLURM and Kubernetes start no such
+process), host 0 keeps it, and with it the abort when host 0 dies.
+
+Stdlib only at import, and no hetjax import there either: the service
+process runs isolated (`python -I`) and imports only jaxlib; the launcher
+side never imports JAX; `join_as_client` runs inside a host.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import IO, Callable, Mapping
+
+ELSEWHERE = "launcher"  # HETJAX_SERVICE's value: host 0 joins as a client only.
+READY = "[hetjax] coordination service listening on"
+READY_WAIT_S = 120.0  # The service imports jaxlib before it listens.
+PREFIX = "[service] "
+# JAX's own settings for the service it would start in process 0.
+SHUTDOWN_TIMEOUT_S = 300
+_GUARD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hostguard.py")
+
+
+def runs_elsewhere(env: Mapping[str, str] = os.environ) -> bool:
+  """Whether a launcher runs this job's coordination service (host 0 must not start one)."""
+  from hetjax.config import Env
+  return env.get(Env.SERVICE) == ELSEWHERE
+
+
+class Service:
+  """The coordination service process of one attempt, seen from the (stdlib-only) launcher."""
+
+  def __init__(self, address: str, num_hosts: int, heartbeat_s: int,
+               sink: IO[str] | None, scan: Callable[[str], None]):
+    """Args:
+      address: `127.0.0.1:PORT`, where the hosts look for the coordinator.
+      num_hosts: hosts in the job.
+      heartbeat_s: seconds without a heartbeat before a host is declared dead.
+      sink: where the service's log lines go, prefixed `[service] ` (None: dropped).
+      scan: reads each log line (the launcher's `Findings`).
+    """
+    self._argv = [address, str(num_hosts), str(heartbeat_s)]
+    self._sink, self._scan = sink, scan
+    self._ready = threading.Event()
+    self._lock = threading.Lock()
+    self.proc: subprocess.Popen | None = None
+    self._reader: threading.Thread | None = None
+
+  def start(self) -> str | None:
+    """Starts the service and waits until it listens; None then, else why host 0 keeps it."""
+    if importlib.util.find_spec("jaxlib") is None:
+      return f"the launcher's Python ({sys.executable}) has no jaxlib"
+    # -I: neither this folder nor PYTHONPATH shadows what jaxlib imports.
+    command = [sys.executable, "-I", _GUARD, str(os.getpid()), "--",
+               sys.executable, "-I", os.path.abspath(__file__), *self._argv]
+    self.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, start_new_session=True)
+    self._reader = threading.Thread(target=self._pump, name="hetjax-service-output", daemon=True)
+    self._reader.start()
+    # Polled, not only waited: a service that fails to start never prints READY.
+    deadline = time.monotonic() + READY_WAIT_S
+    while not self._ready.wait(0.05):
+      if self.proc.poll() is not None or not self._reader.is_alive():
+        self.stop()
+        return f"the service process ended with code {self.proc.returncode} before listening"
+      if time.monotonic() > deadline:
+        self.stop()
+        return f"the service did not listen within {READY_WAIT_S:g} s"
+    return None
+
+  def _pump(self) -> None:
+    from hetjax.cluster.hostgroup import split_lines  # Stdlib; imported late against a cycle.
+    assert self.proc is not None and self.proc.stdout is not None
+    with self.proc.stdout as pipe:
+      for line in split_lines(iter(lambda: pipe.read1(65536), b"")):
+        if line.startswith(READY):
+          self._ready.set()
+          continue
+        with self._lock:
+          self._scan(line)
+          if self._sink is not None:
+            try:
+              self._sink.write(PREFIX + line + "\n")
+              self._sink.flush()
+            except (OSError, ValueError):
+              self._sink = None
+
+  def stop(self) -> None:
+    """Ends the service (after the hosts: a host whose service vanishes is aborted)."""
+    if self.proc is None:
+      return
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+      try:
+        os.killpg(self.proc.pid, signum)
+      except (ProcessLookupError, PermissionError):
+        break
+      try:
+        self.proc.wait(timeout=5.0)
+        break
+      except subprocess.TimeoutExpired:
+        continue
+    self.proc.wait()
+    if self._reader is not None:
+      self._reader.join(5.0)
+
+
+def join_as_client(coordinator: str, num_hosts: int, host_id: int, *, init_timeout_s: int,
+                   heartbeat_s: int) -> None:
+  """`jax.distributed.initialize` for a host 0 whose service runs elsewhere: the client only.
+
+  JAX 0.10 starts the service in process 0 whatever it is told; this is its
+  `State.initialize` for explicit settings (no cluster detection, all local
+  devices) without that step, leaving JAX's state as `initialize` would.
+  """
+  from jax._src import distributed, xla_bridge  # No public client-only join in JAX 0.10.
+  from jax._src.lib import _jax
+  if xla_bridge.backends_are_initialized():
+    raise RuntimeError("joining the cluster must come before any JAX computation.")
+  state = distributed.global_state
+  if state.client is not None:
+    raise RuntimeError("this process already joined the cluster.")
+  state.coordinator_address = coordinator
+  state.process_id, state.num_processes = host_id, num_hosts
+  state.client = _jax.get_distributed_runtime_client(
+      coordinator, host_id, init_timeout=init_timeout_s, use_compression=True,
+      heartbeat_timeout=heartbeat_s)
+  state.client.connect()
+  state.initialize_preemption_sync_manager()
+
+
+def _serve(address: str, num_hosts: int, heartbeat_s: int) -> int:
+  """The service process: listens until SIGTERM / SIGINT / SIGHUP (or its launcher's death)."""
+  stops = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+  signal.pthread_sigmask(signal.SIG_BLOCK, stops)  # Before the service's threads exist.
+  # Warnings and errors only (which name the dead hosts), as in a host: no log of every barrier.
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+  from jaxlib import _jax  # The service alone: no JAX, no backend.
+  host = address.rsplit(":", 1)[0].strip("[]")
+  loopback = host in ("127.0.0.1", "localhost", "::1")
+  # Bound as JAX binds it: every interface, unless the hosts are all on this machine.
+  bind = address if loopback else "[::]:" + address.rsplit(":", 1)[1]
+  service = _jax.get_distributed_runtime_service(
+      bind, num_hosts, heartbeat_timeout=heartbeat_s, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+  print(f"{READY} {address}", flush=True)
+  signal.sigwait(stops)
+  # Left without the service's shutdown, which would wait for hosts that are gone.
+  sys.stdout.flush()
+  os._exit(0)
+
+
+if __name__ == "__main__":
+  if len(sys.argv) != 4:
+    print("usage: python -I hetjax/cluster/service.py ADDRESS NUM_HOSTS HEARTBEAT_S",
+          file=sys.stderr)
+    sys.exit(2)
+  sys.exit(_serve(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))
