@@ -42,8 +42,9 @@ coordination service, and JAX aborts every other host (SIGABRT; JAX 0.10's
 Python callback for it crashes, so hetjax cannot soften that). The service
 logs the dead hosts' numbers; the launchers read them and name those hosts
 (`hetjax.cluster.supervise.Findings`). The service runs in host 0, unless
-HETJAX_SERVICE=launcher says that the launcher runs it (`hetjax.cluster.service`):
-then host 0 joins as a client only, and its death no longer aborts the others. Joining also installs JAX's SIGTERM
+HETJAX_SERVICE=launcher says that the launcher runs it
+(`hetjax.cluster.service`): then host 0 joins as a client only, and its
+death no longer aborts the others. Joining also installs JAX's SIGTERM
 handler, which hetjax takes back at once (`signals.StopRequests.reclaim`).
 """
 

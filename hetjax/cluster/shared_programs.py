@@ -35,7 +35,8 @@ def install() -> bool:
   if os.environ.get(SHARE_ENV) != "1" or not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     return False
   try:
-    from jax._src import cache_key, compilation_cache, compiler, config  # pylint: disable=g-import-not-at-top
+    from jax._src import (  # pylint: disable=g-import-not-at-top
+        cache_key, compilation_cache, compiler, config)
   except ImportError:
     return False
   needed = (getattr(compiler, "_cache_read", None), getattr(compiler, "_cache_write", None),
