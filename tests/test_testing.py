@@ -27,6 +27,15 @@ def test_two_hosts_two_devices_join_one_collective_and_share_one_compiled_progra
   assert len(entries) == 1, entries
 
 
+def test_hosts_that_need_one_program_at_once_compile_it_once(tmp_path):
+  """Host 1 runs on devices 2-3, host 0 on 0-1: one key, one compile, one load."""
+  env = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla-cache"), "HETJAX_TEST_SHARE_PROGRAMS": "1"}
+  results = testing.run_hosts(f"{ENTRIES}:local_program_hits", hosts=2, devices_per_host=2,
+                              timeout_s=120, env=env)
+  assert sorted(hits for hits, _ in results) == [0, 1], results
+  assert all(values == [1.0, 5.0, 12.0, 22.0] for _, values in results), results
+
+
 def test_failing_host_is_named_with_its_traceback():
   with pytest.raises(RuntimeError) as info:
     testing.run_hosts(f"{ENTRIES}:fail_on_host", hosts=2, args=(1,), timeout_s=120)
