@@ -6,9 +6,10 @@ the whole parameters are live at once. Here the loss is traced once on
 whole leaves, then replayed equation by equation: an equation that reads a
 leaf runs under a `custom_vjp` that takes the leaf's rows, gathers them
 only after its other inputs exist (`_tie`), and in the backward pass
-gathers again only once the equation's cotangent exists. A gathered leaf lives for one equation; its gradient
-leaves as rows (the gather's transpose: a reduce-scatter). Generic over
-models: nothing in the model changes.
+gathers again only once the equation's cotangent exists. A gathered leaf
+lives for one equation; its gradient leaves as rows (the gather's
+transpose: a reduce-scatter). Generic over models: nothing in the model
+changes.
 """
 
 from __future__ import annotations
