@@ -28,6 +28,10 @@ fraction of the ideal it reaches.
 and prints the reduction's share of a sync step above which hybrid's
 SIMULATED throughput over sync-dynamic's passes R, the samples-to-target
 ratio bench/modes.py MEASURED: there hybrid reaches the target first.
+
+`--within-host` (a few seconds) prices `--shard-within-host` at 16 hosts:
+each GPU class sharding alone, its added seconds per program run and the
+dynamic split's samples/s against none sharding.
 """
 
 from __future__ import annotations
@@ -338,6 +342,24 @@ def mode_threshold(samples_ratio: float, steps: int, seeds, hosts: int = 16) -> 
   return out
 
 
+def within_host_table(steps: int, seeds, hosts: int = 16) -> dict:
+  """Sync-dynamic with each GPU class sharding within its hosts, against none sharding."""
+  base = sim.ClusterSpec(sim.mix(hosts), straggler_rate=DEFAULT_RATE)
+  rate = lambda spec: float(np.mean(rates_over_seeds(spec, "dynamic", steps, seeds)))
+  out = {"simulated": True, "hosts": hosts, "off": rate(base)}
+  for gpu in sim_price.MEMORY_GB:
+    spec = dataclasses.replace(base, shard_within_host=tuple(g == gpu for g in base.gpus))
+    h = base.gpus.index(gpu)
+    out[gpu] = {"per_program_run_ms": round(spec.within_host_s(h) * 1e3, 3),
+                "samples_per_s": rate(spec)}
+    print(f"SIMULATED, {hosts} hosts: {gpu} hosts shard within the host: +"
+          f"{out[gpu]['per_program_run_ms']} ms per program run (3 x (d-1)/d x "
+          f"{base.param_bytes / 1e6:.0f} MB / NVLink); dynamic {out[gpu]['samples_per_s']:.0f} "
+          f"against {out['off']:.0f} samples/s with none sharding")
+  print(json.dumps(out))
+  return out
+
+
 def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--steps", type=int, default=80)
@@ -350,6 +372,8 @@ def main(argv=None) -> dict:
                  help="only the sync/hybrid threshold: the reduction share above which hybrid "
                       "reaches a target first, given hybrid's samples-to-target over sync's "
                       "(bench/modes.py prints it)")
+  p.add_argument("--within-host", action="store_true",
+                 help="only the price of sharding within a host: each GPU class sharding alone")
   args = p.parse_args(argv)
   steps = 40 if args.quick else args.steps
   seeds = tuple(range(args.seeds))
@@ -360,6 +384,8 @@ def main(argv=None) -> dict:
     return mode_threshold(args.mode_threshold, steps, seeds)
   if args.device_batches:
     return device_batches_main(steps, seeds)
+  if args.within_host:
+    return within_host_table(steps, seeds)
   hosts = (16, 1024) if args.quick else HOSTS
   t0 = time.time()
   print("SIMULATED cluster (hetjax.sim.sync driving hetjax.balancer). Assumptions:")

@@ -1,10 +1,11 @@
 """Entries for tests/test_within_host.py, run on every host of an emulated cluster.
 
-`train`: each model of `MODELS` trained `STEPS` steps on an uneven split with
-`shard_within_host` as given (one value per host); each host returns its final
-parameters and its choice. `peaks`: the compiled local program's per-device
-peak bytes (XLA's memory analysis) of a transformer, with and without
-sharding, on this host's devices.
+`train`: each model of `models` (`MODELS`, or `ONE_HOST`'s on one host)
+trained `STEPS` steps on an uneven split with `shard_within_host` as given
+(one value per host); each host returns its final parameters and its
+choice. `peaks`: the compiled local program's per-device peak bytes (XLA's
+memory analysis) of a transformer, with and without sharding, on this
+host's devices.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import jax
 import numpy as np
 import optax
 
+import _exact_entries
 import hetjax
 from hetjax import models as zoo
 from hetjax import trainer
@@ -24,10 +26,14 @@ GLOBAL_BATCH = 30   # Not a multiple of the block: the last block is partial.
 BLOCK = 4
 UNEVEN = (16, 8, 6)  # 4, 2 and 2 blocks: host 2 (sharded) runs one per device, the last partial.
 MODELS = ("mlp", "transformer")
+ONE_HOST = ("resnet18",)  # BatchNorm: sharded on one host of 2 devices (cheaper than 3 hosts).
 
 
 def build(model: str, width: int = 16):
-  """(source, task, optimizer): an mlp with sgd; a one-layer transformer with dropout, adam."""
+  """(source, task, optimizer): an mlp with sgd; a one-layer transformer with dropout, adam;
+  the exactness matrix's resnet18 (BatchNorm, sgd; 32x32 digits, width 4)."""
+  if model == "resnet18":
+    return _exact_entries.build("resnet18")
   if model == "mlp":
     return (data.load("digits"), zoo.build("mlp", kind="image", num_classes=10, hidden=(32,)),
             optax.sgd(0.1))

@@ -52,3 +52,25 @@ def test_the_device_batch_figure_meets_issue_27():
   assert 0.5 < out["fraction_of_ideal"] < 1.0
   rates = out["rates"]
   assert rates["m=8, k=auto"]["dynamic"] > max(r["dynamic"] for n, r in rates.items() if n != "m=8, k=auto")
+
+
+def test_sharding_within_a_host_prices_three_collectives_of_its_parameters_per_program_run():
+  """A sharded host's every program run adds its forward gather, backward re-gather and
+  reduce-scatter of the parameter bytes over its link; hosts that do not shard cost the same."""
+  plain = sim.ClusterSpec(sim.mix(4), straggler_rate=0.0, persistent_fraction=0.0)
+  on = (False, True, False, True)
+  d, link = plain.devices_per_host, 100e9
+  term = 3 * (d - 1) / d * plain.param_bytes / link
+  shares = np.array([512, 512, 0, 256])
+  runs = shares / plain.granularity  # One program run per round of microbatch x devices.
+  for price_on in (False, True):
+    base = dataclasses.replace(plain, price=price_on)
+    sharded = dataclasses.replace(base, shard_within_host=on, intra_host_bandwidth=link)
+    grown = sharded.costs().predict(shares) - base.costs().predict(shares)
+    np.testing.assert_allclose(grown, np.where(on, runs * term, 0.0), rtol=1e-9, atol=1e-15)
+    off = dataclasses.replace(base, shard_within_host=(False,) * 4, intra_host_bandwidth=link)
+    assert np.array_equal(off.costs().predict(shares), base.costs().predict(shares))
+  nvlink = dataclasses.replace(plain, shard_within_host=on)  # The default link: the host's NVLink.
+  assert nvlink.within_host_s(1) == pytest.approx(3 * (d - 1) / d * plain.param_bytes / 300e9)
+  with pytest.raises(ValueError, match="one value per host"):
+    dataclasses.replace(plain, shard_within_host=(True,))

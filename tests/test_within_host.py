@@ -2,9 +2,10 @@
 
 One cluster of 3 hosts x 2 devices trains an mlp and a transformer with
 dropout on an uneven split, sharding on host 2 only: every host holds the
-same bits, and they match one device up to float reduction order. One host
-of 4 devices compiles a transformer's local program with and without
-sharding and compares XLA's per-device peak bytes.
+same bits, and they match one device up to float reduction order; so does
+resnet18 (BatchNorm) sharded on one host of 2 devices. One host of 4
+devices compiles a transformer's local program with and without sharding
+and compares XLA's per-device peak bytes.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def test_auto_shards_only_when_the_whole_state_does_not_fit():
 @pytest.fixture(scope="module")
 def one_device():
   assert jax.local_device_count() == 1
-  return entries.train("off", assignment="equal")
+  return entries.train("off", assignment="equal", models=entries.MODELS + entries.ONE_HOST)
 
 
 def test_sharding_on_one_host_keeps_the_math_and_the_replicas(one_device):
@@ -57,10 +58,20 @@ def test_sharding_on_one_host_keeps_the_math_and_the_replicas(one_device):
       np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=model)
 
 
+def test_sharding_keeps_the_math_of_a_model_with_batchnorm(one_device):
+  (host,) = run_hosts("_within_host_entries:train", hosts=1, devices_per_host=2,
+                      args=("on", "equal", entries.ONE_HOST), timeout_s=600)
+  for m, model in enumerate(entries.ONE_HOST):
+    assert host[m][1], model
+    reference = one_device[len(entries.MODELS) + m][0]
+    for a, b in zip(jax.tree.leaves(host[m][0]), jax.tree.leaves(reference)):
+      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=model)
+
+
 def test_sharding_cuts_the_local_programs_peak_bytes():
   (peaks,) = run_hosts("_within_host_entries:peaks", hosts=1, devices_per_host=4,
                        args=(256, 2), timeout_s=600)
-  assert peaks["on"] <= 0.8 * peaks["off"], peaks
+  assert peaks["on"] <= 0.6 * peaks["off"], peaks
   small, large = peaks["auto 0.001 GB"], peaks["auto 1000 GB"]
   assert small.on and "emulated" in small.reason, small
   assert not large.on and "emulated" in large.reason, large

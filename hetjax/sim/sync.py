@@ -50,6 +50,7 @@ ASSUMPTIONS = (
     ("gradient", "102 MB (25.6 M fp32 values)", "ResNet-50"),
     ("all-reduce", "hierarchical: NVLink reduce-scatter, inter-host ring or double binary tree (the faster), NVLink all-gather; no overlap with compute", "NCCL's algorithms; hetjax reduces after the local step"),
     ("network", "25 GB/s (200 Gb/s) per host, 10 us per hop; NVLink 150/300/450 GB/s, 2 us", "assumed NIC; NVLink from data sheets"),
+    ("sharding within a host", "per program run: 3 x (d-1)/d x parameter bytes / the host's NVLink (gather, backward re-gather, reduce-scatter), not overlapped", "hetjax.step.within_host's collectives; NVLink from data sheets"),
 )
 
 
@@ -129,6 +130,12 @@ class ClusterSpec:
       that saturates with the per-device micro-batch, and a cost per program
       run. Off, a sample costs the same in any micro-batch (every host's
       device batch 1).
+    shard_within_host: per host, parameters split over its devices
+      (`--shard-within-host`); None = off everywhere. A sharded host's every
+      program run adds `within_host_s`.
+    param_bytes: bytes of the parameters a sharded host gathers (ResNet-50 fp32).
+    intra_host_bandwidth: bytes/s of each device's link inside a host; None =
+      the host's NVLink (`NVLINK_BYTES_PER_S`).
   """
 
   gpus: tuple[str, ...]
@@ -150,6 +157,9 @@ class ClusterSpec:
   algorithm: str = "auto"
   device_batches: tuple[int, ...] | None = None
   price: bool = False
+  shard_within_host: tuple[bool, ...] | None = None
+  param_bytes: float = RESNET50_PARAMS * 4
+  intra_host_bandwidth: float | None = None
 
   def __post_init__(self):
     unknown = sorted(set(self.gpus) - set(GPU_SPEED))
@@ -161,6 +171,9 @@ class ClusterSpec:
                                             or min(self.device_batches) < 1):
       raise ValueError(f"device_batches needs one k >= 1 per host ({len(self.gpus)} hosts), got "
                        f"{list(self.device_batches)}.")
+    if self.shard_within_host is not None and len(self.shard_within_host) != len(self.gpus):
+      raise ValueError(f"shard_within_host needs one value per host ({len(self.gpus)} hosts), "
+                       f"got {len(self.shard_within_host)}.")
 
   @property
   def num_hosts(self) -> int:
@@ -199,21 +212,40 @@ class ClusterSpec:
     return [balancer_lib.Ladder.of(unit, k, self.program_s(h, balancer_lib.halving(k)))
             for h, k in enumerate(ks)]
 
+  def within_host_s(self, host: int) -> float:
+    """Seconds each program run of `host` spends in within-host sharding's collectives.
+
+    The forward pass gathers every leaf, the backward pass gathers it again
+    (nothing gathered is kept) and the gradients leave by a reduce-scatter:
+    three collectives, each moving `(d - 1) / d` of the parameter bytes over
+    a device's link. Not overlapped with compute (an upper bound). 0 when the
+    host does not shard or has one device.
+    """
+    d = self.devices_per_host
+    if not (self.shard_within_host and self.shard_within_host[host]) or d < 2:
+      return 0.0
+    link = self.intra_host_bandwidth or NVLINK_BYTES_PER_S[self.gpus[host]]
+    return 3 * (d - 1) / d * self.param_bytes / link
+
   def program_s(self, host: int, sizes: Sequence[int]) -> list[float]:
     """True seconds of one run of each program of `sizes` blocks per device on `host`."""
     gpu, thr = self.gpus[host], float(self.gpu_samples_per_s()[host])
+    extra = self.within_host_s(host)
     if not self.price:
-      return [k * self.microbatch / thr for k in sizes]
-    return price_lib.ladder_program_s(sizes, thr, self.microbatch, HBM_BYTES_PER_S[gpu],
-                                      3 * self.grad_bytes)
+      return [k * self.microbatch / thr + extra for k in sizes]
+    return [t + extra for t in price_lib.ladder_program_s(
+        sizes, thr, self.microbatch, HBM_BYTES_PER_S[gpu], 3 * self.grad_bytes)]
 
   def costs(self, seed: int | None = None) -> balancer_lib.CostParams:
     """The true (noise-free) cost of every host; with `seed`, its persistent slow hosts too."""
     factor = np.ones(self.num_hosts) if seed is None else self.persistent(seed)
     ladders = self.ladders()
-    if ladders is None:
+    if ladders is None:  # One program run per round of `granularity` samples.
       speed = self.gpu_samples_per_s() * self.devices_per_host
-      return balancer_lib.CostParams(self.fixed_s() * factor, factor / speed, self.granularity)
+      gathers = np.array([self.within_host_s(h) for h in range(self.num_hosts)])
+      return balancer_lib.CostParams(self.fixed_s() * factor,
+                                     factor / speed + factor * gathers / self.granularity,
+                                     self.granularity)
     # Seconds per work unit: the one-round program's time over its units.
     one_round = np.array([self.program_s(h, [1])[0] for h in range(self.num_hosts)])
     per_unit = one_round / self.granularity

@@ -9,13 +9,11 @@ itself (`decide`), as it does for device batches.
 How (explicit collectives, measured against GSPMD annotations in
 `bench/memory.py`): each parameter leaf is laid out `[L, c]` over the host's
 `L` devices (`optimizer_layout.split_leaf`); device `d` keeps row `d`. Inside
-the local program's `shard_map` the loss sees every leaf gathered where it
-is used (one `all_gather` per leaf), under a rematerialisation policy that
-keeps no gathered leaf for the backward pass: the backward pass gathers
-again. Nothing ties a gather to its layer's input, so XLA may schedule the
-gathers early (XLA:CPU puts them at the program's start): the steady
-program then holds the whole parameters once, gathered, and no longer a
-second time as its input, nor the whole gradients (`bench/memory.py`).
+the local program's `shard_map` the loss is replayed so that each leaf is
+gathered at each use, once its other inputs exist, and gathered again in
+the backward pass once that use's cotangent exists (`gather_at_use`): a
+gathered leaf lives for one operation, so the program holds neither the
+whole parameters nor the whole gradients at once (`bench/memory.py`).
 The transpose of the gather is a reduce-scatter, so each device receives
 its own row of the host's summed gradients, and writes it into its sums row
 at that row's place (zeros elsewhere). The sums row keeps its layout: the
@@ -31,22 +29,17 @@ import math
 from typing import Any, Callable, NamedTuple
 
 import jax
-from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from hetjax.mesh import DEV
+from hetjax.step import gather_at_use
 from hetjax.step.optimizer_layout import columns, join_leaf, split_leaf
 from hetjax.task import Task
 
 PyTree = Any
-GATHERED = "hetjax_within_host_gathered"  # the name remat drops: no gathered leaf is kept
 MODES = ("auto", "on", "off")
-# Re-gather in the backward pass rather than keep every gathered leaf: measured
-# lower peaks on XLA:CPU (transformer width 128, 4 layers, 4 devices: 10.7 MB
-# against 11.2 MB without).
-REMAT = True
 
 
 class Split:
@@ -60,6 +53,7 @@ class Split:
   def __init__(self, params: PyTree, devices: int):
     self.devices = int(devices)
     self.like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
+    self._likes = jax.tree.leaves(self.like)
 
   def chunk(self, params: PyTree) -> PyTree:
     """This device's row `[1, c]` of every whole leaf (inside a `shard_map`)."""
@@ -67,24 +61,19 @@ class Split:
     return jax.tree.map(
         lambda x: jax.lax.dynamic_slice_in_dim(split_leaf(x, self.devices), d, 1), params)
 
-  def gather(self, chunks: PyTree) -> PyTree:
-    """Every leaf whole from its rows (inside a `shard_map`), named so remat drops it."""
-    def one(x, like):
-      whole = join_leaf(jax.lax.all_gather(x, DEV, tiled=True), like.shape)
-      return checkpoint_name(whole, GATHERED)
-    return jax.tree.map(one, chunks, self.like)
-
   def gathering(self, task: Task) -> Task:
     """`task` whose training losses take the rows and gather each leaf where it is used."""
-    policy = jax.checkpoint_policies.save_anything_except_these_names(GATHERED)
+    def one(row, i, tie):
+      if tie is None:
+        return join_leaf(jax.lax.all_gather(row, DEV, tiled=True), self._likes[i].shape)
+      tied = jnp.concatenate([row, tie.astype(row.dtype)], axis=1)
+      gathered = jax.lax.all_gather(tied, DEV, tiled=True)[:, :row.shape[1]]
+      return join_leaf(gathered, self._likes[i].shape)
 
     def wrap(loss: Callable | None) -> Callable | None:
       if loss is None:
         return None
-
-      def on_rows(rows, model_state, batch, rng):
-        return loss(self.gather(rows), model_state, batch, rng)
-      return jax.checkpoint(on_rows, policy=policy) if REMAT else on_rows
+      return lambda rows, *args: gather_at_use.replay(loss, rows, one, *args)
 
     return _Gathering(task, wrap(task.loss), wrap(task.unmasked_loss))
 
