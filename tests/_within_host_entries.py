@@ -1,7 +1,6 @@
 """Entries for tests/test_within_host.py, run on every host of an emulated cluster.
 
-`train`: each model of `models` (`MODELS`, or `ONE_HOST`'s on one host)
-trained `STEPS` steps on an uneven split with `shard_within_host` as given
+`train`: each model of `models` (`MODELS`) trained `STEPS` steps on an uneven split with `shard_within_host` as given
 (one value per host); each host returns its final parameters and its
 choice. `peaks`: the compiled local program's per-device peak bytes (XLA's
 memory analysis) of a transformer, with and without sharding, on this
@@ -25,8 +24,7 @@ STEPS = 3
 GLOBAL_BATCH = 30   # Not a multiple of the block: the last block is partial.
 BLOCK = 4
 UNEVEN = (16, 8, 6)  # 4, 2 and 2 blocks: host 2 (sharded) runs one per device, the last partial.
-MODELS = ("mlp", "transformer")
-ONE_HOST = ("resnet18",)  # BatchNorm: sharded on one host of 2 devices (cheaper than 3 hosts).
+MODELS = ("mlp", "transformer", "resnet18")
 
 
 def build(model: str, width: int = 16):
