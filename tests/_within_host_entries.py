@@ -79,3 +79,20 @@ def peaks(width: int, num_layers: int):
             auto, task, state.params, state.model_state, example, tr.mode.meshes)
     tr.close()
   return out
+
+
+def train_saving(directory: str, shard_within_host: str, until: int):
+  """The mlp trained to step `until` with a checkpoint every 2 steps in `directory`
+  (resuming from it if it holds one): (resumed from, final parameters as numpy)."""
+  from hetjax import checkpoint  # pylint: disable=g-import-not-at-top
+  if jax.process_count() > 1:
+    hetjax.initialize()
+  source, task, optimizer = build("mlp")
+  config = trainer.TrainConfig(global_batch=GLOBAL_BATCH, microbatch=BLOCK, seed=3,
+                               shard_within_host=shard_within_host)
+  tr = trainer.Trainer(task, optimizer, source, config,
+                       checkpoint=checkpoint.CheckpointConfig(directory, every=2))
+  tr.fit(until=until)
+  out = (tr.resumed_from, jax.tree.map(np.asarray, tr.params()), tr.mode.local.within is not None)
+  tr.close()
+  return out

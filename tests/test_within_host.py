@@ -57,6 +57,19 @@ def test_sharding_on_one_host_keeps_the_math_and_the_replicas(one_device):
       np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=model)
 
 
+def test_a_sharded_hosts_checkpoint_resumes_on_one_device_and_continues_the_run(tmp_path):
+  """Saved whole by 1 host x 2 devices with sharding on, resumed on 1 device without."""
+  folder = str(tmp_path / "ckpt")
+  (saved,) = run_hosts("_within_host_entries:train_saving", hosts=1, devices_per_host=2,
+                       args=(folder, "on", 2), timeout_s=600)
+  assert saved[0] is None and saved[2]  # A fresh run, sharded.
+  resumed_from, resumed, sharded = entries.train_saving(folder, "off", 4)
+  assert resumed_from == 2 and not sharded
+  _, uninterrupted, _ = entries.train_saving(str(tmp_path / "reference"), "off", 4)
+  for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(uninterrupted)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
 def test_sharding_cuts_the_local_programs_peak_bytes():
   (peaks,) = run_hosts("_within_host_entries:peaks", hosts=1, devices_per_host=4,
                        args=(256, 2), timeout_s=600)
