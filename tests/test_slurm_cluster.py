@@ -314,7 +314,7 @@ def test_scancel_stops_the_job_after_every_host_saved_and_never_requeues(cluster
 
 
 # What JAX prints when it aborts a host whose coordination service is gone.
-_CRASH = re.compile(r"Check fail|^\S*F\d{4} |SetError|SIGABRT|Abort|\*\*\* |Fatal|Traceback")
+_CRASH = re.compile(r"Check fail|(^|\d: )F\d{4} |SetError|SIGABRT|Abort|\*\*\* |Fatal|Traceback")
 
 
 def _host_pid(cluster, host: int, mark: str) -> int:

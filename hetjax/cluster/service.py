@@ -16,9 +16,11 @@ service behaves as JAX's own otherwise: a host silent for the heartbeat
 timeout is declared dead and the others are aborted, and its log lines (which
 name the dead hosts) reach the launcher's `Findings` as the hosts' do.
 
-Where the launcher cannot host the service (it needs jaxlib in the
-launcher's Python; `launch/hosts.py`, SLURM and Kubernetes start no such
-process), host 0 keeps it, and with it the abort when host 0 dies.
+The SLURM templates (`launch/slurm*.sbatch`) do the same from the batch
+script, on the first node, with the Python of the hosts' command. Where no
+launcher hosts the service (it needs jaxlib in the launcher's Python;
+`launch/hosts.py` and Kubernetes start no such process), host 0 keeps it,
+and with it the abort when host 0 dies.
 
 Stdlib only at import, and no hetjax import there either: the service
 process runs isolated (`python -I`) and imports only jaxlib; the launcher
