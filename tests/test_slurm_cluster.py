@@ -18,6 +18,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import textwrap
 import time
@@ -140,6 +141,27 @@ def test_hetjob_numbers_hosts_across_partitions(cluster, tmp_path):
   assert {r["HETJAX_COORDINATOR"] for r in reports.values()} == {f"hetjax-n1:{20000 + job % 10000}"}
   assert {r["HETJAX_NUM_HOSTS"] for r in reports.values()} == {"3"}
   assert "3 host(s) in 2 component(s) (2 1)" in _log(tmp_path, job)
+
+
+def test_without_jaxlib_in_the_commands_python_host_0_keeps_the_service(cluster, tmp_path):
+  """The batch script finds no jaxlib in the Python of the hosts' command (a bare venv): one
+  line says host 0 runs the coordination service, and the job runs as without the service."""
+  venv = tmp_path / "bare"
+  subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                 timeout=120)
+  python = str(venv / "bin" / "python")
+  script = _template(tmp_path, PLAIN, [("a100", 2)])
+  # HETJAX_SERVICE from the submitting shell must not reach the hosts.
+  job = cluster.sbatch([], script, [python, "-c", _REPORT], str(tmp_path),
+                       **_report_env(tmp_path, HETJAX_SERVICE=service.ELSEWHERE))
+  fields = cluster.wait_ended(job, tmp_path / f"slurm-{job}.out")
+  log = _log(tmp_path, job)
+  assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), log
+  said = [line for line in log.splitlines() if "coordination service" in line]
+  assert said == [f"[hetjax] host 0 runs the coordination service: no jaxlib in {python}; if "
+                  "host 0 dies, JAX aborts the others."], log
+  reports = _reports(tmp_path / "reports")
+  assert sorted(reports) == [0, 1] and not [r for r in reports.values() if "HETJAX_SERVICE" in r]
 
 
 def test_a_stall_requeues_the_job_and_the_restart_gets_a_new_port(cluster, tmp_path):
