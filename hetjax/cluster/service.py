@@ -155,8 +155,14 @@ def join_as_client(coordinator: str, num_hosts: int, host_id: int, *, init_timeo
 
 
 def _serve(address: str, num_hosts: int, heartbeat_s: int) -> int:
-  """The service process: listens until SIGTERM / SIGINT / SIGHUP (or its launcher's death)."""
-  stops = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+  """The service process: listens until SIGTERM / SIGINT / SIGHUP (or its launcher's death).
+
+  A stop signal ignored from the start stays ignored: the SLURM batch script
+  ignores SIGTERM and SIGINT for it, which scancel sends to every process of
+  the job while the hosts still need the service to save.
+  """
+  stops = {s for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+           if signal.getsignal(s) != signal.SIG_IGN}
   signal.pthread_sigmask(signal.SIG_BLOCK, stops)  # Before the service's threads exist.
   # Warnings and errors only (which name the dead hosts), as in a host: no log of every barrier.
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
