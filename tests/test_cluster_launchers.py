@@ -24,7 +24,9 @@ import pytest
 
 import _slurm_standins
 from hetjax import exits
-from hetjax.cluster import procs
+from hetjax.cluster import procs, service
+from hetjax.cluster.peers import DEFAULT_HEARTBEAT_S
+from hetjax.config import Env
 from test_launcher import _assert_none_left, _marked, marker  # noqa: F401  (fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -115,6 +117,9 @@ def test_sbatch_templates_shape(script):
   assert f"PREEMPTED_EXIT={exits.PREEMPTED_EXIT} " in text
   assert f"STALLED_EXIT={exits.STALLED_EXIT} " in text
   assert f"WRITE_FAILED_EXIT={exits.WRITE_FAILED_EXIT} " in text
+  # The coordination service beside host 0: its READY line, hetjax's heartbeat, the hosts' flag.
+  assert f"DEFAULT_HEARTBEAT_S={DEFAULT_HEARTBEAT_S} " in text
+  assert service.READY in text and f"export {Env.SERVICE}={service.ELSEWHERE}\n" in text
 
 
 def test_hetjob_template_has_one_component_per_kind_of_node():

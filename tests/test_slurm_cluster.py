@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
+import subprocess
 import sys
 import textwrap
 import time
@@ -24,6 +26,7 @@ import time
 import pytest
 
 import _slurm_cluster
+from hetjax.cluster import service
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLAIN = os.path.join(ROOT, "launch", "slurm.sbatch")
@@ -127,6 +130,9 @@ def test_plain_template_runs_one_host_per_node(cluster, tmp_path):
     assert (spec.coordinator, spec.num_hosts, spec.host_id) == (
         f"hetjax-n1:{20000 + job % 10000}", 3, host)
     assert spec.detect is None and spec.local_device_ids is None  # Every GPU of the node.
+    assert env["HETJAX_SERVICE"] == service.ELSEWHERE  # Host 0 joins as a client only.
+  assert f"coordination service listening on hetjax-n1:{20000 + job % 10000}, beside host 0" in (
+      _log(tmp_path, job))
   assert not (tmp_path / f".hetjax-{job}").exists()  # The exit codes' folder is gone.
 
 
@@ -135,6 +141,27 @@ def test_hetjob_numbers_hosts_across_partitions(cluster, tmp_path):
   assert {r["HETJAX_COORDINATOR"] for r in reports.values()} == {f"hetjax-n1:{20000 + job % 10000}"}
   assert {r["HETJAX_NUM_HOSTS"] for r in reports.values()} == {"3"}
   assert "3 host(s) in 2 component(s) (2 1)" in _log(tmp_path, job)
+
+
+def test_without_jaxlib_in_the_commands_python_host_0_keeps_the_service(cluster, tmp_path):
+  """The batch script finds no jaxlib in the Python of the hosts' command (a bare venv): one
+  line says host 0 runs the coordination service, and the job runs as without the service."""
+  venv = tmp_path / "bare"
+  subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                 timeout=120)
+  python = str(venv / "bin" / "python")
+  script = _template(tmp_path, PLAIN, [("a100", 2)])
+  # HETJAX_SERVICE from the submitting shell must not reach the hosts.
+  job = cluster.sbatch([], script, [python, "-c", _REPORT], str(tmp_path),
+                       **_report_env(tmp_path, HETJAX_SERVICE=service.ELSEWHERE))
+  fields = cluster.wait_ended(job, tmp_path / f"slurm-{job}.out")
+  log = _log(tmp_path, job)
+  assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), log
+  said = [line for line in log.splitlines() if "coordination service" in line]
+  assert said == [f"[hetjax] host 0 runs the coordination service: no jaxlib in {python}; if "
+                  "host 0 dies, JAX aborts the others."], log
+  reports = _reports(tmp_path / "reports")
+  assert sorted(reports) == [0, 1] and not [r for r in reports.values() if "HETJAX_SERVICE" in r]
 
 
 def test_a_stall_requeues_the_job_and_the_restart_gets_a_new_port(cluster, tmp_path):
@@ -306,3 +333,66 @@ def test_scancel_stops_the_job_after_every_host_saved_and_never_requeues(cluster
   assert sorted(p.name for p in reports.glob("saved-*")) == ["saved-0", "saved-1"]
   assert "stopped by SIGTERM: every host saved; not requeued by this script" in log
   assert "requeueing" not in log
+
+
+# What JAX prints when it aborts a host whose coordination service is gone.
+_CRASH = re.compile(r"Check fail|(^|\d: )F\d{4} |SetError|SIGABRT|Abort|Fatal|Traceback")
+
+
+def _host_pid(cluster, host: int, mark: str) -> int:
+  """The pid of host `host`'s `hetjax train` (not of its task's shell), in the job marked `mark`."""
+  found = []
+  for pid in cluster.pids(f"HETJAX_HOST_ID={host}", mark):
+    try:
+      with open(f"/proc/{pid}/cmdline", "rb") as f:
+        argv = f.read().decode(errors="replace").split("\0")
+    except OSError:
+      continue
+    if argv[:3] == [sys.executable, "-m", "hetjax.cli"]:
+      found.append(pid)
+  assert len(found) == 1, found
+  return found[0]
+
+
+def test_host_0_killed_mid_training_host_1_says_so_in_one_line(cluster, tmp_path):
+  """The batch script runs the coordination service beside host 0: kill -9 of host 0 leaves
+  host 1 one line naming it, not JAX's abort (a C++ fatal error) nor a traceback."""
+  script = _template(tmp_path, PLAIN, [("a100", 2)])
+  out = tmp_path / "run"
+  mark = f"HETJAX_TEST_JOB={tmp_path}"
+  job = cluster.sbatch([], script, _train(out, "--steps", "100000"), str(tmp_path),
+                       **_hetjax_env(HETJAX_TEST_JOB=str(tmp_path)))
+  log = lambda: _log(tmp_path, job)  # noqa: E731
+  _wait_for("training", lambda: len(_records(out)) >= 3, lambda: log() + cluster.logs())
+  os.kill(_host_pid(cluster, 0, mark), signal.SIGKILL)
+  fields = cluster.wait_ended(job, tmp_path / f"slurm-{job}.out")
+  text = log()
+  assert (fields["JobState"], fields["Restarts"]) == ("FAILED", "0"), text
+  assert "coordination service listening on hetjax-n1:" in text, text
+  host1 = [line[len("1: "):] for line in text.splitlines() if line.startswith("1: ")]
+  said = [line for line in host1 if "host 0" in line]
+  assert len(said) == 1 and re.match(r"hetjax train: error: host 0 stopped responding at "
+                                     r"step \d+: ", said[0]), text
+  assert f"full traceback in {out / 'host1-error.log'}" in said[0]
+  assert not [line for line in text.splitlines() if _CRASH.search(line)], text
+
+
+def test_scancel_of_hetjax_hosts_saves_while_the_service_lives_on(cluster, tmp_path):
+  """`scancel` signals every process of the job, the batch script's too: the coordination
+  service it runs ignores that SIGTERM and lives until the hosts saved, then stops."""
+  script = _template(tmp_path, PLAIN, [("a100", 2)])
+  out, ckpt = tmp_path / "run", tmp_path / "ckpt"
+  job = cluster.sbatch([], script, _train(out, "--steps", "100000", "--ckpt-dir", str(ckpt),
+                                          "--ckpt-every", "100000"), str(tmp_path),
+                       **_hetjax_env())
+  log = lambda: _log(tmp_path, job)  # noqa: E731
+  _wait_for("training", lambda: len(_records(out)) >= 3, lambda: log() + cluster.logs())
+  cluster.run(["scancel", str(job)])
+  fields = cluster.wait_ended(job, tmp_path / f"slurm-{job}.out")
+  text = log()
+  assert (fields["JobState"], fields["Restarts"]) == ("CANCELLED", "0"), text
+  saved = re.findall(r"^(\d): hetjax train: preempted: checkpoint of step (\d+) saved", text,
+                     re.MULTILINE)
+  assert sorted(h for h, _ in saved) == ["0", "1"] and len({s for _, s in saved}) == 1, text
+  assert "stopped by SIGTERM: every host saved; not requeued by this script" in text
+  assert not [line for line in text.splitlines() if _CRASH.search(line)], text

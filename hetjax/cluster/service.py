@@ -16,9 +16,11 @@ service behaves as JAX's own otherwise: a host silent for the heartbeat
 timeout is declared dead and the others are aborted, and its log lines (which
 name the dead hosts) reach the launcher's `Findings` as the hosts' do.
 
-Where the launcher cannot host the service (it needs jaxlib in the
-launcher's Python; `launch/hosts.py`, SLURM and Kubernetes start no such
-process), host 0 keeps it, and with it the abort when host 0 dies.
+The SLURM templates (`launch/slurm*.sbatch`) do the same from the batch
+script, on the first node, with the Python of the hosts' command. Where no
+launcher hosts the service (it needs jaxlib in the launcher's Python;
+`launch/hosts.py` and Kubernetes start no such process), host 0 keeps it,
+and with it the abort when host 0 dies.
 
 Stdlib only at import, and no hetjax import there either: the service
 process runs isolated (`python -I`) and imports only jaxlib; the launcher
@@ -153,8 +155,14 @@ def join_as_client(coordinator: str, num_hosts: int, host_id: int, *, init_timeo
 
 
 def _serve(address: str, num_hosts: int, heartbeat_s: int) -> int:
-  """The service process: listens until SIGTERM / SIGINT / SIGHUP (or its launcher's death)."""
-  stops = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+  """The service process: listens until SIGTERM / SIGINT / SIGHUP (or its launcher's death).
+
+  A stop signal ignored from the start stays ignored: the SLURM batch script
+  ignores SIGTERM and SIGINT for it, which scancel sends to every process of
+  the job while the hosts still need the service to save.
+  """
+  stops = {s for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+           if signal.getsignal(s) != signal.SIG_IGN}
   signal.pthread_sigmask(signal.SIG_BLOCK, stops)  # Before the service's threads exist.
   # Warnings and errors only (which name the dead hosts), as in a host: no log of every barrier.
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
