@@ -360,10 +360,15 @@ def test_host_0_killed_mid_training_host_1_says_so_in_one_line(cluster, tmp_path
   script = _template(tmp_path, PLAIN, [("a100", 2)])
   out = tmp_path / "run"
   mark = f"HETJAX_TEST_JOB={tmp_path}"
+  # Host 0 stops inside step 4 (emulated), so host 1 is waiting for it in that
+  # step's collective when host 0 dies: host 1's collective fails before srun
+  # reacts to host 0's exit.
   job = cluster.sbatch([], script, _train(out, "--steps", "100000"), str(tmp_path),
-                       **_hetjax_env(HETJAX_TEST_JOB=str(tmp_path)))
+                       **_hetjax_env(HETJAX_TEST_JOB=str(tmp_path),
+                                     HETJAX_FAULTS="0:stall-in-step@4"))
   log = lambda: _log(tmp_path, job)  # noqa: E731
-  _wait_for("training", lambda: len(_records(out)) >= 3, lambda: log() + cluster.logs())
+  _wait_for("host 0 stalled", lambda: "emulated fault: host 0 stalls in" in log(),
+            lambda: log() + cluster.logs())
   os.kill(_host_pid(cluster, 0, mark), signal.SIGKILL)
   fields = cluster.wait_ended(job, tmp_path / f"slurm-{job}.out")
   text = log()
