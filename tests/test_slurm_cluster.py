@@ -151,9 +151,10 @@ def test_without_jaxlib_in_the_commands_python_host_0_keeps_the_service(cluster,
                  timeout=120)
   python = str(venv / "bin" / "python")
   script = _template(tmp_path, PLAIN, [("a100", 2)])
-  # HETJAX_SERVICE from the submitting shell must not reach the hosts.
+  # HETJAX_SERVICE from the submitting shell must not reach the hosts. The
+  # checkout on PYTHONPATH: the bare Python finds hetjax, but no jaxlib.
   job = cluster.sbatch([], script, [python, "-c", _REPORT], str(tmp_path),
-                       **_report_env(tmp_path, HETJAX_SERVICE=service.ELSEWHERE))
+                       **_report_env(tmp_path, HETJAX_SERVICE=service.ELSEWHERE, PYTHONPATH=ROOT))
   fields = cluster.wait_ended(job, tmp_path / f"slurm-{job}.out")
   log = _log(tmp_path, job)
   assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), log
