@@ -52,7 +52,7 @@ class HostGroup:
 
   def __init__(self, commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str]], *,
                sink: IO[str] | None = None, tail_lines: int = TAIL_LINES,
-               cwd: str | None = None, guard: bool = True):
+               cwd: str | None = None, guard: bool = True, findings: Findings | None = None):
     """Args:
       commands: the argv of each host.
       envs: the environment of each host.
@@ -62,6 +62,8 @@ class HostGroup:
       guard: start each host under `hetjax.cluster.hostguard`, so it dies with this
         process. Its parent-death signal fires when the *thread* that called
         `start` ends: call `start` from a thread that outlives the hosts.
+      findings: what the hosts' lines tell (shared with other readers, such as
+        the coordination service's; default: the group's own).
     """
     if len(commands) != len(envs):
       raise ValueError(f"got {len(commands)} commands but {len(envs)} environments.")
@@ -75,7 +77,7 @@ class HostGroup:
     self.tails = [collections.deque(maxlen=tail_lines) for _ in commands]
     self._readers: list[threading.Thread] = []
     self._exits = _ExitClock(len(commands))
-    self.findings = Findings()
+    self.findings = Findings() if findings is None else findings
 
   def start(self) -> None:
     """Starts every host; if one cannot start, stops those already running.

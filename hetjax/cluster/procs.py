@@ -92,8 +92,7 @@ def run_group(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str
     else:
       beside = None
       note(f"host 0 runs the coordination service: {why}; if host 0 dies, JAX aborts the others.")
-  group = HostGroup(commands, envs, sink=sink, tail_lines=tail_lines)
-  group.findings = findings
+  group = HostGroup(commands, envs, sink=sink, tail_lines=tail_lines, findings=findings)
   outcome = Outcome(returncodes=[None] * len(commands))
   deadline = None if timeout_s is None else time.monotonic() + timeout_s
   try:
