@@ -122,3 +122,27 @@ def exact_one_device(exact_runs):
 def exact_clusters(exact_runs):
   """3 hosts x 2 devices, one start: (per-host results, the folder of their checkpoints)."""
   return exact_runs[1:]
+
+
+# ---- two workers (pytest-xdist) -----------------------------------------------------
+# pyproject.toml's addopts ask for `-n auto`: two workers, fed whole files,
+# the longest first (tests/_scheduling.py). `-n 0` runs in this process.
+import _scheduling  # noqa: E402
+
+
+def pytest_xdist_auto_num_workers(config):
+  return min(_scheduling.WORKERS, os.cpu_count() or 1)
+
+
+def pytest_xdist_make_scheduler(config, log):
+  return _scheduling.make_scheduler(config, log)
+
+
+def pytest_collection_modifyitems(session, config, items):
+  _scheduling.longest_first(items)
+
+
+def pytest_configure(config):
+  path = os.environ.get("HETJAX_TEST_DURATIONS")
+  if path and not os.environ.get("PYTEST_XDIST_WORKER"):
+    config.pluginmanager.register(_scheduling.DurationRecorder(path), "hetjax-durations")

@@ -1,0 +1,88 @@
+"""How the suite spreads over its two workers (pytest-xdist): whole files, the longest first.
+
+Run serially, the suite keeps 2 cores 71 % busy: a multi-host test's hosts
+wait on each other and on SLURM, a one-process test compiles on one core.
+Two workers fill those gaps. A file is the unit (its module fixtures start
+clusters; split over workers they would start twice), and the three files
+that read the exactness matrix's runs are one unit (`EXACT_RUNS`: one
+session fixture trains them). Units go out longest first, from the seconds
+each file took in a serial run (`durations.json`), so that no long file
+starts last; a file missing from it counts `UNKNOWN_S`. A stale table only
+changes the order, never a result.
+
+Refresh the table after a change that moves a file's time a lot:
+  HETJAX_TEST_DURATIONS=tests/durations.json .venv/bin/python -m pytest -q -n 0
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+
+TABLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations.json")
+EXACT_RUNS = ("test_exactness.py", "test_sharded_update.py", "test_device_batch.py")
+UNKNOWN_S = 10.0
+WORKERS = 2  # Each worker's multi-host tests start 2-3 hosts: more would overload 2 cores.
+
+
+def file_of(nodeid: str) -> str:
+  return nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+
+
+def unit_of(nodeid: str) -> str:
+  """The scheduling unit: the file, or the exactness runs' three files together."""
+  name = file_of(nodeid)
+  return "exactness matrix runs" if name in EXACT_RUNS else name
+
+
+def _seconds() -> dict[str, float]:
+  try:
+    with open(TABLE) as f:
+      return json.load(f)
+  except FileNotFoundError:
+    return {}
+
+
+def longest_first(items: list) -> None:
+  """Sorts test items in place: units by their recorded seconds, longest first; a unit's
+  tests stay together and in their order."""
+  seconds = _seconds()
+  cost = collections.defaultdict(float)
+  for item in items:
+    cost[unit_of(item.nodeid)] = 0.0
+  for unit in cost:
+    files = EXACT_RUNS if unit == "exactness matrix runs" else (unit,)
+    cost[unit] = sum(seconds.get(name, UNKNOWN_S) for name in files)
+  position = {id(item): i for i, item in enumerate(items)}
+  items.sort(key=lambda item: (-cost[unit_of(item.nodeid)], unit_of(item.nodeid),
+                               position[id(item)]))
+
+
+def make_scheduler(config, log):
+  """xdist's scope scheduler with `unit_of` as the scope, in the collection's order."""
+  from xdist.scheduler import LoadScopeScheduling
+
+  class ByUnit(LoadScopeScheduling):
+    def _split_scope(self, nodeid: str) -> str:
+      return unit_of(nodeid)
+
+  config.option.loadscopereorder = False  # Keep `longest_first`'s order, not test counts.
+  return ByUnit(config, log)
+
+
+class DurationRecorder:
+  """Adds up each file's seconds (setup, call, teardown) and writes them as `durations.json`."""
+
+  def __init__(self, path: str):
+    self.path = path
+    self.seconds: dict[str, float] = collections.defaultdict(float)
+
+  def pytest_runtest_logreport(self, report) -> None:
+    self.seconds[file_of(report.nodeid)] += report.duration
+
+  def pytest_sessionfinish(self) -> None:
+    ordered = sorted(self.seconds.items(), key=lambda kv: -kv[1])
+    with open(self.path, "w") as f:
+      json.dump({name: round(s, 1) for name, s in ordered}, f, indent=1)
+      f.write("\n")
