@@ -10,7 +10,8 @@ every step used, the optimizer state's memory and the device batches.
 `clusters` trains every model once on 3x2, in one cluster start: the fixed
 uneven split for `FIXED_STEPS` steps, then the split a static balancer
 solves from recorded timings, every host with its own device batch
-(`DEVICE_BATCHES`). It saves the `SAVED` models' runs for
+(`DEVICE_BATCHES`), host 2 sharding its state over its own devices
+(`SHARD_WITHIN_HOST`; tests/test_within_host.py checks it on these runs). It saves the `SAVED` models' runs for
 tests/test_sharded_update.py, which resumes them on 2 hosts x 1 device: one
 start of 3 hosts serves three test files (tests/test_device_batch.py
 checks the device batches on these runs).
@@ -40,6 +41,7 @@ BLOCK = 4           # --microbatch: positions per block.
 UNEVEN = (36, 20, 6)
 DEVICE_BATCHES = (4, 2, 1)  # Blocks per device in each host's largest program, on 3x2.
 SEED = 3
+SHARD_WITHIN_HOST = "off,off,on"  # On 3x2: host 2 shards within itself, the others hold it whole.
 SPEEDS = (1.0, 0.5, 0.25)  # The balanced split's recorded device speeds, by host.
 SAMPLE_S = 1e-3            # Its recorded seconds per sample on the fastest device.
 
@@ -175,12 +177,12 @@ def recorded_timings(compute_s: float, step: int, samples: int = 0) -> float:
 def matrix(layout: str, models=MODELS, reductions=("device", "host"),
            global_batch: int = GLOBAL_BATCH, save_to: str | None = None,
            device_batches: tuple[int, ...] | None = None,
-           plan: dict[str, str] | None = None):
+           plan: dict[str, str] | None = None, shard_within_host: str = "off"):
   """Every (model, reduction) on this cluster; `layout` is 'equal' or 'uneven-then-static'.
   `plan` ({model: reduction}) runs those pairs instead of the product.
 
   Returns {(model, reduction): (params, model state, shares, memory, the
-  summary's device batches)}; with `save_to`, the `SAVED` models write their
+  summary's device batches, whether this host sharded within itself)}; with `save_to`, the `SAVED` models write their
   step-`STEPS` checkpoint to `save_to/<model>`. `device_batches`: one per
   host (default: one block per device everywhere).
   """
@@ -191,7 +193,7 @@ def matrix(layout: str, models=MODELS, reductions=("device", "host"),
     source, task, optimizer = build(model)
     config = trainer.TrainConfig(
         global_batch=global_batch, microbatch=BLOCK, seed=SEED, reduction=reduction,
-        device_batch=device_batches or 1)
+        device_batch=device_batches or 1, shard_within_host=shard_within_host)
     custom, pace = None, None
     if layout == "uneven-then-static":
       custom = FixedThenStatic(_static_balancer(
@@ -205,7 +207,8 @@ def matrix(layout: str, models=MODELS, reductions=("device", "host"),
     summary = tr.fit(STEPS)
     state = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tr.state.model_state)
     out[(model, reduction)] = (tr.params(), state, list(tr.history.shares),
-                               optimizer_memory(tr, summary), summary["device_batches"])
+                               optimizer_memory(tr, summary), summary["device_batches"],
+                               tr.mode.local.within is not None)
     tr.close()
   return out
 
@@ -220,9 +223,10 @@ def optimizer_memory(tr: trainer.Trainer, summary: dict) -> tuple:
 
 def clusters(save_to: str):
   """Every model on its 3x2 backend, the uneven then the balanced split, with device batches
-  `DEVICE_BATCHES`: {(model, reduction): ...} as `matrix` gives."""
+  `DEVICE_BATCHES` and `SHARD_WITHIN_HOST`: {(model, reduction): ...} as `matrix` gives."""
   out = {}
   for model in MODELS:
     out.update(matrix("uneven-then-static", (model,), (CLUSTER_REDUCTION[model],),
-                      save_to=save_to, device_batches=DEVICE_BATCHES))
+                      save_to=save_to, device_batches=DEVICE_BATCHES,
+                      shard_within_host=SHARD_WITHIN_HOST))
   return out

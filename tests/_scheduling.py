@@ -3,7 +3,7 @@
 Run serially, the suite keeps 2 cores 71 % busy: a multi-host test's hosts
 wait on each other and on SLURM, a one-process test compiles on one core.
 Two workers fill those gaps. A file is the unit (its module fixtures start
-clusters; split over workers they would start twice), and the three files
+clusters; split over workers they would start twice), and the four files
 that read the exactness matrix's runs are one unit (`EXACT_RUNS`: one
 session fixture trains them). Units go out longest first, from the seconds
 each file took in a serial run (`durations.json`), so that no long file
@@ -21,7 +21,8 @@ import json
 import os
 
 TABLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations.json")
-EXACT_RUNS = ("test_exactness.py", "test_sharded_update.py", "test_device_batch.py")
+EXACT_RUNS = ("test_exactness.py", "test_sharded_update.py", "test_device_batch.py",
+              "test_within_host.py")
 UNKNOWN_S = 10.0
 WORKERS = 2  # Each worker's multi-host tests start 2-3 hosts: more would overload 2 cores.
 
@@ -31,7 +32,7 @@ def file_of(nodeid: str) -> str:
 
 
 def unit_of(nodeid: str) -> str:
-  """The scheduling unit: the file, or the exactness runs' three files together."""
+  """The scheduling unit: the file, or the exactness runs' files together."""
   name = file_of(nodeid)
   return "exactness matrix runs" if name in EXACT_RUNS else name
 

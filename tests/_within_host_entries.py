@@ -1,8 +1,8 @@
 """Entries for tests/test_within_host.py, run on every host of an emulated cluster.
 
-`train`: each model of `models` (`MODELS`) trained `STEPS` steps on an uneven split with `shard_within_host` as given
-(one value per host); each host returns its final parameters and its
-choice. `peaks`: the compiled local program's per-device peak bytes (XLA's
+The 3x2 cluster that shards on one host only is the exactness matrix's
+(`_exact_entries.SHARD_WITHIN_HOST`). `train_saving`: an mlp saving and
+resuming under a sharding choice. `peaks`: the compiled local program's per-device peak bytes (XLA's
 memory analysis) of a transformer, with and without sharding, on this
 host's devices.
 """
@@ -13,49 +13,20 @@ import jax
 import numpy as np
 import optax
 
-import _exact_entries
 import hetjax
 from hetjax import models as zoo
 from hetjax import trainer
 from hetjax.input import data
 from hetjax.step import within_host, within_host_choice
 
-STEPS = 3
 GLOBAL_BATCH = 30   # Not a multiple of the block: the last block is partial.
 BLOCK = 4
-UNEVEN = (16, 8, 6)  # 4, 2 and 2 blocks: host 2 (sharded) runs one per device, the last partial.
-MODELS = ("mlp", "transformer", "resnet18")
 
 
-def build(model: str, width: int = 16):
-  """(source, task, optimizer): an mlp with sgd; a one-layer transformer with dropout, adam;
-  the exactness matrix's resnet18 (BatchNorm, sgd; 32x32 digits, width 4)."""
-  if model == "resnet18":
-    return _exact_entries.build("resnet18")
-  if model == "mlp":
-    return (data.load("digits"), zoo.build("mlp", kind="image", num_classes=10, hidden=(32,)),
-            optax.sgd(0.1))
-  source = data.load("tokens")
-  task = zoo.build("transformer", kind="tokens", vocab_size=source.info.vocab_size,
-                   num_layers=1, d_model=width, num_heads=2, dropout=0.1)
-  return source, task, optax.adam(3e-3)
-
-
-def train(shard_within_host: str, assignment=UNEVEN, models=MODELS):
-  """Per model: (this host's final parameters as numpy, this host's choice on)."""
-  if jax.process_count() > 1:
-    hetjax.initialize()
-  out = []
-  for model in models:
-    source, task, optimizer = build(model)
-    config = trainer.TrainConfig(global_batch=GLOBAL_BATCH, microbatch=BLOCK, seed=3,
-                                 assignment=assignment, shard_within_host=shard_within_host)
-    tr = trainer.Trainer(task, optimizer, source, config)
-    tr.fit(STEPS)
-    params = jax.tree.map(np.asarray, tr.params())
-    out.append((params, tr.mode.local.within is not None))
-    tr.close()
-  return out
+def build_mlp():
+  """(source, task, optimizer): the digits mlp with sgd."""
+  return (data.load("digits"), zoo.build("mlp", kind="image", num_classes=10, hidden=(32,)),
+          optax.sgd(0.1))
 
 
 def peaks(width: int, num_layers: int):
@@ -87,7 +58,7 @@ def train_saving(directory: str, shard_within_host: str, until: int):
   from hetjax import checkpoint  # pylint: disable=g-import-not-at-top
   if jax.process_count() > 1:
     hetjax.initialize()
-  source, task, optimizer = build("mlp")
+  source, task, optimizer = build_mlp()
   config = trainer.TrainConfig(global_batch=GLOBAL_BATCH, microbatch=BLOCK, seed=3,
                                shard_within_host=shard_within_host)
   tr = trainer.Trainer(task, optimizer, source, config,

@@ -1,7 +1,8 @@
 """Sharding within a host (`hetjax.step.within_host`): the same math, less memory per device.
 
-One cluster of 3 hosts x 2 devices trains an mlp, a transformer with
-dropout and resnet18 (BatchNorm) on an uneven split, sharding on host 2
+The exactness matrix's cluster of 3 hosts x 2 devices (resnet18, a
+transformer with dropout, linen and NNX models with BatchNorm and Dropout;
+an uneven, then a balanced split; device batches 4, 2, 1) shards on host 2
 only: every host holds the same bits, and they match one device up to
 float reduction order. One host of 4 devices compiles a transformer's local program with and without sharding
 and compares XLA's per-device peak bytes.
@@ -13,6 +14,7 @@ import jax
 import numpy as np
 import pytest
 
+import _exact_entries as ex
 import _within_host_entries as entries
 from hetjax import config as config_lib
 from hetjax.step import within_host
@@ -39,21 +41,20 @@ def test_auto_shards_only_when_the_whole_state_does_not_fit():
   assert within_host.mode_of("off,off,on", 2) == "on"
 
 
-@pytest.fixture(scope="module")
-def one_device():
-  assert jax.local_device_count() == 1
-  return entries.train("off", assignment="equal")
-
-
-def test_sharding_on_one_host_keeps_the_math_and_the_replicas(one_device):
-  hosts = run_hosts("_within_host_entries:train", hosts=3, devices_per_host=2,
-                    args=("off,off,on",), timeout_s=600)
-  for m, model in enumerate(entries.MODELS):
-    assert [host[m][1] for host in hosts] == [False, False, True], model
-    reference = jax.tree.leaves(hosts[0][m][0])
+def test_sharding_on_one_host_keeps_the_math_and_the_replicas(exact_one_device, exact_clusters):
+  """The exactness matrix's 3x2 runs shard on host 2 only (`_exact_entries.SHARD_WITHIN_HOST`):
+  every host holds the same bits, and they match one device up to float reduction order
+  (tests/test_exactness.py compares them with its oracle too)."""
+  for (model, reduction), result in exact_clusters[0][0].items():
+    hosts = [host[(model, reduction)] for host in exact_clusters[0]]
+    assert [host[5] for host in hosts] == [False, False, True], model
+    reference = jax.tree.leaves((result[0], result[1]))
     for host in hosts[1:]:  # Bit-identical replicas: each slice from its one owner.
-      assert all(np.array_equal(a, b) for a, b in zip(reference, jax.tree.leaves(host[m][0])))
-    for a, b in zip(reference, jax.tree.leaves(one_device[m][0])):
+      assert all(np.array_equal(a, b) for a, b in zip(reference, jax.tree.leaves(
+          (host[0], host[1])), strict=True)), model
+    alone = exact_one_device[(model, ex.ONE_DEVICE_REDUCTION[model])]
+    assert not alone[5]
+    for a, b in zip(reference, jax.tree.leaves((alone[0], alone[1])), strict=True):
       np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=model)
 
 
