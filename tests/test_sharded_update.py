@@ -11,7 +11,7 @@
    training as a plain `jax.jit` loop on each host alone ends with
    parameters that differ between the hosts, in 43 % of their elements
    at step 50 (24 % at 10, 52 % at 300). The steps cost little: 300
-   steps took 55 CPU-s, 50 take 45; compiling is the rest.
+   steps took 56 CPU-s, 50 take 49; compiling is the rest.
 2. 1 host x 1 device (the fused update) and 3 hosts x 2 devices (sharded,
    device backend; an uneven, then a balanced split, device batches 4, 2,
    1) reach an independent oracle (plain `jax.grad` +
