@@ -37,17 +37,22 @@ def test_hybrid_and_elastic_reach_97_percent_on_uneven_hosts_and_record_rounds(t
   the centre's test accuracy of both modes; the recorded spread is each
   host's distance to the hosts' sample-weighted mean (checked against the
   hosts' gathered parameters); `hetjax report` draws the hybrid run's
-  rounds; a host whose centre differs is caught by `check_every`.
+  rounds; the elastic run's hosts agree at every check (every 35 rounds),
+  and a host whose centre then differs is caught (that run's trainer, not
+  one more compiled for the check).
+  Accuracy on the 360 test digits, measured: hybrid 0.953 at 40 rounds,
+  0.972 at 60, 0.981 at 80; elastic 0.969 at 120, 0.983 at 140, 0.981 at 160.
   """
   out_dir = str(tmp_path / "hybrid")
   hybrid = (("hybrid", 80, (4, 2, 1), 0.1), {"momentum": None, "out": out_dir})  # outer: nesterov 0.7, 0.9
-  elastic = (("elastic", 160, (4, 2, 1), 0.05), {})  # default beta 0.9 (0.969 at 120 rounds); inner momentum 0.9
-  out = run_hosts("_modes_entries:accuracies", hosts=3, args=([hybrid, elastic], 2), timeout_s=600)
+  elastic = (("elastic", 140, (4, 2, 1), 0.05), {"check": True})  # default beta 0.9; inner momentum 0.9
+  out = run_hosts("_modes_entries:accuracies", hosts=3, args=([hybrid, elastic],), timeout_s=600)
   for host in out:
     for result in host["runs"]:
       assert result["taus"] == [4, 2, 1] and result["samples"] == [64, 32, 16]
       assert result["accuracy"] >= 0.97, result
-    assert "host(s) [1] hold other centres" in host["check"], host["check"]
+    check = host["runs"][1]["check"]
+    assert "host(s) [1] hold other centres" in check, check
   runs = [host["runs"] for host in out]
   for field in ("accuracy", "digest", "spread"):
     assert [r[0][field] for r in runs] == [runs[0][0][field]] * 3  # Every host holds one record.

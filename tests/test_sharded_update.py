@@ -2,12 +2,16 @@
 
 1. Hosts whose compilers differ (host 0 with XLA's default passes, host 1 at
    `--xla_backend_optimization_level=0`, standing in for another GPU
-   generation; emulation) train adam with a clipped global norm for 300
-   steps, checking agreement every 50: with per-host updates the check
-   failed at step 50 (measured before this change); now every check passes
-   and the final parameters are bit-identical. Both reduction backends. The
-   negative control: the same training as a plain `jax.jit` loop on each
-   host alone ends with parameters that differ between the hosts.
+   generation; emulation) train adam with a clipped global norm for 50
+   steps, checking agreement every 25: with per-host updates the check
+   failed at its first check, step 50 (measured before this change; adam
+   with the clip alone, fed the same gradients on both hosts, gives other
+   bits from step 1); now every check passes and the final parameters are
+   bit-identical. Both reduction backends. The negative control: the same
+   training as a plain `jax.jit` loop on each host alone ends with
+   parameters that differ between the hosts, in 43 % of their elements
+   at step 50 (24 % at 10, 52 % at 300). The steps cost little: 300
+   steps took 56 CPU-s, 50 take 49; compiling is the rest.
 2. 1 host x 1 device (the fused update) and 3 hosts x 2 devices (sharded,
    device backend; an uneven, then a balanced split, device batches 4, 2,
    1) reach an independent oracle (plain `jax.grad` +
@@ -40,13 +44,16 @@ MIXED = {0: {"XLA_FLAGS": ""}, 1: {"XLA_FLAGS": "--xla_backend_optimization_leve
 
 
 def test_hosts_compiled_differently_keep_identical_replicas():
-  """Sync on both backends (300 steps, checks every 50); hybrid's and elastic's centres."""
-  hosts = run_hosts("_sharded_entries:mixed_compilers_all", hosts=2, args=(300, 50, 25),
+  """Sync on both backends (50 steps, checks every 25); hybrid's and elastic's centres."""
+  hosts = run_hosts("_sharded_entries:mixed_compilers_all", hosts=2, args=(50, 25, 25),
                     host_env=MIXED, timeout_s=900)
-  # The negative control: updating its own replica, each host ends elsewhere.
+  # The negative control: updating its own replica, each host ends elsewhere, in
+  # many elements (43 % measured), not one stray bit.
   (_, control0), (_, control1) = hosts
-  assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(control0),
-                                                       jax.tree.leaves(control1), strict=True))
+  differ = [np.asarray(a) != np.asarray(b) for a, b in zip(jax.tree.leaves(control0),
+                                                           jax.tree.leaves(control1), strict=True)]
+  share = sum(d.sum() for d in differ) / sum(d.size for d in differ)
+  assert share > 0.1, share
   results = [runs for runs, _ in hosts]
   runs = list(ent.BACKENDS) + [f"{mode} ({backend})" for mode, backend in ent.ROUND_MODES]
   assert len(results[0]) == len(runs)
