@@ -12,6 +12,17 @@ def _gloo_error():
     return e
 
 
+def test_a_peers_loss_that_jax_raised_as_a_value_error_is_told_from_a_settings_error():
+  """Reading an array whose collective failed raises the XLA status as a ValueError (seen
+  when host 0 was killed mid-save under load): it is a peer's loss, a setting's error is not."""
+  raised = ValueError("UNKNOWN: Gloo AllGather failed: [external/gloo/gloo/transport/tcp/"
+                      "pair.cc:547] Connection closed by peer [127.0.0.1]:10385")
+  assert lost_peer.is_peer_failure_raised_as_value_error(raised)
+  for setting in ("global_batch 7 is unavailable on 2 hosts", "UNKNOWN: model 'x'",
+                  "gloo interface eth9 is not a network interface of this machine"):
+    assert not lost_peer.is_peer_failure_raised_as_value_error(ValueError(setting)), setting
+
+
 def test_a_peers_loss_is_one_line_naming_the_host_and_the_step(tmp_path):
   error = _gloo_error()
   assert lost_peer.is_peer_failure(error) and not lost_peer.is_peer_failure(ValueError("a bug"))

@@ -14,6 +14,7 @@ Stdlib only.
 from __future__ import annotations
 
 import os
+import re
 import threading
 import traceback
 from typing import Callable
@@ -23,6 +24,9 @@ from hetjax.cluster.positions import Position
 # Words of the errors a host meets when a peer, or the coordination service, is gone.
 PEER_ERRORS = ("gloo", "connection closed by peer", "connection reset by peer", "socket closed",
                "deadline_exceeded", "unavailable", "failed to connect", "broken pipe")
+# How an XLA status reads when JAX raises it as a ValueError (reading an array whose
+# collective failed does): the status code first, never a setting's wording.
+_XLA_STATUS = re.compile(r"(UNKNOWN|UNAVAILABLE|DEADLINE_EXCEEDED|INTERNAL|ABORTED|CANCELLED): ")
 MARKER = "[hetjax] lost a peer; this host's failure is a reaction:"
 LOG_NAME = "host{host}-error.log"
 
@@ -31,6 +35,12 @@ def is_peer_failure(error: BaseException) -> bool:
   """Whether `error` is what a collective raises when another host is gone."""
   text = f"{type(error).__name__} {error}".lower()
   return any(words in text for words in PEER_ERRORS)
+
+
+def is_peer_failure_raised_as_value_error(error: ValueError) -> bool:
+  """Whether a `ValueError` is a peer's loss that JAX raised as one (an XLA status whose
+  words say a peer is gone), not an error of the user's settings."""
+  return bool(_XLA_STATUS.match(str(error))) and is_peer_failure(error)
 
 
 def suspects(host_id: int, num_hosts: int, service_alive: Callable[[], bool]) -> tuple[list[int], str]:
