@@ -17,12 +17,16 @@ Refresh the table after a change that moves a file's time a lot:
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import os
+
+import pytest
 
 TABLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations.json")
 EXACT_RUNS = ("test_exactness.py", "test_sharded_update.py", "test_device_batch.py",
               "test_within_host.py")
+EXACT_UNIT = "exactness matrix runs"
 UNKNOWN_S = 10.0
 WORKERS = 2  # Each worker's multi-host tests start 2-3 hosts: more would overload 2 cores.
 
@@ -34,10 +38,10 @@ def file_of(nodeid: str) -> str:
 def unit_of(nodeid: str) -> str:
   """The scheduling unit: the file, or the exactness runs' files together."""
   name = file_of(nodeid)
-  return "exactness matrix runs" if name in EXACT_RUNS else name
+  return EXACT_UNIT if name in EXACT_RUNS else name
 
 
-def _seconds() -> dict[str, float]:
+def _recorded_seconds() -> dict[str, float]:
   try:
     with open(TABLE) as f:
       return json.load(f)
@@ -45,22 +49,22 @@ def _seconds() -> dict[str, float]:
     return {}
 
 
-def longest_first(items: list) -> None:
+def longest_first(items: list[pytest.Item]) -> None:
   """Sorts test items in place: units by their recorded seconds, longest first; a unit's
   tests stay together and in their order."""
-  seconds = _seconds()
-  cost = collections.defaultdict(float)
-  for item in items:
-    cost[unit_of(item.nodeid)] = 0.0
-  for unit in cost:
-    files = EXACT_RUNS if unit == "exactness matrix runs" else (unit,)
-    cost[unit] = sum(seconds.get(name, UNKNOWN_S) for name in files)
+  seconds = _recorded_seconds()
+
+  @functools.cache
+  def cost(unit: str) -> float:
+    return sum(seconds.get(name, UNKNOWN_S) for name in (EXACT_RUNS if unit == EXACT_UNIT
+                                                         else (unit,)))
+
   position = {id(item): i for i, item in enumerate(items)}
-  items.sort(key=lambda item: (-cost[unit_of(item.nodeid)], unit_of(item.nodeid),
+  items.sort(key=lambda item: (-cost(unit_of(item.nodeid)), unit_of(item.nodeid),
                                position[id(item)]))
 
 
-def make_scheduler(config, log):
+def make_scheduler(config: pytest.Config, log):
   """xdist's scope scheduler with `unit_of` as the scope, in the collection's order."""
   from xdist.scheduler import LoadScopeScheduling
 
@@ -79,7 +83,7 @@ class DurationRecorder:
     self.path = path
     self.seconds: dict[str, float] = collections.defaultdict(float)
 
-  def pytest_runtest_logreport(self, report) -> None:
+  def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
     self.seconds[file_of(report.nodeid)] += report.duration
 
   def pytest_sessionfinish(self) -> None:
