@@ -11,13 +11,15 @@ every step used, the optimizer state's memory and the device batches.
 uneven split for `FIXED_STEPS` steps, then the split a static balancer
 solves from recorded timings, every host with its own device batch
 (`DEVICE_BATCHES`), host 2 sharding its state over its own devices
-(`SHARD_WITHIN_HOST`; tests/test_within_host.py checks it on these runs). It saves the `SAVED` models' runs for
+(`SHARD_WITHIN_HOST`). It saves the `SAVED` models' runs for
 tests/test_sharded_update.py, which resumes them on 2 hosts x 1 device: one
-start of 3 hosts serves three test files (tests/test_device_batch.py
-checks the device batches on these runs).
+start of 3 hosts serves four test files (tests/test_device_batch.py checks
+the device batches on these runs, tests/test_within_host.py the sharding).
 """
 
 from __future__ import annotations
+
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -174,6 +176,16 @@ def recorded_timings(compute_s: float, step: int, samples: int = 0) -> float:
   return samples * SAMPLE_S / SPEEDS[jax.process_index()]
 
 
+class Run(NamedTuple):
+  """One trainer's end on this host, as `matrix` returns it."""
+  params: Any
+  model_state: Any
+  shares: list                 # The split of every step.
+  memory: tuple                # `optimizer_memory`.
+  device_batches: list         # The summary's, one per host.
+  sharded_within_host: bool
+
+
 def matrix(layout: str, models=MODELS, reductions=("device", "host"),
            global_batch: int = GLOBAL_BATCH, save_to: str | None = None,
            device_batches: tuple[int, ...] | None = None,
@@ -181,8 +193,7 @@ def matrix(layout: str, models=MODELS, reductions=("device", "host"),
   """Every (model, reduction) on this cluster; `layout` is 'equal' or 'uneven-then-static'.
   `plan` ({model: reduction}) runs those pairs instead of the product.
 
-  Returns {(model, reduction): (params, model state, shares, memory, the
-  summary's device batches, whether this host sharded within itself)}; with `save_to`, the `SAVED` models write their
+  Returns {(model, reduction): `Run`}; with `save_to`, the `SAVED` models write their
   step-`STEPS` checkpoint to `save_to/<model>`. `device_batches`: one per
   host (default: one block per device everywhere).
   """
@@ -206,9 +217,9 @@ def matrix(layout: str, models=MODELS, reductions=("device", "host"),
                          checkpoint=saving)
     summary = tr.fit(STEPS)
     state = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tr.state.model_state)
-    out[(model, reduction)] = (tr.params(), state, list(tr.history.shares),
-                               optimizer_memory(tr, summary), summary["device_batches"],
-                               tr.mode.local.within is not None)
+    out[(model, reduction)] = Run(tr.params(), state, list(tr.history.shares),
+                                  optimizer_memory(tr, summary), summary["device_batches"],
+                                  tr.mode.local.within is not None)
     tr.close()
   return out
 

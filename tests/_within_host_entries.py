@@ -2,9 +2,9 @@
 
 The 3x2 cluster that shards on one host only is the exactness matrix's
 (`_exact_entries.SHARD_WITHIN_HOST`). `train_saving`: an mlp saving and
-resuming under a sharding choice. `peaks`: the compiled local program's per-device peak bytes (XLA's
-memory analysis) of a transformer, with and without sharding, on this
-host's devices.
+resuming under a sharding choice. `peaks`: the compiled local program's
+per-device peak bytes (XLA's memory analysis) of a transformer, with and
+without sharding, on this host's devices.
 """
 
 from __future__ import annotations

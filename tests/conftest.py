@@ -77,12 +77,11 @@ def warm_hosts():
 
 # ---- the exactness matrix's runs, shared by four test files --------------------
 # tests/test_exactness.py, tests/test_sharded_update.py, tests/test_device_batch.py
-# and tests/test_within_host.py check the same 3x2 runs (with device batches
-# 4, 2, 1, on an uneven then a balanced split, host 2 sharding within itself) and the same
-# 1x1 runs (the sharded update against the fused one; k = 1): one run of each serves all
-# four (cluster starts and
-# compiles are most of their cost). Imported inside the fixtures: collecting a test that needs no
-# JAX should not load it.
+# and tests/test_within_host.py check the same 3x2 runs (with device batches 4, 2, 1,
+# on an uneven then a balanced split, host 2 sharding within itself) and the same
+# 1x1 runs (the sharded update against the fused one; k = 1): one run of each serves
+# all four (cluster starts and compiles are most of their cost). Imported inside the
+# fixtures: collecting a test that needs no JAX should not load it.
 
 
 @pytest.fixture(scope="session")

@@ -3,10 +3,10 @@
 1. Hosts whose compilers differ (host 0 with XLA's default passes, host 1 at
    `--xla_backend_optimization_level=0`, standing in for another GPU
    generation; emulation) train adam with a clipped global norm for 50
-   steps, checking agreement every 25: with per-host updates the check
-   failed at its first check, step 50 (measured before this change; adam
-   with the clip alone, fed the same gradients on both hosts, gives other
-   bits from step 1); now every check passes and the final parameters are
+   steps, checking agreement every 25: with per-host updates the first
+   check failed (step 50, measured when checks came every 50; adam with
+   the clip alone, fed the same gradients on both hosts, gives other bits
+   from step 1); now every check passes and the final parameters are
    bit-identical. Both reduction backends. The negative control: the same
    training as a plain `jax.jit` loop on each host alone ends with
    parameters that differ between the hosts, in 43 % of their elements

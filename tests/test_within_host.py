@@ -47,14 +47,14 @@ def test_sharding_on_one_host_keeps_the_math_and_the_replicas(exact_one_device, 
   (tests/test_exactness.py compares them with its oracle too)."""
   for (model, reduction), result in exact_clusters[0][0].items():
     hosts = [host[(model, reduction)] for host in exact_clusters[0]]
-    assert [host[5] for host in hosts] == [False, False, True], model
-    reference = jax.tree.leaves((result[0], result[1]))
+    assert [host.sharded_within_host for host in hosts] == [False, False, True], model
+    reference = jax.tree.leaves((result.params, result.model_state))
     for host in hosts[1:]:  # Bit-identical replicas: each slice from its one owner.
       assert all(np.array_equal(a, b) for a, b in zip(reference, jax.tree.leaves(
-          (host[0], host[1])), strict=True)), model
+          (host.params, host.model_state)), strict=True)), model
     alone = exact_one_device[(model, ex.ONE_DEVICE_REDUCTION[model])]
-    assert not alone[5]
-    for a, b in zip(reference, jax.tree.leaves((alone[0], alone[1])), strict=True):
+    assert not alone.sharded_within_host
+    for a, b in zip(reference, jax.tree.leaves((alone.params, alone.model_state)), strict=True):
       np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=model)
 
 

@@ -327,11 +327,6 @@ def _exit_now(code: int) -> None:
   os._exit(code)
 
 
-def _peer_lost(error: ValueError) -> bool:
-  from hetjax.cluster import lost_peer
-  return lost_peer.is_peer_failure_raised_as_value_error(error)
-
-
 def _say_failure(error: BaseException, args: argparse.Namespace) -> None:
   """A peer's loss in one line (the traceback in a file under --out); anything else in full."""
   from hetjax.cluster import lost_peer, watchdog
@@ -371,7 +366,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.out, config_lib.host_id_from_env):
       summary = train(args)
   except (ValueError, ConnectionError) as e:
-    if multi_host() and isinstance(e, ValueError) and _peer_lost(e):
+    from hetjax.cluster import lost_peer
+    if (multi_host() and isinstance(e, ValueError)
+        and lost_peer.is_peer_failure_raised_as_value_error(e)):
       _say_failure(e, args)  # JAX raised a failed collective as a ValueError.
       _exit_now(exits.FAILED_EXIT)
     # The library names its settings as fields (`global_batch`); here they are flags.
