@@ -94,7 +94,7 @@ def unsharded_loop(steps: int):
 
 # ---- a checkpoint of the exactness matrix's 3 uneven hosts x 2 devices, resumed on 2 x 1 ----
 
-MODELS = ("resnet18", "transformer")  # BatchNorm (sgd); dropout (adam).
+MODELS = ("resnet10", "transformer")  # BatchNorm (sgd); dropout (adam).
 
 
 def train_and_save(until: int, reduction: str, assignment, folder: str, resume: bool):

@@ -10,7 +10,7 @@ real row as hetjax does, so a mask lost anywhere (the loss, BatchNorm's
 statistics, an adapter) changes the oracle's result and not hetjax's, or the
 other way round.
 
-On 3x2, ResNet-18 and the transformer run with the device backend, the
+On 3x2, ResNet-10 and the transformer run with the device backend, the
 linen and NNX models with the host backend (`ex.CLUSTER_REDUCTION`); on
 1x1 each model runs with the other one (`ex.ONE_DEVICE_REDUCTION`). A
 backend only sums one float32 row per device, whatever the model and the

@@ -141,7 +141,7 @@ def test_the_trainer_drops_the_mask_only_when_every_block_is_whole(global_batch,
     tr.close()
 
 
-@pytest.mark.parametrize("model", ["resnet18", "linen"])
+@pytest.mark.parametrize("model", ["resnet10", "linen"])
 def test_whole_blocks_match_the_oracle(model):
   """BatchNorm models trained on whole blocks (unmasked) reach the masked oracle."""
   params, state = oracle(model, WHOLE)

@@ -1,6 +1,6 @@
 """Sharding within a host (`hetjax.step.within_host`): the same math, less memory per device.
 
-The exactness matrix's cluster of 3 hosts x 2 devices (resnet18, a
+The exactness matrix's cluster of 3 hosts x 2 devices (ResNet-10, a
 transformer with dropout, linen and NNX models with BatchNorm and Dropout;
 an uneven, then a balanced split; device batches 4, 2, 1) shards on host 2
 only: every host holds the same bits, and they match one device up to
