@@ -44,8 +44,9 @@ def test_hybrid_and_elastic_reach_97_percent_on_uneven_hosts_and_record_rounds(t
   0.972 at 60, 0.981 at 80; elastic 0.969 at 120, 0.983 at 140, 0.981 at 160.
   """
   out_dir = str(tmp_path / "hybrid")
-  hybrid = (("hybrid", 80, (4, 2, 1), 0.1), {"momentum": None, "out": out_dir})  # outer: nesterov 0.7, 0.9
-  elastic = (("elastic", 140, (4, 2, 1), 0.05), {"check": True})  # default beta 0.9; inner momentum 0.9
+  # Hybrid's outer step: nesterov 0.7, 0.9. Elastic: default beta 0.9, inner momentum 0.9.
+  hybrid = (("hybrid", 80, (4, 2, 1), 0.1), {"momentum": None, "out": out_dir})
+  elastic = (("elastic", 140, (4, 2, 1), 0.05), {"check": True})
   out = run_hosts("_modes_entries:accuracies", hosts=3, args=([hybrid, elastic],), timeout_s=600)
   for host in out:
     for result in host["runs"]:

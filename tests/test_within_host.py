@@ -4,8 +4,8 @@ The exactness matrix's cluster of 3 hosts x 2 devices (ResNet-10, a
 transformer with dropout, linen and NNX models with BatchNorm and Dropout;
 an uneven, then a balanced split; device batches 4, 2, 1) shards on host 2
 only: every host holds the same bits, and they match one device up to
-float reduction order. One host of 4 devices compiles a transformer's local program with and without sharding
-and compares XLA's per-device peak bytes.
+float reduction order. One host of 4 devices compiles a transformer's local
+program with and without sharding and compares XLA's per-device peak bytes.
 """
 
 from __future__ import annotations
@@ -45,10 +45,10 @@ def test_sharding_on_one_host_keeps_the_math_and_the_replicas(exact_one_device, 
   """The exactness matrix's 3x2 runs shard on host 2 only (`_exact_entries.SHARD_WITHIN_HOST`):
   every host holds the same bits, and they match one device up to float reduction order
   (tests/test_exactness.py compares them with its oracle too)."""
-  for (model, reduction), result in exact_clusters[0][0].items():
+  for model, reduction in exact_clusters[0][0]:
     hosts = [host[(model, reduction)] for host in exact_clusters[0]]
     assert [host.sharded_within_host for host in hosts] == [False, False, True], model
-    reference = jax.tree.leaves((result.params, result.model_state))
+    reference = jax.tree.leaves((hosts[0].params, hosts[0].model_state))
     for host in hosts[1:]:  # Bit-identical replicas: each slice from its one owner.
       assert all(np.array_equal(a, b) for a, b in zip(reference, jax.tree.leaves(
           (host.params, host.model_state)), strict=True)), model
