@@ -273,10 +273,11 @@ def test_hetjob_trains_through_a_time_limit_warning_that_saves_and_requeues_once
   out, ckpt = tmp_path / "run", tmp_path / "ckpt"
   command = _train(out, "--config", str(config), "--ckpt-dir", str(ckpt), "--ckpt-every",
                    "100000", "--wandb", "hetjax-test")
-  # Paced to 0.05 of their speed (emulated): the hosts sleep through the minute of
-  # waiting for SLURM instead of training on the suite's two cores (55 CPU-s at 0.3).
+  # Paced: 10 ms of emulated device time a sample (160 ms a step), so the hosts sleep
+  # through the minute of waiting for SLURM instead of training on the suite's two
+  # cores. A speed would also stretch the first step's compile (HETJAX_SPEED=0.05: 78 s).
   job = cluster.sbatch([], script, command, str(tmp_path), **_hetjax_env(
-      PYTHONPATH=f"{fake}{os.pathsep}{ROOT}", FAKE_WANDB_LOG=str(inits), HETJAX_SPEED="0.05"))
+      PYTHONPATH=f"{fake}{os.pathsep}{ROOT}", FAKE_WANDB_LOG=str(inits), HETJAX_DEVICE_SAMPLE_MS="10"))
   log = lambda: _log(tmp_path, job)  # noqa: E731
   described = lambda: log() + cluster.logs()  # noqa: E731
 
