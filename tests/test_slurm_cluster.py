@@ -277,7 +277,8 @@ def test_hetjob_trains_through_a_time_limit_warning_that_saves_and_requeues_once
   # through the minute of waiting for SLURM instead of training on the suite's two
   # cores. A speed would also stretch the first step's compile (HETJAX_SPEED=0.05: 78 s).
   job = cluster.sbatch([], script, command, str(tmp_path), **_hetjax_env(
-      PYTHONPATH=f"{fake}{os.pathsep}{ROOT}", FAKE_WANDB_LOG=str(inits), HETJAX_DEVICE_SAMPLE_MS="10"))
+      PYTHONPATH=f"{fake}{os.pathsep}{ROOT}", FAKE_WANDB_LOG=str(inits),
+      HETJAX_DEVICE_SAMPLE_MS="10"))
   log = lambda: _log(tmp_path, job)  # noqa: E731
   described = lambda: log() + cluster.logs()  # noqa: E731
 
