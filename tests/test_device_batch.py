@@ -260,6 +260,30 @@ def test_a_trainer_with_device_batches_runs_programs_of_k_blocks(four_blocks_run
   assert all(rows == [4 * j] * len(rows) for j, rows in runs.items()), runs
 
 
+def test_a_ladders_rungs_add_no_traces_of_the_model():
+  """k = 4 compiles six block programs (4, 2 and 1 blocks, with and without the update), k = 2
+  four; the model's Python runs as often in both (its block forward is traced once alone and
+  once stacked, then transformed): a ladder's rungs cost compiles, not model traces."""
+  def traces(k: int) -> int:
+    calls = []
+
+    def per_example_loss(params, batch, rng):
+      del rng
+      calls.append(batch["x"].shape)
+      logits = batch["x"] @ params["w"]
+      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), {}
+
+    task = hetjax.from_functions(lambda rng, batch: {"w": jnp.zeros((5, 3))}, per_example_loss)
+    config = hetjax.TrainConfig(global_batch=28, microbatch=4, device_batch=k, check_every=0)
+    tr = hetjax.Trainer(task, optax.sgd(0.3), _points(), config)
+    tr.fit(3)  # Step 2 compiles the programs with the update.
+    tr.close()
+    return calls.count((4, 5))
+
+  two_rungs, three_rungs = traces(2), traces(4)
+  assert two_rungs > 0 and three_rungs == two_rungs, (two_rungs, three_rungs)
+
+
 def test_a_resume_with_another_device_batch_continues_the_uninterrupted_run(four_blocks_run):
   """The k = 4 run's checkpoint of step 2 resumed with k = 1 for 2 more steps: the k = 4 run's
   parameters and BatchNorm statistics at step 4 (up to float rounding)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Iterator
 
 import jax
@@ -81,33 +82,17 @@ def _sums(task: Task, params: PyTree, model_state: PyTree, block: dict[str, jax.
           stacked: bool) -> Sums:
   compute = precision_lib.compute_dtype(precision)
   low, scaled = compute != jnp.float32, precision_lib.uses_loss_scale(precision)
-  loss_fn = task.training_loss(blocks_full)
-  masked = lambda v, real: jnp.sum(jnp.where(real, v.astype(jnp.float32), 0.0))
 
-  def one(p, block, rng):
-    real = block[MASK] > 0
-    # An all-padding block (a host whose blocks do not fill its last device
-    # round) shows the model an all-ones mask: masked BatchNorm over zero rows
-    # would be NaN, and NaN survives `where` in the backward pass. Its rows are
-    # copies of a real row, and every sum below uses `real`.
-    model_block = {**block, MASK: jnp.where(jnp.any(real), block[MASK], 1.0)}
-    if low:
-      model_block = precision_lib.cast_batch(model_block, compute, keep=(MASK,))
-    losses, metrics, new_state = loss_fn(p, model_state, model_block, rng)
-    values, weights = split_losses(losses)
-    n = jnp.sum(real.astype(jnp.float32))
-    weight = masked(weights, real) if weights is not None else n
-    return masked(values, real), (weight, n, {k: masked(v, real) for k, v in metrics.items()},
-                                  jax.tree.map(lambda s: jnp.where(n > 0, s * n, 0.0), new_state))
+  one = _forward(task, blocks_full, compute)
 
   def total_loss(p):
     if low:
       p = precision_lib.cast_floats(p, compute)
     if stacked:
-      loss, aux = jax.vmap(one, in_axes=(None, 0, 0))(p, block, rng)
+      loss, aux = jax.vmap(one, in_axes=(None, None, 0, 0))(p, model_state, block, rng)
       loss, aux = jnp.sum(loss), jax.tree.map(lambda v: jnp.sum(v, axis=0), aux)
     else:
-      loss, aux = one(p, block, rng)
+      loss, aux = one(p, model_state, block, rng)
     return (loss * scale if scaled else loss), (loss, aux)
 
   (_, (loss, (weight, n, metrics, state))), grads = jax.value_and_grad(
@@ -116,3 +101,51 @@ def _sums(task: Task, params: PyTree, model_state: PyTree, block: dict[str, jax.
       lambda g: g.astype(jnp.float32))
   return Sums(grads=jax.tree.map(unscale, grads), weight=weight, count=n, loss=loss,
               metrics=metrics, model_state=state)
+
+
+# A loss function -> {(blocks_full, compute dtype): its jitted block forward}; an entry goes
+# with its loss (the forward holds only a weak reference to it).
+_FORWARDS: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
+def _forward(task: Task, blocks_full: bool, compute: Any) -> Any:
+  """One block's masked loss sums and aux, as a `jax.jit` made once per loss function.
+
+  Why: every program that runs blocks (each rung of a host's ladder, with
+  and without the update) and every trainer of the same task then traces
+  the model once, and transforms that trace (vmap, grad) instead of
+  tracing the model again.
+  """
+  loss_fn = task.training_loss(blocks_full)
+  key = (blocks_full, jnp.dtype(compute).name)
+  try:
+    cache = _FORWARDS.setdefault(loss_fn, {})
+    loss_ref = weakref.ref(loss_fn)
+  except TypeError:  # A loss without weak references: traced in each program, as before.
+    cache, loss_ref = {}, lambda: loss_fn
+  if key not in cache:
+    cache[key] = jax.jit(_masked_sums(loss_ref, compute))
+  return cache[key]
+
+
+def _masked_sums(loss_ref: Any, compute: Any) -> Any:
+  low = compute != jnp.float32
+  masked = lambda v, real: jnp.sum(jnp.where(real, v.astype(jnp.float32), 0.0))
+
+  def one(params, model_state, block, rng):
+    real = block[MASK] > 0
+    # An all-padding block (a host whose blocks do not fill its last device
+    # round) shows the model an all-ones mask: masked BatchNorm over zero rows
+    # would be NaN, and NaN survives `where` in the backward pass. Its rows are
+    # copies of a real row, and every sum below uses `real`.
+    model_block = {**block, MASK: jnp.where(jnp.any(real), block[MASK], 1.0)}
+    if low:
+      model_block = precision_lib.cast_batch(model_block, compute, keep=(MASK,))
+    losses, metrics, new_state = loss_ref()(params, model_state, model_block, rng)
+    values, weights = split_losses(losses)
+    n = jnp.sum(real.astype(jnp.float32))
+    weight = masked(weights, real) if weights is not None else n
+    return masked(values, real), (weight, n, {k: masked(v, real) for k, v in metrics.items()},
+                                  jax.tree.map(lambda s: jnp.where(n > 0, s * n, 0.0), new_state))
+
+  return one
