@@ -112,9 +112,11 @@ def _forward(task: Task, blocks_full: bool, compute: Any) -> Any:
   """One block's masked loss sums and aux, as a `jax.jit` made once per loss function.
 
   Why: every program that runs blocks (each rung of a host's ladder, with
-  and without the update) and every trainer of the same task then traces
-  the model once, and transforms that trace (vmap, grad) instead of
-  tracing the model again.
+  and without the update) and every trainer of the same task then
+  transform (vmap, grad) one trace of the model, one block's and one
+  stacked, instead of tracing the model again. As with any `jax.jit`, a
+  loss that reads Python state which changes between trainers is not
+  traced again: pass such values in the batch or the model state.
   """
   loss_fn = task.training_loss(blocks_full)
   key = (blocks_full, jnp.dtype(compute).name)
