@@ -164,3 +164,23 @@ def test_sigterm_on_one_host_without_checkpoints_stops_as_a_preemption_and_a_sec
     tr.fit(until=50, on_step=twice)
   assert tr.step == 4
   signals.REQUESTS.clear()
+
+
+def test_the_launchers_sigterm_while_a_stopped_host_leaves_keeps_what_it_saved(tmp_path):
+  """Once one host exited 75 the launcher SIGTERMs the group: a host that stopped at the
+  same boundary, saved, and is on its way out still says what it saved (the signal once
+  replaced that with "stopped outside the training steps; nothing was saved")."""
+  import _stop_entries
+  tr = _one_host(str(tmp_path))
+  with signals.REQUESTS.installed(defer=False):  # What the command line does.
+    with pytest.raises(signals.Preempted, match=f"checkpoint of step 4 saved in {tmp_path}"):
+      try:
+        tr.fit(until=50, on_step=_stop_entries._signal_on(0, 2, signal.SIGTERM))
+      finally:
+        os.kill(os.getpid(), signal.SIGTERM)  # The launcher's, while the stop unwinds.
+    assert _saved(tmp_path) == [4]
+  with signals.REQUESTS.installed(defer=False):  # The next job's signals count again.
+    with pytest.raises(signals.Preempted, match="outside the training steps"):
+      os.kill(os.getpid(), signal.SIGTERM)
+  signals.REQUESTS.clear()
+  tr.close()

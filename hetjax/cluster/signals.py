@@ -133,12 +133,15 @@ class StopRequests:
     self.last_during: int | None = None  # `during` of the request just handled.
     self._depth = 0
     self._deferring = 0  # Installs inside a step loop: the flag waits for the boundary.
+    self._leaving = False  # Stopped at a boundary, saved: later signals change nothing.
     self._previous: dict[int, object] = {}
 
   def _handle(self, signum: int, frame) -> None:
     del frame
     if watchdog.WATCHDOG.ending.is_set() or watchdog.WATCHDOG.failing.is_set():
       return  # This host leaves with the job's verdict, or its failure: not a preemption.
+    if self._leaving:
+      return  # Its stop is on the way out, with what it saved (the launcher's own SIGTERM).
     if self.code == NONE:
       self.during = watchdog.WATCHDOG.position.step if watchdog.WATCHDOG.position else None
     self.code = max(self.code, _CODES[signum])
@@ -164,6 +167,7 @@ class StopRequests:
       yield self
       return
     if self._depth == 0:
+      self._leaving = False
       for signum in _CODES:
         previous = signal.signal(signum, self._handle)
         # A handler installed outside Python reads as None and cannot be put back.
@@ -206,6 +210,13 @@ class StopRequests:
     """Forgets a handled request (after the hosts stopped for it)."""
     self.code = NONE
     self.last_during, self.during = self.during, None
+
+  def leave(self) -> None:
+    """This host stopped at a boundary and closed the run: until the outermost install
+    ends, a signal no longer raises. Why: the launcher stops a group once one host has
+    exited, and its SIGTERM must not replace the stop on its way out ("checkpoint of
+    step N saved") with "stopped outside the training steps; nothing was saved"."""
+    self._leaving = True
 
 
 REQUESTS = StopRequests()

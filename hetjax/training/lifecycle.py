@@ -308,6 +308,7 @@ class Run:
     """Every host got the stop flag at this same boundary: close the run as `close`, raise."""
     signals.REQUESTS.clear()
     self.close()
+    signals.REQUESTS.leave()
     t = self.trainer
     raise signals.stopped(code, t.step, None if t.checkpointer is None else t.checkpointer.directory)
 
