@@ -53,8 +53,9 @@ def test_an_offline_run_holds_the_config_and_every_step(tmp_path, monkeypatch):
   config, history = {}, []
   for record in _wandb_records(path):
     kind = record.WhichOneof("record_type")
-    if kind == "run":
-      config.update({i.key: json.loads(i.value_json) for i in record.run.config.update})
+    if kind in ("run", "config"):  # W&B may send the config with the run or after it.
+      items = record.run.config.update if kind == "run" else record.config.update
+      config.update({i.key: json.loads(i.value_json) for i in items})
     elif kind == "history":
       history.append({i.key or "/".join(i.nested_key): json.loads(i.value_json)
                       for i in record.history.item})
