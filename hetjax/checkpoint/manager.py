@@ -117,6 +117,9 @@ class Checkpointer:
     self._handing_over: concurrent.futures.Future | None = None
     self.snapshot_s: list[float] = []  # Seconds each snapshot blocked the caller.
     self.handover_s: list[float] = []  # Seconds each hand-over spent in orbax (on the worker).
+    # Seconds each background save waited for the previous hand-over: saves
+    # closer together than a hand-over stall the loop for the difference.
+    self.handover_wait_s: list[float] = []
 
   def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
     """Hands the state after `step` steps to orbax on this thread (written in the
@@ -144,7 +147,9 @@ class Checkpointer:
     first for the previous hand-over (it takes a fraction of a step; saves
     are many steps apart).
     """
+    t0 = time.perf_counter()
     self._raise_if_any_failed(self._finished_hand_over())
+    self.handover_wait_s.append(time.perf_counter() - t0)
     if step == self.last_saved:
       return
     t0 = time.perf_counter()
