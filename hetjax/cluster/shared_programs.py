@@ -14,6 +14,9 @@ the device ids itself, so that hosts share entries). Here:
   given, so each host runs it on its own;
 - a host that misses takes a lock on the key and looks again before it
   compiles, so that hosts asking for one program at once compile it once.
+  The lock only saves work, so no host waits on it for ever: a waiter
+  whose holder is stopped (a test's SIGSTOP) or gone, or who has waited
+  `LOCK_WAIT_S`, compiles the program itself.
 
 Uses JAX internals (jax 0.10.2); where they differ, the cache is used as
 JAX alone uses it. Nothing here runs outside the test suite.
@@ -24,10 +27,54 @@ from __future__ import annotations
 import fcntl
 import os
 import threading
+import time
+from typing import Callable
 import warnings
 
 SHARE_ENV = "HETJAX_TEST_SHARE_PROGRAMS"
+LOCK_WAIT_S = 120.0  # Longer than any compile of the suite's; then compile it twice.
+_POLL_S = 0.05
 _held = threading.local()  # This thread's lock file, between a miss and its write.
+
+
+def _holder_runs(fd: int) -> bool:
+  """Whether the process whose pid the lock file holds can still release it.
+
+  A stopped process (state T or t) holds its lock until someone resumes it,
+  which in a test may be never; a zombie or missing one has released it.
+  """
+  try:
+    pid = int(os.pread(fd, 16, 0) or b"0")
+    with open(f"/proc/{pid}/stat", "rb") as f:
+      state = f.read().rsplit(b")", 1)[1].split()[0]
+  except (OSError, ValueError, IndexError):
+    return True  # No pid yet (the holder writes it just after locking), or no /proc.
+  return state not in (b"T", b"t", b"Z", b"X")
+
+
+def acquire(path: str, wait_s: float = LOCK_WAIT_S,
+            clock: Callable[[], float] = time.monotonic,
+            sleep: Callable[[float], None] = time.sleep) -> int | None:
+  """The lock at `path` (a file descriptor; closing it releases), or None.
+
+  None when the holder is stopped or `wait_s` has passed: the caller then
+  compiles without the lock. The holder's pid goes into the file so that
+  waiters can tell a stopped holder from a busy one.
+  """
+  fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+  deadline = clock() + wait_s
+  while True:
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      if clock() < deadline and _holder_runs(fd):
+        sleep(_POLL_S)
+        continue
+      os.close(fd)
+      return None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
 
 
 def install() -> bool:
@@ -54,9 +101,8 @@ def install() -> bool:
     found = real_read(module_name, key, *args, **kwargs)
     if found[0] is not None or getattr(_held, "fd", None) is not None:
       return found
-    fd = os.open(os.path.join(locks, key[-64:]), os.O_CREAT | os.O_RDWR, 0o644)
-    fcntl.flock(fd, fcntl.LOCK_EX)  # Another host compiling it holds it until it wrote.
-    _held.fd = fd
+    # Another host compiling it holds the lock until it wrote the program.
+    _held.fd = acquire(os.path.join(locks, key[-64:]))
     return real_read(module_name, key, *args, **kwargs)
 
   def write(key, compile_time_secs, module_name, backend, executable, host_callbacks):
