@@ -26,6 +26,14 @@ PYTHONUNBUFFERED, any `--env KEY=VALUE`, then its own settings), runs from its
 workdir, and its output comes back prefixed with `[host i] `. `--dry-run`
 prints the exact ssh command of each host, in host order, and starts nothing.
 
+The coordinator's service runs inside process 0 unless `--service-python
+PYTHON` names a Python on the first host (relative to its workdir, e.g.
+`.venv/bin/python`, one with hetjax and jaxlib): then it runs there in a
+process of its own, started over ssh before the hosts, so that host 0's
+death does not abort the others: they stop in Python and name host 0
+(`hetjax.cluster.service`). A service that does not listen stops the job
+before any host starts.
+
 Stopping: when a host fails, or the launcher is interrupted or killed, the
 local ssh processes end. ssh asks for a terminal (`-tt`), so a closed
 connection hangs up the remote side; there a small bash wrapper turns the
@@ -53,6 +61,8 @@ try:
 except ImportError:  # Run from a checkout without installing hetjax.
   sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   from hetjax.cluster import launcher_cli, procs
+from hetjax import exits
+from hetjax.cluster import service
 from hetjax.config import Env
 
 DEFAULT_PORT = 29517
@@ -172,17 +182,21 @@ def remote_command(command: Sequence[str], env: Mapping[str, str], workdir: str 
 def host_commands(hosts: Sequence[Host], command: Sequence[str], *, coordinator: str,
                   ssh: str = DEFAULT_SSH, workdir: str | None = None,
                   env: Mapping[str, str] | None = None, init_timeout_s: float | None = None,
-                  restart_count: int = 0,
-                  heartbeat_timeout_s: int | None = None) -> list[list[str]]:
-  """The local argv (ssh, host, remote line) that starts process i on host i."""
-  ssh_argv = shlex.split(ssh)
-  if not ssh_argv:
-    raise ValueError("--ssh is empty; give the ssh program, e.g. --ssh 'ssh -p 2222'.")
+                  restart_count: int = 0, heartbeat_timeout_s: int | None = None,
+                  service_elsewhere: bool = False) -> list[list[str]]:
+  """The local argv (ssh, host, remote line) that starts process i on host i.
+
+  `service_elsewhere`: the coordination service runs in a process of its
+  own (`service_command`), so host 0 joins it as a client.
+  """
+  ssh_argv = _ssh_argv(ssh)
   commands = []
   for i, host in enumerate(hosts):
     host_env = {Env.COORDINATOR: coordinator, Env.NUM_HOSTS: str(len(hosts)),
                 Env.HOST_ID: str(i), Env.RESTART_COUNT: str(restart_count),
                 "PYTHONUNBUFFERED": "1"}
+    if service_elsewhere:
+      host_env[Env.SERVICE] = service.ELSEWHERE
     if init_timeout_s is not None:
       host_env[Env.INIT_TIMEOUT] = f"{init_timeout_s:g}"
     if heartbeat_timeout_s is not None:
@@ -192,6 +206,24 @@ def host_commands(hosts: Sequence[Host], command: Sequence[str], *, coordinator:
     commands.append([*ssh_argv, host.address,
                      remote_command(command, host_env, host.workdir or workdir)])
   return commands
+
+
+def service_command(hosts: Sequence[Host], python: str, *, coordinator: str,
+                    ssh: str = DEFAULT_SSH, workdir: str | None = None,
+                    heartbeat_timeout_s: int | None = None) -> list[str]:
+  """The local argv that runs the coordination service with `python` on the first host."""
+  first = hosts[0]
+  heartbeat_s = heartbeat_timeout_s or procs.DEFAULT_HEARTBEAT_S
+  argv = service.remote_argv(python, coordinator, len(hosts), heartbeat_s)
+  return [*_ssh_argv(ssh), first.address,
+          remote_command(argv, {"PYTHONUNBUFFERED": "1", **first.env}, first.workdir or workdir)]
+
+
+def _ssh_argv(ssh: str) -> list[str]:
+  argv = shlex.split(ssh)
+  if not argv:
+    raise ValueError("--ssh is empty; give the ssh program, e.g. --ssh 'ssh -p 2222'.")
+  return argv
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -214,6 +246,11 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--init-timeout", type=float, default=None,
                       help="seconds a host may take to join the cluster")
   launcher_cli.add_heartbeat_argument(parser)
+  parser.add_argument("--service-python", default=None, metavar="PYTHON",
+                      help="a Python with hetjax and jaxlib on the first host (relative to its "
+                           "workdir): runs the coordination service there beside host 0, so "
+                           "that host 0's death does not abort the others (default: inside "
+                           "host 0)")
   parser.add_argument("--dry-run", action="store_true",
                       help="print each host's ssh command, one per line, and start nothing")
   launcher_cli.add_stop_arguments(
@@ -244,33 +281,60 @@ def main(argv: Sequence[str] | None = None) -> int:
       return host_commands(hosts, command, coordinator=coordinator, ssh=args.ssh,
                            workdir=args.workdir, env=extra_env,
                            init_timeout_s=args.init_timeout, restart_count=restart_count,
-                           heartbeat_timeout_s=args.heartbeat_timeout)
+                           heartbeat_timeout_s=args.heartbeat_timeout,
+                           service_elsewhere=args.service_python is not None)
+
+    def service_for(restart_count: int) -> list[str] | None:
+      if args.service_python is None:
+        return None
+      coordinator = coordinator_address(hosts, args.port, args.coordinator, restart_count)
+      return service_command(hosts, args.service_python, coordinator=coordinator, ssh=args.ssh,
+                             workdir=args.workdir, heartbeat_timeout_s=args.heartbeat_timeout)
 
     first = commands(0)
   except ValueError as e:
     parser.error(str(e))  # Exits 2 with the usage line.
   if args.dry_run:
+    if args.service_python is not None:
+      print("# the coordination service, started first: " + shlex.join(service_for(0)))
     for argv_i in first:
       print(shlex.join(argv_i))
     return 0
   return run(hosts, commands, port=args.port, coordinator=args.coordinator, grace_s=args.grace,
-             max_restarts=args.max_restarts, max_preemptions=args.max_preemptions)
+             max_restarts=args.max_restarts, max_preemptions=args.max_preemptions,
+             service=service_for, heartbeat_timeout_s=args.heartbeat_timeout)
 
 
 def run(hosts: Sequence[Host], commands: Callable[[int], list[list[str]]], *, port: int,
         coordinator: str | None, grace_s: float, max_restarts: int = 0,
-        max_preemptions: int | None = None) -> int:
-  """Starts the ssh processes, supervised by `procs.supervise`; returns the exit code."""
+        max_preemptions: int | None = None,
+        service: Callable[[int], list[str] | None] = lambda restart_count: None,
+        heartbeat_timeout_s: int | None = None) -> int:
+  """Starts the ssh processes, supervised by `procs.supervise`; returns the exit code.
+
+  `service(restart_count)`: the command that runs the coordination service
+  on the first host for that attempt, or None (host 0 runs it).
+  """
   names = ", ".join(f"host {i} {h.address}" for i, h in enumerate(hosts))
 
   def attempt(restart_count: int) -> procs.Outcome:
     address = coordinator_address(hosts, port, coordinator, restart_count)
     procs.note(f"{len(hosts)} host(s) over ssh, coordinator {address}: {names}")
-    return procs.run_group(commands(restart_count), [os.environ] * len(hosts), sink=sys.stdout,
-                           grace_s=grace_s, handle_signals=True)
+    beside = service(restart_count)
+    return procs.run_group(
+        commands(restart_count), [os.environ] * len(hosts), sink=sys.stdout, grace_s=grace_s,
+        handle_signals=True, service_command=beside,
+        service=None if beside is None else (address,
+                                             heartbeat_timeout_s or procs.DEFAULT_HEARTBEAT_S))
 
   try:
     return procs.supervise(attempt, max_restarts=max_restarts, max_preemptions=max_preemptions)
+  except procs.ServiceNotStarted as e:
+    procs.note(f"the coordination service did not start on {hosts[0].address}: {e}; no host "
+               "was started. Check --service-python (a Python with hetjax and jaxlib there, "
+               "relative to its workdir; its lines above start with [service]), or drop it to "
+               "let host 0 run the service.")
+    return exits.FAILED_EXIT
   except OSError as e:
     procs.note(f"cannot start ssh ({commands(0)[0][0]!r}): {e}; check --ssh.")
     return 127 if isinstance(e, FileNotFoundError) else 126

@@ -380,6 +380,96 @@ def test_hosts_dry_run_prints_the_exact_commands(tmp_path):
             f"</dev/null ") in wrapper
 
 
+# A host that joins the cluster over the stand-in ssh. Host 0 leaves at once
+# without JAX's shutdown, as a crashed host 0 would, but with exit code 0 so
+# that the launcher waits for host 1; host 1 then asks the coordination
+# service for a key and reports whether it still answered.
+_OUTLIVES_HOST_0 = textwrap.dedent("""
+  import json, os, time
+  import hetjax
+  from jax._src import distributed  # The cluster's key-value store: no public handle.
+  hetjax.initialize()
+  client = distributed.global_state.client
+  if os.environ["HETJAX_HOST_ID"] == "0":
+    client.key_value_set("pid0", str(os.getpid()))
+    client.blocking_key_value_get("go", 60_000)
+    os._exit(0)
+  pid = int(client.blocking_key_value_get("pid0", 60_000))
+  client.key_value_set("go", "1")
+  def gone():
+    try:
+      with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+      return True
+  while not gone():
+    time.sleep(0.05)
+  try:
+    client.key_value_set("after", "1")
+    answered = client.blocking_key_value_get("after", 10_000) == "1"
+  except Exception:
+    answered = False
+  print("REPORT " + json.dumps({"service_answered": answered}), flush=True)
+  os._exit(0)
+""")
+
+
+@pytest.mark.parametrize("beside", [True, False], ids=["service beside host 0", "inside host 0"])
+def test_hosts_service_python_keeps_the_service_when_host_0_is_gone(tmp_path, beside):
+  fake_ssh = _script(tmp_path / "fake-ssh", _FAKE_SSH)
+  hostfile = tmp_path / "hosts.txt"
+  hostfile.write_text("node-a\nnode-b\n")
+  service = ["--service-python", sys.executable] if beside else []
+  result = subprocess.run(
+      [sys.executable, HOSTS, "--hostfile", str(hostfile), "--ssh", fake_ssh,
+       "--coordinator", f"127.0.0.1:{procs.free_port()}", *service,
+       "--", sys.executable, "-c", _OUTLIVES_HOST_0],
+      capture_output=True, text=True, timeout=DEADLINE_S)
+  reports = [json.loads(line.partition("REPORT ")[2]) for line in result.stdout.splitlines()
+             if line.startswith("[host 1] REPORT ")]
+  if beside:
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert reports == [{"service_answered": True}], result.stdout[-3000:]
+    assert "host 0 runs the coordination service" not in result.stderr
+  else:  # The control: host 0 took the service with it (host 1 is told so, or aborted).
+    assert reports in ([], [{"service_answered": False}]), result.stdout[-3000:]
+
+
+def test_hosts_service_python_that_cannot_serve_stops_before_any_host(tmp_path):
+  fake_ssh = _script(tmp_path / "fake-ssh", _FAKE_SSH)
+  hostfile = tmp_path / "hosts.txt"
+  hostfile.write_text("node-a\nnode-b\n")
+  witness = tmp_path / "host-started"
+  result = subprocess.run(
+      [sys.executable, HOSTS, "--hostfile", str(hostfile), "--ssh", fake_ssh,
+       "--coordinator", f"127.0.0.1:{procs.free_port()}", "--service-python", "false",
+       "--", "touch", str(witness)], capture_output=True, text=True, timeout=DEADLINE_S)
+  assert result.returncode == 1, result.stderr
+  assert "the coordination service did not start on node-a" in result.stderr
+  assert "Check --service-python" in result.stderr
+  assert not witness.exists()
+
+
+def test_hosts_dry_run_with_service_python_names_the_service_and_host_0_joins_it(tmp_path):
+  hostfile = tmp_path / "hosts.txt"
+  hostfile.write_text("node-a HETJAX_GLOO_INTERFACE=ib0\nnode-b\n")
+  result = subprocess.run(
+      [sys.executable, HOSTS, "--hostfile", str(hostfile), "--dry-run", "--workdir", "/srv/hetjax",
+       "--port", "4242", "--heartbeat-timeout", "30", "--service-python", ".venv/bin/python",
+       "--", ".venv/bin/hetjax", "train"], capture_output=True, text=True, timeout=DEADLINE_S)
+  assert result.returncode == 0, result.stderr
+  first, *hosts = result.stdout.splitlines()
+  prefix = "# the coordination service, started first: "
+  assert first.startswith(prefix)
+  *local, remote = shlex.split(first[len(prefix):])
+  assert local[-1] == "node-a"
+  wrapper = shlex.split(remote)[3]
+  assert wrapper.startswith("set -m +o posix; cd /srv/hetjax || exit 1; ")
+  assert "HETJAX_GLOO_INTERFACE=ib0" in wrapper  # The first host's own settings.
+  assert ".venv/bin/python -I -c" in wrapper and " node-a:4242 2 30 </dev/null" in wrapper
+  assert len(hosts) == 2 and all("HETJAX_SERVICE=launcher" in line for line in hosts)
+
+
 @pytest.mark.parametrize("hostfile, args, message", [
     ("# only a comment\n\n", [], "lists no hosts; write one [user@]host per line."),
     ("node-a\nnode-b 4\n", [], "line 2 of"),

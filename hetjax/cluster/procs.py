@@ -53,10 +53,15 @@ FORWARDED = {signal.SIGINT: signal.SIGINT, signal.SIGTERM: signal.SIGTERM,
              signal.SIGHUP: signal.SIGTERM}
 
 
+class ServiceNotStarted(RuntimeError):
+  """A coordination service run elsewhere did not listen (the message says why)."""
+
+
 def run_group(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str]], *,
               sink: IO[str] | None = None, timeout_s: float | None = None,
               grace_s: float = DEFAULT_GRACE_S, handle_signals: bool = False,
-              tail_lines: int = TAIL_LINES, service: tuple[str, int] | None = None) -> Outcome:
+              tail_lines: int = TAIL_LINES, service: tuple[str, int] | None = None,
+              service_command: Sequence[str] | None = None) -> Outcome:
   """Runs one process per host until all exit 0, one fails, a deadline or a signal.
 
   On the first failure (or timeout, or signal) every other host is stopped.
@@ -75,9 +80,16 @@ def run_group(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str
       run the coordination service here, beside the hosts, so that host 0's
       death does not abort the others (`hetjax.cluster.service`); None, or a
       launcher without jaxlib: host 0 runs it.
+    service_command: the command that runs that service elsewhere (ssh to
+      the first host, `hetjax.cluster.service.remote_argv`); the hosts'
+      commands then say so themselves (HETJAX_SERVICE), so no host starts
+      when it does not listen.
 
   Returns:
     The `Outcome`.
+
+  Raises:
+    ServiceNotStarted: `service_command`'s service did not listen; no host started.
   """
   received: list[int] = []
   previous = _install_handlers(received) if handle_signals else {}
@@ -85,10 +97,13 @@ def run_group(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str
   beside = None
   if service is not None:
     beside = Service(service[0], len(commands), service[1], sink,
-                     lambda line: findings.scan(SERVICE_LINES, line))
+                     lambda line: findings.scan(SERVICE_LINES, line), command=service_command)
     why = beside.start()
     if why is None:
       envs = [{**env, Env.SERVICE: ELSEWHERE} for env in envs]
+    elif service_command is not None:
+      _restore_handlers(previous)
+      raise ServiceNotStarted(why)
     else:
       beside = None
       note(f"host 0 runs the coordination service: {why}; if host 0 dies, JAX aborts the others.")

@@ -17,10 +17,11 @@ timeout is declared dead and the others are aborted, and its log lines (which
 name the dead hosts) reach the launcher's `Findings` as the hosts' do.
 
 The SLURM templates (`launch/slurm*.sbatch`) do the same from the batch
-script, on the first node, with the Python of the hosts' command. Where no
-launcher hosts the service (it needs jaxlib in the launcher's Python;
-`launch/hosts.py` and Kubernetes start no such process), host 0 keeps it,
-and with it the abort when host 0 dies.
+script, on the first node, with the Python of the hosts' command, and
+`launch/hosts.py --service-python PYTHON` over ssh on the first host
+(`remote_argv`). Where no launcher hosts the service (the local launcher's
+Python has no jaxlib, `launch/hosts.py` without that flag, Kubernetes),
+host 0 keeps it, and with it the abort when host 0 dies.
 
 Stdlib only at import, and no hetjax import there either: the service
 process runs isolated (`python -I`) and imports only jaxlib; the launcher
@@ -36,7 +37,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Callable, Mapping
+from typing import IO, Callable, Mapping, Sequence
 
 ELSEWHERE = "launcher"  # HETJAX_SERVICE's value: host 0 joins as a client only.
 READY = "[hetjax] coordination service listening on"
@@ -45,6 +46,24 @@ PREFIX = "[service] "
 # JAX's own settings for the service it would start in process 0.
 SHUTDOWN_TIMEOUT_S = 300
 _GUARD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hostguard.py")
+
+
+# Runs the installed hetjax's copy of this file without importing hetjax
+# (which would import JAX): `python -I -c _BOOT ADDRESS NUM_HOSTS HEARTBEAT_S`.
+_BOOT = ("import importlib.util as u, os, runpy, sys; s = u.find_spec('hetjax'); "
+         "s or sys.exit('hetjax is not installed in ' + sys.executable); "
+         "runpy.run_path(os.path.join(s.submodule_search_locations[0], 'cluster', 'service.py'), "
+         "run_name='__main__')")
+
+
+def remote_argv(python: str, address: str, num_hosts: int, heartbeat_s: int) -> list[str]:
+  """The command that runs the service with `python` (one with hetjax and jaxlib) elsewhere.
+
+  Example:
+    >>> remote_argv(".venv/bin/python", "node-a:29517", 3, 100)[:3]
+    ['.venv/bin/python', '-I', '-c']
+  """
+  return [python, "-I", "-c", _BOOT, address, str(num_hosts), str(heartbeat_s)]
 
 
 def runs_elsewhere(env: Mapping[str, str] = os.environ) -> bool:
@@ -57,15 +76,20 @@ class Service:
   """The coordination service process of one attempt, seen from the (stdlib-only) launcher."""
 
   def __init__(self, address: str, num_hosts: int, heartbeat_s: int,
-               sink: IO[str] | None, scan: Callable[[str], None]):
+               sink: IO[str] | None, scan: Callable[[str], None],
+               command: Sequence[str] | None = None):
     """Args:
       address: `127.0.0.1:PORT`, where the hosts look for the coordinator.
       num_hosts: hosts in the job.
       heartbeat_s: seconds without a heartbeat before a host is declared dead.
       sink: where the service's log lines go, prefixed `[service] ` (None: dropped).
       scan: reads each log line (the launcher's `Findings`).
+      command: the whole command that runs the service somewhere else (e.g.
+        ssh to the first host, then `remote_argv`); None: this Python, here,
+        guarded by the launcher's pid.
     """
     self._argv = [address, str(num_hosts), str(heartbeat_s)]
+    self._command = None if command is None else list(command)
     self._sink, self._scan = sink, scan
     self._ready = threading.Event()
     self._lock = threading.Lock()
@@ -74,11 +98,13 @@ class Service:
 
   def start(self) -> str | None:
     """Starts the service and waits until it listens; None then, else why host 0 keeps it."""
-    if importlib.util.find_spec("jaxlib") is None:
-      return f"the launcher's Python ({sys.executable}) has no jaxlib"
-    # -I: neither this folder nor PYTHONPATH shadows what jaxlib imports.
-    command = [sys.executable, "-I", _GUARD, str(os.getpid()), "--",
-               sys.executable, "-I", os.path.abspath(__file__), *self._argv]
+    command = self._command
+    if command is None:
+      if importlib.util.find_spec("jaxlib") is None:
+        return f"the launcher's Python ({sys.executable}) has no jaxlib"
+      # -I: neither this folder nor PYTHONPATH shadows what jaxlib imports.
+      command = [sys.executable, "-I", _GUARD, str(os.getpid()), "--",
+                 sys.executable, "-I", os.path.abspath(__file__), *self._argv]
     self.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, start_new_session=True)
     self._reader = threading.Thread(target=self._pump, name="hetjax-service-output", daemon=True)
