@@ -420,6 +420,18 @@ def run_pair(ctx: Context, reduction: str) -> list[dict[str, Any]]:
                    env=env, timeout_s=timeout)
 
 
+def headline(text: str, limit: int = 300) -> str:
+  """One line of an error for the table: the last that names a refusal, else its last line.
+
+  The table is often all a GPU visit brings back (the tail of its output):
+  two hosts' tracebacks would fill it; gpu_check.json keeps the whole text.
+  """
+  lines = [line.strip() for line in text.splitlines() if line.strip()] or [""]
+  named = [line for line in lines if any(word in line for word in REFUSALS)]
+  line = (named or lines)[-1]
+  return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
 def refusal(e: BaseException) -> dict[str, Any]:
   """A pair that did not run: 'refused' when the error names the platform (NCCL, memory)."""
   text = describe_error(e)
@@ -449,8 +461,9 @@ def two_hosts_section(ctx: Context) -> dict[str, Any]:
     try:
       pair = run_pair(ctx, reduction)
     except Exception as e:  # pylint: disable=broad-except  (recorded; the next backend runs)
-      traceback.print_exc()
       backends[reduction], ctx.pairs[reduction] = refusal(e), None
+      if backends[reduction]["status"] == "failed":  # A refusal is expected: its line will do.
+        traceback.print_exc()
     else:
       ctx.pairs[reduction] = pair
       backends[reduction] = {
@@ -899,7 +912,7 @@ def print_table(results: dict[str, Any]) -> None:
       for reduction, r in s.get("backends", {}).items():
         said = (f"step ms {r['step_ms']}, update split over {r['split_over']} on "
                 f"{r['updated_on']}, replicas equal: {r['replicas_equal']}"
-                if r["status"] == "ok" else r.get("error") or r.get("why"))
+                if r["status"] == "ok" else headline(r.get("error") or r.get("why") or ""))
         print(f"   {s['model']} shares {s['shares']}, reduction {reduction}: {r['status']}: "
               f"{said}")
     elif name == "exactness":

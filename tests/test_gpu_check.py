@@ -176,3 +176,29 @@ def test_bad_flags_answer_before_anything_runs():
   assert bad.returncode == 2 and "--sections ['nope']" in bad.stderr
   bad = _run("--plan", "--budget", "-5")
   assert bad.returncode == 2 and "--budget -5" in bad.stderr
+
+
+def test_a_refused_pair_is_one_line_in_the_table():
+  """The H200's refusal of the device pair, as gpu_check.json recorded it (cut): the
+  table, often all a GPU visit brings back, shows NCCL's reason, not two tracebacks."""
+  path = list(sys.path)
+  sys.path.insert(0, os.path.dirname(SCRIPT))
+  try:
+    import gpu_check  # pylint: disable=import-outside-toplevel
+  finally:
+    sys.path[:] = path  # It puts bench/ first: `checkpoint`, `input` would shadow others.
+  error = ("RuntimeError: host 1 of 2 failed in gpu_check:two_hosts_entry (exit code 1):\n"
+           "Traceback (most recent call last):\n"
+           '  File "/work/main/hetjax/mesh.py", line 186, in gather_host_values\n'
+           "    rows = np.asarray(_all_gather(mesh)(_rows_on(values, mesh)))\n"
+           "jax.errors.JaxRuntimeError: INTERNAL: NCCL operation ncclCommInitRankConfig(...) "
+           "failed: invalid usage. Last NCCL warning(error) log entry (may be unrelated) "
+           "'Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 60'.\n"
+           "\nhost 0 also failed: jax.errors.JaxRuntimeError: INTERNAL: NCCL operation failed: "
+           "'Duplicate GPU detected : rank 0 and rank 1 both on CUDA device 60'.\n")
+  line = gpu_check.headline(error)
+  assert "\n" not in line and line.startswith("host 0 also failed: ")
+  assert "Duplicate GPU detected" in line
+  assert gpu_check.headline("Traceback (most recent call last):\n  ...\nValueError: bad k\n") == (
+      "ValueError: bad k")
+  assert len(gpu_check.headline("x" * 1000)) == 300
