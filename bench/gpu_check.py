@@ -417,7 +417,7 @@ def run_pair(ctx: Context, reduction: str) -> list[dict[str, Any]]:
   timeout = max(PAIR_TIMEOUT_MIN_S, 3 * pair_seconds(ctx.profile))
   timeout = min(timeout, max(PAIR_TIMEOUT_MIN_S / 2, ctx.end - time.perf_counter()))
   return run_hosts(entry, hosts=2, args=(dataclasses.asdict(ctx.profile.two_hosts), reduction),
-                   env=env, timeout_s=timeout)
+                   env=env, timeout_s=timeout, quiet=True)  # A refusal is one line (`headline`).
 
 
 def headline(text: str, limit: int = 300) -> str:

@@ -45,6 +45,14 @@ def test_failing_host_is_named_with_its_traceback():
   assert "Traceback" in message
 
 
+def test_a_quiet_host_that_dies_without_raising_is_quoted_in_the_message(capfd):
+  with pytest.raises(RuntimeError) as info:
+    testing.run_hosts(f"{ENTRIES}:die_on_host", hosts=2, args=(0,), timeout_s=120, quiet=True)
+  message = str(info.value)  # The launcher's words, with the failed host's last lines.
+  assert "host 0 failed with exit code 3" in message and "\n  last words of host 0" in message
+  assert "last words" not in capfd.readouterr().err  # Quiet: only the message has it.
+
+
 def test_timeout_stops_everything_and_says_so():
   with pytest.raises(RuntimeError, match=r"timed out after timeout_s=3 s"):
     # The host sleeps far past the deadline.

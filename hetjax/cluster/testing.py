@@ -50,7 +50,8 @@ _ENTRY_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 def run_hosts(entry: str, *, hosts: int, devices_per_host: int = 1, args: tuple = (),
               kwargs: dict | None = None, speeds: Sequence[float] | None = None,
               timeout_s: float = 300, env: Mapping[str, str] | None = None,
-              host_env: Mapping[int, Mapping[str, str]] | None = None) -> list[Any]:
+              host_env: Mapping[int, Mapping[str, str]] | None = None,
+              quiet: bool = False) -> list[Any]:
   """Calls `module:function` on every host of a localhost cluster.
 
   Args:
@@ -66,6 +67,8 @@ def run_hosts(entry: str, *, hosts: int, devices_per_host: int = 1, args: tuple 
     host_env: extra variables per host, {host: {key: value}}: emulates hosts
       that differ, e.g. `{1: {"XLA_FLAGS": "--xla_backend_optimization_level=0"}}`
       compiles host 1's programs differently.
+    quiet: keep the hosts' output, instead of printing it to stderr as it
+      comes, for a failure's message, which quotes its last lines.
 
   Returns:
     The function's return value on each host, in host order.
@@ -94,8 +97,8 @@ def run_hosts(entry: str, *, hosts: int, devices_per_host: int = 1, args: tuple 
     # host is forked from an interpreter that imported JAX once.
     start = warm_client.command("hetjax.cluster._testing_child", base)
     commands = [[*start, call_path, path] for path in result_paths]
-    outcome = procs.run_group(commands, envs, sink=sys.stderr, timeout_s=timeout_s,
-                               grace_s=_GRACE_S)
+    outcome = procs.run_group(commands, envs, sink=None if quiet else sys.stderr,
+                              timeout_s=timeout_s, grace_s=_GRACE_S)
     results = [_load(path) for path in result_paths]
   if outcome.timed_out:
     done = [i for i, r in enumerate(results) if r is not None]
