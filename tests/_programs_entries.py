@@ -96,3 +96,36 @@ def host_backend_run(folder: str) -> dict[str, list[dict]]:
     mesh_lib.gather_host_values(np.ones(7), mesh_lib.Meshes.create("device"))
   return {"run": describe(seen, hosts_mesh), "control": describe(control, hosts_mesh),
           "saved": sorted(int(p) for p in os.listdir(folder) if p.isdigit())}
+
+
+def rounds_host_backend_run(mode_name: str) -> dict:
+  """A short run of a rounds mode ('hybrid' or 'elastic') on each backend.
+
+  Two rounds of two local steps and an evaluation: the local steps, the
+  round's reduction, the outer update, the agreement and the summary's
+  gather. The `reduction="host"` run's programs, and both runs' centres.
+  """
+  import optax
+  import hetjax
+  from hetjax import mesh as mesh_lib
+  from hetjax import models as zoo
+  from hetjax.input import sources
+
+  hetjax.initialize()
+  source = sources.synthetic_images(size=64)
+  hosts_mesh = set(mesh_lib.Meshes.create("host").hosts.devices.flat)
+  out = {}
+  for reduction in ("host", "device"):
+    task = zoo.build("mlp", kind="image", num_classes=10, hidden=(8,))
+    config = hetjax.TrainConfig(global_batch=16, microbatch=4, reduction=reduction,
+                                check_every=2)
+    mode = {"hybrid": hetjax.Hybrid(local_steps=(2, 2), local_batch=8),  # Nesterov outside.
+            "elastic": hetjax.Elastic(local_steps=(2, 2), local_batch=8)}[mode_name]
+    with compiled_programs() as seen:
+      trainer = hetjax.Trainer(task, optax.sgd(0.1), source, config, mode=mode)
+      trainer.fit(2, eval_every=2, eval_source=sources.synthetic_images(size=24, seed=1))
+      out[reduction] = trainer.params()
+      trainer.close()
+    if reduction == "host":
+      out["programs"] = describe(seen, hosts_mesh)
+  return out

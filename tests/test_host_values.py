@@ -19,6 +19,10 @@ iota, mesh axes), and a program spanning hosts has no host-local
 collective to hold (those run in the local programs).
 """
 
+import jax
+import numpy as np
+import pytest
+
 from hetjax.testing import run_hosts
 
 
@@ -38,3 +42,24 @@ def test_a_host_reduction_run_compiles_no_collective_on_the_device_mesh(tmp_path
     assert where == {"hosts mesh", "one host"}, where
     control = [p for p in result["control"] if p["where"] == "device mesh"]
     assert len(control) == 1 and control[0]["collectives"], result["control"]
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "elastic"])
+def test_the_rounds_modes_under_the_host_reduction_compile_no_collective_on_the_device_mesh(
+    mode):
+  """Their outer update runs on the hosts' CPUs too, split over them and gathered, and
+  reaches the device backend's centre (hybrid's outer Nesterov keeps its scalars whole)."""
+  results = run_hosts("_programs_entries:rounds_host_backend_run", hosts=2, devices_per_host=2,
+                      args=(mode,), timeout_s=300)
+  for host, result in enumerate(results):
+    programs = result["programs"]
+    on_device_mesh = [p for p in programs if p["where"] == "device mesh" and p["collectives"]]
+    assert not on_device_mesh, (
+        f"host {host}: collectives across hosts on the device mesh: " + "; ".join(
+            f"{p['name']}: {p['collectives'][0]}" for p in on_device_mesh))
+    on_cpus = {p["name"] for p in programs if p["where"] == "hosts mesh" and p["collectives"]}
+    assert "jit_finish" in on_cpus, sorted(on_cpus)  # The outer update, gathered over the CPUs.
+    for (path, want), got in zip(jax.tree_util.tree_leaves_with_path(result["device"]),
+                                 jax.tree.leaves(result["host"])):
+      np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7,
+                                 err_msg=f"host {host} {jax.tree_util.keystr(path)}")

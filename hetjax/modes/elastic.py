@@ -57,8 +57,8 @@ class Elastic(Rounds):
                                   elastic_beta=beta))
     self.beta = float(beta)
 
-  def compile(self, meshes: Meshes) -> None:
-    """The round's programs on `meshes`."""
+  def compile(self, meshes: Meshes, backend: str = "device") -> None:
+    """The round's programs on `meshes`, the centre's move where `backend` reduces."""
     self.meshes = meshes
     self._init = jax.jit(lambda p, s: Centre(jnp.zeros((), jnp.int32), p, (), s),
                          out_shardings=meshes.replicated)
@@ -71,21 +71,21 @@ class Elastic(Rounds):
     self._pull = jax.jit(lambda params, d: jax.tree.map(lambda x, v: (x - v).astype(x.dtype), params, d),
                          out_shardings=meshes.local_replicated, donate_argnums=(0,))
 
-    world, axis = meshes.world, mesh_lib.ALL
+    def make_finish(mesh, axis):
+      def finish(centre, totals, total_n):
+        # Each slice of the centre computed by one device, then gathered
+        # (`hetjax.step.sharding`), as the sync step's update.
+        split = lambda tree: sharding_lib.split_tree(tree, mesh, axis)
+        params = jax.tree.map(lambda c, v: (c + v).astype(c.dtype), split(centre.params),
+                              split(totals["d"]))
+        model_state = jax.tree.map(lambda s, old: (s / total_n).astype(old.dtype),
+                                   split(totals["model_state"]), split(centre.model_state))
+        gather = lambda tree, like: sharding_lib.gather_tree(tree, like, mesh, axis)
+        return Centre(centre.round + 1, gather(params, centre.params), (),
+                      gather(model_state, centre.model_state))
+      return finish
 
-    def finish(centre, totals, total_n):
-      # Each slice of the centre computed by one device, then gathered
-      # (`hetjax.step.sharding`), as the sync step's update.
-      split = lambda tree: sharding_lib.split_tree(tree, world, axis)
-      params = jax.tree.map(lambda c, v: (c + v).astype(c.dtype), split(centre.params),
-                            split(totals["d"]))
-      model_state = jax.tree.map(lambda s, old: (s / total_n).astype(old.dtype),
-                                 split(totals["model_state"]), split(centre.model_state))
-      gather = lambda tree, like: sharding_lib.gather_tree(tree, like, world, axis)
-      return Centre(centre.round + 1, gather(params, centre.params), (),
-                    gather(model_state, centre.model_state))
-
-    self._finish = jax.jit(finish, out_shardings=meshes.replicated, donate_argnums=(0,))
+    self._finish = rounds_lib.OuterUpdate(make_finish, backend, meshes)
     self._last_d = None
 
   def init_centre(self, params: PyTree, model_state: PyTree) -> Centre:

@@ -80,8 +80,10 @@ class Hybrid(Rounds):
     super().__init__(RoundsConfig("hybrid", round_steps, local_steps, local_batch,
                                   outer_optimizer, outer_lr, outer_momentum))
 
-  def compile(self, meshes: Meshes, outer: optax.GradientTransformation | None = None) -> None:
-    """The round's programs on `meshes` (`outer`: the outer optimizer, default the settings')."""
+  def compile(self, meshes: Meshes, outer: optax.GradientTransformation | None = None,
+              backend: str = "device") -> None:
+    """The round's programs on `meshes`, the outer update where `backend` reduces
+    (`outer`: the outer optimizer, default the settings')."""
     s = self.settings
     outer = outer or outer_optimizer(s.outer_optimizer, s.outer_lr, s.outer_momentum)
     self.meshes = meshes
@@ -97,28 +99,30 @@ class Hybrid(Rounds):
 
     self._contribution = jax.jit(contribution, out_shardings=meshes.local_replicated)
 
-    world, axis = meshes.world, mesh_lib.ALL
+    def make_finish(mesh, axis):
+      def finish(centre, totals, total_n):
+        return self._outer_step(outer, mesh, axis, centre, totals, total_n)
+      return finish
 
-    def finish(centre, totals, total_n):
-      # Each slice of the centre is updated by one device and gathered
-      # (`hetjax.step.sharding`): hosts that compile differently agree bit for bit.
-      keep = sharding_lib.scalar_leaves(outer, centre.params, centre.opt_state,
-                                        world.devices.size)
-      split = lambda tree, keep=None: sharding_lib.split_tree(tree, world, axis, keep)
-      params = split(centre.params)
-      grads = jax.tree.map(lambda d, p: (d / total_n).astype(p.dtype), split(totals["delta"]),
-                           params)
-      updates, opt_state = outer.update(grads, split(centre.opt_state, keep), params)
-      params = optax.apply_updates(params, updates)
-      model_state = jax.tree.map(lambda s, old: (s / total_n).astype(old.dtype),
-                                 split(totals["model_state"]), split(centre.model_state))
-      gather = lambda tree, like, keep=None: sharding_lib.gather_tree(tree, like, world, axis,
-                                                                       keep)
-      return Centre(centre.round + 1, gather(params, centre.params),
-                    gather(opt_state, centre.opt_state, keep),
-                    gather(model_state, centre.model_state))
+    self._finish = rounds_lib.OuterUpdate(make_finish, backend, meshes)
 
-    self._finish = jax.jit(finish, out_shardings=meshes.replicated, donate_argnums=(0,))
+  @staticmethod
+  def _outer_step(outer: optax.GradientTransformation, mesh, axis: str, centre: Centre,
+                  totals: dict, total_n: jax.Array) -> Centre:
+    """The outer optimizer's step on the centre, each slice by one device of `mesh` (traced)."""
+    keep = sharding_lib.scalar_leaves(outer, centre.params, centre.opt_state, mesh.devices.size)
+    split = lambda tree, keep=None: sharding_lib.split_tree(tree, mesh, axis, keep)
+    params = split(centre.params)
+    grads = jax.tree.map(lambda d, p: (d / total_n).astype(p.dtype), split(totals["delta"]),
+                         params)
+    updates, opt_state = outer.update(grads, split(centre.opt_state, keep), params)
+    params = optax.apply_updates(params, updates)
+    model_state = jax.tree.map(lambda s, old: (s / total_n).astype(old.dtype),
+                               split(totals["model_state"]), split(centre.model_state))
+    gather = lambda tree, like, keep=None: sharding_lib.gather_tree(tree, like, mesh, axis, keep)
+    return Centre(centre.round + 1, gather(params, centre.params),
+                  gather(opt_state, centre.opt_state, keep),
+                  gather(model_state, centre.model_state))
 
   def init_centre(self, params: PyTree, model_state: PyTree) -> Centre:
     return self._init(params, model_state)

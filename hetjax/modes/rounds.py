@@ -144,7 +144,7 @@ def to_host_mesh(tree: PyTree, meshes: Meshes) -> PyTree:
   return jax.tree.map(lambda x: jnp.copy(mesh_lib.to_local(x, meshes)), tree)
 
 
-# ---- 4. The one cross-host reduction of a round ------------------------------
+# ---- 4. The one cross-host reduction of a round, and the outer update -------
 
 
 class RoundReduction:
@@ -198,4 +198,37 @@ class RoundReduction:
     replicated = meshes.replicated
     totals = jax.tree.map(lambda x: jax.make_array_from_process_local_data(replicated, x), totals)
     return totals, rows
+
+
+OuterProgram = Callable[[PyTree, PyTree, jax.Array], PyTree]
+
+
+class OuterUpdate:
+  """A mode's outer update, `finish(centre, totals, total_n) -> centre`, where the
+  round's reduction summed: the centre comes and goes as global replicated arrays.
+
+  `make(mesh, axis)` writes the update over a 1-D mesh; each slice of the
+  centre is computed by one device of it, then gathered, so hosts that
+  compile differently agree bit for bit. 'device': over every device.
+  'host': over one CPU per host, the centre and the totals copied through
+  host memory, so that no program spans the hosts' accelerators (which may
+  share no collective).
+  """
+
+  def __init__(self, make: Callable[[Any, str], OuterProgram], backend: str, meshes: Meshes):
+    self.meshes, self.on_cpus = meshes, backend == "host"
+    mesh, axis = (meshes.hosts, mesh_lib.HOSTS) if self.on_cpus else (meshes.world, mesh_lib.ALL)
+    self._sharding = NamedSharding(mesh, P())
+    self._program = jax.jit(make(mesh, axis), out_shardings=self._sharding, donate_argnums=(0,))
+
+  def __call__(self, centre: PyTree, totals: PyTree, total_n: jax.Array) -> PyTree:
+    if not self.on_cpus:
+      return self._program(centre, totals, total_n)
+    # Every host's copy of a replicated array is whole: the first local one will do.
+    mine = lambda t: jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), t)
+    place = lambda t, sharding: jax.tree.map(
+        lambda x: jax.make_array_from_process_local_data(sharding, x), t)
+    new = self._program(place(mine(centre), self._sharding), place(mine(totals), self._sharding),
+                        total_n)
+    return place(mine(new), self.meshes.replicated)
 

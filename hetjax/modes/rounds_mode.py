@@ -84,7 +84,7 @@ class Rounds(ModeBase):
     init = jax.jit(setup.task.init, out_shardings=meshes.replicated)
     params, model_state = init(jax.random.key(config.seed), setup.first_block)
     setup.check_task(params, model_state, eval_loss=False)
-    self.compile(meshes)
+    self.compile(meshes, backend=config.reduction)
     self.centre = self.init_centre(params, model_state)
     setup.agree_on_model(self.centre)
     self.device_batches = setup.device_batches(params, model_state, samples=self.local_batch)
