@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import Mesh
 
 from hetjax import mesh as mesh_lib
 from hetjax.config import RoundsConfig
@@ -107,7 +108,7 @@ class Hybrid(Rounds):
     self._finish = rounds_lib.OuterUpdate(make_finish, backend, meshes)
 
   @staticmethod
-  def _outer_step(outer: optax.GradientTransformation, mesh, axis: str, centre: Centre,
+  def _outer_step(outer: optax.GradientTransformation, mesh: Mesh, axis: str, centre: Centre,
                   totals: dict, total_n: jax.Array) -> Centre:
     """The outer optimizer's step on the centre, each slice by one device of `mesh` (traced)."""
     keep = sharding_lib.scalar_leaves(outer, centre.params, centre.opt_state, mesh.devices.size)

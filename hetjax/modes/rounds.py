@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from hetjax import blocks as blocks_lib
 from hetjax import mesh as mesh_lib
@@ -215,7 +215,7 @@ class OuterUpdate:
   share no collective).
   """
 
-  def __init__(self, make: Callable[[Any, str], OuterProgram], backend: str, meshes: Meshes):
+  def __init__(self, make: Callable[[Mesh, str], OuterProgram], backend: str, meshes: Meshes):
     self.meshes, self.on_cpus = meshes, backend == "host"
     mesh, axis = (meshes.hosts, mesh_lib.HOSTS) if self.on_cpus else (meshes.world, mesh_lib.ALL)
     self._sharding = NamedSharding(mesh, P())
