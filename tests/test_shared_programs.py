@@ -96,3 +96,27 @@ def test_the_lock_passes_on_when_its_holder_ends_and_names_the_new_holder(holder
     os.close(other)
   finally:
     os.close(fd)
+
+
+def test_a_cache_entry_is_written_under_another_name_then_renamed(tmp_path, monkeypatch):
+  """A host's first look at the cache takes no lock: it must never see half an entry."""
+  from jax._src import lru_cache  # The cache JAX writes entries with (private).
+  if os.environ.get(shared_programs.SHARE_ENV) != "1" or not shared_programs.install():
+    pytest.fail("the suite's conftest installs shared programs; this run did not")
+  cache = lru_cache.LRUCache(str(tmp_path), max_size=-1)  # JAX's default: no eviction.
+  # The cache's own path type (etils' epath where installed, else pathlib).
+  final = cache.path / f"key{lru_cache._CACHE_SUFFIX}"  # pylint: disable=protected-access
+  written = []
+  real_write = type(final).write_bytes
+
+  def spy(path, data):
+    written.append((path, final.exists()))
+    return real_write(path, data)
+
+  monkeypatch.setattr(type(final), "write_bytes", spy)
+  cache.put("key", b"compiled program")
+  assert [(p.name.endswith(".part"), seen) for p, seen in written] == [(True, False)]
+  assert final.read_bytes() == b"compiled program"
+  assert sorted(os.listdir(tmp_path)) == [final.name]  # No part left behind.
+  cache.put("key", b"another")  # An entry already there stays as it is, as in JAX.
+  assert final.read_bytes() == b"compiled program"

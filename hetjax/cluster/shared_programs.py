@@ -16,7 +16,10 @@ the device ids itself, so that hosts share entries). Here:
   compiles, so that hosts asking for one program at once compile it once.
   The lock only saves work, so no host waits on it for ever: a waiter
   whose holder is stopped (a test's SIGSTOP) or gone, or who has waited
-  `LOCK_WAIT_S`, compiles the program itself.
+  `LOCK_WAIT_S`, compiles the program itself;
+- an entry appears whole or not at all (written under another name, then
+  renamed): JAX writes it in place, and a host's first look, taken without
+  the lock, could read half of it ("incomplete or truncated stream").
 
 Uses JAX internals (jax 0.10.2); where they differ, the cache is used as
 JAX alone uses it. Nothing here runs outside the test suite.
@@ -83,7 +86,7 @@ def install() -> bool:
     return False
   try:
     from jax._src import (  # pylint: disable=g-import-not-at-top
-        cache_key, compilation_cache, compiler, config)
+        cache_key, compilation_cache, compiler, config, lru_cache)
   except ImportError:
     return False
   needed = (getattr(compiler, "_cache_read", None), getattr(compiler, "_cache_write", None),
@@ -91,9 +94,13 @@ def install() -> bool:
             getattr(compilation_cache, "put_executable_and_time", None),
             getattr(cache_key, "_hash_serialized_compile_options", None),
             getattr(cache_key, "_hash_devices", None))
-  if any(f is None for f in needed) or getattr(compiler, "_hetjax_shared", False):
+  cache_class = getattr(lru_cache, "LRUCache", None)
+  suffix = getattr(lru_cache, "_CACHE_SUFFIX", None)
+  if (any(f is None for f in needed) or cache_class is None or suffix is None
+      or getattr(compiler, "_hetjax_shared", False)):
     return bool(getattr(compiler, "_hetjax_shared", False))
   real_read, real_write, real_compile, put, hash_options, hash_devices = needed
+  real_put = cache_class.put
   locks = os.path.join(os.environ["JAX_COMPILATION_CACHE_DIR"], "hetjax-locks")
   os.makedirs(locks, exist_ok=True)
 
@@ -124,6 +131,18 @@ def install() -> bool:
         _held.fd = None
         os.close(fd)  # Releases the lock.
 
+  def whole_put(cache, key, value):
+    if cache.eviction_enabled or not key:  # JAX's own bookkeeping (and its errors) then.
+      return real_put(cache, key, value)
+    path = cache.path / f"{key}{suffix}"
+    if path.exists():
+      return None
+    part = cache.path / f".{key}.{os.getpid()}.{threading.get_ident()}.part"
+    part.write_bytes(value)
+    os.replace(part, path)
+    return None
+
+  cache_class.put = whole_put
   compiler._cache_read = read  # pylint: disable=protected-access
   compiler._cache_write = write  # pylint: disable=protected-access
   compiler.compile_or_get_cached = compile_or_get_cached
