@@ -40,7 +40,9 @@ Sections, most valuable first:
                   the GPU client) and `device` (NCCL's reduce-scatter and
                   all-gather, which NCCL refuses with two ranks on one GPU:
                   the refusal is recorded). Step ms per host, and whether
-                  the two replicas hold the same bits.
+                  the two replicas hold the same bits. The host pair then
+                  runs hybrid and elastic rounds (their outer update on
+                  the CPUs too): ms a round, whether the centres agree.
   checkpoint      the save call's share of a step, asynchronous (the
                   pinned-host snapshot) against synchronous
                   (`bench/checkpoint.py`).
@@ -101,6 +103,9 @@ HOST_MEMORY_FRACTION = "0.2"  # Each two_hosts process: its part, grown as neede
 REFUSALS = ("Duplicate GPU", "ncclInvalidUsage", "NCCL", "RESOURCE_EXHAUSTED", "out of memory",
             "UNIMPLEMENTED")
 PAIR_TIMEOUT_MIN_S = 60  # A pair that NCCL leaves hanging is stopped, then recorded.
+# The host pair also runs each rounds mode: ROUNDS timed rounds of these local steps per host.
+ROUNDS_MODES = ("hybrid", "elastic")
+ROUNDS, ROUNDS_LOCAL_STEPS = 3, (2, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,8 +177,9 @@ _GPU_MODELS = {
 # hetjax's own overhead. `--models` adds the transformer and the cnn.
 GPU = Profile(
     "gpu", _GPU_MODELS, repeats=7,
+    # Compiles in 3 s: on an H200 both pairs took 21.7 s, the refused one stopping early.
     two_hosts=TwoHosts(Size("resnet18", _CIFAR, 10, 128, 6,
-                            {"width": 8, "stage_sizes": (1, 1, 1, 1)}, 6, 5.0),
+                            {"width": 8, "stage_sizes": (1, 1, 1, 1)}, 3, 5.0),
                        microbatch=32, shares=(32, 96)),
     # The overhead section's resnet50: its programs come from the compilation cache.
     # Saves 24 steps apart (0.9 s on an H200) leave orbax's hand-over (0.7 s
@@ -342,10 +348,41 @@ def trace(loops: dict[str, Any], directory: str, steps: int = PROFILE_STEPS) -> 
 
 
 def two_hosts_entry(spec: dict[str, Any], reduction: str) -> dict[str, Any]:
-  """One host of a two_hosts pair (a `hetjax.testing.run_hosts` entry)."""
+  """One host of a two_hosts pair (a `hetjax.testing.run_hosts` entry); under the host
+  reduction the rounds modes too, which then need no device collective either."""
   import hetjax
   hetjax.initialize()
-  return train_check(spec, reduction)
+  result = train_check(spec, reduction)
+  if reduction == "host":
+    result["modes"] = {mode: rounds_check(spec, mode) for mode in ROUNDS_MODES}
+  return result
+
+
+def rounds_check(spec: dict[str, Any], mode: str) -> dict[str, Any]:
+  """A few rounds of `mode` on the pair under the host reduction: ms a round, the centre."""
+  import jax
+  import optax
+  import hetjax
+  check = TwoHosts(Size(**{**spec["size"], "shape": tuple(spec["size"]["shape"])}),
+                   spec["microbatch"], tuple(spec["shares"]), spec["warmup"])
+  size = check.size
+  source = make_source(size)
+  config = hetjax.TrainConfig(global_batch=size.global_batch, microbatch=check.microbatch,
+                              seed=0, reduction="host")
+  strategy = {"hybrid": hetjax.Hybrid, "elastic": hetjax.Elastic}[mode](
+      local_steps=ROUNDS_LOCAL_STEPS)
+  with jax.default_matmul_precision("highest"):
+    trainer = hetjax.Trainer(make_task(size, source), optax.sgd(0.02), source, config,
+                             mode=strategy)
+    try:
+      trainer.fit(check.warmup)  # A round ends with nothing in flight: no wait needed.
+      t0 = time.perf_counter()
+      trainer.fit(ROUNDS)
+      round_ms = (time.perf_counter() - t0) / ROUNDS * 1e3
+      centre = [np.asarray(p) for p in jax.tree.leaves(trainer.params())]
+    finally:
+      trainer.close()
+  return {"round_ms": round(round_ms, 3), "centre": centre}
 
 
 def train_check(spec: dict[str, Any], reduction: str) -> dict[str, Any]:
@@ -394,11 +431,15 @@ def _max_differences(got: list[np.ndarray], want: list[np.ndarray]) -> tuple[flo
   return abs_diff, rel, close
 
 
-def pair_seconds(profile: Profile) -> float:
-  """Estimated seconds of one two_hosts pair: both processes start and compile side by side."""
+def pair_seconds(profile: Profile, reduction: str = "device") -> float:
+  """Estimated seconds of one two_hosts pair: both processes start and compile side by
+  side; the host pair then runs the rounds modes (a local step and an outer update each)."""
   s = profile.two_hosts.size
-  return profile.process_s + 2 * s.compile_s + 2 * (profile.two_hosts.warmup + s.steps) * (
+  sync = profile.process_s + 2 * s.compile_s + 2 * (profile.two_hosts.warmup + s.steps) * (
       s.step_ms / 1e3)
+  rounds = len(ROUNDS_MODES) * (2 * s.compile_s + (profile.two_hosts.warmup + ROUNDS) * sum(
+      ROUNDS_LOCAL_STEPS) * s.step_ms / 1e3)
+  return sync + (rounds if reduction == "host" else 0.0)
 
 
 def run_pair(ctx: Context, reduction: str) -> list[dict[str, Any]]:
@@ -414,7 +455,7 @@ def run_pair(ctx: Context, reduction: str) -> list[dict[str, Any]]:
          # Both processes on the same (first) GPU, whatever the machine has.
          "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
   entry = f"{__name__ if __name__ != '__main__' else 'gpu_check'}:two_hosts_entry"
-  timeout = max(PAIR_TIMEOUT_MIN_S, 3 * pair_seconds(ctx.profile))
+  timeout = max(PAIR_TIMEOUT_MIN_S, 3 * pair_seconds(ctx.profile, reduction))
   timeout = min(timeout, max(PAIR_TIMEOUT_MIN_S / 2, ctx.end - time.perf_counter()))
   return run_hosts(entry, hosts=2, args=(dataclasses.asdict(ctx.profile.two_hosts), reduction),
                    env=env, timeout_s=timeout, quiet=True)  # A refusal is one line (`headline`).
@@ -454,7 +495,7 @@ def two_hosts_section(ctx: Context) -> dict[str, Any]:
          "memory": {"fraction": float(HOST_MEMORY_FRACTION), "preallocate": False},
          "backends": backends}
   for reduction in BACKENDS:
-    if not ctx.fits(pair_seconds(ctx.profile)):
+    if not ctx.fits(pair_seconds(ctx.profile, reduction)):
       backends[reduction] = {"status": "skipped", "why": "the run fell behind its plan: it no "
                              "longer fit (--budget)"}
       continue
@@ -472,6 +513,13 @@ def two_hosts_section(ctx: Context) -> dict[str, Any]:
           "step_ms": {f"host{r['host']}": r["step_ms"] for r in pair},
           "replicas_equal": all(np.array_equal(a, b)
                                 for a, b in zip(pair[0]["params"], pair[1]["params"]))}
+      if "modes" in pair[0]:  # The rounds modes: their outer update on the hosts' CPUs.
+        backends[reduction]["modes"] = {
+            mode: {"round_ms": {f"host{r['host']}": r["modes"][mode]["round_ms"] for r in pair},
+                   "local_steps": list(ROUNDS_LOCAL_STEPS),
+                   "centres_equal": all(np.array_equal(a, b) for a, b in zip(
+                       pair[0]["modes"][mode]["centre"], pair[1]["modes"][mode]["centre"]))}
+            for mode in pair[0]["modes"]}
     ctx.section.update(out)
     ctx.save()
   statuses = {b["status"] for b in backends.values()}
@@ -643,7 +691,7 @@ def plan(profile: Profile, sections: list[str], models: list[str]) -> dict[str, 
   if "precision" in sections:
     est["precision"] = 0.0
   if "two_hosts" in sections:
-    est["two_hosts"] = len(BACKENDS) * pair_seconds(profile)
+    est["two_hosts"] = sum(pair_seconds(profile, reduction) for reduction in BACKENDS)
   if "checkpoint" in sections:
     s = profile.checkpoint
     saves = 2 * (s.steps // profile.checkpoint_every + 1)  # About a second each (~300 MB).
@@ -661,7 +709,7 @@ def plan(profile: Profile, sections: list[str], models: list[str]) -> dict[str, 
   if "exactness" in sections:
     s = profile.two_hosts.size  # The reference here; the pair is two_hosts' when it runs.
     est["exactness"] = 2 * s.compile_s + _steps_s(s, profile.two_hosts.warmup + s.steps) + (
-        0 if "two_hosts" in sections else pair_seconds(profile))
+        0 if "two_hosts" in sections else pair_seconds(profile, "host"))
   return {name: round(v, 1) for name, v in est.items()}
 
 
@@ -915,6 +963,9 @@ def print_table(results: dict[str, Any]) -> None:
                 if r["status"] == "ok" else headline(r.get("error") or r.get("why") or ""))
         print(f"   {s['model']} shares {s['shares']}, reduction {reduction}: {r['status']}: "
               f"{said}")
+        for mode, m in r.get("modes", {}).items():
+          print(f"   {s['model']} {mode}, local steps {m['local_steps']}, reduction {reduction}: "
+                f"round ms {m['round_ms']}, centres equal: {m['centres_equal']}")
     elif name == "exactness":
       for reduction, r in s.get("against", {}).items():
         print(f"   {s['model']} 1x1 against 2x1 ({reduction} reduction): "

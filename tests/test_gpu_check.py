@@ -84,6 +84,12 @@ def test_two_hosts_run_the_sharded_update_on_both_backends(smoke):
     assert r["status"] == "ok" and r["replicas_equal"] and r["split_over"] == 2, (reduction, r)
     assert set(r["step_ms"]) == {"host0", "host1"} and all(map(_positive, r["step_ms"].values()))
   assert s["backends"]["host"]["updated_on"].startswith("host CPUs")
+  # Under the host reduction the rounds modes run on the pair too, their centres bit-equal.
+  modes = s["backends"]["host"]["modes"]
+  assert set(modes) == {"hybrid", "elastic"} and "modes" not in s["backends"]["device"]
+  for mode, m in modes.items():
+    assert m["centres_equal"] and set(m["round_ms"]) == {"host0", "host1"}, (mode, m)
+    assert all(map(_positive, m["round_ms"].values())), (mode, m)
 
 
 def test_one_process_and_the_pairs_reach_the_same_parameters(smoke):
