@@ -45,7 +45,6 @@ def die_on_host(host: int) -> int:
   if jax.process_index() == host:
     print(f"last words of host {host}", flush=True)
     os._exit(3)
-  topology_and_sum()
   return jax.process_index()
 
 
