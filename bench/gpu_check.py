@@ -135,6 +135,12 @@ class TwoHosts:
   shares: tuple[int, int]
   warmup: int = 2
 
+  @classmethod
+  def from_spec(cls, spec: dict[str, Any]) -> "TwoHosts":
+    """The check back from `dataclasses.asdict` (as a pair's hosts receive it)."""
+    size = Size(**{**spec["size"], "shape": tuple(spec["size"]["shape"])})
+    return cls(size, spec["microbatch"], tuple(spec["shares"]), spec["warmup"])
+
 
 @dataclasses.dataclass(frozen=True)
 class DeviceBatches:
@@ -363,8 +369,7 @@ def rounds_check(spec: dict[str, Any], mode: str) -> dict[str, Any]:
   import jax
   import optax
   import hetjax
-  check = TwoHosts(Size(**{**spec["size"], "shape": tuple(spec["size"]["shape"])}),
-                   spec["microbatch"], tuple(spec["shares"]), spec["warmup"])
+  check = TwoHosts.from_spec(spec)
   size = check.size
   source = make_source(size)
   config = hetjax.TrainConfig(global_batch=size.global_batch, microbatch=check.microbatch,
@@ -395,8 +400,7 @@ def train_check(spec: dict[str, Any], reduction: str) -> dict[str, Any]:
   import jax
   import optax
   import hetjax
-  check = TwoHosts(Size(**{**spec["size"], "shape": tuple(spec["size"]["shape"])}),
-                   spec["microbatch"], tuple(spec["shares"]), spec["warmup"])
+  check = TwoHosts.from_spec(spec)
   size, hosts = check.size, jax.process_count()
   source = make_source(size)
   config = hetjax.TrainConfig(

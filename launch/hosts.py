@@ -302,14 +302,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
   return run(hosts, commands, port=args.port, coordinator=args.coordinator, grace_s=args.grace,
              max_restarts=args.max_restarts, max_preemptions=args.max_preemptions,
-             service=service_for, heartbeat_timeout_s=args.heartbeat_timeout)
+             service=service_for)
 
 
 def run(hosts: Sequence[Host], commands: Callable[[int], list[list[str]]], *, port: int,
         coordinator: str | None, grace_s: float, max_restarts: int = 0,
         max_preemptions: int | None = None,
-        service: Callable[[int], list[str] | None] = lambda restart_count: None,
-        heartbeat_timeout_s: int | None = None) -> int:
+        service: Callable[[int], list[str] | None] = lambda restart_count: None) -> int:
   """Starts the ssh processes, supervised by `procs.supervise`; returns the exit code.
 
   `service(restart_count)`: the command that runs the coordination service
@@ -320,12 +319,9 @@ def run(hosts: Sequence[Host], commands: Callable[[int], list[list[str]]], *, po
   def attempt(restart_count: int) -> procs.Outcome:
     address = coordinator_address(hosts, port, coordinator, restart_count)
     procs.note(f"{len(hosts)} host(s) over ssh, coordinator {address}: {names}")
-    beside = service(restart_count)
-    return procs.run_group(
-        commands(restart_count), [os.environ] * len(hosts), sink=sys.stdout, grace_s=grace_s,
-        handle_signals=True, service_command=beside,
-        service=None if beside is None else (address,
-                                             heartbeat_timeout_s or procs.DEFAULT_HEARTBEAT_S))
+    return procs.run_group(commands(restart_count), [os.environ] * len(hosts), sink=sys.stdout,
+                           grace_s=grace_s, handle_signals=True,
+                           service_command=service(restart_count))
 
   try:
     return procs.supervise(attempt, max_restarts=max_restarts, max_preemptions=max_preemptions)

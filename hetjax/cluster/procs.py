@@ -80,10 +80,10 @@ def run_group(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str
       run the coordination service here, beside the hosts, so that host 0's
       death does not abort the others (`hetjax.cluster.service`); None, or a
       launcher without jaxlib: host 0 runs it.
-    service_command: the command that runs that service elsewhere (ssh to
-      the first host, `hetjax.cluster.service.remote_argv`); the hosts'
-      commands then say so themselves (HETJAX_SERVICE), so no host starts
-      when it does not listen.
+    service_command: instead, the command that runs the service elsewhere
+      (ssh to the first host, `hetjax.cluster.service.remote_argv`, which
+      carries its own address and timeout); the hosts' commands then say so
+      themselves (HETJAX_SERVICE), so no host starts when it does not listen.
 
   Returns:
     The `Outcome`.
@@ -95,8 +95,9 @@ def run_group(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str
   previous = _install_handlers(received) if handle_signals else {}
   findings = Findings()
   beside = None
-  if service is not None:
-    beside = Service(service[0], len(commands), service[1], sink,
+  if service is not None or service_command is not None:
+    address, heartbeat_s = service or ("", 0)  # Unused by a command run elsewhere.
+    beside = Service(address, len(commands), heartbeat_s, sink,
                      lambda line: findings.scan(SERVICE_LINES, line), command=service_command)
     why = beside.start()
     if why is None:

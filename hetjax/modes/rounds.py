@@ -231,4 +231,3 @@ class OuterUpdate:
     new = self._program(place(mine(centre), self._sharding), place(mine(totals), self._sharding),
                         total_n)
     return place(mine(new), self.meshes.replicated)
-
