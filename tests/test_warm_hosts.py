@@ -90,3 +90,44 @@ def _alive(pid: int) -> bool:
       return f.read().split()[2] != "Z"
   except FileNotFoundError:
     return False
+
+
+def test_a_client_gone_before_its_answer_leaves_the_server_serving():
+  """A client that dies between its request and the answer (a killed launcher) made the
+  server raise BrokenPipeError and exit: every later host then waited for it."""
+  import selectors
+  import socket
+  from hetjax.cluster import warm_hosts
+  from hetjax.cluster.warm_client import send_message
+  client, server_end = socket.socketpair()
+  send_message(client, {"env": {}, "cwd": "/", "argv": ["-m", "json.tool"]})
+  client.close()
+  selector = selectors.DefaultSelector()
+  selector.register(server_end, selectors.EVENT_READ, "request")
+  # JAX variables that differ: the server answers "cold", to a client that has gone.
+  warm_hosts._answer(server_end, {"JAX_PLATFORMS": "cpu"}, {}, selector, None, -1, -1)  # pylint: disable=protected-access
+  assert server_end.fileno() == -1  # Closed, and the server went on.
+
+
+def test_a_client_finding_a_dead_servers_socket_starts_cold_after_a_short_grace(tmp_path):
+  """A socket file that refuses belongs to a server that died: wait REFUSED_S, not CONNECT_S."""
+  import socket
+  from hetjax.cluster import warm_client
+  path = str(tmp_path / "socket")
+  dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+  dead.bind(path)  # Bound, never listening: connect() is refused, as after the server's death.
+  now, sleeps = [0.0], []
+
+  def sleep(seconds):
+    sleeps.append(seconds)
+    now[0] += seconds
+
+  try:
+    assert warm_client._connect(path, clock=lambda: now[0], sleep=sleep) is None  # pylint: disable=protected-access
+  finally:
+    dead.close()
+  assert warm_client.REFUSED_S <= now[0] <= warm_client.REFUSED_S + 2 * warm_client._POLL_S  # pylint: disable=protected-access
+  # No socket yet (the server still importing JAX): the full CONNECT_S.
+  now[0] = 0.0
+  assert warm_client._connect(str(tmp_path / "later"), clock=lambda: now[0], sleep=sleep) is None  # pylint: disable=protected-access
+  assert now[0] >= warm_client.CONNECT_S

@@ -25,6 +25,10 @@ CLIENT = os.path.abspath(__file__)
 SOCKET_ENV = "HETJAX_WARM_HOSTS"
 PYTHON_ENV = "HETJAX_WARM_PYTHON"   # The interpreter of a cold start.
 CONNECT_S = 120.0  # The server imports JAX once before it listens.
+# A socket that refuses was bound by a server that has died (it listens as
+# soon as it binds): go cold after this grace, not after CONNECT_S.
+REFUSED_S = 2.0
+_POLL_S = 0.05
 _HEADER = struct.Struct("!I")
 
 
@@ -70,18 +74,24 @@ def receive_message(sock: socket.socket) -> tuple[object, list[int]] | None:
   return pickle.loads(body), list(fds)
 
 
-def _connect(path: str) -> socket.socket | None:
-  deadline = time.monotonic() + CONNECT_S
+def _connect(path: str, clock=time.monotonic, sleep=time.sleep) -> socket.socket | None:
+  """The server's socket, or None (start cold): waits while the server is still
+  importing (no socket yet), briefly when the socket refuses (the server died)."""
+  deadline, refused_since = clock() + CONNECT_S, None
   while True:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
       sock.connect(path)
       return sock
+    except ConnectionRefusedError:
+      refused_since = clock() if refused_since is None else refused_since
+      late = clock() - refused_since > REFUSED_S
     except OSError:
-      sock.close()
-      if time.monotonic() > deadline:
-        return None
-      time.sleep(0.05)
+      late = clock() > deadline
+    sock.close()
+    if late:
+      return None
+    sleep(_POLL_S)
 
 
 def command(module: str, env: dict[str, str] | None = None) -> list[str]:

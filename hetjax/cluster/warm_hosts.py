@@ -141,7 +141,7 @@ def _answer(conn: socket.socket, own_jax: dict[str, str], children: dict[int, so
   if jax_variables(request["env"]) != own_jax:
     for fd in fds:
       os.close(fd)
-    send_message(conn, ("cold", None))
+    _tell(conn, ("cold", None))
     conn.close()
     return
   sys.stdout.flush()
@@ -159,9 +159,22 @@ def _answer(conn: socket.socket, own_jax: dict[str, str], children: dict[int, so
     _become_host(request, fds)
   for fd in fds:
     os.close(fd)
-  children[pid] = conn
-  send_message(conn, ("started", pid))
-  selector.register(conn, selectors.EVENT_READ, pid)
+  children[pid] = conn  # Reaped and closed when it exits, whatever happens to its client.
+  if _tell(conn, ("started", pid)):
+    selector.register(conn, selectors.EVENT_READ, pid)
+  else:  # The client left before its host started: nobody waits for that host.
+    with contextlib.suppress(ProcessLookupError):
+      os.kill(pid, signal.SIGKILL)
+
+
+def _tell(conn: socket.socket, payload: object) -> bool:
+  """Sends `payload` to a client; False when it has gone. One client's end (a test
+  that kills its launcher) must not end the server that every later host needs."""
+  try:
+    send_message(conn, payload)
+  except OSError:
+    return False
+  return True
 
 
 def _from_client(conn: socket.socket, pid: int, selector: selectors.BaseSelector) -> None:
@@ -189,8 +202,7 @@ def _reap(children: dict[int, socket.socket], selector: selectors.BaseSelector) 
       continue
     with contextlib.suppress(KeyError, ValueError):
       selector.unregister(conn)
-    with contextlib.suppress(OSError):
-      send_message(conn, ("exited", os.waitstatus_to_exitcode(status)))
+    _tell(conn, ("exited", os.waitstatus_to_exitcode(status)))
     conn.close()
 
 
