@@ -95,7 +95,7 @@ TWO_HOSTS_RTOL, TWO_HOSTS_ATOL = 1e-5, 1e-6
 # The test suite's cheap XLA:CPU passes (tests/conftest.py): the smoke run's
 # programs run a few steps on tiny inputs.
 _CHEAP_PASSES = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
-                 "--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1")
+                 "--xla_cpu_parallel_codegen_split_count=1")
 MAIN_MEMORY_FRACTION = "0.5"  # Leaves room for the two_hosts processes beside this one.
 HOST_MEMORY_FRACTION = "0.2"  # Each two_hosts process: its part, grown as needed.
 # Words in an error that say the platform, not hetjax, refused (NCCL's two

@@ -52,7 +52,7 @@ _PARAM_SCALE = 10.0
 # many times faster than the cheap passes' (bench/optimizer_memory.py).
 _SMALL = 2 ** 20
 _CHEAP = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
-          "xla_cpu_use_fusion_emitters": False, "xla_cpu_parallel_codegen_split_count": 1}
+          "xla_cpu_parallel_codegen_split_count": 1}
 
 
 @dataclasses.dataclass(frozen=True)
