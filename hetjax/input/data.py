@@ -8,8 +8,9 @@ cross epoch boundaries. Host `i` then takes the contiguous slice
 `[o_i, o_i + b_i)` of the step's `B` indices.
 
 Sources live in `hetjax/input/sources.py` (memory, synthetic),
-`hetjax/input/tfds_data.py` (TFDS on disk) and `hetjax/input/images.py` (encoded images
-decoded and cropped to a fixed size); the names below are re-exported here.
+`hetjax/input/tfds_data.py` (TFDS on disk), `hetjax/input/tokenfile.py` (a flat file of
+token ids as windows) and `hetjax/input/images.py` (encoded images decoded and cropped
+to a fixed size); the names below are re-exported here.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from hetjax.input import shuffle
+from hetjax.input import shuffle, tokenfile
 from hetjax.input.sources import (ArraySource, Batch, DatasetInfo, Source, SyntheticSource,  # noqa: F401
                             check_records, digits, record_spec, synthetic_images,
                             synthetic_tokens)
@@ -104,6 +105,7 @@ def host_slice(shares: Sequence[int], host: int) -> slice:
 # ---- Datasets by name ------------------------------------------------------
 
 TFDS_PREFIX = "tfds:"
+TOKENFILE_PREFIX = tokenfile.PREFIX
 SYNTHETIC_BIG_SIZE = 10**7
 SYNTHETIC_BIG_TEST_SIZE = 10**4  # Small: the CLI evaluates the whole test split in memory.
 _SPLITS = {"train": 0, "test": 1}  # Built-in split -> generator seed.
@@ -119,26 +121,42 @@ DATASETS: dict[str, Callable[..., Source]] = {
     "tokens": synthetic_tokens}
 
 
-def check_dataset_name(name: str, data_dir: str | None = None, split: str = "train") -> None:
+def check_dataset_name(name: str, data_dir: str | None = None, split: str = "train", *,
+                       seq_len: int | None = None, token_dtype: str = "uint16",
+                       vocab_size: int | None = None) -> None:
   """Cheap checks before JAX starts (no TFDS import); raises ValueError.
 
   `tfds:NAME` must be prepared in `data_dir` in a random-access format and
-  have `split`; a built-in name must exist and have `split` (built-in
-  datasets read no folder, so `data_dir` is ignored for them).
+  have `split`; `tokenfile:PATH` must be a whole number of `token_dtype`
+  ids holding at least one window of `seq_len`; a built-in name must exist
+  and have `split` (built-in datasets read no folder, so `data_dir` is
+  ignored for them). `seq_len` and `vocab_size` are for token datasets.
   """
+  if name.startswith(TOKENFILE_PREFIX):
+    tokenfile.check(name[len(TOKENFILE_PREFIX):], seq_len, token_dtype)
+    if split != "train":
+      raise ValueError(f"dataset {name} is one file, read as split 'train', not {split!r}; "
+                       "evaluate on another file with its own --dataset tokenfile:PATH.")
+    return
+  if (seq_len is not None or vocab_size is not None) and name not in ("tokens",):
+    raise ValueError(f"--seq-len and --vocab-size apply to token datasets (tokens, "
+                     f"tokenfile:PATH), not {name!r}: drop them.")
   if name.startswith(TFDS_PREFIX):
     from hetjax.input import tfds_data
     tfds_data.check(name[len(TFDS_PREFIX):], split, data_dir)
     return
   if name not in DATASETS:
     raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(sorted(DATASETS))}, "
-                     "or tfds:NAME for a TFDS dataset prepared in --data-dir.")
+                     "tfds:NAME for a TFDS dataset prepared in --data-dir, or tokenfile:PATH "
+                     "for a flat file of token ids.")
   if split not in _SPLITS:
     raise ValueError(f"dataset {name!r} has splits 'train' and 'test', not {split!r}.")
 
 
 def evaluation_split(name: str, data_dir: str | None = None) -> str | None:
   """The split to evaluate on: 'test', else 'validation' (ImageNet has no test labels), else None."""
+  if name.startswith(TOKENFILE_PREFIX):
+    return None
   if not name.startswith(TFDS_PREFIX):
     return "test"
   from hetjax.input import tfds_data
@@ -159,8 +177,9 @@ def check_image_size(name: str, image_size: int | None) -> None:
 
 
 def load(name: str, split: str = "train", data_dir: str | None = None, *,
-         image_size: int | None = None, augment: str | None = None) -> Source:
-  """A dataset by name: a built-in one, or `tfds:NAME[:VERSION]` from `data_dir`.
+         image_size: int | None = None, augment: str | None = None, seq_len: int | None = None,
+         token_dtype: str = "uint16", vocab_size: int | None = None) -> Source:
+  """A dataset by name: a built-in one, `tfds:NAME[:VERSION]` from `data_dir`, or `tokenfile:PATH`.
 
   Args:
     name: a built-in name or `tfds:NAME[/CONFIG][:VERSION]`.
@@ -169,13 +188,21 @@ def load(name: str, split: str = "train", data_dir: str | None = None, *,
     image_size: TFDS images only: decode, crop and resize to this square
       size on the loader's workers (`hetjax.input.images`), as ImageNet needs.
     augment: with `image_size`: the training crop and flip ('crop,flip').
+    seq_len: token datasets: tokens per record (`tokenfile:PATH` needs it).
+    token_dtype: `tokenfile:PATH`'s ids, 'uint16' (nanoGPT's .bin) or 'uint32'.
+    vocab_size: token datasets: the vocabulary (`tokenfile`: default the
+      file's largest id + 1, found by one pass over it).
 
   Raises:
     ValueError: an unknown name, a split it lacks, a TFDS dataset that is
       not prepared in `data_dir` (see `check_dataset_name`), or `image_size`
       for a built-in dataset.
   """
-  check_dataset_name(name, data_dir, split)
+  check_dataset_name(name, data_dir, split, seq_len=seq_len, token_dtype=token_dtype,
+                     vocab_size=vocab_size)
+  if name.startswith(TOKENFILE_PREFIX):
+    check_image_size(name, image_size)
+    return tokenfile.TokenFileSource(name[len(TOKENFILE_PREFIX):], seq_len, token_dtype, vocab_size)
   if name.startswith(TFDS_PREFIX):
     from hetjax.input import tfds_data
     return tfds_data.tfds_source(name[len(TFDS_PREFIX):], split, data_dir,
@@ -183,4 +210,5 @@ def load(name: str, split: str = "train", data_dir: str | None = None, *,
   check_image_size(name, image_size)
   if name in ("digits", "synthetic_big"):
     return DATASETS[name](split)
-  return DATASETS[name](seed=_SPLITS[split])
+  tokens = {k: v for k, v in (("seq_len", seq_len), ("vocab_size", vocab_size)) if v is not None}
+  return DATASETS[name](seed=_SPLITS[split], **tokens)
