@@ -2,8 +2,9 @@
 
 Two things to get right, both shown here:
 - BatchNorm and the padding mask. hetjax pads a block that is not full with
-  copies of real rows and passes `mask` (float32 `[b]`, 1 = real) to a
-  `__call__` that names it. Statistics must ignore the copies:
+  copies of real rows and passes its mask (float32 `[b]`, 1 = real) to the
+  `__call__` argument named by `mask_arg` (`from_linen(..., mask_arg="mask")`,
+  the same for `from_nnx`). Statistics must ignore the copies:
   `nnx.BatchNorm` / `nn.BatchNorm` take a boolean mask shaped like the
   input's batch axis with the reduced axes kept, `[b, 1, 1, 1]` for NHWC
   images: `mask[:, None, None, None] > 0`. Give `mask` a default (None), so
@@ -77,12 +78,13 @@ class LinenNet(nn.Module):
 def nnx_task(num_classes: int = 10, width: int = 8, dropout: float = 0.2) -> hetjax.Task:
   """`--model examples.flax_models:nnx_task` (width: --model-width, dropout: --dropout)."""
   return hetjax.from_nnx(NnxNet(num_classes, width, dropout, rngs=nnx.Rngs(params=0, dropout=1)),
-                         classification)
+                         classification, mask_arg="mask")
 
 
 def linen_task(num_classes: int = 10, width: int = 8, dropout: float = 0.2) -> hetjax.Task:
   """`--model examples.flax_models:linen_task` (width: --model-width, dropout: --dropout)."""
-  return hetjax.from_linen(LinenNet(num_classes, width, dropout), classification)
+  return hetjax.from_linen(LinenNet(num_classes, width, dropout), classification,
+                           mask_arg="mask")
 
 
 def host_arrays(tree):
@@ -93,7 +95,8 @@ def host_arrays(tree):
 def train_nnx(steps: int) -> tuple[NnxNet, dict]:
   """Trains an NNX model and puts the trained values back into it."""
   model = NnxNet(rngs=nnx.Rngs(params=0, dropout=1))
-  trainer = hetjax.Trainer(hetjax.from_nnx(model, classification), optax.adam(3e-3),
+  trainer = hetjax.Trainer(hetjax.from_nnx(model, classification, mask_arg="mask"),
+                           optax.adam(3e-3),
                            hetjax.data.load("digits"),
                            hetjax.TrainConfig(global_batch=64, microbatch=16))
   summary = trainer.fit(steps=steps)
@@ -106,7 +109,8 @@ def train_nnx(steps: int) -> tuple[NnxNet, dict]:
 
 def train_linen(steps: int) -> tuple[dict, dict]:
   """Trains a linen model; returns the variables `LinenNet().apply` takes."""
-  trainer = hetjax.Trainer(hetjax.from_linen(LinenNet(), classification), optax.adam(3e-3),
+  trainer = hetjax.Trainer(hetjax.from_linen(LinenNet(), classification, mask_arg="mask"),
+                           optax.adam(3e-3),
                            hetjax.data.load("digits"),
                            hetjax.TrainConfig(global_batch=64, microbatch=16))
   summary = trainer.fit(steps=steps)

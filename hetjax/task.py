@@ -7,8 +7,9 @@ different batch sizes are reconciled exactly by `sum(grad sums) / sum(counts)`.
 A batch is a dict of arrays with a common leading dimension: one *block* of
 the global batch (DESIGN invariant 2). The step adds a float32 entry under
 the reserved key `MASK` (1 for a real example, 0 for padding); a model may use
-it (BatchNorm statistics must ignore padding) or leave it alone. Padding rows
-repeat a real row, so a loss is finite on them.
+it (BatchNorm statistics must ignore padding) or leave it alone; a module
+wrapped by `from_linen` / `from_nnx` gets it only through the argument named
+by `mask_arg`. Padding rows repeat a real row, so a loss is finite on them.
 
 `rng` is the block's key, `fold_in(fold_in(key(seed), step), block)`: a
 dropout mask belongs to the examples of the block, never to the host or the
@@ -20,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
-import warnings
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -80,7 +80,7 @@ class Task:
       averages, no dropout); `None` when it equals `loss`.
     unmasked_loss: `loss` for a block whose rows are all real, without
       the work the padding mask costs (`from_linen` / `from_nnx`, for a
-      module whose `mask` has a default: the module called without `mask=`,
+      module whose `mask_arg` has a default: the module called without it,
       so BatchNorm takes plain batch statistics: 118 fewer kernels in
       resnet18's local program). The step uses it when no
       block that counts holds padding (the global batch a whole number of
@@ -89,6 +89,10 @@ class Task:
       that compute Flax's fast variance (`from_nnx` fills it); linen layers
       are found by tracing `loss` (`hetjax.fast_variance.find`), so a `Task` built
       by hand may leave it empty.
+    sees_mask: whether the model is shown the padding mask (a `Task` built
+      by hand reads `batch[MASK]`; `from_linen` / `from_nnx` only with a
+      `mask_arg`). A model that is not, and keeps model state, is refused
+      where a block can be part padding (`check_partial_blocks`).
 
   Example:
     >>> def init(rng, batch):
@@ -104,6 +108,7 @@ class Task:
   eval_loss: LossFn | None = None
   unmasked_loss: LossFn | None = None
   fast_variance_layers: tuple[str, ...] = ()
+  sees_mask: bool = True
 
   def evaluation_loss(self) -> LossFn:
     """The loss to evaluate with: `eval_loss` when given, else `loss`."""
@@ -155,6 +160,26 @@ def check_contract(loss: LossFn, params: PyTree, model_state: PyTree, batch: Bat
     raise ValueError(f"{what} returned a model state whose structure differs from the one "
                      f"init made: {jax.tree.structure(new_state)} vs "
                      f"{jax.tree.structure(model_state)}; return the same collections.")
+
+
+def check_partial_blocks(task: Task, model_state: PyTree, batch: int, block: int) -> None:
+  """Refuses, before compiling, batch statistics that would count padding rows.
+
+  A batch of `batch` examples that `block` does not divide ends with a
+  block that is part padding; a model that keeps state computed from its
+  block (BatchNorm) and is never shown the mask would count the padding.
+  """
+  if task.sees_mask or batch % block == 0 or not jax.tree.leaves(model_state):
+    return
+  real = batch % block
+  raise ValueError(
+      f"the batch of {batch} examples is not a whole number of blocks of {block} (the "
+      f"microbatch): its last block holds {real} real examples and {block - real} padding rows, "
+      f"and the model keeps batch statistics ({', '.join(map(str, model_state))}) but is never "
+      f"shown hetjax's padding mask, so they would count the padding. Pass "
+      f"mask_arg='mask' to from_linen / from_nnx, with a `mask=None` argument of __call__ handed "
+      f"to BatchNorm (`nn.BatchNorm(...)(x, mask=mask[:, None] > 0)`), or make the batch a "
+      f"multiple of {block}.")
 
 
 def check_batch_keys(keys: Sequence[str]) -> None:
@@ -236,23 +261,24 @@ def _parameters(fn: Callable) -> set[str]:
     return set()
 
 
-def _mask_optional(fn: Callable) -> bool:
-  """Whether `fn` may be called without `mask=` (it names one, with a default)."""
-  try:
-    mask = inspect.signature(fn).parameters.get("mask")
-  except (TypeError, ValueError):
+def _mask_argument(fn: Callable, mask_arg: str | None, what: str) -> bool:
+  """Checks that `fn` takes `mask_arg`; returns whether it may be left out (has a default)."""
+  if mask_arg is None:
     return False
-  return mask is not None and mask.default is not inspect.Parameter.empty
+  try:
+    params = inspect.signature(fn).parameters
+  except (TypeError, ValueError):
+    return False  # Nothing to read: pass it always.
+  if mask_arg not in params and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+    raise ValueError(f"mask_arg={mask_arg!r}, but {what}.__call__ takes {inspect.signature(fn)}; "
+                     f"name one of its arguments, or add `{mask_arg}=None` and hand it to "
+                     "BatchNorm.")
+  param = params.get(mask_arg)
+  return param is not None and param.default is not inspect.Parameter.empty
 
 
 _MODE_ARGS = {"train": True, "training": True, "deterministic": False}  # name -> value in training
 _MISSING_RNG = re.compile(r'needs PRNG for "([^"]+)"')
-
-
-def _warn_once(cache: dict, key: str, message: str) -> None:
-  if key not in cache:
-    cache[key] = True
-    warnings.warn(message, stacklevel=3)
 
 
 def from_linen(
@@ -260,25 +286,32 @@ def from_linen(
     per_example_loss: Callable[[jax.Array, Batch], tuple[Any, dict[str, jax.Array]]],
     *,
     input_key: str = "x",
+    mask_arg: str | None = None,
     state_collections: Sequence[str] = ("batch_stats",),
     rng_streams: Sequence[str] | None = None,
 ) -> Task:
   """Wraps a Flax linen module as people write them.
 
-  The module is called as `module(batch[input_key], <mode>=..., mask=...)`:
-  the mode argument is whichever of `train`, `training` (True in training)
-  or `deterministic` (False in training) its `__call__` names, and `mask`
-  (the padding mask) is passed in training when it names one. Every rng
-  stream the module asks for (`dropout`, or any `make_rng` name) gets a key
-  derived from the block's key. Variables in `state_collections` are model
-  state, averaged over blocks; other collections (`intermediates`, anything
-  sown) are dropped.
+  The module is called as `module(batch[input_key], <mode>=...)`: the mode
+  argument is whichever of `train`, `training` (True in training) or
+  `deterministic` (False in training) its `__call__` names. hetjax's padding
+  mask reaches it only through `mask_arg`, so a module's own `mask=` (an
+  attention or token mask) keeps its meaning. Every rng stream the module
+  asks for (`dropout`, or any `make_rng` name) gets a key derived from the
+  block's key. Variables in `state_collections` are model state, averaged
+  over blocks; other collections (`intermediates`, anything sown) are dropped.
 
   Args:
     module: a `flax.linen.Module`.
     per_example_loss: `per_example_loss(outputs, batch) -> (losses[b],
-      metrics)`.
+      metrics)`; `losses` may be a `Weighted` (e.g. summed token losses and
+      token counts).
     input_key: which batch entry feeds the module.
+    mask_arg: the `__call__` argument that gets the padding mask (float
+      `[b]`, 1 for a real example) in training, for BatchNorm statistics
+      that ignore padding; None: never passed. A BatchNorm model without
+      one is refused where a block can be part padding (a global batch that
+      the microbatch does not divide).
     state_collections: the collections that are model state.
     rng_streams: the rng streams the module uses in training; None finds
       them from the module's own errors when the loss is first traced.
@@ -292,16 +325,14 @@ def from_linen(
     ...     optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]), {}))
   """
   _check_loss_form(per_example_loss, "from_linen")
-  names = _parameters(module.__call__)
-  modes = [n for n in _MODE_ARGS if n in names]
-  takes_mask = "mask" in names
+  optional_mask = _mask_argument(module.__call__, mask_arg, type(module).__name__)
+  modes = [n for n in _MODE_ARGS if n in _parameters(module.__call__)]
   streams = None if rng_streams is None else tuple(rng_streams)
-  warned: dict = {}
 
   def kwargs(batch, train, masked=True):
     kw = {n: (_MODE_ARGS[n] if train else not _MODE_ARGS[n]) for n in modes}
-    if takes_mask and train and masked:
-      kw["mask"] = batch[MASK] if MASK in batch else None
+    if mask_arg and train and masked:
+      kw[mask_arg] = batch[MASK] if MASK in batch else None
     return kw
 
   def init(rng, batch):
@@ -309,13 +340,7 @@ def from_linen(
     variables = dict(module.init({"params": params_rng, "dropout": dropout_rng},
                                  batch[input_key], **kwargs(batch, False)))
     params = variables.pop("params")
-    state = {c: variables[c] for c in state_collections if c in variables}
-    if "batch_stats" in state and not takes_mask:
-      _warn_once(warned, "mask", f"{type(module).__name__} has BatchNorm statistics but its "
-                 "__call__ takes no `mask` argument: padding rows (copies of real rows) enter "
-                 "the batch statistics of a block that is not full. Add `mask` and pass it to "
-                 "nn.BatchNorm(..., mask=...) for exact statistics.")
-    return params, state
+    return params, {c: variables[c] for c in state_collections if c in variables}
 
   def apply(params, state, batch, rng, train, rngs, masked=True):
     mutable = list(state) if (train and state) else False
@@ -352,7 +377,8 @@ def from_linen(
     return loss
 
   return Task(init, make_loss(True), make_loss(False),
-              make_loss(True, masked=False) if _mask_optional(module.__call__) else None)
+              make_loss(True, masked=False) if optional_mask else None,
+              sees_mask=mask_arg is not None)
 
 
 def from_nnx(
@@ -360,6 +386,7 @@ def from_nnx(
     per_example_loss: Callable[[jax.Array, Batch], tuple[Any, dict[str, jax.Array]]],
     *,
     input_key: str = "x",
+    mask_arg: str | None = None,
 ) -> Task:
   """Wraps a Flax NNX module that the caller has already built.
 
@@ -368,13 +395,15 @@ def from_nnx(
   are trained; RNG variables are reseeded from the block's key at every call
   (so dropout masks belong to the block) and are not model state; every other
   variable (BatchNorm statistics) is model state. Training calls
-  `model.train()`, evaluation `model.eval()`; the padding mask is passed as
-  `mask=` when the module's `__call__` takes one.
+  `model.train()`, evaluation `model.eval()`; the padding mask reaches the
+  model only through `mask_arg`, as in `from_linen`.
 
   Args:
     model: a built `flax.nnx.Module`.
     per_example_loss: `per_example_loss(outputs, batch) -> (losses[b], metrics)`.
     input_key: which batch entry feeds the module.
+    mask_arg: the `__call__` argument that gets the padding mask in training
+      (see `from_linen`); None: never passed.
 
   Returns:
     The `Task`.
@@ -390,11 +419,7 @@ def from_nnx(
   graphdef, params, rng_state, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
   streams = sorted({v.tag for _, v in nnx.to_flat_state(rng_state) if isinstance(v, nnx.RngKey)})
   params, rest = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
-  takes_mask = "mask" in _parameters(model.__call__)
-  if rest and not takes_mask:
-    warnings.warn(f"{type(model).__name__} has non-trained variables (BatchNorm statistics?) but "
-                  "its __call__ takes no `mask` argument: padding rows enter the batch statistics "
-                  "of a block that is not full. Add `mask` for exact statistics.", stacklevel=2)
+  optional_mask = _mask_argument(model.__call__, mask_arg, type(model).__name__)
 
   def init(rng, batch):
     del rng, batch
@@ -413,7 +438,7 @@ def from_nnx(
       if streams:
         nnx.reseed(m, **{s: jax.random.fold_in(rng, i) for i, s in enumerate(streams)})
       m.train() if train else m.eval()
-      kw = {"mask": batch[MASK]} if (takes_mask and train and masked and MASK in batch) else {}
+      kw = {mask_arg: batch[MASK]} if (mask_arg and train and masked and MASK in batch) else {}
       outputs = m(batch[input_key], **kw)
       new_state = nnx.to_pure_dict(nnx.state(m, nnx.Not(nnx.Any(nnx.Param, nnx.RngState))))
       losses, metrics = per_example_loss(outputs, batch)
@@ -421,5 +446,5 @@ def from_nnx(
     return loss
 
   return Task(init, make_loss(True), make_loss(False),
-              make_loss(True, masked=False) if _mask_optional(model.__call__) else None,
-              fast_variance_layers=fast_variance.nnx_layers(model))
+              make_loss(True, masked=False) if optional_mask else None,
+              fast_variance_layers=fast_variance.nnx_layers(model), sees_mask=mask_arg is not None)

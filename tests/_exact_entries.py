@@ -118,10 +118,12 @@ def build(model: str):
                                num_layers=1, d_model=32, dropout=0.1)
     return source, task, optax.adam(3e-3)
   if model == "linen":
-    return data.load("digits"), hetjax.from_linen(LinenBatchNormDropout(), _classification), \
+    return data.load("digits"), hetjax.from_linen(LinenBatchNormDropout(), _classification,
+                                              mask_arg="mask"), \
         optax.sgd(0.1)
   if model == "nnx":
-    return data.load("digits"), hetjax.from_nnx(nnx_model(), _classification), optax.adam(3e-3)
+    return data.load("digits"), hetjax.from_nnx(nnx_model(), _classification, mask_arg="mask"), \
+        optax.adam(3e-3)
   raise ValueError(model)
 
 

@@ -1,7 +1,5 @@
 """Blocks of `m` positions: the unit that makes BatchNorm and dropout split-independent."""
 
-import warnings
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -217,13 +215,77 @@ def test_linen_adapter_recognises_every_mode_argument(name):
   np.testing.assert_allclose(train, 2 * evaluate, rtol=1e-6)
 
 
-def test_a_batchnorm_module_without_mask_gets_one_warning():
-  task = hetjax.from_linen(BatchNormWithoutMask(), lambda z, b: (_xent(z, b), {}))
-  with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    task.init(jax.random.key(0), _block())
-    task.init(jax.random.key(0), _block())
-  assert len([w for w in caught if "takes no `mask` argument" in str(w.message)]) == 1
+_SEEN = []  # (mask is None, train) of every call of TokenMaskLM.
+
+
+class TokenMaskLM(nn.Module):
+  """An LM whose `mask` is its own `[b, T]` padding mask, under the usual name."""
+
+  @nn.compact
+  def __call__(self, tokens, mask=None, train: bool = False):
+    _SEEN.append((mask is None, train))
+    x = nn.Embed(8, 4)(tokens)
+    attention = nn.make_causal_mask(tokens)
+    if mask is not None:  # hetjax's [b] mask here was: "Too many indices", naming nothing.
+      attention = nn.combine_masks(attention, mask[:, None, None, :] > 0)
+    x = nn.MultiHeadDotProductAttention(num_heads=1, deterministic=not train)(x, mask=attention)
+    return nn.Dense(8)(x)
+
+
+def _tokens(n=12, t=5):
+  return data.ArraySource({"x": np.random.default_rng(0).integers(0, 8, (n, t), np.int32)})
+
+
+@pytest.mark.parametrize("global_batch", [8, 6])  # Whole blocks of 4, and a partial one.
+def test_a_module_that_takes_mask_and_train_trains_unchanged(global_batch):
+  """hetjax's per-example mask reaches a module only through `mask_arg`; `train` is set."""
+  _SEEN.clear()
+
+  def loss(logits, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits[:, :-1], batch["x"][:, 1:]).sum(1), {}
+
+  hetjax.initialize()
+  tr = hetjax.Trainer(hetjax.from_linen(TokenMaskLM(), loss), optax.sgd(0.1), _tokens(),
+                      hetjax.TrainConfig(global_batch=global_batch, microbatch=4, seed=0))
+  try:
+    assert all(np.isfinite(tr.train_step()["loss"]) for _ in range(2))
+    assert np.isfinite(tr.evaluate(_tokens())["loss"])
+  finally:
+    tr.close()
+  assert {m for m, _ in _SEEN} == {True} and {t for _, t in _SEEN} == {True, False}
+
+
+def test_mask_arg_names_an_argument_of_the_module():
+  with pytest.raises(ValueError, match=r"mask_arg='padding', but TokenMaskLM.__call__ takes"):
+    hetjax.from_linen(TokenMaskLM(), lambda z, b: (z[:, 0, 0], {}), mask_arg="padding")
+
+
+@pytest.mark.parametrize("global_batch", [8, 6])
+def test_batchnorm_blind_to_a_partial_blocks_padding_is_refused_before_compiling(global_batch):
+  """8: whole blocks, no padding to count, it trains; 6: a block of 2 real rows and 2 padding."""
+  hetjax.initialize()
+  source = data.load("digits")
+  config = hetjax.TrainConfig(global_batch=global_batch, microbatch=4, seed=0)
+  blind = hetjax.from_linen(BatchNormWithoutMask(), lambda z, b: (_xent(z, b), {}))
+  if global_batch % 4:
+    with pytest.raises(ValueError, match=r"batch of 6 examples is not a whole number of blocks "
+                       r"of 4.*2 real examples and 2 padding rows.*batch_stats.*"
+                       r"Pass mask_arg='mask' to from_linen / from_nnx"):
+      hetjax.Trainer(blind, optax.sgd(0.1), source, config)
+    nnx_blind = hetjax.from_nnx(__import__("_exact_entries").nnx_model(), _exact_entries_loss)
+    with pytest.raises(ValueError, match=r"model keeps batch statistics \(bn\)"):
+      hetjax.Trainer(nnx_blind, optax.sgd(0.1), source, config)
+    return
+  tr = hetjax.Trainer(blind, optax.sgd(0.1), source, config)
+  try:
+    assert np.isfinite(tr.train_step()["loss"])
+  finally:
+    tr.close()
+
+
+def _exact_entries_loss(logits, batch):
+  return _xent(logits, batch), {}
 
 
 def test_nnx_adapter_keeps_rng_variables_out_of_the_state_and_evaluates_in_eval_mode():

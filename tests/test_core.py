@@ -87,7 +87,7 @@ def _classification(logits, batch):
 
 def test_batchnorm_running_statistics_are_the_sample_weighted_mean():
   hetjax.initialize()
-  tr = trainer.Trainer(hetjax.from_linen(SmallBatchNormNet(), _classification), optax.sgd(0.0),
+  tr = trainer.Trainer(hetjax.from_linen(SmallBatchNormNet(), _classification, mask_arg="mask"), optax.sgd(0.0),
                        data.load("digits"), trainer.TrainConfig(global_batch=12, microbatch=5))
   old = jax.device_get(tr.state.model_state)
   params = jax.device_get(tr.state.params)

@@ -39,7 +39,7 @@ SCHEDULE = optax.linear_schedule(0.1, 0.01, transition_steps=6)
 
 def _trainer(microbatch: int, global_batch: int = 32) -> hetjax.Trainer:
   optimizer = optax.inject_hyperparams(optax.adam)(learning_rate=SCHEDULE)
-  return hetjax.Trainer(hetjax.from_linen(BatchNormMlp(), _loss), optimizer,
+  return hetjax.Trainer(hetjax.from_linen(BatchNormMlp(), _loss, mask_arg="mask"), optimizer,
                         data.load("digits"),
                         hetjax.TrainConfig(global_batch=global_batch, microbatch=microbatch,
                                            check_every=0))

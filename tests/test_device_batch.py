@@ -55,7 +55,7 @@ def _task(fast_variance: bool = True):
   def loss(logits, batch):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), {
         "correct": (jnp.argmax(logits, -1) == batch["y"]).astype(jnp.float32)}
-  return hetjax.from_linen(_BatchNormDropout(fast_variance), loss)
+  return hetjax.from_linen(_BatchNormDropout(fast_variance), loss, mask_arg="mask")
 
 
 def _points(n: int = 64, seed: int = 3) -> hetjax.ArraySource:

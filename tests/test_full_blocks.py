@@ -43,7 +43,7 @@ def _batch(n=4):
 
 
 def test_linen_adapter_has_an_unmasked_loss_only_for_modules_that_take_a_mask():
-  task = hetjax.from_linen(MaskProbe(), _probe_loss)
+  task = hetjax.from_linen(MaskProbe(), _probe_loss, mask_arg="mask")
   params, state = task.init(jax.random.key(0), _batch())
   masked = task.loss(params, state, _batch(), jax.random.key(1))[0]
   unmasked = task.unmasked_loss(params, state, _batch(), jax.random.key(1))[0]
@@ -65,7 +65,7 @@ class MaskRequired(nn.Module):
 
 def test_a_module_whose_mask_has_no_default_gets_no_unmasked_loss():
   """Calling it without `mask=` would fail, so whole blocks would keep the mask."""
-  task = hetjax.from_linen(MaskRequired(), _probe_loss)
+  task = hetjax.from_linen(MaskRequired(), _probe_loss, mask_arg="mask")
   assert task.unmasked_loss is None
   assert task.training_loss(blocks_full=True) is task.loss
 
@@ -80,7 +80,7 @@ def test_nnx_adapter_has_an_unmasked_loss():
     def __call__(self, x, mask=None):
       return jnp.zeros((x.shape[0], 1)) + self.w + (0.0 if mask is None else 1.0)
 
-  task = hetjax.from_nnx(Probe(), _probe_loss)
+  task = hetjax.from_nnx(Probe(), _probe_loss, mask_arg="mask")
   params, state = task.init(jax.random.key(0), _batch())
   np.testing.assert_array_equal(task.loss(params, state, _batch(), jax.random.key(1))[0], 1.0)
   np.testing.assert_array_equal(
@@ -106,7 +106,7 @@ def test_nnx_adapter_keeps_junk_padding_out_of_batchnorm():
   def classify(logits, batch):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), {}
 
-  task = hetjax.from_nnx(ConvBatchNorm(nnx.Rngs(0)), classify)
+  task = hetjax.from_nnx(ConvBatchNorm(nnx.Rngs(0)), classify, mask_arg="mask")
   rng = np.random.default_rng(0)
   real = {"x": rng.standard_normal((3, 8, 8, 1)).astype(np.float32),
           "y": np.array([1, 2, 3], np.int32), MASK: np.ones(3, np.float32)}
@@ -133,7 +133,8 @@ def test_the_trainer_drops_the_mask_only_when_every_block_is_whole(global_batch,
   n = 24
   source = data.ArraySource({"x": np.zeros((n, 8, 8, 1), np.float32),
                              "y": np.zeros(n, np.int32)})
-  tr = hetjax.Trainer(hetjax.from_linen(MaskProbe(), _probe_loss), optax.sgd(0.0), source,
+  tr = hetjax.Trainer(hetjax.from_linen(MaskProbe(), _probe_loss, mask_arg="mask"), optax.sgd(0.0),
+                      source,
                       hetjax.TrainConfig(global_batch=global_batch, microbatch=4, seed=0))
   try:
     assert tr.train_step()["loss"] == pytest.approx(1.0 if masked else 0.0)

@@ -326,7 +326,7 @@ def test_the_finder_names_every_fast_variance_layer_of_linen_and_nnx():
   """Guards the test above: the finder sees Flax's defaults (a blind finder would pass it)."""
   from flax import nnx
   task = task_lib.from_linen(_FlaxDefaults(), lambda logits, b: (
-      optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]), {}))
+      optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]), {}), mask_arg="mask")
   batch = _batch("cnn")
   params, state = jax.eval_shape(task.init, _key(0), batch)
   assert fast_variance.find(task, params, state, batch) == (
@@ -345,7 +345,7 @@ def test_the_finder_names_every_fast_variance_layer_of_linen_and_nnx():
       return x.reshape(x.shape[0], -1)[:, :NUM_CLASSES]
 
   task = task_lib.from_nnx(Nnx(nnx.Rngs(0)), lambda logits, b: (
-      optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]), {}))
+      optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]), {}), mask_arg="mask")
   assert task.fast_variance_layers == ("bn", "ln")
   params, state = jax.eval_shape(task.init, _key(0), batch)
   assert fast_variance.find(task, params, state, batch) == ("bn", "ln")

@@ -23,15 +23,16 @@ class _Spec:
   kind: str  # The dataset kind the model consumes.
   size_arg: str  # The constructor argument the dataset determines.
   loss: Callable
+  mask_arg: str | None = None  # The argument its BatchNorm takes the padding mask by.
 
 
 _SPECS = {
     "mlp": _Spec(MLP, "image", "num_classes", losses.classification),
     "cnn": _Spec(CNN, "image", "num_classes", losses.classification),
-    "resnet18": _Spec(ResNet, "image", "num_classes", losses.classification),
+    "resnet18": _Spec(ResNet, "image", "num_classes", losses.classification, "mask"),
     "transformer": _Spec(
         TransformerLM, "tokens", "vocab_size", losses.next_token),
-    "resnet50": _Spec(ResNet50, "image", "num_classes", losses.classification),
+    "resnet50": _Spec(ResNet50, "image", "num_classes", losses.classification, "mask"),
 }
 assert tuple(_SPECS) == MODEL_NAMES
 
@@ -103,5 +104,5 @@ def build(
         f"Unknown option(s) {unknown} for model {name!r}; valid options: "
         f"{', '.join(valid)}.")
   module = spec.module(**{spec.size_arg: size}, **overrides)
-  task = task_lib.from_linen(module, spec.loss)
+  task = task_lib.from_linen(module, spec.loss, mask_arg=spec.mask_arg)
   return preprocess.on_device_scaling(task) if kind == "image" else task

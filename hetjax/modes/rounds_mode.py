@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from hetjax import mesh as mesh_lib
+from hetjax import task as task_lib
 from hetjax.checkpoint import manager as ckpt_lib
 from hetjax.cluster import signals
 from hetjax.cluster import watchdog
@@ -83,6 +84,7 @@ class Rounds(ModeBase):
     self.augment = augment_lib.parse(config.augment)
     init = jax.jit(setup.task.init, out_shardings=meshes.replicated)
     params, model_state = init(jax.random.key(config.seed), setup.first_block)
+    task_lib.check_partial_blocks(setup.task, model_state, self.local_batch, config.microbatch)
     setup.check_task(params, model_state, eval_loss=False)
     self.compile(meshes, backend=config.reduction)
     self.centre = self.init_centre(params, model_state)

@@ -23,6 +23,7 @@ from hetjax import balancer as balancer_lib
 from hetjax import blocks as blocks_lib
 from hetjax import optimizers as optimizers_lib
 from hetjax import step as step_lib
+from hetjax import task as task_lib
 from hetjax.checkpoint import manager as ckpt_lib
 from hetjax.input import augment as augment_lib
 from hetjax.input import loader as loader_lib
@@ -69,6 +70,7 @@ class Sync(ModeBase):
     self.config, self.meshes, self.optimizer, self.sampler = config, meshes, optimizer, setup.sampler
     initial = step_lib.init_state(task, optimizer, meshes, setup.first_block, config.seed,
                                   config.precision)
+    task_lib.check_partial_blocks(task, initial.model_state, config.global_batch, config.microbatch)
     setup.agree_on_model(initial)
     self.device_batches = setup.device_batches(initial.params, initial.model_state)
     balancer = self._custom_balancer or pipeline_lib.default_balancer(config, meshes,
