@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 
-from hetjax.testing import module_command
+from _warm_client import module_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEADLINE_S = 300.0  # Only a broken job waits this long.

@@ -51,23 +51,3 @@ def die_on_host(host: int) -> int:
 def read_env(name: str) -> str | None:
   """This host's value of environment variable `name`."""
   return os.environ.get(name)
-
-
-def local_program_hits() -> tuple[int, list[float]]:
-  """How many persistent-cache hits this host had for one program over its own devices.
-
-  Host 0's devices are 0-1, host 1's 2-3: shared programs (the test suite's
-  `hetjax.cluster.shared_programs`) key them alike, and one host compiles.
-  """
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-
-  mesh = Mesh(np.array(jax.local_devices()), ("d",))
-  x = jax.device_put(jnp.arange(4.0), NamedSharding(mesh, P("d")))
-  hits = []  # Counted from here: only the program's own compile or load.
-  jax.monitoring.register_event_listener(
-      lambda event, **kw: hits.append(1) if event == "/jax/compilation_cache/cache_hits" else None)
-  y = jax.jit(lambda v: jnp.cumsum(v * 3.0 + 1.0))(x)
-  return len(hits), np.asarray(jax.device_get(y)).tolist()

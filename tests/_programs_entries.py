@@ -1,10 +1,12 @@
 """Entries that record every program a host compiles (`tests/test_host_values.py`).
 
-`compiled_programs()` records, from where JAX hands each program to XLA,
-the devices it runs on and its optimized HLO; `where_it_runs` tells a
-program over one host's devices from one over several hosts' accelerators
-(the device mesh) and one over each host's first CPU device (the host
-reduction's mesh).
+`compiled_programs()` reads XLA's own dump (the public XLA_FLAGS option
+`--xla_dump_to`, one folder per host: `recording_hosts`): for each program
+XLA compiled, its optimized HLO and its device assignment. That is where
+GSPMD's own collectives (the all-gather of a re-sharded output) appear,
+which the traced program lacks. `where_it_runs` tells a program over one
+host's devices from one over several hosts' accelerators (the device mesh)
+and one over each host's first CPU device (the host reduction's mesh).
 """
 
 from __future__ import annotations
@@ -18,33 +20,41 @@ import numpy as np
 
 COLLECTIVE = re.compile(r"\b(all-reduce|all-gather|reduce-scatter|all-to-all|ragged-all-to-all|"
                         r"collective-permute|collective-broadcast)(-start)?\(")
+_DUMP = re.compile(r"--xla_dump_to=(\S+)")
+_DEVICE = re.compile(r"replica_device_ids: (\d+)")
+# Without JAX's persistent cache: a program loaded from it is not compiled, so not dumped.
+NO_CACHE = {"JAX_ENABLE_COMPILATION_CACHE": "false"}
+
+
+def recording_hosts(folder: str, hosts: int) -> dict[int, dict[str, str]]:
+  """`run_hosts`' host_env that makes XLA dump each host's programs into `folder/hostN`."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  return {h: {"XLA_FLAGS": f"{flags} --xla_dump_to={folder}/host{h}"} for h in range(hosts)}
 
 
 @contextlib.contextmanager
 def compiled_programs() -> Iterator[list[tuple[list[Any], str, str]]]:
-  """Appends (devices, name, optimized HLO text) of every program compiled inside.
+  """Appends (devices, name, optimized HLO text) of every program XLA compiled inside.
 
-  Wraps `jax._src.compiler.compile_or_get_cached` (private; JAX 0.10), which
-  every jitted program passes through, from the persistent cache or not:
-  the one place that sees both a program's device assignment and its
-  compiled collectives (GSPMD adds the all-gather of a re-sharded output
-  there, not in the traced program).
+  Filled when the block ends, from the modules XLA dumped meanwhile.
   """
-  from jax._src import compiler
-  real, seen = compiler.compile_or_get_cached, []
-
-  def recording(backend, computation, devices, *args, **kwargs):
-    executable = real(backend, computation, devices, *args, **kwargs)
-    modules = executable.hlo_modules()
-    seen.append((list(np.asarray(devices).flat), modules[0].name,
-                 "\n".join(m.to_string() for m in modules)))
-    return executable
-
-  compiler.compile_or_get_cached = recording
-  try:
-    yield seen
-  finally:
-    compiler.compile_or_get_cached = real
+  import jax
+  found = _DUMP.search(os.environ.get("XLA_FLAGS", ""))
+  assert found, "run the entry under recording_hosts(): XLA_FLAGS names no --xla_dump_to"
+  folder, seen = found.group(1), []
+  before = set(os.listdir(folder)) if os.path.isdir(folder) else set()
+  yield seen
+  by_id = {d.id: d for d in jax.devices()}
+  for module in sorted(set(os.listdir(folder)) - before):
+    path = os.path.join(folder, module)
+    if not os.path.isdir(path):
+      continue  # Each compile leaves a folder (its options) beside its text files.
+    with open(os.path.join(path, "compile_options.textproto")) as f:
+      assignment = f.read().split("device_assignment {", 1)[1]
+    with open(f"{path}.cpu_after_optimizations.txt") as f:
+      hlo = f.read()
+    devices = [by_id[int(i)] for i in _DEVICE.findall(assignment.split("\n  }", 1)[0])]
+    seen.append((devices, hlo.split(None, 2)[1].rstrip(","), hlo))
 
 
 def where_it_runs(devices: list[Any], hosts_mesh: set[Any]) -> str:

@@ -76,6 +76,32 @@ def make_scheduler(config: pytest.Config, log):
   return ByUnit(config, log)
 
 
+# The quick tier (`pytest -m quick`, docs/testing.md): one process each, no host
+# started, the core promises: the balancer and simulator, blocks and the sampler,
+# the config, emulation, agreement, checkpoints' identity, one trainer, and one
+# exactness check against the oracle. A file name, or FILE::TEST_PREFIX.
+QUICK = ("test_balancer.py", "test_ladder.py", "test_sim.py", "test_sim_price.py",
+         "test_sim_rounds.py", "test_config_file.py", "test_emulate.py", "test_packing.py",
+         "test_agreement.py", "test_phases.py", "test_supervise.py", "test_metrics.py",
+         "test_output.py", "test_snapshot.py", "test_goodput.py", "test_mode_threshold.py",
+         "test_history.py", "test_optimizer_layout.py", "test_mode_protocol.py",
+         "test_host_path.py", "test_lost_peer.py", "test_docs.py", "test_data.py",
+         "test_core.py::test_micro_batches", "test_core.py::test_host_slices",
+         "test_core.py::test_equal_split", "test_core.py::test_bad_assignments",
+         "test_core.py::test_batchnorm_running", "test_blocks.py::test_block_shares",
+         "test_blocks.py::test_a_split_that_cuts", "test_blocks.py::test_the_equal_policy",
+         "test_blocks.py::test_contract_violations",
+         "test_full_blocks.py::test_whole_blocks_match_the_oracle")
+
+
+def mark_quick(items: list[pytest.Item]) -> None:
+  """Adds the `quick` marker to the tests QUICK names."""
+  for item in items:
+    name = item.nodeid.rsplit("/", 1)[-1]
+    if any(name == q or name.startswith(q if "::" in q else q + "::") for q in QUICK):
+      item.add_marker(pytest.mark.quick)
+
+
 class DurationRecorder:
   """Adds up each file's seconds (setup, call, teardown) and writes them as `durations.json`."""
 

@@ -1,18 +1,15 @@
-"""Test-wide settings: a shared XLA compilation cache and XLA's cheap backend passes.
+"""Test-wide settings: JAX's persistent compilation cache and XLA's cheap backend passes.
 
-Every emulated host is a fresh process that compiles the same programs; a
-shared on-disk cache (new for each pytest run) lets them compile once. JAX
-writes that cache from process 0 only, and a host's own-device programs are
-keyed by its device ids, so hosts 1, 2, ... compile every program anew: there
-compilation is most of a test's cost. The programs run a few steps on tiny
-inputs, so the suite asks XLA:CPU for its cheap backend passes (as
-tests/test_models.py does for its own programs): the same HLO, the same
-math, LLVM at -O0, XLA's classic loop emitters instead of its newer fusion
-emitters, and one codegen thread (2 cores hold 3 hosts). The emitters
-flag alone brings a trainer's first steps 1.4-2.3x sooner
-(bench/suite_compile.py) and the suite from 658 to 544 s. The children
-inherit the setting through the environment. Set HETJAX_TEST_FULL_OPT=1 to
-run the suite with XLA's default passes.
+Every emulated host is a fresh process that compiles the same programs; JAX's
+own persistent cache (its public JAX_COMPILATION_CACHE_DIR, new for each
+pytest run) lets later runs of a program load it. JAX writes that cache from
+process 0 only and keys a program by its devices, so hosts 1, 2, ... compile
+their own: that is the price of testing what users run. The programs run a
+few steps on tiny inputs, so the suite asks XLA:CPU for its cheap backend
+passes (as tests/test_models.py does for its own programs): the same HLO,
+the same math, LLVM at -O0 and one codegen thread (2 cores hold 3 hosts).
+The children inherit the setting through the environment. Set
+HETJAX_TEST_FULL_OPT=1 to run the suite with XLA's default passes.
 """
 
 import os
@@ -44,35 +41,24 @@ _hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 # ---- warm test hosts ---------------------------------------------------------------
-# Every emulated host of `run_hosts` is forked from one interpreter that
-# imported JAX, Flax, optax and orbax once (hetjax.cluster.warm_hosts): a
-# fresh host spends ~3.4 s of CPU on those imports, and the suite starts
-# about a hundred hosts on 2 cores. Set HETJAX_TEST_COLD_HOSTS=1 to start
-# every host as a fresh interpreter instead.
+# Every emulated host of `run_hosts`, and the CLI tests' hosts started through
+# `_warm_client.module_command`, is forked from one interpreter that imported
+# JAX, Flax, optax and orbax once (tests/_warm_hosts.py): a fresh host spends
+# ~3.4 s of CPU on those imports, and the suite starts about a hundred hosts
+# on 2 cores. JAX itself is not patched: hosts share programs only through
+# its own persistent cache (above). HETJAX_TEST_COLD_HOSTS=1 starts every
+# host as a fresh interpreter instead.
 import pytest  # noqa: E402
-
-
-# Emulated hosts (and this process) share compiled programs: one host
-# compiles a program, the others load it (hetjax.cluster.shared_programs).
-# HETJAX_TEST_SHARE_PROGRAMS=0 keeps JAX's own cache keys.
-os.environ.setdefault("HETJAX_TEST_SHARE_PROGRAMS", "0")  # JAX 0.12 changed the patched private API; the patch goes (issue 52)
 
 
 @pytest.fixture(scope="session", autouse=True)
 def warm_hosts():
-  from hetjax.cluster import shared_programs
-  shared_programs.install()
   if os.environ.get("HETJAX_TEST_COLD_HOSTS") == "1":
     yield None
     return
-  from hetjax.cluster import warm_hosts as warm
-  from hetjax.cluster.warm_client import SOCKET_ENV
-  with warm.running() as path:
-    os.environ[SOCKET_ENV] = path
-    try:
-      yield path
-    finally:
-      del os.environ[SOCKET_ENV]
+  import _warm_hosts
+  with _warm_hosts.running() as path:
+    yield path
 
 
 # ---- the exactness matrix's runs, shared by four test files --------------------
@@ -138,7 +124,9 @@ def pytest_xdist_make_scheduler(config, log):
   return _scheduling.make_scheduler(config, log)
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(session, config, items):
+  _scheduling.mark_quick(items)  # Before pytest's -m filter deselects the unmarked.
   _scheduling.longest_first(items)
 
 

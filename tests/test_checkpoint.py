@@ -24,7 +24,9 @@ from hetjax.checkpoint import manager as checkpoint
 from hetjax.input import data
 from hetjax.cluster import procs
 from hetjax.checkpoint import snapshot
-from hetjax.testing import run_hosts, module_command
+from hetjax.testing import run_hosts
+
+from _warm_client import module_command
 
 DIGITS = data.load("digits")
 

@@ -5,7 +5,7 @@ import pytest
 
 from hetjax import cli
 from hetjax.cluster import runtime
-from hetjax.testing import module_command
+from _warm_client import module_command
 
 BASE = ["train", "--model", "mlp", "--dataset", "digits", "--steps", "2", "--out", "unused"]
 

@@ -10,7 +10,9 @@ import jax
 import numpy as np
 import pytest
 
-from hetjax.testing import run_hosts, module_command
+from hetjax.testing import run_hosts
+
+from _warm_client import module_command
 
 import _cluster_entries
 

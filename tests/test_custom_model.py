@@ -19,7 +19,7 @@ import pytest
 
 import hetjax
 from hetjax import cli
-from hetjax.testing import module_command
+from _warm_client import module_command
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FLAGS = ["--model", "examples.custom_model:task", "--dataset", "examples.custom_model:dataset",

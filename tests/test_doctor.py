@@ -9,7 +9,9 @@ import pytest
 
 from hetjax.cluster import doctor
 from _doctor_entries import BATCH
-from hetjax.testing import run_hosts, module_command
+from hetjax.testing import run_hosts
+
+from _warm_client import module_command
 
 SPEEDS = (1.0, 0.5, 0.25)
 STEP_S = 1 / 64  # Every step's recorded real duration (exact in binary).

@@ -7,7 +7,9 @@ import sys
 import jax
 import numpy as np
 
-from hetjax.testing import run_hosts, module_command
+from hetjax.testing import run_hosts
+
+from _warm_client import module_command
 
 import _cli_job
 import _ckpt_entries

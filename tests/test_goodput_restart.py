@@ -12,9 +12,8 @@ import subprocess
 import sys
 import time
 
-from hetjax.cluster.testing import host_pid
 from hetjax.observe import goodput, report
-from hetjax.testing import module_command
+from _warm_client import module_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -46,6 +45,21 @@ def _kill_after_step(command, ckpt, out, victim, after):
       proc.kill()
       proc.communicate()
   return proc.returncode, err, committed
+
+
+def host_pid(host: int, token: str) -> int | None:
+  """The pid of hetjax.cli host `host` whose command line holds `token`, from /proc."""
+  for entry in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      with open(f"/proc/{entry}/environ", "rb") as f:
+        env = f.read().split(b"\0")
+      with open(f"/proc/{entry}/cmdline", "rb") as f:
+        cmd = f.read()
+    except OSError:
+      continue
+    if token.encode() in cmd and f"HETJAX_HOST_ID={host}".encode() in env and b"hetjax.cli" in cmd:
+      return int(entry)
+  return None
 
 
 def _committed(ckpt):

@@ -5,8 +5,8 @@ collective: two processes on one GPU (NCCL refuses two ranks on one
 device), GPUs of two vendors. Then the agreement checks, fingerprints,
 votes, timings and evaluation sums must travel over the CPUs too, not only
 the step's reduction. A 2-host x 2-device run records every program it
-compiles (`_programs_entries.compiled_programs`) and each is placed by its
-devices: one host's (the local programs, whose collectives stay on the
+compiles (`_programs_entries.compiled_programs`, from XLA's dump) and each
+is placed by its devices: one host's (the local programs, whose collectives stay on the
 host), each host's first CPU device (the host reduction's mesh), or else
 the device mesh. On this CPU both meshes are CPU devices, so the hosts'
 mesh is told by its devices: exactly one per host, each host's first.
@@ -25,10 +25,13 @@ import pytest
 
 from hetjax.testing import run_hosts
 
+import _programs_entries
+
 
 def test_a_host_reduction_run_compiles_no_collective_on_the_device_mesh(tmp_path):
   results = run_hosts("_programs_entries:host_backend_run", hosts=2, devices_per_host=2,
-                      args=(str(tmp_path / "ckpt"),), timeout_s=300)
+                      args=(str(tmp_path / "ckpt"),), timeout_s=300, env=_programs_entries.NO_CACHE,
+                      host_env=_programs_entries.recording_hosts(str(tmp_path), 2))
   for host, result in enumerate(results):
     assert result["saved"] == [2, 4], result["saved"]
     on_device_mesh = [p for p in result["run"] if p["where"] == "device mesh" and p["collectives"]]
@@ -46,11 +49,12 @@ def test_a_host_reduction_run_compiles_no_collective_on_the_device_mesh(tmp_path
 
 @pytest.mark.parametrize("mode", ["hybrid", "elastic"])
 def test_the_rounds_modes_under_the_host_reduction_compile_no_collective_on_the_device_mesh(
-    mode):
+    mode, tmp_path):
   """Their outer update runs on the hosts' CPUs too, split over them and gathered, and
   reaches the device backend's centre (hybrid's outer Nesterov keeps its scalars whole)."""
   results = run_hosts("_programs_entries:rounds_host_backend_run", hosts=2, devices_per_host=2,
-                      args=(mode,), timeout_s=300)
+                      args=(mode,), timeout_s=300, env=_programs_entries.NO_CACHE,
+                      host_env=_programs_entries.recording_hosts(str(tmp_path), 2))
   for host, result in enumerate(results):
     programs = result["programs"]
     on_device_mesh = [p for p in programs if p["where"] == "device mesh" and p["collectives"]]

@@ -15,7 +15,7 @@ from hetjax.input import data
 from hetjax.input import images
 from hetjax.input import loader
 from hetjax.input import tfds_data
-from hetjax.testing import module_command
+from _warm_client import module_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZE = 16

@@ -15,7 +15,9 @@ from hetjax.cluster import runtime
 from hetjax.input import data
 from hetjax.modes import RoundsConfig
 from hetjax.modes.rounds_trainer import RoundsTrainer
-from hetjax.testing import run_hosts, module_command
+from hetjax.testing import run_hosts
+
+from _warm_client import module_command
 
 import _cli_job
 import _fault_job

@@ -1,4 +1,4 @@
-"""Warm test hosts (hetjax.cluster.warm_hosts): a forked host is the host a fresh process is.
+"""Warm test hosts (tests/_warm_hosts.py): a forked host is the host a fresh process is.
 
 What the harness sees must not change: each host its own process and
 session, its own environment, folder and output; a host's exit code and
@@ -15,14 +15,17 @@ import time
 
 import pytest
 
-from hetjax.cluster import warm_client
+import hetjax.testing
 from hetjax.testing import run_hosts
+
+import _warm_client
+import _warm_hosts
 
 pytestmark = pytest.mark.usefixtures("warm_hosts")
 
 
 def _server_pid(socket_path: str) -> int:
-  out = subprocess.run(["pgrep", "-f", f"hetjax.cluster.warm_hosts {socket_path}"],
+  out = subprocess.run(["pgrep", "-f", f"_warm_hosts.py {socket_path}"],
                        capture_output=True, text=True).stdout.split()
   return int(out[0])
 
@@ -39,6 +42,7 @@ def test_forked_hosts_are_separate_processes_with_their_own_environment(warm_hos
   assert [o["index"] for o in out] == [0, 1] and all(o["devices"] == 2 for o in out)
   assert [o["mark"] for o in out] == [None, "one"]
   assert all(o["sid"] == o["pid"] for o in out)  # Each host leads its own session.
+  assert _warm_hosts.PYTHON_ENV == hetjax.testing.PYTHON_ENV  # The hook the server plugs in.
 
 
 def test_a_jax_variable_the_server_lacks_starts_a_fresh_interpreter(warm_hosts):
@@ -61,7 +65,7 @@ def test_the_client_passes_sigterm_on_and_a_killed_client_kills_its_host(tmp_pat
     import pickle
     with open(call, "wb") as f:
       pickle.dump(("_warm_entries", "sleep_and_report", (str(tmp_path / f"{name}.pid"),), {}), f)
-    started.append(subprocess.Popen([*warm_client.command("hetjax.cluster._testing_child"), str(call),
+    started.append(subprocess.Popen([*_warm_client.module_command("hetjax.testing"), str(call),
                                      str(tmp_path / f"{name}.out")], env=env,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
   pids = []
@@ -97,22 +101,19 @@ def test_a_client_gone_before_its_answer_leaves_the_server_serving():
   server raise BrokenPipeError and exit: every later host then waited for it."""
   import selectors
   import socket
-  from hetjax.cluster import warm_hosts
-  from hetjax.cluster.warm_client import send_message
   client, server_end = socket.socketpair()
-  send_message(client, {"env": {}, "cwd": "/", "argv": ["-m", "json.tool"]})
+  _warm_client.send_message(client, {"env": {}, "cwd": "/", "argv": ["-m", "json.tool"]})
   client.close()
   selector = selectors.DefaultSelector()
   selector.register(server_end, selectors.EVENT_READ, "request")
   # JAX variables that differ: the server answers "cold", to a client that has gone.
-  warm_hosts._answer(server_end, {"JAX_PLATFORMS": "cpu"}, {}, selector, None, -1, -1)  # pylint: disable=protected-access
+  _warm_hosts._answer(server_end, {"JAX_PLATFORMS": "cpu"}, {}, selector, None, -1, -1)  # pylint: disable=protected-access
   assert server_end.fileno() == -1  # Closed, and the server went on.
 
 
 def test_a_client_finding_a_dead_servers_socket_starts_cold_after_a_short_grace(tmp_path):
   """A socket file that refuses belongs to a server that died: wait REFUSED_S, not CONNECT_S."""
   import socket
-  from hetjax.cluster import warm_client
   path = str(tmp_path / "socket")
   dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
   dead.bind(path)  # Bound, never listening: connect() is refused, as after the server's death.
@@ -123,11 +124,11 @@ def test_a_client_finding_a_dead_servers_socket_starts_cold_after_a_short_grace(
     now[0] += seconds
 
   try:
-    assert warm_client._connect(path, clock=lambda: now[0], sleep=sleep) is None  # pylint: disable=protected-access
+    assert _warm_client._connect(path, clock=lambda: now[0], sleep=sleep) is None  # pylint: disable=protected-access
   finally:
     dead.close()
-  assert warm_client.REFUSED_S <= now[0] <= warm_client.REFUSED_S + 2 * warm_client._POLL_S  # pylint: disable=protected-access
+  assert _warm_client.REFUSED_S <= now[0] <= _warm_client.REFUSED_S + 2 * _warm_client._POLL_S  # pylint: disable=protected-access
   # No socket yet (the server still importing JAX): the full CONNECT_S.
   now[0] = 0.0
-  assert warm_client._connect(str(tmp_path / "later"), clock=lambda: now[0], sleep=sleep) is None  # pylint: disable=protected-access
-  assert now[0] >= warm_client.CONNECT_S
+  assert _warm_client._connect(str(tmp_path / "later"), clock=lambda: now[0], sleep=sleep) is None  # pylint: disable=protected-access
+  assert now[0] >= _warm_client.CONNECT_S

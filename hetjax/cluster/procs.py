@@ -1,7 +1,7 @@
 """Running N host processes to their end: one attempt of a job, and the local launcher.
 
 Shared by `launch/local.py`, `launch/hosts.py` (whose processes are the ssh
-clients) and `hetjax.cluster.testing`, so the launchers that people use and the
+clients) and `hetjax.testing`, so the launchers that people use and the
 harness that tests use stop processes in exactly the same way.
 `hetjax.cluster.supervise` reads how a group ended and restarts it after a
 failure or a preemption (PREEMPTED_EXIT); its names are re-exported here.

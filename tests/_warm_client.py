@@ -1,6 +1,6 @@
-"""A test host's stand-in process: asks the warm server (`warm_hosts`) to fork the host.
+"""A test host's stand-in process: asks the warm server (`_warm_hosts`) to fork the host.
 
-Run as `python -I -S warm_client.py -m MODULE ARGS...` in place of `python -m
+Run as `python -I -S tests/_warm_client.py -m MODULE ARGS...` in place of `python -m
 MODULE ARGS...`, it imports only the standard library (milliseconds, where
 the host's own imports take seconds). It hands the server its
 stdin/stdout/stderr, environment, folder and arguments, passes SIGINT /
@@ -94,12 +94,14 @@ def _connect(path: str, clock=time.monotonic, sleep=time.sleep) -> socket.socket
     sleep(_POLL_S)
 
 
-def command(module: str, env: dict[str, str] | None = None) -> list[str]:
-  """How to run `python -m module`: through the warm server when `env` names one."""
-  env = os.environ if env is None else env
-  if env.get(SOCKET_ENV):
-    return [sys.executable, "-I", "-S", CLIENT, "-m", module]
-  return [sys.executable, "-m", module]
+def python() -> list[str]:
+  """The command that stands for `python` in front of `-m MODULE`: this client."""
+  return [sys.executable, "-I", "-S", CLIENT]
+
+
+def module_command(module: str) -> list[str]:
+  """How a test runs `python -m module`: through the warm server when one runs."""
+  return [*python(), "-m", module] if os.environ.get(SOCKET_ENV) else [sys.executable, "-m", module]
 
 
 def _cold(argv: list[str]) -> None:
@@ -109,7 +111,7 @@ def _cold(argv: list[str]) -> None:
 
 def main(argv: list[str]) -> int:
   if len(argv) < 2 or argv[0] != "-m":
-    print("usage: warm_client.py -m MODULE [ARGS...]", file=sys.stderr)
+    print("usage: _warm_client.py -m MODULE [ARGS...]", file=sys.stderr)
     return 2
   path = os.environ.get(SOCKET_ENV)
   sock = _connect(path) if path else None

@@ -1,14 +1,14 @@
-"""Warm host processes for `run_hosts`: JAX imported once, each test host forked from it.
+"""Warm test hosts: JAX imported once, each host of `run_hosts` and of the CLI tests forked from it.
 
 Every emulated host of a multi-host test is a fresh process, and a fresh
 process spends ~3.4 s of CPU importing JAX, Flax, optax and orbax before it
 does anything (`python -X importtime`: JAX alone 2.5 s); the suite starts
 about a hundred of them on 2 cores. A warm server imports them once; a
-host's command becomes a tiny client (`python -I -S warm_client.py ...`,
+host's command becomes a tiny client (`python -I -S _warm_client.py ...`,
 stdlib only) that hands the server its stdin/stdout/stderr, environment,
 folder and arguments, and the server forks a child that becomes the host:
 its own process, its own session, its own JAX backend and `jax.distributed`
-runtime, exactly the child `hetjax.cluster._testing_child` would be.
+runtime, exactly the process `python -m hetjax.testing` would be.
 
 What the harness sees does not change: the client is the process it
 started, prefixes and reads its output (the child writes to the client's
@@ -33,13 +33,15 @@ import socket
 import subprocess
 import sys
 import runpy
+import shlex
 import tempfile
 import threading
 import traceback
 from typing import Iterator
 
-from hetjax.cluster import shared_programs
-from hetjax.cluster.warm_client import SOCKET_ENV, jax_variables, receive_message, send_message
+from _warm_client import SOCKET_ENV, jax_variables, python, receive_message, send_message
+
+PYTHON_ENV = "HETJAX_TESTING_PYTHON"  # hetjax.testing.PYTHON_ENV, without importing hetjax here.
 
 # What a test host imports anyway: loaded once here, shared by every fork.
 PRELOAD = ("jax", "jax.numpy", "optax", "flax.linen", "orbax.checkpoint", "numpy",
@@ -92,7 +94,6 @@ def serve(path: str) -> None:
   """Answers clients on the UNIX socket `path` until SIGTERM; never returns normally."""
   for name in PRELOAD:
     __import__(name)
-  shared_programs.install()  # Every fork inherits it (the CLI hosts too).
   own_jax = jax_variables(dict(os.environ))
   listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
   listener.bind(path)
@@ -208,14 +209,21 @@ def _reap(children: dict[int, socket.socket], selector: selectors.BaseSelector) 
 
 @contextlib.contextmanager
 def running() -> Iterator[str]:
-  """Starts a warm server for this process's tests; yields its socket path; stops it."""
+  """A warm server for this process's tests and the hosts they start; yields its socket path.
+
+  While it runs, `hetjax.testing.run_hosts` and `_warm_client.module_command`
+  start hosts through the client (HETJAX_TESTING_PYTHON, HETJAX_WARM_HOSTS).
+  """
   folder = tempfile.mkdtemp(prefix="hetjax-warm-")
   path = os.path.join(folder, "socket")
-  server = subprocess.Popen([sys.executable, "-m", "hetjax.cluster.warm_hosts", path],
+  server = subprocess.Popen([sys.executable, os.path.abspath(__file__), path],
                             stdin=subprocess.DEVNULL, start_new_session=True)
+  os.environ.update({SOCKET_ENV: path, PYTHON_ENV: shlex.join(python())})
   try:
     yield path
   finally:
+    for name in (SOCKET_ENV, PYTHON_ENV):
+      os.environ.pop(name, None)
     server.terminate()
     try:
       server.wait(10)
