@@ -4,11 +4,10 @@
 `optax.inject_hyperparams`, so the learning rate of every update is in the
 optimizer state, where the trainer reads it for metrics.jsonl and TensorBoard.
 
-Weight decay reaches the leaves of two or more dimensions only (kernels,
-embeddings), as the Flax examples' decay mask and big_vision's do: pulling
-biases and normalisation scales towards 0 only constrains the model's
-offsets and gains, not its capacity. `decay_all=True` (`--decay-all`)
-decays every leaf.
+Weight decay reaches kernels and embeddings, not biases and normalisation
+scales (`decay_mask`), as the Flax examples and big_vision decay: pulling
+offsets and gains towards 0 only constrains them, not the model's capacity.
+`decay_all=True` (`--decay-all`) decays every leaf.
 
 Example:
   >>> opt = make("adam", 1e-3, schedule="cosine", warmup_steps=20, total_steps=500,
@@ -29,14 +28,31 @@ def decays(name: str, weight_decay: float | None) -> bool:
   return bool(ADAMW_DEFAULT_DECAY if name == "adamw" and weight_decay is None else weight_decay)
 
 
-def decay_mask(params: Any) -> Any:
-  """`True` for the leaves weight decay reaches: two or more dimensions (kernels, embeddings).
+_SPARED = ("bias", "scale")  # Flax's offsets and LayerNorm/RMSNorm/BatchNorm/GroupNorm gains.
+_DECAYED = ("kernel", "embedding")
 
-  An ordinary optax mask over the parameter tree: biases and normalisation
-  scales (one dimension) are exempt, as in the Flax examples and big_vision.
+
+def decay_mask(params: Any) -> Any:
+  """`True` for the leaves weight decay reaches: kernels and embeddings, not biases and scales.
+
+  An ordinary optax mask over the parameter tree, decided by what a leaf is
+  (the name Flax gives it), not by its number of dimensions: a layer stacked
+  with `nn.scan` holds its bias as `[layers, d]`, and is decayed as its
+  unscanned twin is. A leaf of another name decays when it has two or more
+  dimensions.
+
+  Example:
+    >>> decay_mask({"Dense_0": {"kernel": jnp.ones((3, 2)), "bias": jnp.ones((4, 2))}})
+    {'Dense_0': {'bias': False, 'kernel': True}}
   """
   import jax
-  return jax.tree.map(lambda leaf: len(leaf.shape) > 1, params)
+
+  def decays(path, leaf):
+    key = path[-1] if path else None
+    name = getattr(key, "key", getattr(key, "name", None))
+    return name not in _SPARED and (name in _DECAYED or len(leaf.shape) > 1)
+
+  return jax.tree_util.tree_map_with_path(decays, params)
 
 
 def check(name: str, lr: float, *, schedule: str = "constant", warmup_steps: int = 0,
@@ -90,8 +106,8 @@ def make(name: str, lr: float, *, schedule: str = "constant", warmup_steps: int 
     clip_norm: clip the gradient to this global norm first (None: never).
     weight_decay: decoupled weight decay (adam becomes adamw; sgd adds the
       decayed weights); None keeps each optimizer's default (0; adamw 1e-4).
-    decay_all: decay every leaf; by default only leaves of two or more
-      dimensions (`decay_mask`), not biases and normalisation scales.
+    decay_all: decay every leaf; by default kernels and embeddings
+      (`decay_mask`), not biases and normalisation scales.
 
   Example:
     >>> opt = make("adamw", 1e-3, weight_decay=0.05)  # Kernels decay, biases do not.

@@ -79,7 +79,7 @@ def parser() -> argparse.ArgumentParser:
                       "of the kernels and embeddings, not of biases and normalisation scales")
   t.add_argument("--decay-all", action="store_true",
                  help="weight decay reaches every leaf, biases and normalisation scales too "
-                      "(default: only leaves of 2 or more dimensions)")
+                      "(default: kernels and embeddings, by their Flax names)")
   t.add_argument("--eval-every", type=int, default=0,
                  help="evaluate on the test split every N steps, spread over every host "
                  "(0: only at the end)")
