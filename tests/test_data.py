@@ -268,6 +268,21 @@ def test_digits_survive_a_tfds_round_trip_exactly(tmp_path):
   _equal(source[np.arange(len(digits))], digits.arrays)
 
 
+def test_a_slice_of_records_is_parsed_as_one_batch_in_any_order_and_dtype(tmp_path):
+  rng = np.random.default_rng(0)
+  arrays = {"a": rng.integers(-300, 300, (40, 3)).astype(np.int16), "b": rng.random(40) < 0.5,
+            "c": rng.standard_normal((40, 2, 2)), "d": rng.integers(0, 2**40, 40)}
+  tfds_data.build_from_arrays("mixed", {"train": arrays}, str(tmp_path))
+  source = data.load("tfds:mixed", data_dir=str(tmp_path))
+  order = np.array([39, 3, 3, 0, 17])  # Unsorted, repeated: read in file order, given back in this one.
+  got = source[order]
+  stored = {**arrays, "c": arrays["c"].astype(np.float32).astype(np.float64)}  # tf.Example's float_list.
+  _equal(got, {k: v[order] for k, v in stored.items()})
+  assert {k: v.dtype for k, v in got.items()} == {k: v.dtype for k, v in arrays.items()}
+  assert {k: v.shape[1:] for k, v in source[np.array([], np.int64)].items()} == {
+      k: v.shape[1:] for k, v in arrays.items()}
+
+
 # ---- Errors ------------------------------------------------------------------
 
 

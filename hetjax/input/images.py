@@ -13,9 +13,13 @@ same way on any host and under any split (docs/design.md invariant 1). Pixels
 stay uint8 (a quarter of float32's bytes on the way to the device); the
 models scale them on the device (`zoo.preprocess`).
 
-JPEGs are decoded at a reduced scale when the crop allows it (PIL's
-`draft`, the DCT scaling libjpeg offers), so a 500-pixel photo cropped to
-64 pixels costs a fraction of a full decode.
+JPEGs are decoded by libjpeg-turbo through simplejpeg (accurate integer
+IDCT, smooth chroma upsampling), at the smallest DCT scale (1/2, 1/4, 1/8)
+that still leaves the crop >= `size` pixels, so a 500-pixel photo cropped
+to 64 pixels costs a fraction of a full decode; the crop box is rounded to
+whole pixels of that decoded image and resized by OpenCV's bilinear
+filter, the pipeline DALI and FFCV users know (docs/data.md says what that
+changes in pixels). Other formats, and CMYK JPEGs, go through PIL.
 
 Example:
   >>> images = ImageSource(encoded, ImageRecipe(size=224, crop=True, flip=True))
@@ -119,25 +123,80 @@ def centre_crop_box(width: int, height: int) -> Box:
   return x, y, x + side, y + side
 
 
+def _scaled_box(box: Box, sx: float, sy: float) -> Box:
+  return box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy
+
+
+def _dct_factor(width: int, height: int, box: Box, size: int) -> int:
+  """The largest of 1, 2, 4, 8 whose DCT-reduced image still holds the box at >= `size` pixels.
+
+  The resize after it then shrinks by less than 2x, where bilinear without
+  antialiasing loses little (tf.image.resize's default, as big_vision crops).
+  """
+  want_w = width * size / max(box[2] - box[0], 1e-9)
+  want_h = height * size / max(box[3] - box[1], 1e-9)
+  factor = 1
+  while factor < 8 and -(-width // (2 * factor)) >= want_w and -(-height // (2 * factor)) >= want_h:
+    factor *= 2
+  return factor
+
+
+def _cv2():
+  import cv2
+  cv2.setNumThreads(1)  # The loader's worker processes are the parallelism; more threads oversubscribe.
+  return cv2
+
+
+def _decode_jpeg(data: bytes, size: int, channels: int, box_fn: Callable[[int, int], Box]
+                 ) -> np.ndarray | None:
+  """libjpeg-turbo (simplejpeg) at a DCT scale, crop, OpenCV bilinear resize; None: not for this path."""
+  import simplejpeg
+  try:
+    height, width, colour, _ = simplejpeg.decode_jpeg_header(data)
+  except ValueError:
+    return None  # Not a JPEG: PIL reads it.
+  if colour in ("CMYK", "YCCK"):
+    return None  # CMYK / YCCK (a few ImageNet photos): PIL converts them.
+  box = box_fn(width, height)
+  factor = _dct_factor(width, height, box, size)
+  space = "GRAY" if channels == 1 else "RGB"
+  if factor == 1:
+    image = simplejpeg.decode_jpeg(data, space)
+  else:  # min_factor pins the power of two: libjpeg-turbo's M/8 scales are slower and off PIL's.
+    image = simplejpeg.decode_jpeg(data, space, min_height=-(-height // factor),
+                                   min_width=-(-width // factor), min_factor=factor)
+    box = _scaled_box(box, image.shape[1] / width, image.shape[0] / height)
+  left, top, right, bottom = (int(round(v)) for v in box)
+  crop = image.reshape(image.shape[0], image.shape[1], -1)[top:max(bottom, top + 1),
+                                                           left:max(right, left + 1)]
+  out = _cv2().resize(crop, (size, size), interpolation=_cv2().INTER_LINEAR)
+  return out.reshape(size, size, channels)
+
+
 def decode_crop(data: bytes, size: int, channels: int, box_fn: Callable[[int, int], Box],
                 flip: bool) -> np.ndarray:
-  """Decodes `data`, resizes `box_fn(width, height)` to `size x size`; uint8 [size, size, channels]."""
+  """Decodes `data`, resizes `box_fn(width, height)` to `size x size`; uint8 [size, size, channels].
+
+  JPEGs take the field's fast path (`_decode_jpeg`); other formats PIL.
+  """
+  pixels = _decode_jpeg(data, size, channels, box_fn)
+  if pixels is None:
+    pixels = _decode_pil(data, size, channels, box_fn)
+  return pixels[:, ::-1] if flip else pixels
+
+
+def _decode_pil(data: bytes, size: int, channels: int, box_fn: Callable[[int, int], Box]
+                ) -> np.ndarray:
   from PIL import Image
 
   image = Image.open(io.BytesIO(data))
   width, height = image.size
   box = box_fn(width, height)
-  # Decode a JPEG at the smallest DCT scale that still leaves the box >= size pixels.
-  want = (math.ceil(width * size / max(box[2] - box[0], 1e-9)),
-          math.ceil(height * size / max(box[3] - box[1], 1e-9)))
-  if image.format == "JPEG" and want[0] < width and want[1] < height:
-    image.draft(_MODES[channels], want)
-    sx, sy = image.size[0] / width, image.size[1] / height
-    box = (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
-  image = image.convert(_MODES[channels])
-  out = image.resize((size, size), Image.BILINEAR, box=box)
-  if flip:
-    out = out.transpose(Image.FLIP_LEFT_RIGHT)
+  factor = _dct_factor(width, height, box, size) if image.format == "JPEG" else 1
+  if factor > 1:  # CMYK JPEGs: PIL's DCT scaling (`draft`).
+    image.draft(_MODES[channels], (-(-width // factor), -(-height // factor)))
+    box = _scaled_box(box, image.size[0] / width, image.size[1] / height)
+  out = image.convert(_MODES[channels]).resize((size, size), Image.BILINEAR, box=box)
   pixels = np.asarray(out, dtype=np.uint8)
   return pixels[..., None] if pixels.ndim == 2 else pixels
 
