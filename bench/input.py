@@ -1,30 +1,32 @@
-"""Does the input pipeline outrun the step it feeds? Samples/s side by side.
+"""What it takes to feed a GPU: decode per core, loader samples/s, and the step they feed.
 
 Run from the repository root:
 
   .venv/bin/python bench/input.py [--batch 96] [--steps 50] [--repeats 5] [--threads 2]
-      [--image-sizes 64,224] [--workers 1,2] [--jpeg-batch 32] [--jpeg-records 2048]
-      [--photo-sizes 160-512] [--model-steps 2] [--skip-arrays]
+      [--image-sizes 224] [--workers 1,2] [--jpeg-batch 32] [--jpeg-records 512]
+      [--decode-images 200] [--model-steps 2] [--skip-arrays]
 
-For each dataset, one host's `HostLoader` delivers `--batch` records per step
-in the trainer's pattern (`get(s)`, then `prefetch(s + 1)` with the same
-shares) as fast as it can; a plain `jax.jit` CNN train step
-(`zoo.build("cnn", ...)`, adam, mean loss, device-resident batch,
-blocking on the loss) consumes batches of the same size and shape. Each
-repeat times both back to back; the ratio pipeline / consumption is the median
-of the per-repeat ratios and must be >= 2 for "digits" and "synthetic_big".
-Two more rows are for information: digits with `--augment crop,flip`, and
-digits written as an array_record TFDS dataset in a temporary folder and read
-back through `tfds.data_source` (per-record deserialisation).
-
-The JPEG rows build `--jpeg-records` synthetic photos of random
-sizes (160-512 pixels a side, JPEG quality 90) as a TFDS array_record
-dataset, then for each `--image-sizes` S: the decode cost per image (one
-process, the training recipe: decode, random resized crop to S, flip), the
-samples/s the loader delivers with each of `--workers` worker processes, and
-the samples/s of a plain jitted `resnet18` train step on S x S uint8 batches
-of `--jpeg-batch`, side by side. The last line printed is one JSON object
-with the figures.
+1. Decode per core, natural JPEGs (scikit-learn's china.jpg and flower.jpg,
+   640x427 as shipped, and the same photos resized to 500x375 and
+   re-encoded at quality 90, ImageNet's most common size): per image, one
+   process, the training recipe (Inception crop to 224, flip), hetjax's
+   `ImageSource.train_records` side by side with the field's fast path
+   (simplejpeg full decode, the same crop box, OpenCV bilinear resize, flip)
+   and with PIL (hetjax's recipe before issue 53), interleaved, median of
+   `--repeats`. hetjax / field must be <= 1.1.
+2. The loader on those photos (`--jpeg-records` records as a TFDS
+   array_record dataset, crop,flip): samples/s with each of `--workers`
+   worker processes (2 / 1 should be >= 1.7 where two cores are free), and
+   a plain jitted resnet18 step on the same batches.
+3. Cores a host needs to feed ResNet-50 at NVIDIA's published per-GPU
+   training rates, derived from (1): rate x ms per image.
+4. In-memory and TFDS sources against a CNN step: one host's `HostLoader`
+   delivers `--batch` records per step in the trainer's pattern (`get(s)`,
+   then `prefetch(s + 1)`), a plain `jax.jit` CNN step (adam, mean loss,
+   device-resident batch) consumes batches of that size; the ratio is the
+   median of per-repeat ratios and must be >= 2 for digits, synthetic_big
+   and tfds:digits (digits as an array_record TFDS dataset, read in bulk).
+The last line printed is one JSON object with the figures.
 """
 
 from __future__ import annotations
@@ -45,10 +47,12 @@ import optax
 from hetjax import models as zoo
 from hetjax.input import augment
 from hetjax.input import data
+from hetjax.input import images
 from hetjax.input import loader
 from hetjax.input import tfds_data
 
-REQUIRED = ("digits", "synthetic_big")
+REQUIRED = ("digits", "synthetic_big", "tfds:digits")
+DECODE_TARGET = 1.1  # hetjax / field, per image, at most.
 TARGET = 2.0
 SEED = 0
 
@@ -114,55 +118,114 @@ def _tfds_digits(folder: str) -> data.Source:
   return data.load("tfds:bench_digits", data_dir=folder)
 
 
-class _Photos:
-  """`count` deterministic photo-like uint8 images of random sizes, made on demand."""
-
-  def __init__(self, count: int, sizes: tuple[int, int] = (160, 512), seed: int = 0):
-    self.count, self.sizes, self.seed = count, sizes, seed
-
-  def __len__(self) -> int:
-    return self.count
-
-  def __getitem__(self, i: int) -> np.ndarray:
-    from PIL import Image
-
-    rng = np.random.default_rng([self.seed, i])
-    h, w = (int(v) for v in rng.integers(self.sizes[0], self.sizes[1] + 1, size=2))
-    coarse = Image.fromarray(rng.integers(0, 256, (12, 12, 3), dtype=np.uint8))
-    smooth = np.asarray(coarse.resize((w, h), Image.BICUBIC), np.float32)
-    return np.clip(smooth + rng.normal(0, 12, smooth.shape), 0, 255).astype(np.uint8)
+# NVIDIA DeepLearningExamples, PyTorch ResNet50 v1.5 README (pytorch-21.03), mixed precision,
+# 8 GPUs: DGX A100 80GB 16,621 img/s, DGX-1 V100 16GB 8,322 img/s; per GPU below.
+PUBLISHED_RESNET50 = {"A100": 16621 / 8, "V100": 8322 / 8}
 
 
-def _jpeg_photos(folder: str, records: int, sizes: tuple[int, int]) -> str:
-  """Builds the synthetic JPEG dataset in `folder`; returns its `tfds:` name."""
-  labels = np.arange(records) % 1000
-  t0 = time.perf_counter()
-  path = tfds_data.build_from_arrays(
-      "bench_photos", {"train": {"image": _Photos(records, sizes), "label": labels}}, folder,
-      image_format="jpeg")
-  megabytes = sum(f.stat().st_size for f in path.iterdir()) / 2**20
-  print(f"built {records:,} JPEG photos of {sizes[0]}-{sizes[1]} px in {time.perf_counter() - t0:.0f} s "
-        f"({megabytes:,.0f} MiB of array_record)")
+def _natural_photos() -> dict[str, list[bytes]]:
+  """scikit-learn's two JPEG photos as shipped (640x427) and at 500x375, re-encoded at quality 90."""
+  import io
+
+  import sklearn.datasets
+  from PIL import Image
+
+  folder = os.path.join(os.path.dirname(sklearn.datasets.__file__), "images")
+  shipped = [open(os.path.join(folder, f), "rb").read() for f in ("china.jpg", "flower.jpg")]
+
+  def resized(blob: bytes, w: int, h: int) -> bytes:
+    out = io.BytesIO()
+    Image.open(io.BytesIO(blob)).resize((w, h), Image.LANCZOS).save(out, "JPEG", quality=90)
+    return out.getvalue()
+
+  return {"640x427 shipped": shipped, "500x375 q90": [resized(b, 500, 375) for b in shipped]}
+
+
+def _field_recipe(blobs: list[bytes], size: int, draws: np.ndarray, flips: np.ndarray) -> np.ndarray:
+  """The field's fast path into a batch: simplejpeg full decode, the same box, OpenCV bilinear, flip."""
+  import cv2
+  import simplejpeg
+
+  x = np.empty((len(blobs), size, size, 3), np.uint8)
+  for i, blob in enumerate(blobs):
+    image = simplejpeg.decode_jpeg(blob, "RGB")
+    left, top, right, bottom = images.random_crop_box(image.shape[1], image.shape[0], draws[i])
+    out = cv2.resize(image[top:bottom, left:right], (size, size), interpolation=cv2.INTER_LINEAR)
+    x[i] = out[:, ::-1] if flips[i] else out
+  return x
+
+
+def _pil_recipe(blobs: list[bytes], size: int, draws: np.ndarray, flips: np.ndarray) -> np.ndarray:
+  """hetjax's recipe before issue 53: PIL decode at a DCT scale (`draft`), antialiased bilinear."""
+  x = np.empty((len(blobs), size, size, 3), np.uint8)
+  for i, blob in enumerate(blobs):
+    out = images._decode_pil(blob, size, 3, lambda w, h, d=draws[i]: images.random_crop_box(w, h, d))
+    x[i] = out[:, ::-1] if flips[i] else out
+  return x
+
+
+def _decode_rows(args: argparse.Namespace) -> dict[str, Any]:
+  """ms per image on one process: hetjax's recipe, the field's, PIL's, in alternating blocks of 8."""
+  import cv2
+  cv2.setNumThreads(1)  # One core, as each loader worker has.
+  n, size, block, figures = args.decode_images, 224, 8, {}
+  keys = augment.example_keys(SEED, np.zeros(n, np.int64), np.arange(n))
+  draws = images._uniform(keys, images._CROP_STREAM, 4 * images._ATTEMPTS)
+  flips = images._uniform(keys, images._FLIP_STREAM, 1)[:, 0] < 0.5
+  print(f"decode per image, one process, crop,flip to {size} px, {n} images per side per repeat:")
+  print(f"{'photos':>16} {'hetjax ms':>10} {'field ms':>9} {'PIL ms':>7} {'hetjax/field':>13}")
+  for name, blobs in _natural_photos().items():
+    records = [blobs[i % 2] for i in range(n)]
+    encoded = data.ArraySource({"image": np.array(records, object), "label": np.zeros(n, np.int32)},
+                               data.DatasetInfo(name, "image", 1))
+    source = images.ImageSource(encoded, images.ImageRecipe(size, 3, crop=True, flip=True))
+    sides = {
+        "hetjax": lambda s: source.train_records(np.arange(s.start, s.stop), keys[s]),
+        "field": lambda s: _field_recipe(records[s], size, draws[s], flips[s]),
+        "pil": lambda s: _pil_recipe(records[s], size, draws[s], flips[s])}
+    totals = {k: [] for k in sides}
+    for _ in range(args.repeats + 1):  # The first round warms caches and is dropped.
+      spent = dict.fromkeys(sides, 0.0)
+      for start in range(0, n, block):
+        for k, fn in sides.items():
+          t0 = time.perf_counter()
+          fn(slice(start, min(n, start + block)))
+          spent[k] += time.perf_counter() - t0
+      for k in sides:
+        totals[k].append(spent[k] / n * 1e3)
+    ms = {k: statistics.median(v[1:]) for k, v in totals.items()}
+    ratio = statistics.median(h / f for h, f in zip(totals["hetjax"][1:], totals["field"][1:]))
+    figures[name] = {"hetjax_ms": round(ms["hetjax"], 3), "field_ms": round(ms["field"], 3),
+                     "hetjax_best_ms": round(min(totals["hetjax"][1:]), 3),
+                     "pil_ms": round(ms["pil"], 3), "hetjax_over_field": round(ratio, 3)}
+    print(f"{name:>16} {ms['hetjax']:>10.2f} {ms['field']:>9.2f} {ms['pil']:>7.2f} {ratio:>13.2f}",
+          flush=True)
+  return figures
+
+
+def _jpeg_dataset(folder: str, records: int) -> str:
+  """The natural photos at both sizes, cycled, as a TFDS array_record dataset; its `tfds:` name."""
+  import io
+
+  from PIL import Image
+  blobs = [b for group in _natural_photos().values() for b in group]
+  photos = [np.asarray(Image.open(io.BytesIO(b)).convert("RGB")) for b in blobs]
+  tfds_data.build_from_arrays(
+      "bench_photos", {"train": {"image": [photos[i % len(photos)] for i in range(records)],
+                                 "label": np.arange(records) % 1000}}, folder, image_format="jpeg")
   return "tfds:bench_photos"
 
 
 def _jpeg_rows(args: argparse.Namespace, folder: str) -> dict[str, Any]:
-  """Decode cost, pipeline samples/s per worker count, and the resnet18 step, per image size."""
-  name = _jpeg_photos(folder, args.jpeg_records, args.photo_sizes)
+  """Loader samples/s per worker count, and the resnet18 step, per image size."""
+  name = _jpeg_dataset(folder, args.jpeg_records)
   batch, figures = args.jpeg_batch, {}
-  lo, hi = args.photo_sizes
-  print(f"JPEG photos ({args.jpeg_records} records, {lo}-{hi} px), batch {batch}, recipe crop,flip:")
-  print(f"{'size':>5} {'decode ms/img':>14} " + " ".join(f"{f'{w} worker(s) smp/s':>18}" for w in args.workers)
-        + f" {'resnet18 smp/s':>15} {'ratio (most workers)':>21}")
+  print(f"loader on the natural photos ({args.jpeg_records} records, batch {batch}, crop,flip):")
+  print(f"{'size':>5} " + " ".join(f"{f'{w} worker(s) smp/s':>18}" for w in args.workers)
+        + f" {'scaling':>8} {'resnet18 smp/s':>15}")
   for size in args.image_sizes:
     source = data.load(name, data_dir=folder, image_size=size, augment="crop,flip")
     sampler = data.GlobalSampler(len(source), batch, SEED, name=source.info.name)
-    indices = sampler.indices(0)
-    keys = augment.example_keys(SEED, np.zeros(batch, np.int64), indices)
-    source.train_records(indices, keys)  # Warm the files.
-    t0 = time.perf_counter()
-    source.train_records(indices, keys)
-    decode_ms = (time.perf_counter() - t0) / batch * 1e3
     rates = {}
     for workers in args.workers:
       with loader.HostLoader(source, sampler, 0, workers=workers) as host:
@@ -170,18 +233,31 @@ def _jpeg_rows(args: argparse.Namespace, folder: str) -> dict[str, Any]:
         _rate(produce, 2, batch)  # Warm-up: the workers start.
         rates[workers] = statistics.median(_rate(produce, args.jpeg_steps, batch)
                                            for _ in range(args.repeats))
-    step = ratio = float("nan")
+    scaling = rates[max(args.workers)] / rates[min(args.workers)]
+    step = float("nan")
     if args.model_steps:
       consume = _consumer(source, batch, model="resnet18")
       _rate(consume, 1, batch)  # Compilation.
       step = statistics.median(_rate(consume, args.model_steps, batch) for _ in range(args.repeats))
-      ratio = rates[max(args.workers)] / step
-    figures[f"jpeg@{size}"] = {"decode_ms_per_image": round(decode_ms, 3),
-                               "pipeline_samples_per_sec": {w: round(r, 1) for w, r in rates.items()},
-                               "resnet18_samples_per_sec": round(step, 1), "ratio": round(ratio, 2)}
-    print(f"{size:>5} {decode_ms:>14.2f} " + " ".join(f"{rates[w]:>18,.1f}" for w in args.workers)
-          + f" {step:>15,.1f} {ratio:>21.2f}", flush=True)
+    figures[f"jpeg@{size}"] = {"pipeline_samples_per_sec": {w: round(r, 1) for w, r in rates.items()},
+                               "scaling": round(scaling, 2), "resnet18_samples_per_sec": round(step, 1)}
+    print(f"{size:>5} " + " ".join(f"{rates[w]:>18,.1f}" for w in args.workers)
+          + f" {scaling:>8.2f} {step:>15,.1f}", flush=True)
   return figures
+
+
+def _cores_to_feed(decode: dict[str, Any]) -> dict[str, Any]:
+  """Derived, not measured: published ResNet-50 img/s per GPU x hetjax's ms per image."""
+  ms = max(row["hetjax_best_ms"] for row in decode.values())
+  print(f"cores to feed ResNet-50 at NVIDIA's published per-GPU rates (derived: rate x {ms:.2f} ms, "
+        "the slower photo row's least disturbed repeat; decode only, no file reads):")
+  cores = {}
+  for gpu, rate in PUBLISHED_RESNET50.items():
+    cores[gpu] = {"img_per_sec_per_gpu": round(rate), "cores_per_gpu": round(rate * ms / 1e3, 1),
+                  "cores_per_8_gpus": round(8 * rate * ms / 1e3)}
+    print(f"  {gpu}: {rate:,.0f} img/s per GPU -> {cores[gpu]['cores_per_gpu']} cores per GPU, "
+          f"{cores[gpu]['cores_per_8_gpus']} for eight", flush=True)
+  return cores
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -190,22 +266,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   p.add_argument("--steps", type=int, default=50, help="timed steps per side per repeat")
   p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--threads", type=int, default=2, help="loader threads")
-  p.add_argument("--jpeg-records", type=int, default=2048, help="synthetic JPEG photos to build")
+  p.add_argument("--jpeg-records", type=int, default=512, help="photos in the loader's dataset")
   p.add_argument("--jpeg-batch", type=int, default=32, help="records per step in the JPEG rows")
   p.add_argument("--jpeg-steps", type=int, default=8, help="timed loader steps per JPEG repeat")
+  p.add_argument("--decode-images", type=int, default=200, help="images per side in the decode rows")
   p.add_argument("--model-steps", type=int, default=2,
                  help="timed resnet18 steps per repeat (0: no model rows)")
-  p.add_argument("--photo-sizes", type=lambda v: tuple(int(x) for x in v.split("-")),
-                 default=(160, 512), help="smallest-largest side of the synthetic photos, e.g. 20-96")
-  p.add_argument("--image-sizes", type=lambda v: [int(x) for x in v.split(",")], default=[64, 224])
+  p.add_argument("--image-sizes", type=lambda v: [int(x) for x in v.split(",")], default=[224])
   p.add_argument("--workers", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2],
                  help="worker process counts to compare in the JPEG rows")
   p.add_argument("--skip-arrays", action="store_true", help="only the JPEG rows")
   args = p.parse_args(argv)
   cpus = os.cpu_count()
-  print(f"input pipeline vs CNN step: batch={args.batch} steps={args.steps} repeats={args.repeats} "
+  print(f"bench/input.py: batch={args.batch} steps={args.steps} repeats={args.repeats} "
         f"threads={args.threads}; jax {jax.__version__} on {jax.devices()[0].platform}. Figures come "
         f"from a shared {cpus}-core CPU (other jobs may run beside it): compare within a row.")
+  decode = _decode_rows(args)
+  cores = _cores_to_feed(decode)
   with tempfile.TemporaryDirectory(prefix="hetjax-bench-input-") as folder:
     jpeg = _jpeg_rows(args, folder)
     rows = {} if args.skip_arrays else {"digits": (data.load("digits"), None),
@@ -232,9 +309,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   ok = all(figures[n]["ratio"] >= TARGET for n in REQUIRED if n in figures)
   if figures:
     print(f"pipeline / consumption >= {TARGET} for {', '.join(REQUIRED)}: {'yes' if ok else 'NO'}")
+  decode_ok = all(r["hetjax_over_field"] <= DECODE_TARGET for r in decode.values())
+  print(f"hetjax / field decode <= {DECODE_TARGET} per image: {'yes' if decode_ok else 'NO'}")
   result = {"batch": args.batch, "steps": args.steps, "repeats": args.repeats,
-            "threads": args.threads, "cpus": cpus, "target": TARGET, "ok": ok, "rows": figures,
-            "jpeg": jpeg}
+            "threads": args.threads, "cpus": cpus, "target": TARGET, "ok": ok and decode_ok,
+            "rows": figures, "decode": decode, "cores_to_feed_resnet50_derived": cores, "jpeg": jpeg}
   print(json.dumps(result))
   return result
 

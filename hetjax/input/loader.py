@@ -149,7 +149,9 @@ class HostLoader:
                        f"was built for {sampler.num_records}; build both from the same source.")
     self.source, self.sampler, self.host_id = source, sampler, host_id
     self.augment, self.workers = augment, workers
-    self.pieces = workers or threads
+    # Four pieces per worker: the pool hands the next piece to whichever worker is free, so
+    # photos of unequal cost still keep every worker busy until the slice is done.
+    self.pieces = 4 * workers or threads
     self.min_chunk = min_chunk or (1 if workers else 64)
     self.inline_below_s = 0.0 if workers else inline_below_s
     # Seconds per record of the latest timed reads; their fastest is the estimate
