@@ -9,8 +9,8 @@ host-to-device transfers, for a model with 2 parameter arrays and one with
 200: the counts must be equal.
 
 Programs are counted from a JAX profiler trace (`jax.profiler`, host tracer
-level 3 records every executable launch); wraps and transfers by wrapping,
-for the duration of the count, the JAX functions that make them.
+level 3 records every executable launch); wraps and transfers by counting,
+for the duration of the count, hetjax's calls of the JAX functions that make them.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import glob
+import sys
 import tempfile
 
 import jax
@@ -30,38 +31,54 @@ import hetjax
 from hetjax.input import data
 
 STEPS = 3
-_WRAPS = ("make_array_from_single_device_arrays", "make_array_from_process_local_data")
+_KINDS = {"make_array_from_single_device_arrays": "wraps",
+          "make_array_from_process_local_data": "wraps", "device_put": "transfers"}
 _LAUNCH = "CommonPjRtLoadedExecutable::ExecutePrepare"  # One per program run on a device.
+
+
+class _CountingJax:
+  """The `jax` module as a caller sees it, counting the wraps and transfers it makes."""
+
+  def __init__(self, real, counts: collections.Counter):
+    self._real, self._counts = real, counts
+
+  def __getattr__(self, name: str):
+    real, kind = getattr(self._real, name), _KINDS.get(name)
+    if kind is None:
+      return real
+
+    def run(*args, **kwargs):
+      self._counts[kind] += 1
+      return real(*args, **kwargs)
+    return run
 
 
 @contextlib.contextmanager
 def counting():
   """Counts 'programs', 'wraps' and 'transfers' made inside the context.
 
-  The program count is filled in when the context closes.
+  Wraps and transfers are counted where hetjax's modules (and this one) make
+  them: their `jax` is a counting stand-in meanwhile; JAX itself is left
+  alone. The program count is filled in when the context closes.
   """
-  counts = collections.Counter()
-  undo = []
-  for name, kind in [(n, "wraps") for n in _WRAPS] + [("device_put", "transfers")]:
-    real = getattr(jax, name)
-
-    def run(*args, _real=real, _kind=kind, **kwargs):
-      counts[_kind] += 1
-      return _real(*args, **kwargs)
-    undo.append((name, real))
-    setattr(jax, name, run)
-  options = jax.profiler.ProfileOptions()
+  counts, real = collections.Counter(), sys.modules["jax"]
+  callers = [module for name, module in list(sys.modules.items())
+             if (name.startswith("hetjax") or name == __name__)
+             and getattr(module, "jax", None) is real]
+  for module in callers:
+    module.jax = _CountingJax(real, counts)
+  options = real.profiler.ProfileOptions()
   options.host_tracer_level = 3
   options.python_tracer_level = 0
   with tempfile.TemporaryDirectory(prefix="hetjax-dispatch-") as folder:
-    jax.profiler.start_trace(folder, profiler_options=options)
+    real.profiler.start_trace(folder, profiler_options=options)
     try:
       yield counts
     finally:
-      jax.profiler.stop_trace()
-      for name, real in undo:
-        setattr(jax, name, real)
-    trace = jax.profiler.ProfileData.from_file(
+      real.profiler.stop_trace()
+      for module in callers:
+        module.jax = real
+    trace = real.profiler.ProfileData.from_file(
         glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)[0])
     counts["programs"] = sum(ev.name == _LAUNCH for plane in trace.planes
                              for line in plane.lines for ev in line.events)
