@@ -80,13 +80,24 @@ class Job:
     return self.wait_for(r"\[host 0\] (?:step|round)\s+(\d+)/", start,
                          lambda m: int(m.group(1)) >= at_least)[1]
 
-  def host_pids(self) -> dict[int, int]:
-    """The running hosts of the current attempt: {host id: pid}."""
+  def _children(self) -> list[int]:
     pid = self.proc.pid
     with open(f"/proc/{pid}/task/{pid}/children") as f:
-      children = [int(c) for c in f.read().split()]
+      return [int(c) for c in f.read().split()]
+
+  def service_pid(self) -> int:
+    """The coordination service that the launcher runs beside the hosts of this attempt."""
+    for child in self._children():
+      with open(f"/proc/{child}/cmdline", "rb") as f:
+        argv = f.read().split(b"\0")
+      if argv[2].endswith(b"cluster/service.py"):  # python -I service.py: its guard has exec'd.
+        return child
+    raise AssertionError("the launcher runs no coordination service")
+
+  def host_pids(self) -> dict[int, int]:
+    """The running hosts of the current attempt: {host id: pid}."""
     hosts = {}
-    for child in children:
+    for child in self._children():
       try:
         with open(f"/proc/{child}/environ", "rb") as f:
           env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)

@@ -387,9 +387,9 @@ def test_hosts_dry_run_prints_the_exact_commands(tmp_path):
 _OUTLIVES_HOST_0 = textwrap.dedent("""
   import json, os, time
   import hetjax
-  from jax._src import distributed  # The cluster's key-value store: no public handle.
+  from hetjax.cluster import service
   hetjax.initialize()
-  client = distributed.global_state.client
+  client = service.client()
   if os.environ["HETJAX_HOST_ID"] == "0":
     client.key_value_set("pid0", str(os.getpid()))
     client.blocking_key_value_get("go", 60_000)

@@ -2,6 +2,7 @@
 
 import os
 import re
+import signal
 import sys
 
 import jax
@@ -103,3 +104,32 @@ def test_host_0_killed_then_sigterm_mid_collective_resume_to_the_uninterrupted_d
   summary, expected = _fault_job.summary(out), _fault_job.summary(tmp_path / "ref")
   assert summary["resumed_from"] == second
   assert summary["params_digest"] == expected["params_digest"]
+
+
+def test_the_coordination_service_killed_is_named_and_the_job_restarts_from_its_checkpoint(
+    tmp_path):
+  """kill -9 of the coordination service that the launcher runs beside the hosts: JAX ends
+  every host; each says so in one line, its C++ report in OUT/host<i>-error.log; the launcher
+  names the service, not a host, and restarts the job from its checkpoint."""
+  ckpt, out = tmp_path / "ckpt", tmp_path / "run"
+  command = _launch(ckpt, out)[_launch(ckpt, out).index("--") + 1:]
+  command[:len(module_command("hetjax.cli"))] = [sys.executable, "-m", "hetjax.cli"]  # Cold.
+  job = _cli_job.Job(["--max-restarts", "1"], command)
+  try:
+    _fault_job.wait_committed(ckpt, 20, job)
+    os.kill(job.service_pid(), signal.SIGKILL)
+    _, restarted = job.wait_for(r"\[launcher\] restart 1/1 after the coordination service "
+                                r"stopped: signal SIGKILL \(")
+    first, _ = _fault_job.resumed(job, restarted)
+    assert job.finish() == 0, job.text()[-3000:]
+  finally:
+    job.kill()
+  text = job.text()
+  assert first >= 20 and "all hosts exited 0 after 1 restart." in text
+  for h in (0, 1):
+    said = [line for line in job.lines[:restarted] if line.startswith(f"[host {h}] hetjax: error")]
+    assert len(said) == 1 and said[0].startswith(
+        f"[host {h}] hetjax: error: JAX ended this host: the coordination service is gone"), text
+    assert f"full report in {out / f'host{h}-error.log'}" in said[0]
+    assert "Check failure stack trace" in (out / f"host{h}-error.log").read_text()
+  assert not re.search(r"Check failure|^\[host \d\] (F\d{4} |\s+@\s+0x)", text, re.M), text

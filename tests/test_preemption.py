@@ -1,9 +1,10 @@
 """Stop signals to the hosts of a command-line run, after they joined the cluster, end to end.
 
 `launch/local.py ... hetjax train` on 2 hosts, as a cluster runs it. Joining
-the cluster installs JAX's own SIGTERM handler (its preemption notifier)
-over hetjax's; before `StopRequests.reclaim` a SIGTERM here was logged by JAX
-and the job trained on. Each test is one launcher run of two attempts (the
+the cluster would install JAX's own SIGTERM handler (its preemption
+notifier) over hetjax's, had `hetjax.initialize` not switched JAX's
+preemption service off; a SIGTERM here was then logged by JAX and the job
+trained on. Each test is one launcher run of two attempts (the
 launcher restarts a preempted job once, `--max-preemptions 1`), so one
 cluster start-up pays for two stops: SIGTERM, then Ctrl-C in the restarted
 job. Each host says which step the signal reached it in, and where every

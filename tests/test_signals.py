@@ -5,7 +5,6 @@ the evaluation spread over two hosts: starting a cluster is the expensive
 part on a 2-core machine, a scenario costs a fraction of it.
 """
 
-import ctypes
 import os
 import signal
 
@@ -102,27 +101,6 @@ def test_outside_the_step_loop_a_signal_stops_at_once_inside_it_waits_for_the_bo
     with pytest.raises(signals.Interrupted, match="stopped by Ctrl-C outside the training steps"):
       os.kill(os.getpid(), signal.SIGINT)
   assert signals.REQUESTS.code == signals.NONE
-
-
-def test_a_sigterm_handler_that_joining_the_cluster_put_in_underneath_is_taken_back():
-  # `jax.distributed.initialize` installs JAX's preemption notifier in C, after
-  # the command line installed hetjax's handler: Python's own table still names
-  # hetjax's, so SIGTERM was swallowed and the job trained on. Emulated here
-  # with SIG_IGN set underneath Python.
-  libc = ctypes.CDLL(None)
-  libc.signal.argtypes, libc.signal.restype = (ctypes.c_int, ctypes.c_void_p), ctypes.c_void_p
-  with signals.REQUESTS.installed(defer=False):  # What the command line does before joining.
-    libc.signal(signal.SIGTERM, 1)  # SIG_IGN, where Python does not see it.
-    os.kill(os.getpid(), signal.SIGTERM)
-    assert signals.REQUESTS.code == signals.NONE  # Swallowed, as joining JAX made it.
-    signals.REQUESTS.reclaim()  # What hetjax.cluster.runtime.initialize does after joining.
-    with pytest.raises(signals.Preempted, match="outside the training steps"):
-      os.kill(os.getpid(), signal.SIGTERM)
-    libc.signal(signal.SIGTERM, 1)
-    with signals.REQUESTS.installed():  # What Trainer.fit does: it takes the handler back too.
-      os.kill(os.getpid(), signal.SIGTERM)
-      assert signals.REQUESTS.code == signals.TERM
-  signals.REQUESTS.clear()
 
 
 def _saved(ckpt):

@@ -155,6 +155,9 @@ def train(args: argparse.Namespace) -> dict:
   from hetjax.observe import goodput_record
 
   topo = runtime.initialize(timeout_s=args.init_timeout)
+  if topo.num_hosts > 1:  # JAX's own aborts in one line, the report beside a lost peer's.
+    from hetjax.cluster import abort_report
+    abort_report.start(args.out or args.ckpt_dir, topo.host_id)
   if goodput_record.active() is not None:
     goodput_record.active().bind(topo.host_id)
   images = {"image_size": args.image_size} if args.image_size is not None else {}

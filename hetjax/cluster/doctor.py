@@ -64,11 +64,9 @@ def _collectives() -> str:
 
 
 def _coordinator() -> str | None:
+  """The coordinator hetjax was told or found (HETJAX_*, SLURM); None where JAX detected it."""
   from hetjax.cluster import runtime
-  if os.environ.get(config_lib.Env.COORDINATOR):
-    return os.environ[config_lib.Env.COORDINATOR]
-  from jax._src import distributed  # No public accessor in JAX 0.10.
-  return distributed.global_state.coordinator_address
+  return runtime.resolve(os.environ).coordinator
 
 
 def _pacing(host_id: int) -> tuple[Callable[[float, int], float] | None, float, bool]:

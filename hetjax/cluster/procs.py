@@ -133,6 +133,8 @@ def run_group(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str
     # Runs on success too: it kills whatever the hosts left behind.
     group.stop(grace_s if outcome.signal is None else 0.0)
     if beside is not None:  # After the hosts: a host whose service vanishes is aborted.
+      if beside.proc.poll() is not None and not outcome.ok:  # It ended first: JAX ended the hosts.
+        outcome.service_stopped = beside.proc.returncode
       beside.stop()
     group.join_output()
     _restore_handlers(previous)

@@ -1,51 +1,36 @@
 """Joining the cluster: `jax.distributed`, CPU collectives, topology.
 
-Where the cluster comes from, in order of precedence (`resolve` decides it,
-without JAX, from the environment alone):
+Where the cluster comes from, in order (`resolve` decides it, without JAX,
+from the environment alone):
   1. explicit arguments to `initialize`;
-  2. the environment: HETJAX_COORDINATOR (host:port, `[v6 address]:port`),
-     HETJAX_NUM_HOSTS, HETJAX_HOST_ID, optionally HETJAX_INIT_TIMEOUT
-     (seconds), HETJAX_CPU_DEVICES (emulated CPU devices per host) and
-     HETJAX_GLOO_INTERFACE (the network interface of the CPU collectives);
-     HETJAX_NUM_HOSTS=1 alone means one host;
-  3. a SLURM job step started by srun with more than one task
-     (SLURM_STEP_NUM_TASKS > 1): host id SLURM_PROCID, coordinator the
-     step's first node at HETJAX_PORT (default 20000 + job id % 10000). A
-     SLURM job with no such step (inside `salloc`, a batch script without
-     srun, `srun -n 1`) is one host;
+  2. HETJAX_COORDINATOR (host:port, `[v6 address]:port`), HETJAX_NUM_HOSTS,
+     HETJAX_HOST_ID, optionally HETJAX_INIT_TIMEOUT, HETJAX_CPU_DEVICES and
+     HETJAX_GLOO_INTERFACE; HETJAX_NUM_HOSTS=1 alone means one host;
+  3. a SLURM srun step of more than one task: host id SLURM_PROCID, the
+     coordinator the step's first node at HETJAX_PORT (default 20000 + job
+     id % 10000); a SLURM job without such a step is one host;
   4. Open MPI (OMPI_COMM_WORLD_SIZE > 1): rank and size from Open MPI, the
      coordinator from JAX's Open MPI support;
-  5. Kubernetes, only where JAX supports it: a pod of an Indexed Job
-     (JOB_COMPLETION_INDEX set) with the `kubernetes` package installed
-     (`jax[k8s]`) and permission to read its Job; JAX then finds the
-     coordinator, host count and id. An Indexed Job pod without the package
-     and without HETJAX_* is refused with a message, never trained alone;
-     any other pod is one host;
+  5. a Kubernetes Indexed Job pod with the `kubernetes` package (`jax[k8s]`):
+     JAX finds everything; such a pod without it and without HETJAX_* is
+     refused, never trained alone;
   6. Cloud TPU (TPU_WORKER_HOSTNAMES): JAX's own detection;
   7. otherwise a single host, with no distributed runtime at all.
 
-Whenever hetjax knows the coordinator, the host count and the host id (1-4),
-it passes them to `jax.distributed.initialize` with JAX's cluster detection
-switched off: JAX would otherwise narrow each process to the one GPU numbered
-SLURM_LOCALID (or Open MPI's local rank), and a hetjax host drives every GPU
-of its node. Only a step with several tasks on one node keeps one GPU per
-task (each task is then a host of its own).
+Where hetjax knows the host count and id (1-4), JAX's cluster detection is
+off: it would narrow each process to the GPU numbered SLURM_LOCALID (or
+Open MPI's local rank), and a hetjax host drives every GPU of its node
+(several tasks of a step on one node keep one GPU each).
 
-JAX aborts the whole process (a C++ fatal error, no Python exception) when a
-host cannot register with the coordinator, so a non-coordinator host first
-probes the coordinator's TCP port for a bounded time and raises a
-`ConnectionError` that names the address it tried.
-
-A host that stops sending heartbeats (frozen, its machine gone) for
-HETJAX_HEARTBEAT_TIMEOUT seconds (default 100, JAX's) is declared dead by the
-coordination service, and JAX aborts every other host (SIGABRT; JAX 0.10's
-Python callback for it crashes, so hetjax cannot soften that). The service
-logs the dead hosts' numbers; the launchers read them and name those hosts
-(`hetjax.cluster.supervise.Findings`). The service runs in host 0, unless
-HETJAX_SERVICE=launcher says that the launcher runs it
-(`hetjax.cluster.service`): then host 0 joins as a client only, and its
-death no longer aborts the others. Joining also installs JAX's SIGTERM
-handler, which hetjax takes back at once (`signals.StopRequests.reclaim`).
+JAX aborts the process (a C++ fatal error) when a host cannot register, so
+other hosts first probe the coordinator's port for a bounded time and raise
+a `ConnectionError` naming it. A host silent for HETJAX_HEARTBEAT_TIMEOUT
+seconds (default 100, JAX's) is declared dead by the coordination service
+and JAX aborts the others; the launchers name it (`supervise.Findings`).
+The service runs in host 0 unless HETJAX_SERVICE=launcher says a launcher
+runs it (`hetjax.cluster.service`): host 0 is then a client like the others
+and its death aborts no one. JAX's preemption service stays off: its
+notifier would take SIGTERM from hetjax's handler (`signals`).
 """
 
 from __future__ import annotations
@@ -64,7 +49,6 @@ import jax
 
 from hetjax.config import Env
 from hetjax.cluster import service
-from hetjax.cluster import signals
 from hetjax.cluster import watchdog
 from hetjax import phases
 
@@ -318,17 +302,19 @@ def _use_gloo_interface(interface: str) -> None:
   JAX builds gloo from `gethostname()`, which a `127.0.1.1` hosts entry or a
   machine with several networks resolves wrongly for its peers (pytorch/gloo
   #223). JAX has no setting for it, so the CPU backend factory is registered
-  again, before the first backend exists, with gloo bound to the interface.
+  again (public), before the first backend exists, with gloo bound to the interface.
   """
-  from jax._src import distributed, xla_bridge  # No public hook in JAX 0.10.
-  from jax._src.lib import _jax
-  if xla_bridge.backends_are_initialized():
-    raise RuntimeError(f"{Env.GLOO_INTERFACE} must be set before JAX starts a backend.")
-  collectives = _jax.make_gloo_tcp_collectives(distributed_client=distributed.global_state.client,
+  from jax._src import xla_bridge  # JAX's CPU client with given collectives: BUILD_NOTES.
+  from jaxlib import _jax
+  collectives = _jax.make_gloo_tcp_collectives(distributed_client=service.client(),
                                                interface=interface)
-  xla_bridge.register_backend_factory(
-      "cpu", functools.partial(xla_bridge.make_cpu_client, collectives=collectives),
-      priority=0, fail_quietly=False)
+  from jax.extend import backend
+  try:
+    backend.register_backend_factory(
+        "cpu", functools.partial(xla_bridge.make_cpu_client, collectives=collectives),
+        priority=0, fail_quietly=False)
+  except RuntimeError:  # The CPU backend exists already.
+    raise RuntimeError(f"{Env.GLOO_INTERFACE} must be set before JAX starts a backend.") from None
 
 
 def configure_cpu(devices_per_host: int | None) -> None:
@@ -345,8 +331,7 @@ def configure_cpu(devices_per_host: int | None) -> None:
 
 def is_initialized() -> bool:
   """Whether this process already joined a multi-host runtime."""
-  from jax._src import distributed  # No public probe exists in JAX 0.10.
-  return distributed.global_state.client is not None
+  return jax.distributed.is_initialized()
 
 
 def initialize(coordinator: str | None = None, num_hosts: int | None = None,
@@ -385,37 +370,33 @@ def initialize(coordinator: str | None = None, num_hosts: int | None = None,
       _say(f"{spec.source}")
     return topology()
 
+  jax.config.update("jax_enable_preemption_service", False)
   with phases.within(phases.JOINING):
-    if spec.detect is None or spec.detect == "ompi":
-      if spec.detect == "ompi":
-        from jax._src import clusters  # Open MPI's address: JAX reads its URI files.
-        spec = dataclasses.replace(spec, coordinator=clusters.OmpiCluster.get_coordinator_address(
-            int(spec.timeout_s), os.environ.get("JAX_COORDINATOR_PORT")))
+    if spec.detect is None:
       client_only = spec.host_id == 0 and service.runs_elsewhere()
       if spec.host_id != 0 or client_only:
         wait_for_coordinator(spec.coordinator, spec.timeout_s)
       _say(f"host {spec.host_id} of {spec.num_hosts} joining coordinator {spec.coordinator} "
            f"({spec.source}), timeout {spec.timeout_s:g} s")
-      # A loopback coordinator should not listen on every interface of the machine.
+      # A loopback coordinator should not listen on every interface of the machine. Where the
+      # launcher runs the service, host 0's own (JAX starts one in process 0 whatever it is
+      # told) listens on a free loopback port that no host looks for.
       local = split_address(spec.coordinator)[0] in _LOOPBACK
-      if client_only:  # The launcher runs the service: host 0 must not start another.
-        service.join_as_client(spec.coordinator, spec.num_hosts, 0, heartbeat_s=heartbeat_s,
-                               init_timeout_s=max(1, int(spec.timeout_s)))
-      else:
-        jax.distributed.initialize(
-            coordinator_address=spec.coordinator, num_processes=spec.num_hosts,
-            process_id=spec.host_id, local_device_ids=spec.local_device_ids,
-            cluster_detection_method="deactivate",
-            initialization_timeout=max(1, int(spec.timeout_s)),
-            coordinator_bind_address=spec.coordinator if local else None,
-            heartbeat_timeout_seconds=heartbeat_s)
+      bind = "127.0.0.1:0" if client_only else spec.coordinator if local else None
+      jax.distributed.initialize(
+          coordinator_address=spec.coordinator, num_processes=spec.num_hosts,
+          process_id=spec.host_id, local_device_ids=spec.local_device_ids,
+          cluster_detection_method="deactivate",
+          initialization_timeout=max(1, int(spec.timeout_s)),
+          coordinator_bind_address=bind, heartbeat_timeout_seconds=heartbeat_s)
     else:
+      # Open MPI: JAX reads the coordinator from Open MPI; [] keeps every GPU (not the local rank's).
       _say(f"joining the cluster that JAX detects ({spec.source}), timeout {spec.timeout_s:g} s")
-      jax.distributed.initialize(initialization_timeout=max(1, int(spec.timeout_s)),
-                                 heartbeat_timeout_seconds=heartbeat_s)
-  # Joining put JAX's preemption notifier in as the SIGTERM handler: take the
-  # signal back, so that SIGTERM stops every host at one step boundary.
-  signals.REQUESTS.reclaim()
+      jax.distributed.initialize(
+          num_processes=spec.num_hosts, process_id=spec.host_id,
+          local_device_ids=list(spec.local_device_ids or []) if spec.detect == "ompi" else None,
+          cluster_detection_method=spec.detect if spec.detect == "ompi" else None,
+          initialization_timeout=max(1, int(spec.timeout_s)), heartbeat_timeout_seconds=heartbeat_s)
   if interface:
     _use_gloo_interface(interface)
   if spec.detect is not None:

@@ -9,7 +9,8 @@ attempt, in a small process of its own:
     python -I hetjax/cluster/service.py ADDRESS NUM_HOSTS HEARTBEAT_S
 
 and tells the hosts so (HETJAX_SERVICE=launcher); host 0 then joins as a
-client only, like every other host (`join_as_client`). When host 0 dies, the
+client, like every other host (JAX still starts a service in process 0, but
+on a free loopback port that no host looks for: `runtime.initialize`). When host 0 dies, the
 service lives on, the survivors' next collective fails in Python, and they
 say who stopped responding in one line (`hetjax.cluster.lost_peer`). The
 service behaves as JAX's own otherwise: a host silent for the heartbeat
@@ -25,7 +26,7 @@ host 0 keeps it, and with it the abort when host 0 dies.
 
 Stdlib only at import, and no hetjax import there either: the service
 process runs isolated (`python -I`) and imports only jaxlib; the launcher
-side never imports JAX; `join_as_client` runs inside a host.
+side never imports JAX; `client` runs inside a host.
 """
 
 from __future__ import annotations
@@ -156,28 +157,14 @@ class Service:
       self._reader.join(5.0)
 
 
-def join_as_client(coordinator: str, num_hosts: int, host_id: int, *, init_timeout_s: int,
-                   heartbeat_s: int) -> None:
-  """`jax.distributed.initialize` for a host 0 whose service runs elsewhere: the client only.
+def client():
+  """This host's client of the coordination service (its key-value store); None before joining.
 
-  JAX 0.10 starts the service in process 0 whatever it is told; this is its
-  `State.initialize` for explicit settings (no cluster detection, all local
-  devices) without that step, leaving JAX's state as `initialize` would.
+  JAX keeps it in private state and offers no public handle (orbax and
+  `jax.experimental.multihost_utils` read it the same way): BUILD_NOTES.
   """
-  from jax._src import distributed, xla_bridge  # No public client-only join in JAX 0.10.
-  from jax._src.lib import _jax
-  if xla_bridge.backends_are_initialized():
-    raise RuntimeError("joining the cluster must come before any JAX computation.")
-  state = distributed.global_state
-  if state.client is not None:
-    raise RuntimeError("this process already joined the cluster.")
-  state.coordinator_address = coordinator
-  state.process_id, state.num_processes = host_id, num_hosts
-  state.client = _jax.get_distributed_runtime_client(
-      coordinator, host_id, init_timeout=init_timeout_s, use_compression=True,
-      heartbeat_timeout=heartbeat_s)
-  state.client.connect()
-  state.initialize_preemption_sync_manager()
+  from jax._src import distributed  # The one handle on the key-value store: BUILD_NOTES.
+  return distributed.global_state.client
 
 
 def _serve(address: str, num_hosts: int, heartbeat_s: int) -> int:

@@ -172,8 +172,6 @@ class StopRequests:
         previous = signal.signal(signum, self._handle)
         # A handler installed outside Python reads as None and cannot be put back.
         self._previous[signum] = signal.SIG_DFL if previous is None else previous
-    else:
-      self.reclaim()  # Joining the cluster in between may have put JAX's handler in.
     self._depth += 1
     self._deferring += defer
     try:
@@ -185,26 +183,6 @@ class StopRequests:
         for signum, previous in self._previous.items():
           signal.signal(signum, previous)
         self._previous.clear()
-
-  def reclaim(self) -> None:
-    """Puts this handler back where something else replaced it while installed.
-
-    `jax.distributed.initialize` installs JAX's preemption notifier as the
-    C-level SIGTERM handler, over the one the command line installed before
-    joining: without this, SIGTERM after joining is logged by JAX and
-    otherwise ignored (the job trains on, never saves, never exits 75).
-    hetjax does not use JAX's notice: its own flag already travels in the
-    step's reduction, and SIGINT needs the same path. A no-op when not
-    installed, or outside the main thread.
-    """
-    if self._depth == 0 or threading.current_thread() is not threading.main_thread():
-      return
-    for signum in _CODES:
-      # Always set again: `getsignal` reads Python's own table, which still
-      # names this handler after C code replaced it underneath. A deferring
-      # install may have left SIGINT to abort at once after a first Ctrl-C.
-      if signal.getsignal(signum) is not signal.default_int_handler:
-        signal.signal(signum, self._handle)
 
   def clear(self) -> None:
     """Forgets a handled request (after the hosts stopped for it)."""

@@ -53,6 +53,8 @@ class Outcome:
     stalled: hosts a step watchdog named as holding the job up.
     write_failed_hosts: hosts whose checkpoint write failed (named by every host).
     reactions: hosts whose failure was a reaction to a peer's loss (their own words).
+    service_stopped: how the coordination service that the launcher ran ended, when it
+      ended by itself (killed, crashed) and the hosts with it; None otherwise.
   """
 
   returncodes: list[int | None]
@@ -64,6 +66,7 @@ class Outcome:
   stalled: list[int] = dataclasses.field(default_factory=list)
   write_failed_hosts: list[int] = dataclasses.field(default_factory=list)
   reactions: list[int] = dataclasses.field(default_factory=list)
+  service_stopped: int | None = None
 
   def blamed(self) -> list[int]:
     """The hosts that caused the failure: those named by the hosts' own reports, else the first."""
@@ -275,6 +278,10 @@ def failure(outcome: Outcome) -> str:
     return f"all {n} hosts exited 0"
   i = outcome.failed_host
   rc = outcome.returncodes[i] or 0
+  if outcome.service_stopped is not None:
+    ends = ", ".join(f"host {h} {_end(c)}" for h, c in enumerate(outcome.returncodes))
+    return (f"the coordination service stopped: {_end(outcome.service_stopped)} (the launcher "
+            f"ran it beside the hosts; JAX then ended every host: {ends})")
   if outcome.unresponsive:
     who = _hosts(outcome.unresponsive)
     return (f"{who} stopped responding: frozen, or its machine is unreachable (the coordination "
@@ -308,9 +315,10 @@ def describe(outcome: Outcome) -> str:
   if outcome.failed_host is None:
     return f"{failure(outcome)}."
   others = {1: "", 2: "; stopped the other host"}.get(n, f"; stopped the other {n - 1} hosts")
+  others = "" if outcome.service_stopped is not None else others
   text = f"{failure(outcome)}{others}."
-  if outcome.preempted or outcome.stopped_by_user:
-    return text  # It saved and asked for a restart: its last lines are no error report.
+  if outcome.preempted or outcome.stopped_by_user or outcome.service_stopped is not None:
+    return text  # It saved and asked for a restart, or no host is to blame: no tail to show.
   i = outcome.blamed()[0]  # The last lines of the host that held the job up, if named.
   lines = outcome.tails[i] if outcome.tails else []
   if lines:

@@ -51,7 +51,7 @@ import time
 from typing import Callable, Iterator
 
 from hetjax import phases
-from hetjax.cluster import ending
+from hetjax.cluster import ending, service
 from hetjax.cluster.peers import DEFAULT_HEARTBEAT_S, Peers as _Peers, heartbeat_s  # noqa: F401
 from hetjax.cluster import positions
 from hetjax.cluster.positions import Position, behind, message  # noqa: F401 (public names)
@@ -238,7 +238,7 @@ class Watchdog:
       yield self
       return
     if client is None and num_hosts > 1:
-      client = _kv_client()
+      client = service.client()
     if limit_s == 0 and client is None:
       yield self
       return
@@ -352,18 +352,9 @@ def ending_marker(code: int) -> str:
                                                                      f"with code {code} by host:")
 
 
-def _kv_client():
-  """JAX's coordination-service client, or None outside a multi-host runtime."""
-  try:
-    from jax._src import distributed  # No public key-value API in JAX 0.10.
-  except ImportError:
-    return None
-  return distributed.global_state.client
-
-
 def service_alive() -> bool:
-  """Whether the coordination service (in host 0) still answers."""
-  client = _kv_client()
+  """Whether the coordination service (in host 0, or beside the hosts) still answers."""
+  client = service.client()
   if client is None:
     return False
   try:
