@@ -261,19 +261,21 @@ def _parameters(fn: Callable) -> set[str]:
     return set()
 
 
-def _mask_argument(fn: Callable, mask_arg: str | None, what: str) -> bool:
-  """Checks that `fn` takes `mask_arg`; returns whether it may be left out (has a default)."""
-  if mask_arg is None:
-    return False
+def _check_arguments(fn: Callable, mask_arg: str | None, call_args: dict[str, str],
+                     what: str) -> bool:
+  """Checks that `fn` takes `mask_arg` and `call_args`; returns whether `mask_arg` may be
+  left out (has a default)."""
   try:
     params = inspect.signature(fn).parameters
   except (TypeError, ValueError):
-    return False  # Nothing to read: pass it always.
-  if mask_arg not in params and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
-    raise ValueError(f"mask_arg={mask_arg!r}, but {what}.__call__ takes {inspect.signature(fn)}; "
-                     f"name one of its arguments, or add `{mask_arg}=None` and hand it to "
-                     "BatchNorm.")
-  param = params.get(mask_arg)
+    return False  # Nothing to read: pass the mask always.
+  takes_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
+  for name, kind in [(mask_arg, "mask_arg"), *((a, "call_args") for a in call_args)]:
+    if name is not None and name not in params and not takes_any:
+      raise ValueError(f"{kind} names {name!r}, but {what}.__call__ takes "
+                       f"{inspect.signature(fn)}; name one of its arguments, or add "
+                       f"`{name}=None` to it.")
+  param = params.get(mask_arg) if mask_arg else None
   return param is not None and param.default is not inspect.Parameter.empty
 
 
@@ -286,17 +288,18 @@ def from_linen(
     per_example_loss: Callable[[jax.Array, Batch], tuple[Any, dict[str, jax.Array]]],
     *,
     input_key: str = "x",
+    call_args: dict[str, str] | None = None,
     mask_arg: str | None = None,
     state_collections: Sequence[str] = ("batch_stats",),
     rng_streams: Sequence[str] | None = None,
 ) -> Task:
   """Wraps a Flax linen module as people write them.
 
-  The module is called as `module(batch[input_key], <mode>=...)`: the mode
-  argument is whichever of `train`, `training` (True in training) or
-  `deterministic` (False in training) its `__call__` names. hetjax's padding
-  mask reaches it only through `mask_arg`, so a module's own `mask=` (an
-  attention or token mask) keeps its meaning. Every rng stream the module
+  The module is called as `module(batch[input_key], <mode>=..., **call_args)`:
+  the mode argument is whichever of `train`, `training` (True in training)
+  or `deterministic` (False in training) its `__call__` names. hetjax's
+  padding mask reaches it only through `mask_arg`, so a module's own `mask=`
+  (an attention or token mask) keeps its meaning. Every rng stream the module
   asks for (`dropout`, or any `make_rng` name) gets a key derived from the
   block's key. Variables in `state_collections` are model state, averaged
   over blocks; other collections (`intermediates`, anything sown) are dropped.
@@ -307,6 +310,8 @@ def from_linen(
       metrics)`; `losses` may be a `Weighted` (e.g. summed token losses and
       token counts).
     input_key: which batch entry feeds the module.
+    call_args: `{argument of __call__: batch key}` passed on every call, e.g.
+      `{"mask": "x_mask"}` hands a token padding mask `[b, T]` to `mask=`.
     mask_arg: the `__call__` argument that gets the padding mask (float
       `[b]`, 1 for a real example) in training, for BatchNorm statistics
       that ignore padding; None: never passed. A BatchNorm model without
@@ -325,12 +330,14 @@ def from_linen(
     ...     optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]), {}))
   """
   _check_loss_form(per_example_loss, "from_linen")
-  optional_mask = _mask_argument(module.__call__, mask_arg, type(module).__name__)
+  call_args = dict(call_args or {})
+  optional_mask = _check_arguments(module.__call__, mask_arg, call_args, type(module).__name__)
   modes = [n for n in _MODE_ARGS if n in _parameters(module.__call__)]
   streams = None if rng_streams is None else tuple(rng_streams)
 
   def kwargs(batch, train, masked=True):
     kw = {n: (_MODE_ARGS[n] if train else not _MODE_ARGS[n]) for n in modes}
+    kw.update({arg: batch[key] for arg, key in call_args.items()})
     if mask_arg and train and masked:
       kw[mask_arg] = batch[MASK] if MASK in batch else None
     return kw
@@ -386,6 +393,7 @@ def from_nnx(
     per_example_loss: Callable[[jax.Array, Batch], tuple[Any, dict[str, jax.Array]]],
     *,
     input_key: str = "x",
+    call_args: dict[str, str] | None = None,
     mask_arg: str | None = None,
 ) -> Task:
   """Wraps a Flax NNX module that the caller has already built.
@@ -402,6 +410,8 @@ def from_nnx(
     model: a built `flax.nnx.Module`.
     per_example_loss: `per_example_loss(outputs, batch) -> (losses[b], metrics)`.
     input_key: which batch entry feeds the module.
+    call_args: `{argument of __call__: batch key}` passed on every call (see
+      `from_linen`).
     mask_arg: the `__call__` argument that gets the padding mask in training
       (see `from_linen`); None: never passed.
 
@@ -419,7 +429,8 @@ def from_nnx(
   graphdef, params, rng_state, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
   streams = sorted({v.tag for _, v in nnx.to_flat_state(rng_state) if isinstance(v, nnx.RngKey)})
   params, rest = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
-  optional_mask = _mask_argument(model.__call__, mask_arg, type(model).__name__)
+  call_args = dict(call_args or {})
+  optional_mask = _check_arguments(model.__call__, mask_arg, call_args, type(model).__name__)
 
   def init(rng, batch):
     del rng, batch
@@ -438,7 +449,9 @@ def from_nnx(
       if streams:
         nnx.reseed(m, **{s: jax.random.fold_in(rng, i) for i, s in enumerate(streams)})
       m.train() if train else m.eval()
-      kw = {mask_arg: batch[MASK]} if (mask_arg and train and masked and MASK in batch) else {}
+      kw = {arg: batch[key] for arg, key in call_args.items()}
+      if mask_arg and train and masked and MASK in batch:
+        kw[mask_arg] = batch[MASK]
       outputs = m(batch[input_key], **kw)
       new_state = nnx.to_pure_dict(nnx.state(m, nnx.Not(nnx.Any(nnx.Param, nnx.RngState))))
       losses, metrics = per_example_loss(outputs, batch)

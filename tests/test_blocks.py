@@ -256,9 +256,23 @@ def test_a_module_that_takes_mask_and_train_trains_unchanged(global_batch):
   assert {m for m, _ in _SEEN} == {True} and {t for _, t in _SEEN} == {True, False}
 
 
-def test_mask_arg_names_an_argument_of_the_module():
-  with pytest.raises(ValueError, match=r"mask_arg='padding', but TokenMaskLM.__call__ takes"):
-    hetjax.from_linen(TokenMaskLM(), lambda z, b: (z[:, 0, 0], {}), mask_arg="padding")
+@pytest.mark.parametrize("kw", [{"mask_arg": "padding"}, {"call_args": {"padding": "x_mask"}}])
+def test_mask_arg_and_call_args_name_arguments_of_the_module(kw):
+  with pytest.raises(ValueError, match=rf"{next(iter(kw))} names 'padding', but "
+                                       r"TokenMaskLM.__call__ takes \(tokens, mask=None"):
+    hetjax.from_linen(TokenMaskLM(), lambda z, b: (z[:, 0, 0], {}), **kw)
+
+
+def test_call_args_hand_batch_entries_to_the_module_in_training_and_evaluation():
+  """A token padding mask reaches the module's own `mask=`; hetjax's mask stays out."""
+  _SEEN.clear()
+  task = hetjax.from_linen(TokenMaskLM(), lambda z, b: (z[:, 0, 0], {}), call_args={"mask": "m"})
+  tokens = np.random.default_rng(0).integers(0, 8, (4, 5)).astype(np.int32)
+  batch = {"x": tokens, "m": np.ones((4, 5), np.float32), MASK: np.ones(4, np.float32)}
+  params, state = task.init(jax.random.key(0), batch)
+  task.loss(params, state, batch, jax.random.key(1))
+  task.evaluation_loss()(params, state, batch, jax.random.key(1))
+  assert set(_SEEN) == {(False, True), (False, False)}  # (mask is None, train)
 
 
 @pytest.mark.parametrize("global_batch", [8, 6])

@@ -76,8 +76,10 @@ def oracle_snapshots(model: str, steps: tuple[int, ...], global_batch: int = ex.
     rng = jax.random.fold_in(jax.random.fold_in(jax.random.key(ex.SEED), step), k)
     def masked(p):
       losses, _, new_state = task.loss(p, state, block, rng)
-      values, _ = split_losses(losses)
-      return jnp.sum(jnp.where(block[MASK] > 0, values, 0.0)), new_state
+      values, weights = split_losses(losses)  # A `Weighted` (tokens) divides by its weights.
+      real = block[MASK] > 0
+      weight = jnp.sum(jnp.where(real, 1.0 if weights is None else weights, 0.0))
+      return jnp.sum(jnp.where(real, values, 0.0)), (new_state, weight)
     return jax.grad(masked, has_aux=True)(params)
 
   # Whole-tree steps under jit: op by op, each leaf shape compiled its own adds (4.9 s).
@@ -88,8 +90,8 @@ def oracle_snapshots(model: str, steps: tuple[int, ...], global_batch: int = ex.
     return jax.tree.map(jnp.add, grads, g), jax.tree.map(lambda acc, x: acc + n * x, new_state, s)
 
   @jax.jit
-  def update(params, opt_state, grads, new_state):
-    grads = jax.tree.map(lambda g: g / global_batch, grads)
+  def update(params, opt_state, grads, new_state, weight):
+    grads = jax.tree.map(lambda g: g / weight, grads)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return (optax.apply_updates(params, updates), opt_state,
             jax.tree.map(lambda s: s / global_batch, new_state))
@@ -97,12 +99,13 @@ def oracle_snapshots(model: str, steps: tuple[int, ...], global_batch: int = ex.
   out = {}
   for step in range(max(steps)):
     batch = source[sampler.indices(step)]
-    grads, new_state = zeros(params), zeros(state)
+    grads, new_state, weight = zeros(params), zeros(state), 0.0
     for k in range(-(-global_batch // m)):
       block = block_of(batch, k)
-      g, s = block_grad(params, state, block, step, k)
+      g, (s, w) = block_grad(params, state, block, step, k)
       grads, new_state = accumulate(grads, new_state, g, s, block[MASK].sum())
-    params, opt_state, state = update(params, opt_state, grads, new_state)
+      weight += float(w)
+    params, opt_state, state = update(params, opt_state, grads, new_state, weight)
     if step + 1 in steps:
       out[step + 1] = jax.device_get((params, state))
   return out

@@ -101,10 +101,12 @@ def _max_diff(a, b):
 def test_losses_and_metrics_are_per_example_and_finite(name):
   _, loss_fn, params, state = _setup(name)
   loss, metrics, new_state = loss_fn(params, state, _batch(name), _key(1))
-  assert loss.shape == (B,) and loss.dtype == np.float32
+  loss, weights = task_lib.split_losses(loss)  # The token model: Weighted by token counts.
+  weights = np.ones(B) if weights is None else weights
+  assert loss.shape == weights.shape == (B,) and loss.dtype == np.float32
   assert np.all(np.isfinite(loss))
   assert set(metrics) == {"accuracy"}
-  acc = metrics["accuracy"]
+  acc = metrics["accuracy"] / weights
   assert acc.shape == (B,) and np.all((acc >= 0) & (acc <= 1))
   assert jax.tree.structure(new_state) == jax.tree.structure(state)
   assert ("batch_stats" in state) == name.startswith("resnet")
@@ -116,8 +118,8 @@ def test_changing_one_example_changes_only_its_loss(name):
   batch = _batch(name, seed=0)
   changed = {k: v.copy() for k, v in batch.items()}
   changed["x"][2] = _batch(name, seed=1)["x"][2]
-  loss, _, _ = loss_fn(params, state, batch, _key(1))
-  loss2, _, _ = loss_fn(params, state, changed, _key(1))
+  loss = task_lib.split_losses(loss_fn(params, state, batch, _key(1))[0])[0]
+  loss2 = task_lib.split_losses(loss_fn(params, state, changed, _key(1))[0])[0]
   np.testing.assert_array_equal(np.delete(loss2, 2), np.delete(loss, 2))
   assert loss2[2] != loss[2]
 
@@ -140,10 +142,32 @@ def test_next_token_loss_pairs_position_t_with_token_t_plus_1():
   # Predicts token t + 1 at position t for the first two targets only.
   logits = 10.0 * np.eye(5, dtype=np.float32)[[[2, 3, 0, 0]]]
   loss, metrics = _jit(losses.next_token)(logits, {"x": tokens})
-  np.testing.assert_allclose(metrics["accuracy"], [2 / 3])
+  np.testing.assert_allclose(loss.weights, [3.0])  # Every token real: 3 targets.
+  np.testing.assert_allclose(metrics["accuracy"], [2.0])  # Correct tokens; / weights: 2/3.
   log_probs = logits[0, :3] - np.log(np.exp(logits[0, :3]).sum(-1))[:, None]
-  expected = -log_probs[np.arange(3), tokens[0, 1:]].mean()
-  np.testing.assert_allclose(loss, [expected], rtol=1e-5)
+  expected = -log_probs[np.arange(3), tokens[0, 1:]].sum()
+  np.testing.assert_allclose(loss.values, [expected], rtol=1e-5)
+
+
+def test_next_token_loss_sums_the_real_tokens_and_counts_them():
+  """A padding mask [b, T]: a target counts when it and its input are real; padding of any
+  value changes nothing; the weights are the token counts (a plain loop's sum(mask))."""
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, VOCAB, (3, 6)).astype(np.int32)
+  logits = rng.standard_normal((3, 6, VOCAB)).astype(np.float32)
+  lengths = np.array([6, 3, 1])
+  mask = (np.arange(6) < lengths[:, None]).astype(np.float32)
+  loss, metrics = _jit(losses.next_token)(logits, {"x": tokens, losses.TOKEN_MASK: mask})
+  np.testing.assert_array_equal(loss.weights, [5, 2, 0])
+  per_token = np.asarray(optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:]))
+  np.testing.assert_allclose(loss.values, [per_token[i, :n - 1].sum() for i, n in enumerate(lengths)],
+                             rtol=1e-5)
+  junk = tokens.copy()
+  junk[1, 3:], junk[2, 1:] = 7, 0
+  other, _ = _jit(losses.next_token)(np.where(mask[..., None] > 0, logits, 1e3),
+                                     {"x": junk, losses.TOKEN_MASK: mask})
+  np.testing.assert_allclose(other.values, loss.values, rtol=1e-6)
+  assert metrics["accuracy"].shape == (3,)
 
 
 def _padded(pad_seed, num_real=4):

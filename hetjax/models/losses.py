@@ -1,7 +1,8 @@
 """Per-example losses and metrics shared by every model.
 
 hetjax sums per-example values over the real examples of every host, so these
-helpers never reduce over the batch: each returns arrays of shape `[b]`.
+helpers never reduce over the batch: each returns arrays of shape `[b]`
+(`next_token` a `Weighted` of them: token sums and token counts).
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import optax
+
+from hetjax.task import Weighted
 
 Batch = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]
@@ -29,15 +32,24 @@ def classification(logits: jax.Array,
   return losses, {"accuracy": correct}
 
 
-def next_token(logits: jax.Array, batch: Batch) -> tuple[jax.Array, Metrics]:
-  """Mean next-token cross-entropy of `logits [b, T, V]` vs `batch["x"] [b, T]`.
+TOKEN_MASK = "x_mask"  # The batch key of a token padding mask, [b, T]: 1 real, 0 padding.
 
-  Position `t` of the logits predicts token `t + 1`, so the last position has
-  no target and is dropped; each example averages over its `T - 1` targets.
+
+def next_token(logits: jax.Array, batch: Batch) -> tuple[Weighted, Metrics]:
+  """Next-token cross-entropy of `logits [b, T, V]` vs `batch["x"] [b, T]`, weighted by tokens.
+
+  Position `t` of the logits predicts token `t + 1`; that target counts when
+  tokens `t` and `t + 1` are both real in `batch["x_mask"]` (`TOKEN_MASK`;
+  absent: every token is real). Each sequence gives its summed token losses
+  and its token count, so the update is the mean over every real token of
+  the global batch, however sequences of different lengths fall on hosts:
+  a plain loop's `sum(losses * mask) / sum(mask)`. (A per-sequence mean
+  would weight the tokens of short sequences more: another objective.)
 
   Returns:
-    `(losses [b], {"accuracy": [b]})`: accuracy is the fraction of correct
-    next tokens in each example.
+    `(Weighted(values [b], weights [b]), {"accuracy": [b]})`: the summed
+    losses and the token count per sequence, and its correct next tokens
+    (hetjax divides metrics by the same token count: accuracy per token).
   """
   tokens = batch["x"].astype(jnp.int32)
   if tokens.shape[1] < 2:
@@ -46,6 +58,9 @@ def next_token(logits: jax.Array, batch: Batch) -> tuple[jax.Array, Metrics]:
         f"got {tokens.shape[1]}.")
   logits = logits[:, :-1].astype(jnp.float32)
   targets = tokens[:, 1:]
-  losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-  correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
-  return losses.mean(axis=-1), {"accuracy": correct.mean(axis=-1)}
+  real = batch.get(TOKEN_MASK)
+  real = (jnp.ones(targets.shape, jnp.float32) if real is None else
+          (real[:, :-1] * real[:, 1:]).astype(jnp.float32))
+  losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets) * real
+  correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32) * real
+  return Weighted(losses.sum(-1), real.sum(-1)), {"accuracy": correct.sum(-1)}

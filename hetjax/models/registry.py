@@ -77,7 +77,8 @@ def build(
 
   Returns:
     A Task whose loss gives per-example cross-entropy and an "accuracy"
-    metric (for tokens: the fraction of correctly predicted next tokens).
+    metric (for tokens: `losses.next_token`, weighted by tokens, with the
+    padding mask `batch["x_mask"]` when the data have one).
 
   Raises:
     ValueError: unknown name, kind or override, a model/kind mismatch, or a
