@@ -1,13 +1,15 @@
-"""Heterogeneity EMULATION: making identical CPU hosts behave as unequal ones.
+"""Heterogeneity EMULATION: identical CPU hosts made to behave as unlike ones.
 
-Nothing here runs on the real path. Besides speeds, the faults a real
-cluster meets are emulated here too (`Faults`, from HETJAX_FAULTS): a host
-that stalls in a phase, a checkpoint write that fails on one host. It exists so that tests and benchmarks on
-one machine can show what the balancer does on a cluster whose hosts differ
-in speed: a host with relative speed `s` (the fastest host has `s == 1.0`)
-sleeps after its real local compute so that the compute appears to take
-`1 / s` times as long. The launcher hands each host its speed in
-HETJAX_SPEED.
+Nothing here runs on the real path. It exists so that tests and benchmarks
+on one machine show what hetjax does on a cluster whose hosts differ, and
+it is the one place that emulates: speeds (HETJAX_SPEED: a host of relative
+speed `s`, the fastest 1.0, sleeps after its real local compute so that the
+compute appears to take `1 / s` as long; HETJAX_DEVICE_SAMPLE_MS instead
+adds emulated device time per sample), stragglers from a step on
+(HETJAX_SLOWDOWN), hosts that compile differently (`parse_host_env`), and
+faults (HETJAX_FAULTS: a stalled phase or step, a failed checkpoint
+write). The launcher (`--speeds`, `--slowdown`, ...) and
+`hetjax.testing.run_hosts` set these variables; the hosts read them.
 
 Stdlib only, so the launcher can validate speeds without importing JAX.
 """
@@ -22,13 +24,6 @@ import time
 from typing import Callable, Mapping, Sequence
 
 from hetjax.config import Env
-
-# Milliseconds per sample of the fastest EMULATED device. With it, a host's
-# local step takes its real compute plus `samples * ms / speed` of emulated
-# device time: the device part is proportional to the work and to 1 / speed,
-# while the host's own overhead (Python, dispatch) stays real and unscaled, as
-# on a GPU server. Benchmarks use it so that the local compute, not this
-# CPU's reduction, dominates a step.
 
 
 def check_speed(speed: float, *, name: str = "speed") -> float:
