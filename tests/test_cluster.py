@@ -162,3 +162,22 @@ def test_an_ipv6_coordinator_works():
   assert outcome.ok, outcome.tails
   assert [[l for l in tail if l.startswith("TOPO")] for tail in outcome.tails] == [
       ["TOPO 0 2"], ["TOPO 1 2"]]
+
+
+@pytest.mark.parametrize("local_size, visible", [(1, "all"), (2, None)])
+def test_open_mpi_ranks_join_at_the_address_jax_reads_and_keep_their_gpus(local_size, visible):
+  """Open MPI 4 (a stand-in: its variables and URI): one rank per node keeps every GPU; ranks
+  that share a node keep one each (the local rank), as under SLURM."""
+  from hetjax.cluster import procs
+  port = procs.free_port()
+  code = ("import hetjax, jax; t = hetjax.initialize(); print('TOPO', t.host_id, t.num_hosts, "
+          "jax.config.values['jax_cuda_visible_devices'], flush=True)")
+  base = {k: v for k, v in os.environ.items() if not k.startswith(("HETJAX_", "SLURM_", "OMPI_"))}
+  envs = [{**base, "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": str(h),
+           "OMPI_COMM_WORLD_LOCAL_RANK": str(h % local_size),
+           "OMPI_COMM_WORLD_LOCAL_SIZE": str(local_size), "JAX_COORDINATOR_PORT": str(port),
+           "OMPI_MCA_orte_hnp_uri": "4096.0;tcp://127.0.0.1:1234"} for h in range(2)]
+  outcome = procs.run_group([[sys.executable, "-c", code]] * 2, envs, timeout_s=240, grace_s=0.5)
+  assert outcome.ok, outcome.tails
+  assert [[l for l in tail if l.startswith("TOPO")] for tail in outcome.tails] == [
+      [f"TOPO {h} 2 {visible or h}"] for h in range(2)]

@@ -43,9 +43,10 @@ _RELAY: list[subprocess.Popen] = []
 def start(log_dir: str, host_id: int) -> None:
   """Routes this process's stderr through the relay (and its Python stacks, on a fatal signal).
 
-  Call it once the host knows its folder; a relay that cannot start leaves stderr as it is.
+  Call it once the host knows its folder; a relay that cannot start leaves stderr as it is,
+  and so does a terminal (where the progress line redraws in place).
   """
-  if _RELAY or not log_dir:
+  if _RELAY or not log_dir or os.isatty(2):
     return
   path = os.path.join(os.path.abspath(log_dir), f"host{host_id}-error.log")
   read, write = os.pipe()
