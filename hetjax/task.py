@@ -78,21 +78,15 @@ class Task:
       real examples).
     eval_loss: the same contract in inference mode (BatchNorm running
       averages, no dropout); `None` when it equals `loss`.
-    unmasked_loss: `loss` for a block whose rows are all real, without
-      the work the padding mask costs (`from_linen` / `from_nnx`, for a
-      module whose `mask_arg` has a default: the module called without it,
-      so BatchNorm takes plain batch statistics: 118 fewer kernels in
-      resnet18's local program). The step uses it when no
-      block that counts holds padding (the global batch a whole number of
-      blocks); `None`: `loss` serves every block.
-    fast_variance_layers: the model's NNX normalisation layers (by path)
-      that compute Flax's fast variance (`from_nnx` fills it); linen layers
-      are found by tracing `loss` (`hetjax.fast_variance.find`), so a `Task` built
-      by hand may leave it empty.
-    sees_mask: whether the model is shown the padding mask (a `Task` built
-      by hand reads `batch[MASK]`; `from_linen` / `from_nnx` only with a
-      `mask_arg`). A model that is not, and keeps model state, is refused
-      where a block can be part padding (`check_partial_blocks`).
+    unmasked_loss: `loss` for blocks all real, skipping the mask's work (a
+      module whose `mask_arg` has a default, called without it: plain
+      BatchNorm, 118 fewer kernels in resnet18); used when no block that
+      counts holds padding; `None`: `loss` serves every block.
+    fast_variance_layers: the NNX norm layers (by path) with Flax's fast
+      variance (`from_nnx` fills it; linen's are found by tracing `loss`).
+    sees_mask: whether the model sees the padding mask (by hand: it reads
+      `batch[MASK]`; `from_linen` / `from_nnx`: by `mask_arg`). One that
+      does not and keeps state is refused where a block can be partial.
 
   Example:
     >>> def init(rng, batch):
@@ -163,12 +157,9 @@ def check_contract(loss: LossFn, params: PyTree, model_state: PyTree, batch: Bat
 
 
 def check_partial_blocks(task: Task, model_state: PyTree, batch: int, block: int) -> None:
-  """Refuses, before compiling, batch statistics that would count padding rows.
-
-  A batch of `batch` examples that `block` does not divide ends with a
-  block that is part padding; a model that keeps state computed from its
-  block (BatchNorm) and is never shown the mask would count the padding.
-  """
+  """Refuses, before compiling, batch statistics that would count padding rows: a batch
+  that `block` does not divide ends with a partial block, and a model that keeps state
+  (BatchNorm) but never sees the mask would count its padding."""
   if task.sees_mask or batch % block == 0 or not jax.tree.leaves(model_state):
     return
   real = batch % block
@@ -189,11 +180,15 @@ def check_batch_keys(keys: Sequence[str]) -> None:
                      "its padding mask; rename the feature.")
 
 
-_LOSS_FORMS = {
-    "from_functions": ("per_example_loss(params, batch, rng)", 3),
-    "from_linen": ("per_example_loss(outputs, batch)", 2),
-    "from_nnx": ("per_example_loss(outputs, batch)", 2),
-}
+_LOSS_FORMS = {2: "per_example_loss(outputs, batch)", 3: "per_example_loss(params, batch, rng)"}
+
+
+def _binds(signature: inspect.Signature, n: int) -> bool:
+  try:
+    signature.bind(*([None] * n))
+    return True
+  except TypeError:
+    return False
 
 
 def _check_loss_form(per_example_loss: Callable, adapter: str) -> None:
@@ -202,24 +197,18 @@ def _check_loss_form(per_example_loss: Callable, adapter: str) -> None:
   Without this the mismatch shows up at the first trace as a bare
   `TypeError: <lambda>() missing 1 required positional argument: 'rng'`.
   """
-  form, n = _LOSS_FORMS[adapter]
+  n = 3 if adapter == "from_functions" else 2
   try:
     signature = inspect.signature(per_example_loss)
   except (TypeError, ValueError):
     return  # A builtin or C function: nothing to read, trust the caller.
-  try:
-    signature.bind(*([None] * n))
-  except TypeError:
-    other = "from_functions" if adapter != "from_functions" else "from_linen or from_nnx"
-    other_form, other_n = (("per_example_loss(params, batch, rng)", 3) if n == 2
-                           else ("per_example_loss(outputs, batch)", 2))
-    try:
-      signature.bind(*([None] * other_n))
-      hint = f"; it looks written for {other}, which calls {other_form}"
-    except TypeError:
-      hint = ""
-    raise ValueError(f"{adapter} calls {form}, but the loss given takes {signature}{hint}. "
-                     f"Change its arguments to ({form.split('(')[1]}, or use {other}.") from None
+  if not _binds(signature, n):
+    other = "from_linen or from_nnx" if n == 3 else "from_functions"
+    hint = (f"; it looks written for {other}, which calls {_LOSS_FORMS[5 - n]}"
+            if _binds(signature, 5 - n) else "")
+    raise ValueError(f"{adapter} calls {_LOSS_FORMS[n]}, but the loss given takes {signature}"
+                     f"{hint}. Change its arguments to ({_LOSS_FORMS[n].split('(')[1]}, or use "
+                     f"{other}.")
 
 
 def from_functions(
@@ -254,21 +243,17 @@ def from_functions(
   return Task(_init, _loss)
 
 
-def _parameters(fn: Callable) -> set[str]:
-  try:
-    return set(inspect.signature(fn).parameters)
-  except (TypeError, ValueError):
-    return set()
+_MODE_ARGS = {"train": True, "training": True, "deterministic": False}  # name -> value in training
 
 
 def _check_arguments(fn: Callable, mask_arg: str | None, call_args: dict[str, str],
-                     what: str) -> bool:
-  """Checks that `fn` takes `mask_arg` and `call_args`; returns whether `mask_arg` may be
-  left out (has a default)."""
+                     what: str) -> tuple[list[str], bool]:
+  """Checks that `fn` takes `mask_arg` and `call_args`: (the mode arguments it names,
+  whether `mask_arg` may be left out)."""
   try:
     params = inspect.signature(fn).parameters
   except (TypeError, ValueError):
-    return False  # Nothing to read: pass the mask always.
+    return [], False  # Nothing to read: pass the mask always.
   takes_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
   for name, kind in [(mask_arg, "mask_arg"), *((a, "call_args") for a in call_args)]:
     if name is not None and name not in params and not takes_any:
@@ -276,10 +261,10 @@ def _check_arguments(fn: Callable, mask_arg: str | None, call_args: dict[str, st
                        f"{inspect.signature(fn)}; name one of its arguments, or add "
                        f"`{name}=None` to it.")
   param = params.get(mask_arg) if mask_arg else None
-  return param is not None and param.default is not inspect.Parameter.empty
+  return ([n for n in _MODE_ARGS if n in params],
+          param is not None and param.default is not inspect.Parameter.empty)
 
 
-_MODE_ARGS = {"train": True, "training": True, "deterministic": False}  # name -> value in training
 _MISSING_RNG = re.compile(r'needs PRNG for "([^"]+)"')
 
 
@@ -314,9 +299,8 @@ def from_linen(
       `{"mask": "x_mask"}` hands a token padding mask `[b, T]` to `mask=`.
     mask_arg: the `__call__` argument that gets the padding mask (float
       `[b]`, 1 for a real example) in training, for BatchNorm statistics
-      that ignore padding; None: never passed. A BatchNorm model without
-      one is refused where a block can be part padding (a global batch that
-      the microbatch does not divide).
+      that ignore padding; None: never passed (a BatchNorm model is then
+      refused where a block can be partial).
     state_collections: the collections that are model state.
     rng_streams: the rng streams the module uses in training; None finds
       them from the module's own errors when the loss is first traced.
@@ -331,8 +315,8 @@ def from_linen(
   """
   _check_loss_form(per_example_loss, "from_linen")
   call_args = dict(call_args or {})
-  optional_mask = _check_arguments(module.__call__, mask_arg, call_args, type(module).__name__)
-  modes = [n for n in _MODE_ARGS if n in _parameters(module.__call__)]
+  modes, optional_mask = _check_arguments(module.__call__, mask_arg, call_args,
+                                          type(module).__name__)
   streams = None if rng_streams is None else tuple(rng_streams)
 
   def kwargs(batch, train, masked=True):
@@ -430,7 +414,7 @@ def from_nnx(
   streams = sorted({v.tag for _, v in nnx.to_flat_state(rng_state) if isinstance(v, nnx.RngKey)})
   params, rest = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
   call_args = dict(call_args or {})
-  optional_mask = _check_arguments(model.__call__, mask_arg, call_args, type(model).__name__)
+  _, optional_mask = _check_arguments(model.__call__, mask_arg, call_args, type(model).__name__)
 
   def init(rng, batch):
     del rng, batch

@@ -275,6 +275,24 @@ def test_call_args_hand_batch_entries_to_the_module_in_training_and_evaluation()
   assert set(_SEEN) == {(False, True), (False, False)}  # (mask is None, train)
 
 
+def test_nnx_call_args_hand_batch_entries_to_the_model():
+  from flax import nnx
+
+  class Weigh(nnx.Module):
+    def __init__(self):
+      self.w = nnx.Param(jnp.ones(()))
+
+    def __call__(self, x, weights=None):
+      return x.sum(1) * self.w * weights
+
+  task = hetjax.from_nnx(Weigh(), lambda z, b: (z, {}), call_args={"weights": "w"})
+  batch = {"x": np.ones((2, 3), np.float32), "w": np.array([1.0, 2.0], np.float32),
+           MASK: np.ones(2, np.float32)}
+  params, state = task.init(jax.random.key(0), batch)
+  for loss in (task.loss, task.evaluation_loss()):
+    np.testing.assert_array_equal(loss(params, state, batch, jax.random.key(1))[0], [3.0, 6.0])
+
+
 @pytest.mark.parametrize("global_batch", [8, 6])
 def test_batchnorm_blind_to_a_partial_blocks_padding_is_refused_before_compiling(global_batch):
   """8: whole blocks, no padding to count, it trains; 6: a block of 2 real rows and 2 padding."""
