@@ -36,12 +36,13 @@ class Env:
   SPEED = "HETJAX_SPEED"                  # emulated relative speed of this host
   SLOWDOWN = "HETJAX_SLOWDOWN"            # emulated stragglers, HOST:FACTOR@STEP,...
   DEVICE_SAMPLE_MS = "HETJAX_DEVICE_SAMPLE_MS"  # emulated device time per sample
+  INPUT_SAMPLE_MS = "HETJAX_INPUT_SAMPLE_MS"  # emulated input (decode) time per sample, per reader
   SHOW_GLOO = "HETJAX_SHOW_GLOO"          # 1: launchers show gloo's "Rank i is connected" lines
   HEARTBEAT_TIMEOUT = "HETJAX_HEARTBEAT_TIMEOUT"  # seconds without heartbeats: a host is dead
   FAULTS = "HETJAX_FAULTS"                # emulated faults, HOST:KIND@STEP,... (tests, chaos)
   SERVICE = "HETJAX_SERVICE"              # "launcher": the coordination service runs beside host 0
 
-  EMULATION = (SPEED, SLOWDOWN, DEVICE_SAMPLE_MS)
+  EMULATION = (SPEED, SLOWDOWN, DEVICE_SAMPLE_MS, INPUT_SAMPLE_MS)
 
 
 def num_hosts_from_env(default: int = 1) -> int:

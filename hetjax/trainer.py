@@ -101,6 +101,9 @@ class Trainer:
                          f"{checkpoint!r}", self.meshes, what="configuration", fix="(config hash "
                          "mismatch): every host must run the same command and arguments.")
       self.emulated, self.pace = lifecycle.pacing(pace, self.host_id)
+      if self.emulated:  # A host short of CPU for its input (HETJAX_INPUT_SAMPLE_MS).
+        from hetjax.cluster import emulate
+        source = emulate.paced_input_from_env(source)
       example = source[np.arange(1)]
       task_lib.check_batch_keys(list(example))
       # Records that disagree with one another fail here, not mid-run.

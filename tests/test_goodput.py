@@ -52,7 +52,7 @@ def test_nested_phases_count_once_each_and_every_second_has_one_cause():
   assert s["compute"] == pytest.approx(0.5 * 0.5 + 7 * 1.0)  # The first step's half kept.
   assert s["reduction"] == pytest.approx(0.5 * 0.2 + 7 * 0.2)
   assert s["waiting for other hosts"] == pytest.approx(0.5 * 0.3 + 7 * 0.3)
-  assert s["input and dispatch"] == pytest.approx(0.5 * 3.0 + 7 * 0.5)
+  assert s["dispatch"] == pytest.approx(0.5 * 3.0 + 7 * 0.5) and s["waiting for input"] == 0
   assert host.goodput == pytest.approx(7.25 / 32)
   assert host.flops_per_s == pytest.approx(100 / 1.0)  # After warm-up: 6 steps, 600 / 6 s.
 
@@ -188,3 +188,17 @@ def test_a_fit_that_fails_leaves_its_attempt_unclosed(tmp_path):
   lines = g.read_lines(str(tmp_path / "phases" / "host0.jsonl"))
   assert [l["kind"] for l in lines] == ["attempt", "start", "end"] and lines[-1]["failed"]
   assert phases.PHASES._listeners == bus_before and goodput_record.active() is None
+
+
+def test_waiting_for_input_is_its_own_cause_per_host_and_not_goodput():
+  t0, t1 = _phase("training", 0, 10, step=0)
+  starved = [{**_step(k, k, 2.0, 1.5, 0.5), "input_s": 1.0} for k in range(1, 6)]
+  fed = [_step(k, k, 2.0, 1.5, 0.5) for k in range(1, 6)]  # An older record has no input_s.
+  hosts = [g.host_time(g.attempts_of([_attempt(0, 0.0), t0, *steps, t1]), h, warmup=0)
+           for h, steps in enumerate((starved, fed))]
+  assert hosts[0].seconds["waiting for input"] == pytest.approx(5.0)
+  assert hosts[0].seconds["compute"] == pytest.approx(2.5)
+  assert hosts[1].seconds["waiting for input"] == 0 and hosts[1].seconds["compute"] == 7.5
+  text = goodput_summary.lines(goodput_summary.from_job(g.job_time(hosts)), None)
+  assert "host 0: goodput 25.0%" in text[2] and text[2].endswith("waiting for input 50.0%")
+  assert "waiting for input" not in text[3]

@@ -174,9 +174,10 @@ class DevicePacer:
     return compute_s + device_s
 
 
-def sample_ms_from_env(env: Mapping[str, str] = os.environ) -> float | None:
-  """HETJAX_DEVICE_SAMPLE_MS as milliseconds, or None when unset."""
-  raw = env.get(Env.DEVICE_SAMPLE_MS, "").strip()
+def sample_ms_from_env(env: Mapping[str, str] = os.environ, name: str = Env.DEVICE_SAMPLE_MS,
+                       what: str = "per sample, on the fastest emulated device") -> float | None:
+  """HETJAX_DEVICE_SAMPLE_MS (or `name`) as milliseconds, or None when unset."""
+  raw = env.get(name, "").strip()
   if not raw:
     return None
   try:
@@ -184,9 +185,44 @@ def sample_ms_from_env(env: Mapping[str, str] = os.environ) -> float | None:
   except ValueError:
     value = float("nan")
   if not value > 0.0:
-    raise ValueError(f"{Env.DEVICE_SAMPLE_MS}={raw!r} must be a number of milliseconds > 0 "
-                     "(per sample, on the fastest emulated device), or unset.")
+    raise ValueError(f"{name}={raw!r} must be a number of milliseconds > 0 ({what}), or unset.")
   return value
+
+
+class PacedInput:
+  """EMULATED input: a host short of CPU, whose reader needs `sample_s` per record.
+
+  Wraps a source; each read sleeps `sample_s` per record, in the reader that
+  runs it (a loader thread or worker process, so reads ahead overlap the
+  step as real decoding does) and then returns the source's own records.
+  """
+
+  def __init__(self, source, sample_s: float, *, sleep: Callable[[float], None] = time.sleep):
+    self.source, self.sample_s, self._sleep = source, sample_s, sleep
+    self.info = source.info
+
+  def __len__(self) -> int:
+    return len(self.source)
+
+  def __getitem__(self, indices):
+    self._sleep(self.sample_s * len(indices))
+    return self.source[indices]
+
+  def __getattr__(self, name: str):
+    if name != "train_records" or "source" not in self.__dict__:
+      raise AttributeError(name)
+    train_records = self.source.train_records  # Decoded images' training view, paced too.
+
+    def paced(indices, keys):
+      self._sleep(self.sample_s * len(indices))
+      return train_records(indices, keys)
+    return paced
+
+
+def paced_input_from_env(source, env: Mapping[str, str] = os.environ):
+  """`source`, slowed by HETJAX_INPUT_SAMPLE_MS where this host has it (emulation only)."""
+  ms = sample_ms_from_env(env, Env.INPUT_SAMPLE_MS, "input time per record on this host")
+  return source if ms is None else PacedInput(source, ms / 1e3)
 
 
 Pace = Callable[..., float]
@@ -231,7 +267,7 @@ def parse_host_env(entries: Sequence[str], hosts: int) -> dict[int, dict[str, st
     if h >= hosts:
       raise ValueError(f"--host-env {entry!r} names host {h} but there are {hosts} hosts "
                        f"(0..{hosts - 1}).")
-    if key.strip().startswith("HETJAX_"):
+    if key.strip().startswith("HETJAX_") and key.strip() != Env.INPUT_SAMPLE_MS:
       raise ValueError(f"--host-env {entry!r}: the launcher sets the HETJAX_* variables itself; "
                        "use its own flags (--speeds, --slowdown, ...) for those.")
     found.setdefault(h, {})[key.strip()] = value

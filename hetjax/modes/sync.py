@@ -56,6 +56,7 @@ class Sync(ModeBase):
   """
 
   name, unit, warmup = "sync", "steps", WARMUP_STEPS
+  series = ("input_s",)  # Each host's seconds waiting for its loader (goodput's own cause).
 
   def __init__(self, balancer: balancer_lib.Balancer | None = None, data_workers: int = 0):
     """Args:
@@ -116,6 +117,11 @@ class Sync(ModeBase):
     return state, {}
 
   # ---- the steps ----------------------------------------------------------
+
+  def record_metrics(self, k: int) -> dict[str, float]:
+    """Each host's seconds waiting for its input in window entry `k` (`input_s/<host>`)."""
+    return {f"input_s/{host}": float(v) for host, v in enumerate(
+        self.pipeline.history.series["input_s"][k])}
 
   @property
   def step(self) -> int:

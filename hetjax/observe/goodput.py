@@ -13,12 +13,13 @@ and splits without remainder into:
   `building`, `restoring`, `evaluation`, `checkpoint`, `agreement`,
   `summary`: each phase's own time (an inner phase's time is the inner
   phase's, not its parent's);
-- the training phase's steps, each split into `compute`, `input and
-  dispatch` (the step's time outside its compute and wait: reading the
-  input, the host dispatching the programs), `waiting for other hosts` (its
-  wait less the reduction) and `reduction` (the fastest host's wait: the
-  collective itself); the first steps' time beyond a typical step is
-  `compiling`;
+- the training phase's steps, each split into `compute`, `waiting for
+  input` (the devices idle while the loader had not yet handed over the
+  step's batch: a host short of CPU), `dispatch` (the rest of the step
+  outside its compute and wait: the host dispatching the programs),
+  `waiting for other hosts` (its wait less the reduction) and `reduction`
+  (the fastest host's wait: the collective itself); the first steps' time
+  beyond a typical step is `compiling`;
 - `progress lost`: steps redone after a restart (numbered after the step the
   next attempt resumed from), with the time they took in the earlier attempt;
 - `disruption`: the tail of a training phase that failed or never ended
@@ -42,14 +43,14 @@ from typing import Any, Iterable, Sequence
 from hetjax import phases as phases_lib
 
 COMPUTE = "compute"
-STARTUP, COMPILING, INPUT = "startup", "compiling", "input and dispatch"
+STARTUP, COMPILING, INPUT, DISPATCH = "startup", "compiling", "waiting for input", "dispatch"
 WAITING, REDUCTION = "waiting for other hosts", "reduction"
 LOST, DISRUPTION, RESTART_WAIT = "progress lost", "disruption", "restart wait"
 OVERHEAD, UNTRACKED = "step loop overhead", "untracked"
 # Every cause of badput, in the order a reader meets them in a job's life.
 CAUSES = (STARTUP, phases_lib.JOINING, phases_lib.BUILDING, phases_lib.RESTORING, COMPILING, INPUT,
-          WAITING, REDUCTION, phases_lib.EVALUATION, phases_lib.CHECKPOINT, phases_lib.AGREEMENT,
-          phases_lib.SUMMARY, LOST, DISRUPTION, RESTART_WAIT, OVERHEAD, UNTRACKED)
+          DISPATCH, WAITING, REDUCTION, phases_lib.EVALUATION, phases_lib.CHECKPOINT,
+          phases_lib.AGREEMENT, phases_lib.SUMMARY, LOST, DISRUPTION, RESTART_WAIT, OVERHEAD, UNTRACKED)
 WARMUP_STEPS = 2  # As hetjax.modes.sync.WARMUP_STEPS (this module loads without JAX).
 
 
@@ -81,6 +82,7 @@ class Step:
   wait_s: float
   reduction_s: float          # the fastest host's wait that step
   flops: float | None = None  # this host's compiled programs' FLOPs for its share
+  input_s: float = 0.0        # of compute_s: the devices idle, waiting for the loader
 
 
 @dataclasses.dataclass
@@ -178,7 +180,8 @@ def attempts_of(lines: Iterable[dict[str, Any]]) -> list[Attempt]:
         iv.open = True
     elif kind == "step":
       a.steps.append(Step(line["step"], line["at"], line["step_s"], line["compute_s"],
-                          line["wait_s"], line["reduction_s"], line.get("flops")))
+                          line["wait_s"], line["reduction_s"], line.get("flops"),
+                          line.get("input_s") or 0.0))
     elif kind == "device":
       a.device = {k: v for k, v in line.items() if k not in ("kind", "at")}
     elif kind == "close":
@@ -270,16 +273,18 @@ def _steps_time(steps: Sequence[Step], available: float, redo_after: float, warm
     parts = s.compute_s + s.wait_s
     fit = min(1.0, s.step_s / parts) * scale if parts > 0 else 0.0
     compute, wait = s.compute_s * fit, s.wait_s * fit
+    starved = min(s.input_s * fit, compute)  # The balancer's compute counts it; goodput does not.
     reduction = min(s.reduction_s * fit, wait)
     kept_share = 1.0
     if k < warmup and wall > 0:
       excess = max(0.0, wall - typical * scale)
       seconds[COMPILING] += excess
       kept_share = (wall - excess) / wall
-    seconds[COMPUTE] += compute * kept_share
+    seconds[COMPUTE] += (compute - starved) * kept_share
+    seconds[INPUT] += starved * kept_share
     seconds[REDUCTION] += reduction * kept_share
     seconds[WAITING] += (wait - reduction) * kept_share
-    seconds[INPUT] += max(0.0, wall - compute - wait) * kept_share
+    seconds[DISPATCH] += max(0.0, wall - compute - wait) * kept_share
 
 
 def _median(values: Sequence[float]) -> float:

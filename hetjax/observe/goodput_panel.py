@@ -21,7 +21,8 @@ from hetjax.observe import goodput_summary
 _STYLES = {
     goodput_lib.COMPUTE: ("0.0", ""), goodput_lib.STARTUP: ("0.55", ""), "joining": ("0.65", ""),
     "building": ("0.75", ""), "restoring": ("0.87", ""), goodput_lib.COMPILING: ("0.87", "xx"),
-    goodput_lib.INPUT: ("1.0", ".."), goodput_lib.WAITING: ("1.0", "//"),
+    goodput_lib.INPUT: ("1.0", "oo"), goodput_lib.DISPATCH: ("1.0", ".."),
+    goodput_lib.WAITING: ("1.0", "//"),
     goodput_lib.REDUCTION: ("1.0", "\\\\"), "evaluation": ("0.8", ".."),
     "checkpoint": ("0.8", "//"), "agreement": ("0.8", "\\\\"), "summary": ("0.8", "++"),
     goodput_lib.LOST: ("0.5", "xx"), goodput_lib.DISRUPTION: ("0.5", ".."),

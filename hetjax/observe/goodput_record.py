@@ -134,6 +134,7 @@ class Recorder:
       self._write({"kind": "step", "step": record["step"], "at": self._clock(),
                    "step_s": record["step_s"], "compute_s": record["compute_s"][host],
                    "wait_s": record["wait_s"][host], "reduction_s": min(record["wait_s"]),
+                   "input_s": record.get("metrics", {}).get(f"input_s/{host}", 0.0),
                    "flops": None if flops_of is None else flops_of(share)})
     return sink
 

@@ -5,8 +5,8 @@ after warm-up) priced at an equal share, `global_batch / hosts`: the
 slowest host sets the equal split's step, plus the reduction (the fastest
 host's wait, which no split changes). The balanced step is priced the same
 way from what ran (each step's slowest host's compute plus its reduction),
-so an equal-split run saves exactly nothing and the input and dispatch
-time, which no split changes, stays out of both. A model: compute is taken
+so an equal-split run saves exactly nothing and the dispatch time,
+which no split changes, stays out of both. A model: compute is taken
 to scale linearly with the samples, which small shares on a GPU beat.
 """
 

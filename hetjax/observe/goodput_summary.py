@@ -127,7 +127,9 @@ def lines(goodput: dict[str, Any] | None, saving: dict[str, Any] | None,
       badput += f", other {rest / wall:.1%}"
     out.append(f"badput: {badput}")
   for i, h in enumerate((goodput or {}).get("per_host", [])):
-    out.append(f"  host {i}: " + host_flops(h))
+    starved = h.get("badput_s", {}).get(goodput_lib.INPUT, 0.0)
+    short = f", waiting for input {starved / h['wall_s']:.1%}" if starved and h["wall_s"] else ""
+    out.append(f"  host {i}: " + host_flops(h) + short)
   if saving and saving["fraction"] < 0.005:
     out.append(f"balancer: the split that ran is no faster than an equal split "
                f"({saving['balanced_step_s'] * 1e3:,.1f} ms against {saving['equal_step_s'] * 1e3:,.1f}"

@@ -30,12 +30,13 @@ from hetjax.training import readiness
 from hetjax.training.host_vector import HostVector
 from hetjax.training.replica import Replica
 
-# What each host adds to a sync step's reduction: its compute and wait
+# What each host adds to a sync step's reduction: its compute, wait and input-wait
 # seconds of step `s - 2`, its stop request, and the shares it used.
-HOST_VECTOR = HostVector("compute_s", "wait_s", "stop", per_host="shares")
+HOST_VECTOR = HostVector("compute_s", "wait_s", "input_s", "stop", per_host="shares")
 # The seconds no step carried yet, in `final_waits`' one small collective:
-# (compute, wait) of the last two steps (zeros where fewer are missing).
-FINAL_WAITS = HostVector("compute_s", "wait_s", "compute_s_1", "wait_s_1")
+# (compute, wait, input) of the last two steps (zeros where fewer are missing).
+FINAL_WAITS = HostVector("compute_s", "wait_s", "input_s", "compute_s_1", "wait_s_1", "input_s_1")
+TIMINGS = ("compute_s", "wait_s", "input_s")
 
 
 def default_balancer(config: Any, meshes: mesh_lib.Meshes, device_batches: Any,
@@ -56,6 +57,7 @@ class _InFlight(NamedTuple):
   step: int
   shares: tuple[int, ...]
   t0: float                          # when its dispatch began
+  fed: float                         # when the loader handed over its batch
   t1: float                          # when its local programs were dispatched (and paced)
   ready: readiness.Pending | None    # when its local sums, then its update, were ready
   paced: float | None                # emulated compute seconds (emulation only)
@@ -83,7 +85,7 @@ class StepPipeline:
     # XLA:CPU's "devices" are the loop's own cores: stamped where the loop looks.
     self.clock = readiness.ReadyClock(on_loop=meshes.local.devices.flat[0].platform == "cpu")
     self.flight: _InFlight | None = None  # The step dispatched but not yet fetched.
-    self._timings: dict[int, tuple[float, float]] = {}  # step -> this host's (compute, wait)
+    self._timings: dict[int, tuple[float, ...]] = {}  # step -> this host's TIMINGS
     self._shares_of: dict[int, tuple[int, ...]] = {}    # step -> shares, for the balancer
     self._observations: list[tuple[int, int, list[float]]] = []  # (from step, step, compute)
     self._last_update_ready: float | None = None
@@ -168,10 +170,10 @@ class StepPipeline:
         config.global_batch, block)
     self._shares_of[step] = shares
     batch = self.loader.get(step, shares)
+    fed = time.perf_counter()
     self.loader.prefetch(step + 1, shares)  # A guess: shares rarely change.
-    compute_s, wait_s = self._timings.pop(step - 2, (0.0, 0.0))
-    host_values = HOST_VECTOR.pack(compute_s=compute_s, wait_s=wait_s,
-                                   stop=signals.REQUESTS.code, shares=shares)
+    timings = dict(zip(TIMINGS, self._timings.pop(step - 2, (0.0,) * len(TIMINGS))))
+    host_values = HOST_VECTOR.pack(**timings, stop=signals.REQUESTS.code, shares=shares)
     self._look_at_last_step()
     live, applied, pending = replica.take()
     local = replica.local(live, pending, batch, self.example, self.base_key, step,
@@ -197,7 +199,7 @@ class StepPipeline:
       # The step before first, so that stamps taken on the loop never run backwards.
       self._look_at_last_step()
       ready.look()
-    return _InFlight(step, shares, t0, t1, ready, paced, reduced)
+    return _InFlight(step, shares, t0, fed, t1, ready, paced, reduced)
 
   def _look_at_last_step(self) -> None:
     """Stamps the step in flight's stages done by now (on XLA:CPU; else a no-op)."""
@@ -217,12 +219,15 @@ class StepPipeline:
       self._stop_code, self._stop_at = code, step + 2
     if self.pace is None:
       local_ready, update_ready = flight.ready.result()
-      # The devices start a step when the previous update is done, or when it is dispatched.
+      # The devices start a step when the previous update is done, or when it is dispatched:
+      # a loader that hands the batch over later makes the host look slower to the
+      # balancer (it is), and the goodput calls that part waiting for input.
       busy_from = max(flight.t0, self._last_update_ready or flight.t0)
-      self._timings[step] = (local_ready - busy_from, update_ready - local_ready)
+      starved = max(0.0, min(flight.fed, local_ready) - busy_from)
+      self._timings[step] = (local_ready - busy_from, update_ready - local_ready, starved)
     else:
       update_ready = fetched
-      self._timings[step] = (flight.paced, fetched - flight.t1)
+      self._timings[step] = (flight.paced, fetched - flight.t1, flight.fed - flight.t0)
     self._last_update_ready = update_ready
     metrics = {k: float(v) for k, v in stats.items() if k != "count"}
     self.history.record(shares, fetched - flight.t0, metrics["loss"], metrics)
@@ -230,7 +235,8 @@ class StepPipeline:
     if timed >= self.start_step:  # Every host's compute and wait seconds of step s - 2.
       compute = HOST_VECTOR.column(rows, "compute_s")
       self.history.arrived(timed - self.start_step, compute_s=compute,
-                           wait_s=HOST_VECTOR.column(rows, "wait_s"))
+                           wait_s=HOST_VECTOR.column(rows, "wait_s"),
+                           input_s=HOST_VECTOR.column(rows, "input_s"))
       self._observations.append((step, timed, compute.tolist()))
     self.read_learning_rates(before=step)
     # Checked once recorded: the update has happened, whatever the check says.
@@ -265,15 +271,16 @@ class StepPipeline:
     self.drain()
     missing = self.history.awaiting  # At most the last two steps, the same on every host.
     if missing:
-      mine = [x for i in missing for x in self._timings.get(self.start_step + i, (0.0, 0.0))]
-      # Always four values: one compiled gather, however many steps are missing.
+      mine = [x for i in missing
+              for x in self._timings.get(self.start_step + i, (0.0,) * len(TIMINGS))]
+      # Always six values: one compiled gather, however many steps are missing.
       mine += [0.0] * (len(FINAL_WAITS.names) - len(mine))
       rows = mesh_lib.gather_host_values(FINAL_WAITS.pack(**dict(zip(FINAL_WAITS.names, mine))),
                                          self.meshes)
       for k, index in enumerate(missing):
         suffix = "_1" if k else ""
-        self.history.arrived(index, compute_s=FINAL_WAITS.column(rows, "compute_s" + suffix),
-                             wait_s=FINAL_WAITS.column(rows, "wait_s" + suffix))
+        self.history.arrived(index, **{name: FINAL_WAITS.column(rows, name + suffix)
+                                       for name in TIMINGS})
 
   def close(self) -> None:
     self.clock.close()
