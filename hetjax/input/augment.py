@@ -15,7 +15,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from typing import Callable
 
 import numpy as np
 
@@ -50,7 +50,7 @@ class RandomCrop:
 
   def __post_init__(self):
     if self.padding < 1:
-      raise ValueError(f"random_crop needs padding >= 1, got {self.padding}.")
+      raise ValueError(f"the crop needs padding >= 1, got {self.padding}.")
 
   def __call__(self, batch: Batch, keys: np.ndarray) -> Batch:
     x, p = batch[self.key], self.padding
@@ -86,22 +86,7 @@ class Compose:
     return batch
 
 
-def random_crop(padding: int = 1, key: str = "x") -> Augment:
-  """Pads `batch[key]` ([n, H, W, C]) with zeros and crops back to H x W."""
-  return RandomCrop(padding, key)
-
-
-def random_flip(key: str = "x") -> Augment:
-  """Mirrors `batch[key]` ([n, H, W, ...]) left-right for half the examples."""
-  return RandomFlip(key)
-
-
-def compose(augments: Sequence[Augment]) -> Augment:
-  """Applies `augments` in order, each with the same per-example keys."""
-  return Compose(tuple(augments))
-
-
-_NAMED = {"crop": random_crop, "flip": random_flip}
+_NAMED = {"crop": RandomCrop, "flip": RandomFlip}
 
 
 def parse(spec: str | None) -> Augment | None:
@@ -117,5 +102,5 @@ def parse(spec: str | None) -> Augment | None:
     if arg and (name != "crop" or not arg.isdigit()):
       raise ValueError(f"bad augmentation {token.strip()!r} in {spec!r}: only crop takes an "
                        "argument, a padding in pixels (e.g. crop:2).")
-    parts.append(random_crop(int(arg)) if arg else _NAMED[name]())
-  return compose(parts)
+    parts.append(RandomCrop(int(arg)) if arg else _NAMED[name]())
+  return Compose(tuple(parts))

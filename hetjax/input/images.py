@@ -141,16 +141,12 @@ def _dct_factor(width: int, height: int, box: Box, size: int) -> int:
   return factor
 
 
-def _cv2():
-  import cv2
-  cv2.setNumThreads(1)  # The loader's worker processes are the parallelism; more threads oversubscribe.
-  return cv2
-
-
 def _decode_jpeg(data: bytes, size: int, channels: int, box_fn: Callable[[int, int], Box]
                  ) -> np.ndarray | None:
   """libjpeg-turbo (simplejpeg) at a DCT scale, crop, OpenCV bilinear resize; None: not for this path."""
+  import cv2
   import simplejpeg
+  cv2.setNumThreads(1)  # The loader's worker processes are the parallelism; more would oversubscribe.
   try:
     height, width, colour, _ = simplejpeg.decode_jpeg_header(data)
   except ValueError:
@@ -167,10 +163,8 @@ def _decode_jpeg(data: bytes, size: int, channels: int, box_fn: Callable[[int, i
                                    min_width=-(-width // factor), min_factor=factor)
     box = _scaled_box(box, image.shape[1] / width, image.shape[0] / height)
   left, top, right, bottom = (int(round(v)) for v in box)
-  crop = image.reshape(image.shape[0], image.shape[1], -1)[top:max(bottom, top + 1),
-                                                           left:max(right, left + 1)]
-  out = _cv2().resize(crop, (size, size), interpolation=_cv2().INTER_LINEAR)
-  return out.reshape(size, size, channels)
+  crop = image[top:max(bottom, top + 1), left:max(right, left + 1)]
+  return cv2.resize(crop, (size, size), interpolation=cv2.INTER_LINEAR).reshape(size, size, channels)
 
 
 def decode_crop(data: bytes, size: int, channels: int, box_fn: Callable[[int, int], Box],
