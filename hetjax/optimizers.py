@@ -35,15 +35,9 @@ _DECAYED = ("kernel", "embedding")
 def decay_mask(params: Any) -> Any:
   """`True` for the leaves weight decay reaches: kernels and embeddings, not biases and scales.
 
-  An ordinary optax mask over the parameter tree, decided by what a leaf is
-  (the name Flax gives it), not by its number of dimensions: a layer stacked
-  with `nn.scan` holds its bias as `[layers, d]`, and is decayed as its
-  unscanned twin is. A leaf of another name decays when it has two or more
-  dimensions.
-
-  Example:
-    >>> decay_mask({"Dense_0": {"kernel": jnp.ones((3, 2)), "bias": jnp.ones((4, 2))}})
-    {'Dense_0': {'bias': False, 'kernel': True}}
+  An optax mask decided by the name Flax gives a leaf, not by its number of
+  dimensions: a layer under `nn.scan` holds its bias as `[layers, d]` and
+  decays as its unscanned twin does. Other names decay from 2 dimensions.
   """
   import jax
 

@@ -38,18 +38,15 @@ TOKEN_MASK = "x_mask"  # The batch key of a token padding mask, [b, T]: 1 real, 
 def next_token(logits: jax.Array, batch: Batch) -> tuple[Weighted, Metrics]:
   """Next-token cross-entropy of `logits [b, T, V]` vs `batch["x"] [b, T]`, weighted by tokens.
 
-  Position `t` of the logits predicts token `t + 1`; that target counts when
-  tokens `t` and `t + 1` are both real in `batch["x_mask"]` (`TOKEN_MASK`;
-  absent: every token is real). Each sequence gives its summed token losses
-  and its token count, so the update is the mean over every real token of
-  the global batch, however sequences of different lengths fall on hosts:
-  a plain loop's `sum(losses * mask) / sum(mask)`. (A per-sequence mean
-  would weight the tokens of short sequences more: another objective.)
+  Position `t` predicts token `t + 1`, a target that counts when tokens `t`
+  and `t + 1` are real in `batch["x_mask"]` (`[b, T]`; absent: all real).
+  Summed losses and token counts per sequence make the update the mean over
+  the global batch's real tokens on any split: a plain loop's
+  `sum(losses * mask) / sum(mask)`, which a per-sequence mean is not.
 
   Returns:
-    `(Weighted(values [b], weights [b]), {"accuracy": [b]})`: the summed
-    losses and the token count per sequence, and its correct next tokens
-    (hetjax divides metrics by the same token count: accuracy per token).
+    `(Weighted(values [b], weights [b]), {"accuracy": [b] correct tokens})`;
+    hetjax divides metrics by the token count too.
   """
   tokens = batch["x"].astype(jnp.int32)
   if tokens.shape[1] < 2:
