@@ -308,6 +308,9 @@ def test_batchnorm_blind_to_a_partial_blocks_padding_is_refused_before_compiling
     nnx_blind = hetjax.from_nnx(__import__("_exact_entries").nnx_model(), _exact_entries_loss)
     with pytest.raises(ValueError, match=r"model keeps batch statistics \(bn\)"):
       hetjax.Trainer(nnx_blind, optax.sgd(0.1), source, config)
+    with pytest.raises(ValueError, match=r"batch of 6 examples"):  # A rounds mode's local step.
+      hetjax.Trainer(blind, optax.sgd(0.1), source, hetjax.TrainConfig(global_batch=8, microbatch=4),
+                     mode=hetjax.Hybrid(local_batch=6))
     return
   tr = hetjax.Trainer(blind, optax.sgd(0.1), source, config)
   try:
