@@ -60,16 +60,16 @@ def host_main(betas: list, rounds: int, every: int, optimizer: str, lr: float,
       if ema is not None:
         average = centre if average is None else jax.tree.map(
             lambda a, c: ema * a + (1 - ema) * c, average, centre)
-      if t.round % every:
+      if t.step % every:
         return
-      row = {"round": t.round, "accuracy": float(accuracy(centre))}
+      row = {"round": t.step, "accuracy": float(accuracy(centre))}
       if ema is not None:
         row["ema_accuracy"] = float(accuracy(average))
       recent = t.history.series["spread"][-every:]  # Known one round late: the last `every` known.
       row["spread"] = np.mean(recent, axis=0).round(4).tolist()
       rows.append(row)
 
-    tr.fit(until=rounds, on_round=evaluate)
+    tr.fit(until=rounds, on_step=evaluate)
     tr.close()
     results.append({"beta": beta, "rows": rows})
   return results

@@ -410,13 +410,13 @@ def train_check(spec: dict[str, Any], reduction: str) -> dict[str, Any]:
     trainer = hetjax.Trainer(make_task(size, source), optax.sgd(0.02), source, config)
     try:
       trainer.fit(check.warmup)
-      trainer.block_until_ready()
+      trainer.mode.block_until_ready()
       t0 = time.perf_counter()
       trainer.fit(size.steps)
-      trainer.block_until_ready()
+      trainer.mode.block_until_ready()
       step_ms = (time.perf_counter() - t0) / size.steps * 1e3
       params = [np.asarray(p) for p in jax.tree.leaves(trainer.params())]
-      memory = trainer.memory_per_device()
+      memory = trainer.mode.memory_per_device()
     finally:
       trainer.close()
   return {"host": jax.process_index(), "hosts": hosts, "step_ms": round(step_ms, 3),
@@ -610,14 +610,14 @@ def device_batches_section(ctx: Context) -> dict[str, Any]:
                                 device_batch=k, check_every=0)
     trainers[k] = hetjax.Trainer(task, optax.adam(1e-3), source, config)
     trainers[k].fit(2)  # Compiles every program of its ladder.
-    trainers[k].block_until_ready()
+    trainers[k].mode.block_until_ready()
   samples_s: dict[int, list[float]] = {k: [] for k in check.ks}
   try:
     for _ in range(ctx.profile.repeats):
       for k, tr in trainers.items():
         t0 = time.perf_counter()
         tr.fit(size.steps)
-        tr.block_until_ready()
+        tr.mode.block_until_ready()
         samples_s[k].append(size.global_batch * size.steps / (time.perf_counter() - t0))
     tr = trainers[check.ks[0]]
     state = tr.state

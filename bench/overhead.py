@@ -230,7 +230,7 @@ class HetjaxLoop:
   def wait(self) -> None:
     # Not `Trainer.state`: reading it applies the last update alone, where the
     # next `fit` applies it inside its first program.
-    self.trainer.block_until_ready()
+    self.trainer.mode.block_until_ready()
 
 
 def seconds(loop: PlainLoop | HetjaxLoop, steps: int) -> float:
@@ -243,7 +243,7 @@ def seconds(loop: PlainLoop | HetjaxLoop, steps: int) -> float:
 
 def leaf_counts(trainer: hetjax.Trainer) -> tuple[int, int]:
   """(parameter arrays, parameter + model-state arrays) of the trained model."""
-  state = trainer.local_state
+  state = trainer.mode.local_state
   params = len(jax.tree.leaves(state.params))
   return params, params + len(jax.tree.leaves(state.model_state))
 

@@ -26,8 +26,6 @@ _EXPORTS = {
     "Sync": "hetjax.modes",
     "Hybrid": "hetjax.modes",
     "Elastic": "hetjax.modes",
-    "RoundsTrainer": "hetjax.modes.rounds_trainer",
-    "RoundsConfig": "hetjax.config",
     "Preempted": "hetjax.cluster.signals",
     "Interrupted": "hetjax.cluster.signals",
     "Stopped": "hetjax.cluster.signals",

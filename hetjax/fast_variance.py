@@ -8,35 +8,34 @@ such layers before it compiles (`hetjax.modes.base.Setup.warn_fast_variance`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable, Sequence
 
 import jax
 
-if TYPE_CHECKING:
-  from hetjax.task import Batch, PyTree, Task
+from hetjax.types import Batch, PyTree
 
 # Flax's normalisation layers whose variance subtracts a mean: `use_fast_variance=True`
 # (their default) computes it as E[x^2] - E[x]^2. RMSNorm subtracts none.
 NORM_LAYERS = ("BatchNorm", "LayerNorm", "GroupNorm", "InstanceNorm")
 
 
-def find(task: "Task", params: PyTree, model_state: PyTree,
-                       batch: Batch) -> tuple[str, ...]:
-  """The Flax normalisation layers of `task` that compute the fast variance, by path.
+def find(loss: Callable[..., Any], params: PyTree, model_state: PyTree, batch: Batch,
+         known: Sequence[str] = ()) -> tuple[str, ...]:
+  """The Flax normalisation layers `loss` calls that compute the fast variance, by path.
 
   Why: the fast variance `E[x^2] - E[x]^2` cancels, so it turns the rounding
   of its means, which changes with a kernel's shape (a device batch of `k`
   blocks), into differences far larger than float reduction order gives
   (ResNet-18's BatchNorm scales: 8.7e-4 relative after one update against
   4.1e-6 with the stable variance). Linen layers are found by tracing the
-  training loss abstractly (`jax.eval_shape`, nothing runs) under
-  `flax.linen.intercept_methods`, whatever built the `Task`; NNX layers come
-  from `task.fast_variance_layers`.
+  training loss `loss(params, model_state, batch, rng)` (a `Task`'s) abstractly
+  (`jax.eval_shape`, nothing runs) under `flax.linen.intercept_methods`,
+  whatever built it; NNX layers come in `known` (`Task.fast_variance_layers`).
   """
   import flax.linen as nn  # Only a run that may need the answer pays for the import.
 
   kinds = tuple(getattr(nn, name) for name in NORM_LAYERS)
-  found: dict[str, None] = dict.fromkeys(task.fast_variance_layers)
+  found: dict[str, None] = dict.fromkeys(known)
 
   def record(call, args, kwargs, context):
     module = context.module
@@ -47,7 +46,7 @@ def find(task: "Task", params: PyTree, model_state: PyTree,
 
   with nn.intercept_methods(record):
     # A fresh function: jax caches traces by function, and a cached one calls no module.
-    jax.eval_shape(lambda *a: task.loss(*a), params, model_state, batch, jax.random.key(0))
+    jax.eval_shape(lambda *a: loss(*a), params, model_state, batch, jax.random.key(0))
   return tuple(found)
 
 

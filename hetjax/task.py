@@ -27,9 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from hetjax import fast_variance
-
-PyTree = Any
-Batch = dict[str, jax.Array]
+from hetjax.types import Batch, PyTree
 MASK = "hetjax.mask"  # Reserved batch key of the padding mask; no dataset may use it.
 RESERVED_METRICS = ("loss", "count")
 

@@ -31,22 +31,17 @@ from hetjax.training import agreement
 from hetjax.training import lifecycle
 from hetjax.training.lifecycle import params_digest  # noqa: F401 (public name)
 from hetjax.task import Task
-
-PyTree = Any
-
-
-def mode_attribute(name: str, doc: str) -> property:
-  """An attribute of a trainer's mode, read and replaced through the trainer."""
-  return property(lambda t: getattr(t.mode, name), lambda t, v: setattr(t.mode, name, v), doc=doc)
+from hetjax.types import PyTree
 
 
 class Trainer:
   """Data parallelism over whatever hosts this process belongs to, in any mode.
 
   Every host runs the same program: build a Trainer with the same
-  arguments, then call `fit`. A mode's own parts (sync: `local_state`,
-  `block_until_ready()`, `learning_rate()`, `memory_per_device()`, `replica`;
-  rounds: `centre`, `host_params`, `position`) are read through the trainer.
+  arguments, then call `fit`. A trainer's attributes are its own; its
+  mode's are `trainer.mode.X` (sync: `local_state`, `block_until_ready()`,
+  `learning_rate()`, `memory_per_device()`, `balancer`; rounds: `centre`,
+  `host_params`, `position`).
 
   Example (after `hetjax.initialize()`, on every host):
     >>> task = hetjax.models.build("mlp", kind="image", num_classes=10, hidden=(16,))
@@ -121,19 +116,15 @@ class Trainer:
         with phases.within(phases.RESTORING):
           self._resume()
 
-  def __getattr__(self, name: str) -> Any:
-    """The mode's own parts, read through the trainer (only names the trainer lacks)."""
-    mode = self.__dict__.get("mode")
-    if mode is None or name.startswith("__"):
-      raise AttributeError(name)
-    try:
-      return getattr(mode, name)
-    except AttributeError:
-      raise AttributeError(f"neither the Trainer nor its mode {mode!r} has {name!r}") from None
+  @property
+  def state(self) -> Any:
+    """The mode's state as global replicated arrays (sync: the train state; rounds: the
+    centre); replaceable between steps."""
+    return self.mode.state
 
-  state = mode_attribute("state", "The mode's state as global replicated arrays (sync: the "
-                         "train state; rounds: the centre); replaceable between steps.")
-  balancer = mode_attribute("balancer", "The sync mode's split policy (replaceable between steps).")
+  @state.setter
+  def state(self, value: Any) -> None:
+    self.mode.state = value
 
   @property
   def step(self) -> int:

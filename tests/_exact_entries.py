@@ -236,8 +236,8 @@ def matrix(layout: str, models=MODELS, reductions=("device", "host"),
 
 def optimizer_memory(tr: trainer.Trainer, summary: dict) -> tuple:
   """(bytes of optimizer state one device holds, its unsplit bytes, the summary's figure)."""
-  state = tr.local_state
-  held = tr.replica.shards.opt_state if tr.sharded is not None else state.opt_state
+  state = tr.mode.local_state
+  held = tr.mode.replica.shards.opt_state if tr.mode.sharded is not None else state.opt_state
   per_device = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(held))
   return per_device, sharding.tree_bytes(state.opt_state), summary["memory_per_device"]
 

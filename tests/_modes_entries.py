@@ -11,8 +11,8 @@ from hetjax import models as zoo
 from hetjax import trainer
 from hetjax.input import data
 from hetjax import mesh as mesh_lib
-from hetjax.modes import RoundsConfig
-from hetjax.modes.rounds_trainer import RoundsTrainer
+from hetjax.config import RoundsConfig
+from hetjax.modes import from_config
 
 BLOCK = 8
 
@@ -34,7 +34,7 @@ def degenerate(steps: int, global_batch: int, lr: float) -> dict:
     sync.fit(steps)
     rounds = RoundsConfig(mode="hybrid", local_steps=(1,) * sync.num_hosts,
                           outer_optimizer="sgd", outer_lr=1.0, outer_momentum=0.0)
-    hybrid = RoundsTrainer(_tiny(), optax.sgd(lr), source, config, rounds)
+    hybrid = trainer.Trainer(_tiny(), optax.sgd(lr), source, config, mode=from_config(rounds))
     summary = hybrid.fit(until=steps)
     out[reduction] = {"initial": initial, "sync": sync.params(), "hybrid": hybrid.params(),
                       "positions": (summary["data_position"], steps * global_batch),
@@ -66,11 +66,11 @@ def accuracy(mode: str, rounds: int, local_steps: tuple, lr: float, momentum: fl
   config = trainer.TrainConfig(global_batch=48, microbatch=BLOCK, seed=0,
                                check_every=rounds // 4 if check else 0)
   inner = optax.adam(lr) if adam else optax.sgd(lr, momentum=momentum)
-  tr = RoundsTrainer(task, inner, source, config,
-                     RoundsConfig(mode=mode, local_steps=local_steps, **options))
+  tr = trainer.Trainer(task, inner, source, config,
+                       mode=from_config(RoundsConfig(mode=mode, local_steps=local_steps, **options)))
   summary = tr.fit(until=rounds, out=out, eval_every=rounds // 2 if out else 0,
                    eval_source=test if out else None)
-  mine = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tr.host_params)
+  mine = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tr.mode.host_params)
   hosts = mesh_lib.gather_host_values(_flat(mine), tr.meshes)
   result = {"accuracy": tr.evaluate(test)["accuracy"],
             "taus": [h["tau"][-1] for h in summary["per_host"]],
@@ -83,21 +83,21 @@ def accuracy(mode: str, rounds: int, local_steps: tuple, lr: float, momentum: fl
   return result
 
 
-def bent_centre(tr: RoundsTrainer) -> str:
+def bent_centre(tr: trainer.Trainer) -> str:
   """Host 1's copy of `tr`'s centre bent by 1e-3 in one parameter: the check's message."""
   from hetjax.training import agreement
   if tr.host_id == 1:  # One parameter, on this host's copy only.
-    leaf = jax.tree.leaves(tr.centre.params)[0]
+    leaf = jax.tree.leaves(tr.mode.centre.params)[0]
     shards = [jax.device_put(np.asarray(s.data) + np.float32(1e-3), s.device)
               for s in leaf.addressable_shards]
     bent = jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, shards)
-    params = jax.tree.unflatten(jax.tree.structure(tr.centre.params),
-                                [bent] + jax.tree.leaves(tr.centre.params)[1:])
-    tr.centre = tr.centre._replace(params=params)
+    params = jax.tree.unflatten(jax.tree.structure(tr.mode.centre.params),
+                                [bent] + jax.tree.leaves(tr.mode.centre.params)[1:])
+    tr.mode.centre = tr.mode.centre._replace(params=params)
   # Checked at once: a round would heal the copy, as each slice of the new
   # centre comes from the one device that computed it (hetjax.step.sharding).
   try:
-    tr.check_centre_agrees()
+    tr.check_params_agree()
   except agreement.HostsDisagree as e:
     return str(e)
   return "no error"
@@ -117,8 +117,8 @@ def resume(directory: str, mode: str, rounds: int, local_steps: tuple | None, st
   source = data.load("digits")
   config = trainer.TrainConfig(global_batch=24, microbatch=BLOCK, seed=2)
   settings = RoundsConfig(mode=mode, local_steps=local_steps, outer_lr=0.5)
-  make = lambda ckpt: RoundsTrainer(_tiny(), optax.sgd(0.05, momentum=0.9), source, config,
-                                    settings, checkpoint=ckpt)
+  make = lambda ckpt: trainer.Trainer(_tiny(), optax.sgd(0.05, momentum=0.9), source, config,
+                                      mode=from_config(settings), checkpoint=ckpt)
   out = {}
   if stop_at:
     reference = make(None)
@@ -132,5 +132,5 @@ def resume(directory: str, mode: str, rounds: int, local_steps: tuple | None, st
   second.fit(until=rounds)
   second.close()
   out["resumed"] = trainer.params_digest(second.params())
-  out["position"] = second.position
+  out["position"] = second.mode.position
   return out

@@ -49,15 +49,15 @@ ROUND_MODES = (("hybrid", "device"), ("elastic", "host"))
 
 def mixed_compilers_all(steps: int, check_every: int, rounds: int):
   """`mixed_compilers` on both backends, then each rounds mode's centre after `rounds` rounds."""
-  from hetjax.modes import RoundsConfig
-  from hetjax.modes.rounds_trainer import RoundsTrainer
+  from hetjax.config import RoundsConfig
+  from hetjax.modes import from_config
   out = mixed_compilers(steps, check_every)
   source = data.load("digits")
   for mode, reduction in ROUND_MODES:
     task = zoo.build("mlp", kind="image", num_classes=10, hidden=(32,))
     config = trainer.TrainConfig(global_batch=32, microbatch=16, seed=0, reduction=reduction)
-    tr = RoundsTrainer(task, optimizers.make("adam", 0.003, clip_norm=1.0), source, config,
-                       RoundsConfig(mode=mode, local_steps=(2, 2)))
+    tr = trainer.Trainer(task, optimizers.make("adam", 0.003, clip_norm=1.0), source, config,
+                         mode=from_config(RoundsConfig(mode=mode, local_steps=(2, 2))))
     tr.fit(rounds)
     out.append((None, tr.params()))
     tr.close()
@@ -116,7 +116,7 @@ def train_and_save(until: int, reduction: str, assignment, folder: str, resume: 
         f"{folder}/{model}", every=until, resume=resume))
     summary = tr.fit(until=until)
     out[model] = (tr.params(), jax.tree.map(lambda x: np.asarray(x.addressable_data(0)),
-                                            tr.local_state.model_state),
+                                            tr.mode.local_state.model_state),
                   tr.resumed_from, optimizer_memory(tr, summary))
     tr.close()
   return out

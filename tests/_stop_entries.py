@@ -85,8 +85,8 @@ def _perturb_on(host: int, after: int):
       def bump(x):
         shards = [s.data + 1e-3 for s in x.addressable_shards]
         return jax.make_array_from_single_device_arrays(x.shape, x.sharding, shards)
-      live = tr.replica.applied()
-      tr.replica.live = live._replace(params=jax.tree.map(bump, live.params))
+      live = tr.mode.replica.applied()
+      tr.mode.replica.live = live._replace(params=jax.tree.map(bump, live.params))
   return on_step
 
 
@@ -96,11 +96,11 @@ def stops_and_disagreements(ckpt_dir: str):
   tr = _trainer()  # Reused: each scenario leaves it at a step boundary every host agrees on.
   out["sigint_host1_no_ckpt"] = _stop(tr, _signal_on(1, 3, signal.SIGINT))
   out["sigterm_host0_no_ckpt"] = _stop(tr, _signal_on(0, 6, signal.SIGTERM))
-  honest, tr.balancer = tr.balancer, _Permuted(jax.process_index())
+  honest, tr.mode.balancer = tr.mode.balancer, _Permuted(jax.process_index())
   # The mismatch raises at step 8; step 9, already in flight, is finished too,
   # so the trainer stands at a boundary whose step matches its state (10).
   out["permuted"] = _error(lambda: tr.fit(3))
-  tr.balancer = honest
+  tr.mode.balancer = honest
   tr.config = dataclasses.replace(tr.config, check_every=2)
   out["perturbed"] = _error(lambda: tr.fit(6, on_step=_perturb_on(1, 12)))
   out["perturbed_from"] = tr.step

@@ -119,7 +119,7 @@ def test_shares_that_sum_to_zero_are_an_error_not_a_nan():
     def observe(self, *args):
       pass
 
-  tr.balancer = Nothing()
+  tr.mode.balancer = Nothing()
   with pytest.raises(ValueError, match="sums to 0 but the global batch is 12"):
     tr.train_step()
 

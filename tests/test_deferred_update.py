@@ -47,18 +47,18 @@ def _trainer(microbatch: int, global_batch: int = 32) -> hetjax.Trainer:
 
 def _count_updates_alone(trainer: hetjax.Trainer) -> list[int]:
   """Counts, on this trainer only, the updates applied alone (`LocalProgram.update`)."""
-  calls, alone = [], trainer.local.update
+  calls, alone = [], trainer.mode.local.update
 
   def counted(*args, **kwargs):
     calls.append(int(trainer.step))
     return alone(*args, **kwargs)
 
-  trainer.local.update = counted
+  trainer.mode.local.update = counted
   return calls
 
 
 def _state_bytes(trainer: hetjax.Trainer) -> list[bytes]:
-  state = trainer.local_state
+  state = trainer.mode.local_state
   return [np.asarray(x.addressable_data(0)).tobytes() for x in jax.tree.leaves(state)]
 
 
@@ -68,7 +68,7 @@ def test_updates_applied_alone_give_the_same_bits_as_updates_in_the_next_step(mi
   fused_calls, alone_calls = _count_updates_alone(fused), _count_updates_alone(alone)
   fused.fit(6)  # Steps 1-5 apply their predecessor's update in their first program.
   # Reading the state after every step applies each update alone.
-  alone.fit(6, on_step=lambda t, metrics: t.local_state)
+  alone.fit(6, on_step=lambda t, metrics: t.mode.local_state)
   # The two paths really ran: every update alone in one trainer; in the
   # other, none before the end (`fit` may settle the last one).
   assert len(alone_calls) == 6 and len(fused_calls) <= 1, (alone_calls, fused_calls)
@@ -87,12 +87,12 @@ def test_every_update_records_its_learning_rate_whichever_program_ran_it():
   overlapped.fit(6, sinks=[records["overlapped"].append])
   # A callback finishes every step at once; reading the state then applies
   # each update alone.
-  stepped.fit(6, sinks=[records["stepped"].append], on_step=lambda t, m: t.local_state)
+  stepped.fit(6, sinks=[records["stepped"].append], on_step=lambda t, m: t.mode.local_state)
   expected = [pytest.approx(float(SCHEDULE(i)), rel=1e-6) for i in range(6)]
   for name, got in records.items():
     assert [r["step"] for r in got] == list(range(1, 7)), name
     assert [r["lr"] for r in got] == expected, name
-  assert overlapped.learning_rate() == pytest.approx(float(SCHEDULE(5)), rel=1e-6)
+  assert overlapped.mode.learning_rate() == pytest.approx(float(SCHEDULE(5)), rel=1e-6)
   for t in (overlapped, stepped):
     t.close()
 
@@ -120,7 +120,7 @@ def test_a_state_read_between_steps_stays_valid_after_later_steps():
   """Later steps donate a copy of what `state`, `local_state` or the setter lent, not it."""
   trainer = _trainer(8)
   trainer.fit(2)
-  held, held_local = trainer.state, trainer.local_state
+  held, held_local = trainer.state, trainer.mode.local_state
   # Copies, not `device_get`: on CPU its zero-copy views would keep the
   # runtime from donating the buffers at all, and the test from failing.
   host_copy = lambda tree: jax.tree.map(lambda x: np.array(x, copy=True), tree)
@@ -143,7 +143,7 @@ def test_steps_that_nobody_read_between_donate_the_state_without_a_copy():
   """The copy is paid only after a read: a plain `fit` donates the live state."""
   trainer = _trainer(8)
   trainer.fit(2)
-  trainer.block_until_ready()  # Waits without lending the state.
-  live = trainer.replica.live
+  trainer.mode.block_until_ready()  # Waits without lending the state.
+  live = trainer.mode.replica.live
   trainer.fit(1)
   assert all(x.is_deleted() for x in jax.tree.leaves(live.params))

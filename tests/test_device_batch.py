@@ -215,7 +215,7 @@ def _spy_on_local_programs(tr: hetjax.Trainer) -> dict[int, list[int]]:
       return program(*args)
     return run
 
-  local = tr.local
+  local = tr.mode.local
   assert local._grad and local._update_then_grad, "the first two steps build both kinds"
   local._grad = {j: spy(j, p) for j, p in local._grad.items()}
   local._update_then_grad = {j: spy(j, p) for j, p in local._update_then_grad.items()}

@@ -114,11 +114,11 @@ def _per_step_counts(num_leaves: int, reduction: str) -> dict[str, float]:
                            hetjax.TrainConfig(global_batch=16, microbatch=8, reduction=reduction))
   for _ in range(2):  # Compilation and first transfers.
     trainer.train_step()
-  trainer.block_until_ready()  # Not `local_state`: the next step would copy what it lent.
+  trainer.mode.block_until_ready()  # Not `local_state`: the next step would copy what it lent.
   with counting() as counts:
     for _ in range(STEPS):
       trainer.train_step()
-    jax.block_until_ready(trainer.local_state)
+    jax.block_until_ready(trainer.mode.local_state)
   trainer.close()
   return {k: v / STEPS for k, v in counts.items()}
 

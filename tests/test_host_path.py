@@ -109,7 +109,7 @@ def test_the_trainer_reads_cheap_records_inline():
                            hetjax.TrainConfig(global_batch=16, microbatch=8, check_every=0))
   trainer.fit(3)
   trainer.close()
-  assert trainer.loader.stats["read_inline"] > 0
+  assert trainer.mode.loader.stats["read_inline"] > 0
 
 
 def test_position_rows_give_each_device_its_block_its_real_count_and_the_host_vector():

@@ -328,7 +328,7 @@ def test_every_built_in_norm_layer_computes_the_stable_variance(name):
                    **TINY[name])
   batch = _batch(name)
   params, state = jax.eval_shape(task.init, _key(0), batch)
-  assert fast_variance.find(task, params, state, batch) == ()
+  assert fast_variance.find(task.loss, params, state, batch, task.fast_variance_layers) == ()
 
 
 class _FlaxDefaults(nn.Module):
@@ -353,7 +353,7 @@ def test_the_finder_names_every_fast_variance_layer_of_linen_and_nnx():
       optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]), {}), mask_arg="mask")
   batch = _batch("cnn")
   params, state = jax.eval_shape(task.init, _key(0), batch)
-  assert fast_variance.find(task, params, state, batch) == (
+  assert fast_variance.find(task.loss, params, state, batch, task.fast_variance_layers) == (
       "BatchNorm_0", "ln", "GroupNorm_0")
 
   class Nnx(nnx.Module):
@@ -372,4 +372,4 @@ def test_the_finder_names_every_fast_variance_layer_of_linen_and_nnx():
       optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]), {}), mask_arg="mask")
   assert task.fast_variance_layers == ("bn", "ln")
   params, state = jax.eval_shape(task.init, _key(0), batch)
-  assert fast_variance.find(task, params, state, batch) == ("bn", "ln")
+  assert fast_variance.find(task.loss, params, state, batch, task.fast_variance_layers) == ("bn", "ln")

@@ -190,8 +190,8 @@ def test_bf16_and_fp16_local_steps_train_and_fp16_skips_a_hosts_overflowing_step
   from hetjax import trainer
   from hetjax.step import precision as precision_lib
   from hetjax.input import data
-  from hetjax.modes import RoundsConfig
-  from hetjax.modes.rounds_trainer import RoundsTrainer
+  from hetjax.config import RoundsConfig
+  from hetjax.modes import from_config
 
   hetjax.initialize()
   source = data.load("digits")
@@ -200,15 +200,15 @@ def test_bf16_and_fp16_local_steps_train_and_fp16_skips_a_hosts_overflowing_step
                           outer_momentum=0.0)
   runs, big = {}, 2.0 ** 20  # Large enough that the first local step's fp16 gradients overflow.
   for precision in ("fp32", "bf16", "fp16"):
-    tr = RoundsTrainer(task, optax.sgd(0.5), source,
-                       trainer.TrainConfig(global_batch=32, microbatch=8, precision=precision),
-                       settings)
+    tr = trainer.Trainer(task, optax.sgd(0.5), source,
+                         trainer.TrainConfig(global_batch=32, microbatch=8, precision=precision),
+                         mode=from_config(settings))
     if precision == "fp16":
-      inner, _ = tr.host_opt_state
-      tr.host_opt_state = (inner, jax.device_put(
+      inner, _ = tr.mode.host_opt_state
+      tr.mode.host_opt_state = (inner, jax.device_put(
           precision_lib.LossScale(np.float32(big), np.int32(0)), tr.meshes.local_replicated))
     tr.fit(8)
-    runs[precision] = (tr.history, tr.params(), tr.host_opt_state[1])
+    runs[precision] = (tr.history, tr.params(), tr.mode.host_opt_state[1])
   (fp32, p32, _), (bf16, p16, _), (fp16, ph, scale) = runs["fp32"], runs["bf16"], runs["fp16"]
   for params in (p16, ph):
     assert all(leaf.dtype == np.float32 for leaf in jax.tree.leaves(params))  # Master copy.

@@ -13,8 +13,8 @@ from hetjax import trainer
 from hetjax.checkpoint import manager as checkpoint
 from hetjax.cluster import runtime
 from hetjax.input import data
-from hetjax.modes import RoundsConfig
-from hetjax.modes.rounds_trainer import RoundsTrainer
+from hetjax.config import RoundsConfig
+from hetjax.modes import from_config
 from hetjax.testing import run_hosts
 
 from _warm_client import module_command
@@ -23,14 +23,15 @@ import _cli_job
 import _fault_job
 
 
-def _hybrid(ckpt: str) -> RoundsTrainer:
+def _hybrid(ckpt: str) -> trainer.Trainer:
   """The trainer of `_modes_entries.resume(ckpt, "hybrid", ...)` on this host's layout."""
   if not runtime.is_initialized():
     hetjax.initialize()
   config = trainer.TrainConfig(global_batch=24, microbatch=_modes_entries.BLOCK, seed=2)
-  return RoundsTrainer(_modes_entries._tiny(), optax.sgd(0.05, momentum=0.9), data.load("digits"),
-                       config, RoundsConfig(mode="hybrid", local_steps=None, outer_lr=0.5),
-                       checkpoint=checkpoint.CheckpointConfig(ckpt, every=2))
+  return trainer.Trainer(_modes_entries._tiny(), optax.sgd(0.05, momentum=0.9),
+                         data.load("digits"), config, checkpoint=checkpoint.CheckpointConfig(
+                             ckpt, every=2), mode=from_config(RoundsConfig(
+                                 mode="hybrid", local_steps=None, outer_lr=0.5)))
 
 
 def _nonzero(tree) -> list[bool]:
@@ -52,16 +53,16 @@ def test_hybrid_resumes_exactly_and_on_another_layout_restarts_hosts_from_the_ce
   assert one.resumed_from == 8
   assert "another layout: every host's inner state restarts from the centre" in capfd.readouterr().out
   # The centre and its outer (Nesterov) state come from the 2-host checkpoint ...
-  assert int(one.centre.round) == 8 and all(_nonzero(one.centre.opt_state))
+  assert int(one.mode.centre.round) == 8 and all(_nonzero(one.mode.centre.opt_state))
   # ... and the inner state restarts from the centre: a fresh inner momentum
   # (the 2-host rows saved theirs, non-zero after 8 rounds, in another
   # shape), and the next round's parameters are the centre's.
-  momentum = one.host_opt_state[0]  # The optax state; the loss scale sits beside it.
+  momentum = one.mode.host_opt_state[0]  # The optax state; the loss scale sits beside it.
   assert _nonzero(momentum) == [False] * len(jax.tree.leaves(momentum))
-  start, _ = one.mode.start(one.centre, one.host_params, one.host_model_state)
-  jax.tree.map(np.testing.assert_array_equal, start, one.centre.params)
+  start, _ = one.mode.start(one.mode.centre, one.mode.host_params, one.mode.host_model_state)
+  jax.tree.map(np.testing.assert_array_equal, start, one.mode.centre.params)
   one.fit(until=10)
-  assert one.round == 10
+  assert one.step == 10
   one.close()
 
 

@@ -14,7 +14,7 @@ import hetjax
 # API: update the README and docs with it.
 PUBLIC = sorted([
     "ArraySource", "CheckpointConfig", "DatasetInfo", "Elastic", "HostsDisagree", "Hybrid",
-    "Interrupted", "MASK", "Preempted", "RoundsConfig", "RoundsTrainer", "Stopped", "Sync", "Task",
+    "Interrupted", "MASK", "Preempted", "Stopped", "Sync", "Task",
     "TrainConfig", "Trainer", "Weighted", "from_functions", "from_linen", "from_nnx",
     "initialize", "params_digest", "topology", "train",
 ])
@@ -48,7 +48,6 @@ def test_public_names_resolve_to_the_objects_their_modules_define():
   from hetjax import config, trainer
   assert hetjax.TrainConfig is config.TrainConfig
   assert hetjax.CheckpointConfig is config.CheckpointConfig
-  assert hetjax.RoundsConfig is config.RoundsConfig
   assert hetjax.Trainer is trainer.Trainer
   assert hetjax.testing.run_hosts.__module__ == "hetjax.testing"
   assert hetjax.checkpoint.CheckpointConfig is config.CheckpointConfig
@@ -171,4 +170,6 @@ def test_the_public_examples_run():
       for test in finder.find(owner, name, globs=dict(globs)):
         ran += len(test.examples)
         runner.run(test)
-  assert runner.failures == 0 and ran > 50, runner.summarize()
+  # 47 examples since RoundsTrainer and RoundsConfig left the public names; the floor
+  # guards the finder.
+  assert runner.failures == 0 and ran > 40, runner.summarize()

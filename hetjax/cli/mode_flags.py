@@ -9,8 +9,8 @@ that does not apply to the chosen mode is an error too: a silently ignored
 from __future__ import annotations
 
 import argparse
+import re
 
-from hetjax.cli.flags import worded_as_flags
 from hetjax.config import MODES, RoundsConfig
 
 # flag -> the modes it applies to
@@ -70,8 +70,11 @@ def from_args(args: argparse.Namespace, num_hosts: int | None = None) -> RoundsC
   if "local_steps" in values:
     values["local_steps"] = parse_local_steps(values["local_steps"])
   config = RoundsConfig(mode=args.mode, **values)
-  with worded_as_flags():
+  try:
     config.check_split(getattr(args, "balancer", None), getattr(args, "assignment", "equal"),
                        getattr(args, "shard_within_host", None) or "off")
     config.validate(num_hosts, getattr(args, "global_batch", None))
+  except ValueError as e:  # Every field it names is the flag of its name with dashes.
+    raise ValueError(re.sub(r"`(\w+)`", lambda m: "--" + m.group(1).replace("_", "-"),
+                            str(e))) from None
   return config

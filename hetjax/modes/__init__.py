@@ -14,8 +14,6 @@ checkpoints, evaluation, signals, the watchdog, the summary).
   round's positions, the local step program, the one reduction per round.
 - `hybrid.py`: `Hybrid`, an outer optimizer on the hosts' sample-weighted deltas.
 - `elastic.py`: `Elastic`, per-host parameters pulled towards a centre (EASGD).
-- `rounds_trainer.py`: `RoundsTrainer`, the former rounds trainer, a thin
-  alias of `Trainer(..., mode=...)` kept for one release.
 
 The modes' command-line flags live with the command line (`hetjax.cli.mode_flags`).
 """

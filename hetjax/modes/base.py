@@ -87,7 +87,8 @@ class Setup:
     """
     if max(device_batches) <= 1 or self.meshes.host_id != 0:
       return ()
-    layers = fast_variance.find(self.task, params, model_state, self.first_block)
+    layers = fast_variance.find(self.task.loss, params, model_state, self.first_block,
+                               self.task.fast_variance_layers)
     if layers:
       shown = ", ".join(layers[:6]) + (f" and {len(layers) - 6} more" if len(layers) > 6 else "")
       warnings.warn(
