@@ -30,9 +30,10 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Iterable, Iterator, Mapping, Sequence
+from typing import IO, Mapping, Sequence
 
 from hetjax.config import Env
+from hetjax.cluster.service import split_lines  # noqa: F401 (procs reads it here too)
 from hetjax.cluster.supervise import Findings
 
 # A JAX host with the distributed runtime up treats SIGTERM as a preemption
@@ -262,30 +263,6 @@ class _ExitClock:
     self._epoll.close()
 
 
-def split_lines(chunks: Iterable[bytes]) -> Iterator[str]:
-  """Decoded lines from a byte stream whose lines end in `\\n`, `\\r\\n` or a lone `\\r`.
-
-  An unfinished last line is yielded at the end; the empty pieces between
-  consecutive carriage returns (a redraw) are dropped.
-  """
-  pending = b""
-  for chunk in chunks:
-    pending += chunk
-    # A trailing \r may be the first half of \r\n: keep it for the next chunk.
-    cut = len(pending) - 1 if pending.endswith(b"\r") else len(pending)
-    start = 0
-    for end in _LINE_END.finditer(pending, 0, cut):
-      piece = pending[start:end.start()]
-      if piece or b"\n" in end.group():
-        yield piece.decode("utf-8", errors="replace")
-      start = end.end()
-    pending = pending[start:]
-  pending = pending.rstrip(b"\r")
-  if pending:
-    yield pending.decode("utf-8", errors="replace")
-
-
-_LINE_END = re.compile(rb"\r*\n|\r+")
 _GUARD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hostguard.py")
 
 

@@ -33,12 +33,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
-from typing import IO, Callable, Mapping, Sequence
+from typing import IO, Callable, Iterable, Iterator, Mapping, Sequence
 
 ELSEWHERE = "launcher"  # HETJAX_SERVICE's value: host 0 joins as a client only.
 READY = "[hetjax] coordination service listening on"
@@ -122,7 +123,6 @@ class Service:
     return None
 
   def _pump(self) -> None:
-    from hetjax.cluster.hostgroup import split_lines  # Stdlib; imported late against a cycle.
     assert self.proc is not None and self.proc.stdout is not None
     with self.proc.stdout as pipe:
       for line in split_lines(iter(lambda: pipe.read1(65536), b"")):
@@ -193,9 +193,36 @@ def _serve(address: str, num_hosts: int, heartbeat_s: int) -> int:
   os._exit(0)
 
 
+def split_lines(chunks: Iterable[bytes]) -> Iterator[str]:
+  """Decoded lines from a byte stream whose lines end in `\\n`, `\\r\\n` or a lone `\\r`.
+
+  An unfinished last line is yielded at the end; the empty pieces between
+  consecutive carriage returns (a redraw) are dropped.
+  """
+  pending = b""
+  for chunk in chunks:
+    pending += chunk
+    # A trailing \r may be the first half of \r\n: keep it for the next chunk.
+    cut = len(pending) - 1 if pending.endswith(b"\r") else len(pending)
+    start = 0
+    for end in _LINE_END.finditer(pending, 0, cut):
+      piece = pending[start:end.start()]
+      if piece or b"\n" in end.group():
+        yield piece.decode("utf-8", errors="replace")
+      start = end.end()
+    pending = pending[start:]
+  pending = pending.rstrip(b"\r")
+  if pending:
+    yield pending.decode("utf-8", errors="replace")
+
+
+_LINE_END = re.compile(rb"\r*\n|\r+")
+
+
 if __name__ == "__main__":
   if len(sys.argv) != 4:
     print("usage: python -I hetjax/cluster/service.py ADDRESS NUM_HOSTS HEARTBEAT_S",
           file=sys.stderr)
     sys.exit(2)
   sys.exit(_serve(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))
+
