@@ -9,7 +9,7 @@ Two `hetjax train` runs of one job (digits, sgd 0.05, global batch 48,
 blocks of 4, seed 5): 1 host x 1 device with one block per program, and 3
 emulated hosts x 2 devices (`launch/local.py`) on a fixed uneven
 `--assignment` with a device batch per host. Both write their parameters
-with `--save-params`; the script prints the largest `max |a - b|` over the
+with `save-params` (a config key); the script prints the largest `max |a - b|` over the
 leaves and the largest `max |a - b| / max |b|` (each leaf against its own
 largest value) with its leaf, and as its last line
 one JSON object `{"max_abs", "max_rel", "worst": leaf, "tolerance_used"}`,
@@ -35,10 +35,12 @@ RTOL, ATOL = 1e-4, 1e-5  # What the exactness tests ask of every layout.
 
 
 def _train(args: argparse.Namespace, out: pathlib.Path, *extra: str) -> list[str]:
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "keys.yaml").write_text(f"seed: 5\nsave-params: {out / 'params.npz'}\n")  # No flags.
   return [sys.executable, "-m", "hetjax.cli", "train", "--model", args.model, "--dataset",
           "digits", "--optimizer", "sgd", "--lr", "0.05", "--global-batch", "48",
-          "--microbatch", "4", "--steps", str(args.steps), "--seed", "5", "--log-every", "0",
-          "--out", str(out), "--save-params", str(out / "params.npz"), *extra]
+          "--microbatch", "4", "--steps", str(args.steps), "--log-every", "0",
+          "--config", str(out / "keys.yaml"), "--out", str(out), *extra]
 
 
 def _run(command: list[str], env: dict[str, str]) -> None:

@@ -21,8 +21,10 @@ Run it:
 
 or from the command line (evaluation, checkpoints and the report included):
 
-  .venv/bin/hetjax train --model examples.flax_models:nnx_task --dataset digits --dropout 0.1 --steps 30
-  .venv/bin/hetjax train --model examples.flax_models:linen_task --dataset digits --model-width 16
+  .venv/bin/hetjax train --model examples.flax_models:nnx_task --dataset digits --steps 30
+  .venv/bin/hetjax train --model examples.flax_models:linen_task --dataset digits
+
+(a config file's `model-width: 16` and `dropout: 0.1` reach the factories' keywords).
 """
 import argparse
 
@@ -76,13 +78,13 @@ class LinenNet(nn.Module):
 
 
 def nnx_task(num_classes: int = 10, width: int = 8, dropout: float = 0.2) -> hetjax.Task:
-  """`--model examples.flax_models:nnx_task` (width: --model-width, dropout: --dropout)."""
+  """`--model examples.flax_models:nnx_task` (width, dropout: the config keys model-width, dropout)."""
   return hetjax.from_nnx(NnxNet(num_classes, width, dropout, rngs=nnx.Rngs(params=0, dropout=1)),
                          classification, mask_arg="mask")
 
 
 def linen_task(num_classes: int = 10, width: int = 8, dropout: float = 0.2) -> hetjax.Task:
-  """`--model examples.flax_models:linen_task` (width: --model-width, dropout: --dropout)."""
+  """`--model examples.flax_models:linen_task` (width, dropout: the config keys model-width, dropout)."""
   return hetjax.from_linen(LinenNet(num_classes, width, dropout), classification,
                            mask_arg="mask")
 

@@ -59,7 +59,7 @@ def emulated_from_env() -> bool:
   return any(k in os.environ for k in Env.EMULATION)
 
 
-REDUCTIONS = ("device", "host")
+REDUCTIONS = ("auto", "device", "host")
 BALANCERS = ("equal", "static", "dynamic")
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -82,7 +82,10 @@ class TrainConfig:
     seed: seeds the parameters and the data order.
     assignment: 'equal' (in blocks) or explicit per-host shares in samples
       whose boundaries fall on blocks, e.g. (4, 24, 36) with microbatch 4.
-    reduction: cross-host reduction backend, 'device' or 'host'.
+    reduction: the cross-host reduction backend: 'auto' (default: what the platform can
+      do, `hetjax.mesh.choose_reduction`: 'device' unless two processes drive one GPU),
+      'device' (one fused program over every device: NCCL on GPUs, gloo on CPUs) or
+      'host' (the sums meet on the hosts' CPUs, over gloo).
     balancer: None (follow `assignment`), 'equal', 'static' (profile a short
       warm-up, then fix the split) or 'dynamic' (keep re-sizing shares from
       the measured step times).
@@ -133,7 +136,7 @@ class TrainConfig:
   microbatch: int = 16
   seed: int = 0
   assignment: str | tuple[int, ...] = "equal"
-  reduction: str = "device"
+  reduction: str = "auto"
   balancer: str | None = None
   augment: str = "none"
   check_every: int = 100
@@ -339,7 +342,8 @@ class RoundsConfig:
   `hetjax.Elastic` hold; the command line's `--mode` flags build one).
 
   Args:
-    mode: 'hybrid' or 'elastic'.
+    mode: 'hybrid' or 'elastic', one cross-host reduction per round (`mode` on the command
+      line also takes 'sync', the default: one per step, no RoundsConfig).
     round_steps: H, local steps of the fastest host per round; host i runs
       `tau_i = max(1, round(H * v_i / v_max))` with v its measured local
       steps per second.
@@ -354,7 +358,8 @@ class RoundsConfig:
       the way to the centre each round.
 
   Example:
-    >>> rounds = hetjax.RoundsConfig(mode="hybrid", local_steps=(4, 2, 1))
+    >>> from hetjax.config import RoundsConfig
+    >>> rounds = RoundsConfig(mode="hybrid", local_steps=(4, 2, 1))
     >>> rounds.validate(num_hosts=3, global_batch=48)
     >>> rounds.local_batch_for(48, 3)
     16

@@ -185,3 +185,35 @@ def gather_host_values(values: np.ndarray, meshes: Meshes) -> np.ndarray:
   with watchdog.waiting():  # The watchdog names first the hosts that are not waiting here.
     rows = np.asarray(_all_gather(mesh)(_rows_on(values, mesh)))
   return rows[_first_rows(mesh)]
+
+
+def choose_reduction(reduction: str) -> str:
+  """The reduction backend: `reduction`, or for 'auto' what the platform can do, alike on
+  every host.
+
+  'device' (one fused program over every device) wherever the world's devices can
+  share a collective: CPU hosts (gloo either way) and accelerators that are one rank each
+  (NCCL). Two processes that drive one GPU are two ranks NCCL cannot place, so then
+  'host' (gloo over the hosts' CPUs); each host's machine and device numbers travel
+  over the CPUs first, so every host decides from the same rows.
+  """
+  if reduction != "auto":
+    return reduction
+  if jax.process_count() == 1 or all(d.platform == "cpu" for d in jax.devices()):
+    return "device"
+  import socket
+
+  from hetjax.config import fingerprint
+  mask = sum(1 << (d.local_hardware_id if d.local_hardware_id is not None else d.id) % 64
+             for d in jax.local_devices())
+  chunks = np.frombuffer(np.uint64(mask).tobytes(), np.uint16).astype(np.float32)
+  mine = np.concatenate([fingerprint(socket.gethostname()), chunks])
+  return "host" if shares_a_device(gather_host_values(mine, Meshes.create("host"))) else "device"
+
+
+def shares_a_device(rows: np.ndarray) -> bool:
+  """Whether two hosts' rows (machine fingerprint [4], device bit mask [4 x 16 bits]) name
+  one device of one machine."""
+  machines, masks = rows[:, :4], rows[:, 4:8].astype(np.uint16)
+  return any(np.array_equal(machines[i], machines[j]) and np.any(masks[i] & masks[j])
+             for i in range(len(rows)) for j in range(i))

@@ -10,6 +10,7 @@ strategy behind a small protocol (`hetjax.modes.base.Mode`): `hetjax.Sync`
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -87,6 +88,8 @@ class Trainer:
         raise ValueError("`balancer` and `data_workers` are the sync mode's settings: give them "
                          "as mode=hetjax.Sync(balancer=..., data_workers=...).")
       self.mode = Sync(balancer, data_workers) if mode is None else mode
+      # 'auto' becomes what the platform can do, so the modes see 'device' or 'host'.
+      config = dataclasses.replace(config, reduction=mesh_lib.choose_reduction(config.reduction))
       self.task, self.optimizer, self.source, self.config = task, optimizer, source, config
       self.meshes = mesh_lib.Meshes.create(config.reduction)
       self.host_id, self.num_hosts = self.meshes.host_id, self.meshes.num_hosts

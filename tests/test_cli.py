@@ -1,6 +1,9 @@
 """`hetjax train`: every bad input is refused with a clear error before anything compiles."""
 
+import re
+
 import jax
+import numpy as np
 import pytest
 
 from hetjax import cli
@@ -74,8 +77,9 @@ def test_a_host_that_cannot_reach_the_coordinator_exits_naming_it():
   import os
   import subprocess
   import sys
-  env = dict(os.environ, HETJAX_COORDINATOR="127.0.0.1:9", HETJAX_NUM_HOSTS="2", HETJAX_HOST_ID="1")
-  run = subprocess.run([*module_command("hetjax.cli"), *BASE, "--init-timeout", "1"],
+  env = dict(os.environ, HETJAX_COORDINATOR="127.0.0.1:9", HETJAX_NUM_HOSTS="2", HETJAX_HOST_ID="1",
+             HETJAX_INIT_TIMEOUT="1")
+  run = subprocess.run([*module_command("hetjax.cli"), *BASE],
                        env=env, capture_output=True, text=True, timeout=120)
   assert run.returncode == 2
   assert "Could not reach the hetjax coordinator at 127.0.0.1:9 within 1 s" in run.stderr
@@ -217,3 +221,76 @@ def test_decay_all_is_a_config_file_key_and_part_of_the_checkpoint_identity(tmp_
   # A checkpoint written before the mask (every leaf decayed) resumes only under --decay-all.
   assert commands._optimizer_identity(everything) == "adamw|0.001|constant|0|None|None"
   assert commands._optimizer_identity(kernels) != commands._optimizer_identity(everything)
+
+
+def test_train_help_lists_at_most_40_flags_the_newcomers_first(capsys):
+  with pytest.raises(SystemExit):
+    cli.main(["train", "--help"])
+  text = capsys.readouterr().out
+  listed = re.findall(r"^  (?:-h, )?(--[a-z-]+)", text, re.M)
+  assert len(listed) <= 40, listed
+  first = text.split("start here:\n", 1)[1].split("\n\n", 1)[0]
+  for flag in ("--config", "--model", "--dataset", "--global-batch", "--microbatch", "--steps",
+               "--optimizer", "--lr", "--balancer", "--mode", "--out"):
+    assert f"  {flag} " in first, flag
+  for key in ("--reduction", "--update-layout", "--device-memory", "--device-batch-memory-fraction"):
+    assert key not in text  # The platform decides; an expert overrides in a config file.
+
+
+def test_a_config_key_typed_as_a_flag_names_the_config_file(capsys):
+  with pytest.raises(SystemExit) as stop:
+    cli.main(BASE + ["--reduction", "host"])
+  assert stop.value.code == 2
+  assert "reduction is a config-file key, not a flag" in capsys.readouterr().err
+
+
+def test_every_field_is_a_config_key_and_reaches_its_config(tmp_path):
+  from hetjax.cli import commands, flags
+  from hetjax import config
+  path = tmp_path / "run.yaml"
+  path.write_text("reduction: host\nupdate-layout: whole\ndevice-memory: 4\nseed: 3\n"
+                  "shard-within-host: on\ncheckpoints:\n  ckpt-dir: ck\n  ckpt-keep: 5\n"
+                  "  async-save: false\n")
+  args = cli.parse_args(BASE + ["--config", str(path), "--microbatch", "8"])
+  train = commands._train_config(args)
+  assert (train.reduction, train.update_layout, train.device_memory, train.seed,
+          train.shard_within_host, train.microbatch) == ("host", "whole", 4.0, 3, "on", 8)
+  ckpt = commands._checkpoint_config(args)
+  assert (ckpt.directory, ckpt.keep, ckpt.async_save) == ("ck", 5, False)
+  import dataclasses
+  for cls in (config.TrainConfig, config.CheckpointConfig, config.RoundsConfig, flags.JobConfig):
+    for field in dataclasses.fields(cls):
+      assert flags.BY_NAME[field.name].help, field.name  # From the class's docstring.
+  assert flags.as_flags("`ckpt_dir` and `update_layout`") == "--ckpt-dir and `update-layout`"
+
+
+def test_the_token_flags_reach_the_data_loader():
+  from hetjax.cli import commands
+  args = cli.parse_args(["train", "--model", "transformer", "--dataset", "tokens",
+                         "--seq-len", "12", "--vocab-size", "40"])
+  source, _ = commands._load_data(args)
+  assert source[np.arange(2)]["x"].shape == (2, 12) and source.info.vocab_size == 40
+
+
+def test_auto_reduction_is_the_device_backend_unless_two_processes_share_a_gpu():
+  from hetjax import mesh
+  from hetjax.config import TrainConfig
+  assert TrainConfig(global_batch=8).reduction == "auto"
+  assert mesh.choose_reduction("auto") == "device"  # One process (and CPUs: gloo either way).
+  assert mesh.choose_reduction("host") == "host"
+  machine_a, machine_b = [1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]
+  gpu = lambda *ids: [float(sum(1 << i for i in ids if i // 16 == c) >> 16 * c) for c in range(4)]
+  apart = np.array([machine_a + gpu(0), machine_a + gpu(1), machine_b + gpu(0)], np.float32)
+  assert not mesh.shares_a_device(apart)  # GPU 0 of two machines: two devices.
+  shared = np.array([machine_a + gpu(0, 1), machine_b + gpu(0), machine_a + gpu(1)], np.float32)
+  assert mesh.shares_a_device(shared)
+
+
+def test_docs_cli_names_every_flag_and_every_config_only_key():
+  import pathlib
+  from hetjax.cli import flags
+  page = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
+  missing = [f.flag for f in flags.FIELDS if f.group and f"`{f.flag}" not in page]
+  missing += [f.key for f in flags.FIELDS if not f.group and f"`{f.key}:" not in page
+              and f"{f.key}: " not in page]
+  assert not missing, f"docs/cli.md does not name {missing}"

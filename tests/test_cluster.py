@@ -97,7 +97,8 @@ def test_the_demo_command_writes_the_summary_contract(tmp_path):
          "--speeds", "1,0.5,0.25", "--device-sample-ms", "0.5", "--slowdown", "0:3@8", "--",
          *module_command("hetjax.cli"), "train", "--model", "mlp", "--dataset", "digits",
          "--global-batch", "48", "--steps", "10", "--balancer", "dynamic", "--microbatch", "4",
-         "--out", str(out), "--save-params", str(tmp_path / "p.npz")]
+         "--out", str(out), "--config", str(tmp_path / "run.yaml")]
+  (tmp_path / "run.yaml").write_text(f"save-params: {tmp_path / 'p.npz'}\n")  # A config key.
   run = subprocess.run(cmd, timeout=300, capture_output=True, text=True)
   assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
   summary = json.loads((out / "summary.json").read_text())

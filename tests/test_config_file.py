@@ -21,9 +21,11 @@ def test_a_file_plus_two_flags_resolves_like_the_equivalent_flags(tmp_path):
                   "modes:\n  mode: sync\ncheckpoints:\n  ckpt-dir: ck\n  ckpt-every: 5\n"
                   "  resume: false\n")
   from_file = _resolved(["train", "--config", str(path), "--lr", "0.01", "--ckpt-every", "7"])
+  no_resume = tmp_path / "no-resume.yaml"  # `resume` is a config key without a flag.
+  no_resume.write_text("checkpoints:\n  no-resume: true\n")  # The former flag's name reads too.
   from_flags = _resolved(["train", "--model", "mlp", "--global-batch", "96", "--assignment",
                           "32,64", "--lr", "0.01", "--ckpt-dir", "ck", "--ckpt-every", "7",
-                          "--no-resume"])
+                          "--config", str(no_resume)])
   assert from_file == from_flags
   assert from_file["lr"] == 0.01 and from_file["checkpoints"]["ckpt-every"] == 7
   assert from_file["checkpoints"]["resume"] is False
@@ -46,7 +48,7 @@ def test_print_config_prints_the_resolved_yaml_and_exits(tmp_path, capsys):
 @pytest.mark.parametrize("text, message", [
     ("global-bach: 64\n", "unknown key 'global-bach' (did you mean 'global-batch'?)"),
     ("global-batch: many\n", "global-batch must be an int, got 'many'"),
-    ("reduction: mpi\n", "reduction 'mpi' is not one of device, host"),
+    ("reduction: mpi\n", "reduction 'mpi' is not one of auto, device, host"),
     ("checkpoints:\n  resume: maybe\n", "resume must be true or false"),
     ("global-batch: 0\n", "--global-batch must be >= 1, got 0"),
     ("- a list\n", "must hold a mapping of flag names to values"),

@@ -44,6 +44,13 @@ def _script_params(steps: int) -> list[np.ndarray]:
   return params
 
 
+def _save_to(path: pathlib.Path) -> str:
+  """A config file whose `save-params` (a key without a flag) is `path`."""
+  config = path.with_suffix(".yaml")
+  config.write_text(f"save-params: {path}\n")
+  return str(config)
+
+
 def _saved(path) -> list[np.ndarray]:
   saved = np.load(path)
   return [saved[k] for k in saved]  # In tree order, as jax.tree.leaves gives them.
@@ -62,13 +69,13 @@ def test_cli_custom_model_on_one_and_three_uneven_hosts_matches_the_script(tmp_p
       [sys.executable, str(ROOT / "launch" / "local.py"), "--hosts", "3", "--speeds",
        "1,0.5,0.25", "--", *module_command("hetjax.cli"), "train", *FLAGS,
        "--assignment", "8,24,32", "--out", str(tmp_path / "three"),
-       "--save-params", str(tmp_path / "three.npz")],
+       "--config", _save_to(tmp_path / "three.npz")],
       cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   try:
     want = _script_params(6)
     one = tmp_path / "one"
-    assert cli.main(["train", *FLAGS, "--out", str(one), "--save-params",
-                     str(tmp_path / "one.npz")]) == 0
+    assert cli.main(["train", *FLAGS, "--out", str(one), "--config",
+                     _save_to(tmp_path / "one.npz")]) == 0
     _assert_same(_saved(tmp_path / "one.npz"), want)
     # The written config.yaml runs the same job again.
     assert cli.main(["train", "--config", str(one / "config.yaml"),
@@ -88,8 +95,8 @@ def test_cli_custom_model_on_one_and_three_uneven_hosts_matches_the_script(tmp_p
 @pytest.mark.parametrize("flags, message", [
     (["--model", "examples.custom_model:nothing"], "module 'examples.custom_model' has no 'nothing'"),
     (["--model", "no_such_pkg.mod:task"], "cannot import module 'no_such_pkg.mod'"),
-    (["--model", "examples.custom_model:task", "--model-width", "8"],
-     "--model-width was given but --model examples.custom_model:task takes no 'width'"),
+    (["--model", "examples.custom_model:task", "--config", "tests/data/model_width_8.yaml"],
+     "`model-width` was given but --model examples.custom_model:task takes no 'width'"),
     (["--dataset", "examples.custom_model:nope"], "has no 'nope'"),
 ])
 def test_a_bad_factory_fails_before_jax_starts(capsys, flags, message):

@@ -200,6 +200,13 @@ def test_uint8_pixels_are_scaled_on_the_device_exactly_as_floats_would_be():
 # ---- End to end ------------------------------------------------------------------
 
 
+def _file(folder, text: str) -> str:
+  """A config file holding `text` (settings without a flag), for --config."""
+  path = folder / "run.yaml"
+  path.write_text(text + "\n")
+  return str(path)
+
+
 def test_three_uneven_hosts_train_a_jpeg_dataset_from_tfds_to_95_percent(jpeg_digits, tmp_path):
   """Reads in threads: a worker process per host cost ~9 CPU-s for the same parameters
   (same digest); the worker processes have their own tests above."""
@@ -207,7 +214,7 @@ def test_three_uneven_hosts_train_a_jpeg_dataset_from_tfds_to_95_percent(jpeg_di
   run = subprocess.run(
       [sys.executable, os.path.join(ROOT, "launch", "local.py"), "--hosts", "3", "--",
        *module_command("hetjax.cli"), "train", "--model", "cnn", "--dataset", "tfds:jpeg_digits",
-       "--data-dir", jpeg_digits, "--image-size", str(SIZE), "--data-workers", "0", "--steps", "80",
+       "--data-dir", jpeg_digits, "--image-size", str(SIZE), "--config", _file(tmp_path, "data-workers: 0"), "--steps", "80",
        "--global-batch", "64", "--microbatch", "8", "--assignment", "40,16,8", "--log-every", "0", "--out", str(out)],
       capture_output=True, text=True, timeout=600)
   assert run.returncode == 0, run.stderr[-3000:]
@@ -218,11 +225,12 @@ def test_three_uneven_hosts_train_a_jpeg_dataset_from_tfds_to_95_percent(jpeg_di
 
 @pytest.mark.parametrize("extra, message", [
     (["--image-size", "16"], "--image-size applies to TFDS image datasets .*'digits'"),
-    (["--data-workers", "-1"], "--data-workers must be >= 0 \\(0 reads in threads\\), got -1"),
+    (["--config", "data-workers: -1"], "`data-workers` must be >= 0 \\(0 reads in threads\\), got -1"),
 ])
-def test_image_flags_are_checked_before_jax_starts(capsys, extra, message):
+def test_image_flags_are_checked_before_jax_starts(capsys, tmp_path, extra, message):
   from hetjax import cli
 
+  extra = ["--config", _file(tmp_path, extra[1])] if extra[0] == "--config" else extra
   argv = ["train", "--model", "cnn", "--dataset", "digits", "--steps", "1", "--out", "unused", *extra]
   assert cli.main(argv) == 2
   assert re.search(message, capsys.readouterr().err)

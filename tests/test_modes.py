@@ -8,7 +8,7 @@ import pytest
 
 import _modes_entries  # noqa: F401  (importable by the hosts)
 from hetjax.observe import report
-from hetjax.cli import mode_flags as options
+from hetjax.cli import flags
 from hetjax.modes import rounds
 from hetjax.testing import run_hosts
 
@@ -112,7 +112,7 @@ def _args(**kw):
   p.add_argument("--global-batch", type=int, default=48)
   p.add_argument("--balancer", default=None)
   p.add_argument("--assignment", default="equal")
-  options.add_arguments(p)
+  flags.add_mode_arguments(p)
   argv = []
   for k, v in kw.items():
     argv += [f"--{k.replace('_', '-')}", str(v)]
@@ -136,15 +136,15 @@ def _args(**kw):
 ])
 def test_bad_mode_flags_are_refused_before_anything_starts(kw, message):
   with pytest.raises(ValueError) as e:
-    options.from_args(_args(**kw), num_hosts=3)
+    flags.rounds_config(_args(**kw), num_hosts=3)
   assert message in str(e.value)
 
 
 def test_mode_flags_make_the_config():
-  config = options.from_args(_args(mode="hybrid", local_steps="4,2,1", outer_lr=0.5), num_hosts=3)
+  config = flags.rounds_config(_args(mode="hybrid", local_steps="4,2,1", outer_lr=0.5), num_hosts=3)
   assert config.local_steps == (4, 2, 1) and config.outer_lr == 0.5
   assert config.outer_optimizer == "nesterov" and config.local_batch_for(48, 3) == 16
-  assert options.from_args(_args(mode="sync"), num_hosts=3) is None
+  assert flags.rounds_config(_args(mode="sync"), num_hosts=3) is None
 
 
 def test_spread_is_each_hosts_distance_to_the_hosts_mean_in_both_modes():

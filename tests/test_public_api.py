@@ -57,7 +57,7 @@ def test_the_launcher_balancer_simulator_and_configs_load_without_jax():
   modules = ["hetjax.config", "hetjax.balancer", "hetjax.blocks", "hetjax.sim",
              "hetjax.sim.rounds", "hetjax.cluster.procs", "hetjax.cluster.hostgroup",
              "hetjax.cluster.hostenv", "hetjax.cluster.launcher_cli", "hetjax.cluster.emulate",
-             "hetjax.cluster.signals", "hetjax.cluster.hostguard", "hetjax.cli.mode_flags",
+             "hetjax.cluster.signals", "hetjax.cluster.hostguard", "hetjax.cli.flags",
              "hetjax.observe.report", "hetjax.observe.progress", "hetjax.testing"]
   code = "".join(f"import {m}\n" for m in modules) + (
       "import runpy, sys\n"
@@ -81,16 +81,13 @@ def test_the_cli_rejects_bad_arguments_before_jax_loads():
 # README, docs/ and this list together.
 CLI_FLAGS = {
     "train": [
-        "--assignment", "--augment", "--balancer", "--ckpt-dir", "--ckpt-every", "--ckpt-keep",
-        "--clip-norm", "--config", "--data-dir", "--data-workers", "--dataset", "--decay-all",
-        "--device-batch", "--device-batch-memory-fraction", "--device-memory", "--dropout",
-        "--elastic-beta", "--eval-every", "--global-batch", "--image-size", "--init-timeout",
-        "--local-batch", "--local-steps", "--log-every", "--lr", "--microbatch", "--mode",
-        "--model", "--model-width", "--no-resume", "--optimizer", "--out", "--outer-lr",
-        "--outer-momentum", "--outer-optimizer", "--precision", "--print-config", "--reduction",
-        "--round-steps", "--save-params", "--schedule", "--seed", "--shard-within-host", "--steps",
-        "--sync-save",
-        "--update-layout", "--wandb", "--warmup-steps", "--watchdog", "--weight-decay",
+        "--assignment", "--augment", "--balancer", "--ckpt-dir", "--ckpt-every", "--clip-norm",
+        "--config", "--data-dir", "--dataset", "--decay-all", "--device-batch", "--elastic-beta",
+        "--eval-every", "--global-batch", "--image-size", "--local-batch", "--local-steps",
+        "--log-every", "--lr", "--microbatch", "--mode", "--model", "--optimizer", "--out",
+        "--outer-lr", "--outer-momentum", "--outer-optimizer", "--precision", "--print-config",
+        "--round-steps", "--schedule", "--seq-len", "--steps", "--token-dtype", "--vocab-size",
+        "--wandb", "--warmup-steps", "--watchdog", "--weight-decay",
     ],
     "report": [],
     "doctor": [

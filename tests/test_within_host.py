@@ -89,7 +89,8 @@ def test_the_rounds_modes_refuse_sharding_within_a_host_before_compiling(value):
   RoundsConfig(mode="elastic").check_split(None, "equal", "off")  # The default passes.
 
 
-def test_the_command_line_refuses_it_for_a_rounds_mode(capsys):
+def test_the_command_line_refuses_it_for_a_rounds_mode(capsys, tmp_path):
   from hetjax import cli
-  assert cli.main(["train", "--mode", "hybrid", "--shard-within-host", "on"]) == 2
-  assert "--shard-within-host 'on' applies to the sync mode only" in capsys.readouterr().err
+  (tmp_path / "run.yaml").write_text("shard-within-host: on\n")  # A config-file key.
+  assert cli.main(["train", "--mode", "hybrid", "--config", str(tmp_path / "run.yaml")]) == 2
+  assert "`shard-within-host` 'on' applies to the sync mode only" in capsys.readouterr().err

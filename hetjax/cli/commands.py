@@ -18,7 +18,6 @@ from hetjax.config import Env
 from hetjax import config as config_lib  # No JAX: the configs and their checks.
 from hetjax import optimizers  # Imports nothing heavy at module level.
 from hetjax.cli import flags
-from hetjax.cli import mode_flags
 from hetjax.config import check_at_least
 
 
@@ -44,7 +43,7 @@ def _check_flags(args: argparse.Namespace) -> None:
       raise ValueError(f"--image-size decodes TFDS images; --dataset {args.dataset} gives its "
                        "own records, so drop --image-size.")
   else:
-    data.check_dataset_name(args.dataset, args.data_dir)
+    data.check_dataset_name(args.dataset, args.data_dir, **_tokens(args))
     data.check_image_size(args.dataset, args.image_size)
   if args.image_size is not None:
     from hetjax.input import images
@@ -53,7 +52,7 @@ def _check_flags(args: argparse.Namespace) -> None:
     from hetjax.observe import tracking
     tracking.check_installed()
   if args.data_workers is not None and args.data_workers < 0:
-    raise ValueError(f"--data-workers must be >= 0 (0 reads in threads), got {args.data_workers}.")
+    raise ValueError(f"`data_workers` must be >= 0 (0 reads in threads), got {args.data_workers}.")
   optimizers.check(args.optimizer, args.lr, schedule=args.schedule, warmup_steps=args.warmup_steps,
                    total_steps=args.steps, clip_norm=args.clip_norm,
                    weight_decay=args.weight_decay, decay_all=args.decay_all)
@@ -66,18 +65,23 @@ def _check_flags(args: argparse.Namespace) -> None:
   _train_config(args).validate(hosts or 1)
   if args.ckpt_dir is not None:
     _checkpoint_config(args).validate()
-  mode_flags.from_args(args, hosts)
+  flags.rounds_config(args, hosts)
   if args.dropout is not None:
     if not 0 <= args.dropout < 1:
-      raise ValueError(f"--dropout must be in [0, 1), got {args.dropout}.")
+      raise ValueError(f"`dropout` must be in [0, 1), got {args.dropout}.")
     if not user_code.is_factory(args.model) and "dropout" not in zoo.OPTIONS[args.model]:
       has = zoo.catalog.with_option("dropout")
-      raise ValueError(f"model {args.model!r} has no dropout; --dropout applies to "
+      raise ValueError(f"model {args.model!r} has no dropout; `dropout` applies to "
                        f"{', '.join(has)}.")
 
 
+def _tokens(args: argparse.Namespace) -> dict:
+  """--seq-len, --token-dtype and --vocab-size as `hetjax.input.data.load`'s keywords."""
+  return {"seq_len": args.seq_len, "token_dtype": args.token_dtype, "vocab_size": args.vocab_size}
+
+
 def _model_overrides(args: argparse.Namespace) -> dict:
-  """--model-width and --dropout, where given, as the model's keywords."""
+  """`model_width` and `dropout`, where given, as the model's keywords."""
   given = {"width": args.model_width, "dropout": args.dropout}
   return {k: v for k, v in given.items() if v is not None}
 
@@ -89,10 +93,12 @@ def _load_data(args: argparse.Namespace):
   if user_code.is_factory(args.dataset):
     return user_code.load_dataset(args.dataset)
   images = {"image_size": args.image_size} if args.image_size is not None else {}
-  source = data.load(args.dataset, "train", data_dir=args.data_dir, augment=args.augment, **images)
+  source = data.load(args.dataset, "train", data_dir=args.data_dir, augment=args.augment,
+                     **images, **_tokens(args))
   test_source, test_split = None, data.evaluation_split(args.dataset, args.data_dir)
   if source.info.kind == "image" and test_split is not None:
-    test_source = data.load(args.dataset, test_split, data_dir=args.data_dir, **images)
+    test_source = data.load(args.dataset, test_split, data_dir=args.data_dir, **images,
+                            **_tokens(args))
   return source, test_source
 
 
@@ -106,21 +112,14 @@ def _build_task(args: argparse.Namespace, info):
 
 
 def _checkpoint_config(args: argparse.Namespace) -> config_lib.CheckpointConfig:
-  return config_lib.CheckpointConfig(args.ckpt_dir, every=args.ckpt_every, keep=args.ckpt_keep,
-                                     resume=args.resume, async_save=args.async_save)
+  return flags.config_of(config_lib.CheckpointConfig, args)
 
 
 def _train_config(args: argparse.Namespace) -> config_lib.TrainConfig:
   from hetjax import balancer
-  assignment = balancer.parse_assignment(args.assignment)
-  return config_lib.TrainConfig(
-      global_batch=args.global_batch, microbatch=args.microbatch, seed=args.seed,
-      assignment=assignment, reduction=args.reduction, balancer=args.balancer,
-      precision=args.precision, watchdog_s=args.watchdog,
+  return flags.config_of(
+      config_lib.TrainConfig, args, assignment=balancer.parse_assignment(args.assignment),
       device_batch=config_lib.parse_device_batch(args.device_batch),
-      device_batch_memory_fraction=args.device_batch_memory_fraction,
-      update_layout=args.update_layout,
-      shard_within_host=args.shard_within_host, device_memory=args.device_memory,
       augment="none" if args.image_size is not None else args.augment)  # Else the recipe's.
 
 
@@ -175,7 +174,7 @@ def train(args: argparse.Namespace) -> dict:
   identity += f"|{args.image_size}|{args.augment}" if images else ""
   ckpt = None if args.ckpt_dir is None else _checkpoint_config(args)
   # --mode hybrid / elastic: --steps counts rounds, --optimizer is the inner one.
-  rounds = mode_flags.from_args(args, topo.num_hosts)
+  rounds = flags.rounds_config(args, topo.num_hosts)
   workers = args.data_workers if args.data_workers is not None else (
       loader.default_workers() if images else 0)
   mode = modes.Sync(data_workers=workers) if rounds is None else modes.from_config(rounds)
@@ -257,18 +256,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     from hetjax.cli import config_file
     train_parser = flags.train_parser(parser)
     try:
-      from_file = config_file.to_argv(args.config, train_parser)
+      train_parser.set_defaults(**config_file.read(args.config))
     except ValueError as e:
       train_parser.error(str(e))
-    at = argv.index("train") + 1
-    args = parser.parse_args(argv[:at] + from_file + argv[at:])
+    args = parser.parse_args(argv)  # The file's values as defaults: the flags override them.
   return args
 
 
 def resolved_config(args: argparse.Namespace) -> dict:
-  """Every `hetjax train` flag's value, as OUT/config.yaml holds it."""
+  """Every `hetjax train` setting's value, as OUT/config.yaml holds it."""
   from hetjax.cli import config_file
-  return config_file.resolved(args, flags.train_parser(flags.parser()))
+  return config_file.resolved(args)
 
 
 def _write_config(args: argparse.Namespace) -> None:

@@ -1,25 +1,23 @@
-"""`hetjax train --config run.yaml`: a run's flags as a YAML file, and back.
+"""`hetjax train --config run.yaml`: a run's settings as a YAML file, and back.
 
-A config file holds the long flag names of `hetjax train` as keys, at the
-top level or inside the sections that group them on `--help` (`modes:`,
-`checkpoints:`), e.g.
+A config file holds `hetjax train`'s keys (`hetjax.cli.flags.FIELDS`: the
+long flag names, and the expert's keys that have no flag) at the top level
+or inside the sections that group them (`modes:`, `checkpoints:`), e.g.
 
   model: cnn
   global-batch: 96
   assignment: [16, 32, 48]     # a list is the flag's comma-separated value
+  reduction: host              # no flag: the platform decides unless a file says
   checkpoints:
     ckpt-dir: runs/cnn/ckpt
     ckpt-every: 50
 
-Every key has one place: a flag grouped under a section on `--help` is
-written in that section, every other flag at the top level; a key in
-another place, or given twice, is refused, naming both places (YAML itself
-would keep the last of two silently). The file becomes flags placed before
-the command line's own, so flags given on the command line override it, and
-every value meets the very checks (and error wordings) its flag meets,
-before JAX starts. Every run writes its resolved configuration as
-OUT/config.yaml, which `--config` reads back to run the same job again. No
-JAX here: a bad file fails in a second.
+Every key has one place; a key in another place, or given twice, is refused,
+naming both places (YAML itself would keep the last of two silently). The
+file's values become the defaults of the command line's flags, so flags
+override it, and every value meets the checks (and error wordings) its flag
+meets, before JAX starts. Every run writes its resolved configuration as
+OUT/config.yaml, which `--config` reads back to run the same job again.
 """
 
 from __future__ import annotations
@@ -30,38 +28,12 @@ from typing import Any, NamedTuple
 
 import yaml
 
+from hetjax.cli import flags
+
 CONFIG_FILE = "config.yaml"
-# --help group title prefix -> section name in a config file
-SECTIONS = {"modes": "modes", "checkpoints": "checkpoints"}
-_NOT_IN_FILE = ("help", "config", "print_config")  # Flags about the file, not the run.
-
-
-def _actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
-  """Key name (the long flag without '--') -> its action, for the run's flags."""
-  out = {}
-  for action in parser._actions:  # pylint: disable=protected-access
-    longs = [o for o in action.option_strings if o.startswith("--")]
-    if longs and action.dest not in _NOT_IN_FILE:
-      out[longs[0][2:]] = action
-  return out
-
-
-def _section_of(parser: argparse.ArgumentParser) -> dict[str, str]:
-  """Key name -> the section it is written under (absent: top level)."""
-  out = {}
-  for group in parser._action_groups:  # pylint: disable=protected-access
-    section = next((s for prefix, s in SECTIONS.items()
-                    if (group.title or "").startswith(prefix)), None)
-    if section:
-      for action in group._group_actions:  # pylint: disable=protected-access
-        longs = [o for o in action.option_strings if o.startswith("--")]
-        if longs:
-          out[longs[0][2:]] = section
-  return out
-
-
-def _is_switch(action: argparse.Action) -> bool:
-  return isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))  # pylint: disable=protected-access
+SECTIONS = ("modes", "checkpoints")
+# A switch's former flag name as a key (`no-resume: true`): its key, negated.
+_NEGATED = {"no-resume": "resume", "sync-save": "async-save"}
 
 
 class _Entry(NamedTuple):
@@ -105,7 +77,7 @@ def _entries(path: str, text: str) -> list[_Entry]:
 
   for key_node, value_node in root.value:
     section = str(value(key_node))
-    if section in SECTIONS.values() and isinstance(value_node, yaml.MappingNode):
+    if section in SECTIONS and isinstance(value_node, yaml.MappingNode):
       for inner_key, inner_value in value_node.value:
         add(inner_key, inner_value, section)
     else:
@@ -113,36 +85,33 @@ def _entries(path: str, text: str) -> list[_Entry]:
   return entries
 
 
-def _token(path: str, key: str, value: Any, action: argparse.Action) -> list[str]:
-  """The flag tokens for one key; the value checked as its flag would be."""
-  flag = next(o for o in action.option_strings if o.startswith("--"))
-  if _is_switch(action):
+def _value(path: str, field: flags.Field, value: Any) -> Any:
+  """One key's value, converted and checked as its flag's would be."""
+  if field.kind is bool:
     if not isinstance(value, bool):
-      raise ValueError(f"config file {path}: {key} must be true or false, got {value!r}.")
-    # `no-resume: true` gives the flag; so does `resume: false` (the dest's name).
-    return [flag] if value else []
+      raise ValueError(f"config file {path}: {field.key} must be true or false, got {value!r}.")
+    return value
+  if isinstance(value, bool) and field.name == "shard_within_host":
+    value = "on" if value else "off"  # YAML 1.1 reads a bare on / off as a boolean.
   if isinstance(value, (dict, bool)):
-    raise ValueError(f"config file {path}: {key} must be a single value, got {value!r}.")
-  if isinstance(value, (list, tuple)):
-    value = ",".join(str(v) for v in value)
-  text = str(value)
-  if action.type is not None:
-    try:
-      converted = action.type(text)
-    except (TypeError, ValueError):
-      kind = getattr(action.type, "__name__", "value")
-      raise ValueError(f"config file {path}: {key} must be {'an' if kind == 'int' else 'a'} "
-                       f"{kind}, got {value!r} (the value of flag {flag}).") from None
-  else:
-    converted = text
-  if action.choices is not None and converted not in action.choices:
-    raise ValueError(f"config file {path}: {key} {value!r} is not one of "
-                     f"{', '.join(map(str, action.choices))}.")
-  return [f"{flag}={text}"]
+    raise ValueError(f"config file {path}: {field.key} must be a single value, got {value!r}.")
+  text = ",".join(str(v) for v in value) if isinstance(value, (list, tuple)) else str(value)
+  try:
+    converted = field.kind(text)
+  except (TypeError, ValueError):
+    kind = field.kind.__name__
+    raise ValueError(f"config file {path}: {field.key} must be {'an' if kind == 'int' else 'a'} "
+                     f"{kind}, got {value!r}" + (f" (the value of flag {field.flag})."
+                                                  if field.group else ".")) from None
+  choices = flags.CHOICES.get(field.name)
+  if choices is not None and converted not in choices:
+    raise ValueError(f"config file {path}: {field.key} {value!r} is not one of "
+                     f"{', '.join(choices)}.")
+  return converted
 
 
-def to_argv(path: str, parser: argparse.ArgumentParser) -> list[str]:
-  """The flags a config file stands for, to place before the command line's own.
+def read(path: str) -> dict[str, Any]:
+  """The settings of a config file, by their attribute on the parsed arguments.
 
   Raises:
     ValueError: an unreadable file, an unknown key (with the nearest
@@ -156,44 +125,30 @@ def to_argv(path: str, parser: argparse.ArgumentParser) -> list[str]:
     raise ValueError(f"cannot read config file {path}: {e.strerror or e}.") from None
   except yaml.YAMLError as e:
     raise ValueError(f"config file {path} is not valid YAML: {e}") from None
-  actions, sections = _actions(parser), _section_of(parser)
-  by_dest = {a.dest.replace("_", "-"): (k, a) for k, a in actions.items() if _is_switch(a)}
-  argv: list[str] = []
+  values: dict[str, Any] = {}
   for key, value, section, line in entries:
-    name, action = by_dest[key] if key not in actions and key in by_dest else (key, None)
-    if name not in actions:
-      near = difflib.get_close_matches(key, list(actions) + list(by_dest), n=1)
+    field = flags.BY_KEY.get(_NEGATED.get(key, key))
+    if field is None:
+      near = difflib.get_close_matches(key, list(flags.BY_KEY), n=1)
       raise ValueError(f"config file {path}: unknown key {key!r}"
                        + (f" (did you mean {near[0]!r}?)" if near else "")
-                       + "; keys are the long flag names of `hetjax train --help`.")
-    if sections.get(name) != section:
+                       + "; keys are the long flag names of `hetjax train --help`, and the keys "
+                       "without a flag in docs/cli.md.")
+    if field.section != section:
       raise ValueError(f"config file {path}, line {line}: `{key}` belongs "
-                       f"{_where(sections.get(name))}, found {_where(section)}.")
-    if value is None:
-      continue  # null: the flag's default.
-    if action is not None:  # `resume: false` for --no-resume.
-      if not isinstance(value, bool):
-        raise ValueError(f"config file {path}: {key} must be true or false, got {value!r}.")
-      argv += _token(path, name, not value if isinstance(action, argparse._StoreFalseAction)  # pylint: disable=protected-access
-                     else value, action)
-      continue
-    argv += _token(path, key, value, actions[key])
-  return argv
+                       f"{_where(field.section)}, found {_where(section)}.")
+    if value is not None:  # null: the default.
+      value = _value(path, field, value)
+      values[field.dest] = (not value) if key in _NEGATED else value
+  return values
 
 
-def resolved(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
-  """Every flag's final value, under the keys and sections a config file uses.
-
-  Switches are written under the dest's name (`resume: true`), which reads
-  better than `no-resume: false` and reads back the same.
-  """
-  sections = _section_of(parser)
+def resolved(args: argparse.Namespace) -> dict[str, Any]:
+  """Every setting's final value, under the keys and sections a config file uses."""
   out: dict[str, Any] = {}
-  for key, action in _actions(parser).items():
-    name = action.dest.replace("_", "-") if _is_switch(action) else key
-    value = getattr(args, action.dest, None)
-    where = out.setdefault(sections[key], {}) if key in sections else out
-    where[name] = value
+  for field in flags.FIELDS:
+    where = out.setdefault(field.section, {}) if field.section else out
+    where[field.key] = getattr(args, field.dest)
   return out
 
 

@@ -1,184 +1,199 @@
-"""The command line's flags, and config errors worded as flags.
+"""`hetjax train`'s flags and config-file keys, generated from the configs' fields.
 
-`parser()` builds every command's flags (cheap: no JAX, no model zoo);
-`as_flags` is the one place where a config's message, which names its
-dataclass fields in backticks as the Python API spells them (`global_batch`,
-`hetjax.config`), is reworded with the flags a command-line user typed
-(`--global-batch`).
+One table, `FIELDS`: every field of `TrainConfig`, `CheckpointConfig`,
+`RoundsConfig` (`hetjax.config`) and `JobConfig` (below: what the command
+sets around them) is a config-file key, its name with dashes
+(`global-batch`). The fields `GROUPS` names are also flags
+(`--global-batch`), on `--help` in that order; the others are for the
+expert, in a config file only: what the platform decides (`reduction`,
+`update-layout`), emulated limits (`device-memory`) and tuning. A field's
+help is its entry under `Args:` in its class's docstring, and `as_flags`
+words a config error's fields as a command-line user typed them, both from
+the same table. No JAX here: a bad flag fails in a second.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import difflib
+import inspect
 import re
-from typing import Iterator
+from typing import Any, Iterator, NamedTuple
 
 from hetjax import config as config_lib  # No JAX: the configs and their checks.
 from hetjax import optimizers  # Imports nothing heavy at module level.
 
-OPTIMIZERS = optimizers.OPTIMIZERS
-# Config fields whose flag is not the field's name with dashes.
-_FIELD_FLAGS = {"watchdog_s": "--watchdog", "every": "--ckpt-every", "keep": "--ckpt-keep",
-                "directory": "--ckpt-dir"}
+
+@dataclasses.dataclass(frozen=True)
+class JobConfig:
+  """What `hetjax train` sets around the library's configs: model, data, optimizer, files.
+
+  Args:
+    model: mlp, cnn, resnet18, resnet50, transformer, or package.module:factory, a function
+      returning a hetjax.Task (it gets the keywords it names among num_classes, vocab_size,
+      kind, width (`model_width`), dropout (`dropout`)).
+    dataset: digits, synthetic, synthetic_big, tokens, tokenfile:PATH (a flat file of token
+      ids), tfds:NAME (prepared in `data_dir`), or package.module:factory, a function
+      returning (train_source, eval_source or None), each with .info (hetjax.DatasetInfo).
+    data_dir: the TFDS data folder for tfds:NAME.
+    image_size: decode TFDS images (any size, JPEG/PNG) and crop/resize them to S x S on the
+      input workers; `augment` crop,flip gives the random resized crop.
+    seq_len: token datasets: tokens per record (tokenfile:PATH needs it).
+    token_dtype: tokenfile:PATH's ids: uint16 (nanoGPT's .bin) or uint32.
+    vocab_size: token datasets: the vocabulary (tokenfile: default the largest id + 1).
+    data_workers: input worker processes on this host (default: its cores minus one with
+      `image_size`, else 0; 0 reads in threads).
+    steps: how many steps (rounds, in a rounds mode) the run has in all; a resumed run does
+      what is left.
+    optimizer: the (inner) optimizer: sgd, momentum, adam or adamw.
+    lr: the peak learning rate.
+    schedule: the learning rate over optimizer updates, after the warm-up.
+    warmup_steps: updates of linear learning-rate warm-up from 0.
+    clip_norm: clip gradients to this global norm (default: no clipping).
+    weight_decay: decoupled weight decay (adam becomes adamw; default: none, adamw 1e-4) of
+      the kernels and embeddings, not of biases and normalisation scales.
+    decay_all: weight decay reaches every leaf, biases and normalisation scales too
+      (default: kernels and embeddings, by their Flax names).
+    eval_every: evaluate on the test split every N steps, spread over every host (0: only at
+      the end).
+    out: the run folder: summary.json, metrics.jsonl, config.yaml and tensorboard/ (host 0).
+    wandb: log to Weights & Biases project PROJECT from host 0: the resolved config, every
+      metrics record, the summary and the report picture (pip install 'hetjax[wandb]';
+      WANDB_MODE=offline works).
+    save_params: write the final parameters to this .npz file (host 0).
+    log_every: a progress line every N steps when not on a terminal (0: none).
+    init_timeout: seconds to reach the coordinator (default HETJAX_INIT_TIMEOUT or 120).
+    model_width: override the built-in model's width.
+    dropout: dropout rate of mlp, cnn and transformer (default 0); keyed per block, so the
+      same example gets the same mask on any split.
+  """
+
+  model: str = "cnn"
+  dataset: str = "digits"
+  data_dir: str | None = None
+  image_size: int | None = None
+  seq_len: int | None = None
+  token_dtype: str = "uint16"
+  vocab_size: int | None = None
+  data_workers: int | None = None
+  steps: int = 100
+  optimizer: str = "adam"
+  lr: float = 1e-3
+  schedule: str = "constant"
+  warmup_steps: int = 0
+  clip_norm: float | None = None
+  weight_decay: float | None = None
+  decay_all: bool = False
+  eval_every: int = 0
+  out: str = "runs/latest"
+  wandb: str | None = None
+  save_params: str | None = None
+  log_every: int = 10
+  init_timeout: float | None = None
+  model_width: int | None = None
+  dropout: float | None = None
 
 
-class Parser(argparse.ArgumentParser):
-  """argparse, with the fix for a value that starts with '-' (e.g. --assignment -8,56,48)."""
-
-  def error(self, message: str):
-    found = re.match(r"argument (\S+?)(/\S+)?: expected one argument", message)
-    if found:
-      example = "-8,56,48" if found.group(1) == "--assignment" else "VALUE"
-      message += (f"; a value that starts with '-' must be joined to its flag with '=', "
-                  f"e.g. {found.group(1)}={example}")
-    super().error(message)
-
-
-def parser() -> argparse.ArgumentParser:
-  """The whole command line: `train`, `report` and `doctor` with their flags (no JAX)."""
-  p = Parser(prog="hetjax", description="The `hetjax` command line: `hetjax train ...` runs one host's part of a job.")
-  sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
-  t = sub.add_parser("train", help="train a built-in model, or your own, on a dataset")
-  t.add_argument("--config", default=None, metavar="FILE.yaml",
-                 help="read flags from a YAML file (keys: the long flag names, e.g. "
-                      "'global-batch: 64'); flags on the command line override it; every run "
-                      "writes its resolved OUT/config.yaml, which re-runs the job")
-  t.add_argument("--print-config", action="store_true",
-                 help="print the resolved configuration as YAML and exit")
-  t.add_argument("--model", default="cnn",
-                 help="mlp, cnn, resnet18, resnet50, transformer, or package.module:factory, a "
-                      "function returning a hetjax.Task (it gets the keywords it names among "
-                      "num_classes, vocab_size, kind, width (--model-width), dropout (--dropout))")
-  t.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
-                 help="compute type; parameters and gradient sums stay float32 (fp16: loss scaling)")
-  t.add_argument("--dataset", default="digits",
-                 help="digits, synthetic, synthetic_big, tokens, tfds:NAME (prepared in "
-                      "--data-dir), or package.module:factory, a function returning "
-                      "(train_source, eval_source or None), each with .info (hetjax.DatasetInfo)")
-  t.add_argument("--data-dir", default=None, help="TFDS data folder for --dataset tfds:NAME")
-  t.add_argument("--augment", default="none", help="none, crop, flip or crop,flip (images)")
-  t.add_argument("--image-size", type=int, default=None, metavar="S",
-                 help="decode TFDS images (any size, JPEG/PNG) and crop/resize them to S x S on "
-                      "the input workers; --augment crop,flip gives the random resized crop")
-  t.add_argument("--data-workers", type=int, default=None, metavar="N",
-                 help="input worker processes on this host (default: its cores minus one with "
-                      "--image-size, else 0; 0 reads in threads)")
-  t.add_argument("--global-batch", type=int, default=64, help="samples per step over all hosts")
-  t.add_argument("--steps", type=int, default=100)
-  t.add_argument("--optimizer", default="adam", help=", ".join(OPTIMIZERS))
-  t.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
-  t.add_argument("--schedule", default="constant", choices=optimizers.SCHEDULES,
-                 help="learning rate over optimizer updates, after the warm-up")
-  t.add_argument("--warmup-steps", type=int, default=0,
-                 help="updates of linear learning-rate warm-up from 0")
-  t.add_argument("--clip-norm", type=float, default=None,
-                 help="clip gradients to this global norm (default: no clipping)")
-  t.add_argument("--weight-decay", type=float, default=None,
-                 help="decoupled weight decay (adam becomes adamw; default: none, adamw 1e-4) "
-                      "of the kernels and embeddings, not of biases and normalisation scales")
-  t.add_argument("--decay-all", action="store_true",
-                 help="weight decay reaches every leaf, biases and normalisation scales too "
-                      "(default: kernels and embeddings, by their Flax names)")
-  t.add_argument("--eval-every", type=int, default=0,
-                 help="evaluate on the test split every N steps, spread over every host "
-                 "(0: only at the end)")
-  t.add_argument("--seed", type=int, default=0)
-  t.add_argument("--assignment", default="equal",
-                 help="'equal' or one share per host summing to the global batch, each a whole "
-                      "number of --microbatch blocks, e.g. 4,24,36")
-  t.add_argument("--balancer", default=None, choices=("equal", "static", "dynamic"),
-                 help="size shares from measured step times (default: follow --assignment)")
-  t.add_argument("--microbatch", type=int, default=16,
-                 help="samples per block: the unit of the math (a BatchNorm group, a dropout "
-                      "key) and of balancing")
-  t.add_argument("--device-batch", default="1", metavar="K[,K...]|auto",
-                 help="blocks per device in a host's largest micro-batch: one per host (e.g. "
-                      "16,8,2), one for all, or 'auto' (from each device's memory and speed); "
-                      "the blocks stay separate, so the math is that of 1")
-  t.add_argument("--device-batch-memory-fraction", type=float, default=0.8, metavar="F",
-                 help="the share of a device's memory --device-batch auto may fill")
-  t.add_argument("--reduction", default="device", choices=("device", "host"),
-                 help="cross-host reduction backend")
-  t.add_argument("--update-layout", default="auto", choices=config_lib.UPDATE_LAYOUTS,
-                 help="the sharded update's optimizer layout: auto (probe: slices for an "
-                      "element-wise optimizer, whole leaves otherwise), whole, or sliced "
-                      "(refuse an optimizer that needs whole leaves)")
-  t.add_argument("--shard-within-host", default="off", metavar="auto|on|off[,...]",
-                 help="keep a host's parameters and gradient sums split over its own devices, "
-                      "gathered where used: off (default), on, auto (only where the whole "
-                      "state does not fit the device), or one per host (off,off,on); the math "
-                      "and what crosses hosts do not change")
-  t.add_argument("--device-memory", type=float, default=None, metavar="GB",
-                 help="a device's memory for --shard-within-host auto where the backend "
-                      "reports none (XLA:CPU): an emulated limit")
-  t.add_argument("--out", default="runs/latest",
-                 help="folder for summary.json, metrics.jsonl and tensorboard/ (host 0)")
-  t.add_argument("--wandb", default=None, metavar="PROJECT",
-                 help="log to Weights & Biases project PROJECT from host 0: the resolved config, "
-                      "every metrics record, the summary and the report picture (needs "
-                      "pip install 'hetjax[wandb]'; WANDB_MODE=offline works)")
-  t.add_argument("--save-params", default=None, metavar="FILE.npz",
-                 help="write the final parameters (host 0)")
-  t.add_argument("--log-every", type=int, default=10,
-                 help="progress line every N steps when not on a terminal (0: none)")
-  t.add_argument("--init-timeout", type=float, default=None,
-                 help="seconds to reach the coordinator (default HETJAX_INIT_TIMEOUT or 120)")
-  t.add_argument("--watchdog", type=float, default=None, metavar="S",
-                 help="stop the job (exit 69, restarted under --max-restarts) when a wait on the "
-                      "other hosts makes no progress for its deadline: S for a step, 3 x S for "
-                      "evaluation, checkpoints and agreement checks, 10 x S for building and the "
-                      "first steps; names the stuck host(s) and dumps every live host's stacks "
-                      "(default S: max(20 x the median step, 300); 0: off)")
-  t.add_argument("--model-width", type=int, default=None, help="override the model's width")
-  t.add_argument("--dropout", type=float, default=None,
-                 help="dropout rate of mlp, cnn and transformer (default 0); keyed per block, "
-                      "so the same example gets the same mask on any split")
-  from hetjax.cli import mode_flags  # It words its errors with `as_flags`, from here.
-  mode_flags.add_arguments(t)
-  c = t.add_argument_group("checkpoints (orbax; the folder must be shared by all hosts)")
-  c.add_argument("--ckpt-dir", default=None,
-                 help="save checkpoints here and resume from the newest one found there")
-  c.add_argument("--ckpt-every", type=int, default=100, help="steps between checkpoints")
-  c.add_argument("--ckpt-keep", type=int, default=3, help="how many checkpoints to keep")
-  c.add_argument("--no-resume", dest="resume", action="store_false",
-                 help="start afresh even if --ckpt-dir holds a checkpoint")
-  c.add_argument("--sync-save", dest="async_save", action="store_false",
-                 help="block training while a checkpoint is written (default: background)")
-  from hetjax.cluster import doctor  # Neither imports JAX at module level.
-  from hetjax.observe import report
-  report.add_arguments(sub.add_parser("report", help="draw and summarise a run folder"))
-  doctor.add_arguments(sub.add_parser(
-      "doctor", help="check the cluster and measure every host (run it on every host)"))
-  return p
+MODES_GROUP = "modes (hybrid: local SGD across hosts; elastic: EASGD rounds)"
+# The flags, by `--help` group, in order; every other field is a config-file key only.
+GROUPS = (
+    ("start here", ("model", "dataset", "global_batch", "microbatch", "steps", "optimizer",
+                    "lr", "balancer", "mode", "out")),
+    ("data", ("data_dir", "augment", "image_size", "seq_len", "token_dtype", "vocab_size")),
+    ("training", ("precision", "schedule", "warmup_steps", "clip_norm", "weight_decay",
+                  "decay_all", "eval_every", "assignment", "device_batch")),
+    ("the run", ("log_every", "wandb", "watchdog_s")),
+    (MODES_GROUP, ("round_steps", "local_steps", "local_batch", "outer_optimizer", "outer_lr",
+                   "outer_momentum", "elastic_beta")),
+    ("checkpoints (orbax; the folder must be shared by all hosts)", ("directory", "every")),
+)
+# The configs, with the config-file section their keys are written in (None: top level).
+_CLASSES = ((JobConfig, None), (config_lib.TrainConfig, None), (config_lib.RoundsConfig, "modes"),
+            (config_lib.CheckpointConfig, "checkpoints"))
+_KEYS = {"watchdog_s": "watchdog", "directory": "ckpt-dir", "every": "ckpt-every",
+         "keep": "ckpt-keep"}  # Fields whose key is not their name with dashes.
+CHOICES = {"precision": config_lib.PRECISIONS, "balancer": config_lib.BALANCERS,
+            "mode": config_lib.MODES, "schedule": optimizers.SCHEDULES,
+            "token_dtype": ("uint16", "uint32"), "reduction": config_lib.REDUCTIONS,
+            "update_layout": config_lib.UPDATE_LAYOUTS}
+_DEFAULTS = {"global_batch": 64, "mode": "sync"}  # The command's, where the field has none.
+# A rounds setting's flag applies to these modes (default: both); unset, it is None.
+_APPLIES = {"outer_optimizer": ("hybrid",), "outer_lr": ("hybrid",),
+            "outer_momentum": ("hybrid",), "elastic_beta": ("elastic",)}
 
 
+class Field(NamedTuple):
+  """One config field as the command line and config files see it."""
 
-def train_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-  """The `train` command's parser inside `p` (what a config file's keys are checked against)."""
-  sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))  # pylint: disable=protected-access
-  return sub.choices["train"]
+  name: str             # the dataclass field
+  owner: type           # its dataclass
+  key: str              # the config file's key; the flag is --key
+  kind: type            # int, float, str or bool (a switch)
+  default: Any
+  help: str
+  group: str | None     # its `--help` group; None: a config-file key only
+  section: str | None   # its config-file section; None: the top level
+
+  @property
+  def dest(self) -> str:
+    """Its attribute on the parsed arguments."""
+    return self.key.replace("-", "_")
+
+  @property
+  def flag(self) -> str:
+    return "--" + self.key
 
 
-def _train_flags() -> dict[str, str]:
-  """Field or dest name -> its long flag, for every `train` flag."""
-  flags = {}
-  for action in train_parser(parser())._actions:  # pylint: disable=protected-access
-    longs = [o for o in action.option_strings if o.startswith("--")]
-    if longs:
-      flags[action.dest] = longs[0]
-  return {**flags, **_FIELD_FLAGS}
+def _docs(cls: type) -> dict[str, str]:
+  """Each field's entry under `Args:` in `cls`'s docstring, on one line."""
+  out, names = {}, []
+  for line in inspect.getdoc(cls).split("Args:\n", 1)[1].splitlines():
+    if not line.startswith("  "):
+      break
+    head = re.match(r"  (\w+(?:, \w+)*): (.*)", line)
+    names = head.group(1).split(", ") if head else names
+    for name in names:
+      out[name] = (out.get(name, "") + " " + (head.group(2) if head else line.strip())).strip()
+  return out
+
+
+def _kind(annotation: str) -> type:
+  return {"int": int, "float": float, "bool": bool}.get(annotation.replace(" | None", ""), str)
+
+
+def _fields() -> tuple[Field, ...]:
+  group_of = {name: title for title, names in GROUPS for name in names}
+  out = []
+  for cls, section in _CLASSES:
+    docs = _docs(cls)
+    for f in dataclasses.fields(cls):
+      default = (None if cls is config_lib.RoundsConfig or f.default is dataclasses.MISSING
+                 else f.default)  # A rounds flag is None unless given: see `rounds_config`.
+      kind, default = _kind(f.type), _DEFAULTS.get(f.name, default)
+      default = str(default) if kind is str and default is not None else default  # 1 -> '1'
+      out.append(Field(f.name, cls, _KEYS.get(f.name, f.name.replace("_", "-")), kind, default,
+                       docs[f.name], group_of.get(f.name), section))
+  order = [name for _, names in GROUPS for name in names]  # The flags first, as on --help.
+  return tuple(sorted(out, key=lambda f: order.index(f.name) if f.name in order else len(order)))
+
+
+FIELDS = _fields()
+BY_NAME = {f.name: f for f in FIELDS}
+BY_KEY = {f.key: f for f in FIELDS}
+# A field's name, and its attribute where that differs -> how a command-line user sees it.
+_WORDING = {n: f.flag if f.group else f"`{f.key}`" for f in FIELDS for n in {f.name, f.dest}}
 
 
 def as_flags(text: str) -> str:
-  """`text` with each backticked config field that has a flag replaced by the flag.
+  """`text` with each backticked config field replaced by its flag (or config key).
 
   Example:
     >>> as_flags("`global_batch` must be >= 1, got 0.")
     '--global-batch must be >= 1, got 0.'
   """
-  flags = _train_flags()
-  return re.sub(r"`(\w+)`", lambda m: flags.get(m.group(1), m.group(0)), text)
+  return re.sub(r"`(\w+)`", lambda m: _WORDING.get(m.group(1), m.group(0)), text)
 
 
 @contextlib.contextmanager
@@ -188,3 +203,119 @@ def worded_as_flags() -> Iterator[None]:
     yield
   except ValueError as e:
     raise ValueError(as_flags(str(e))) from None
+
+
+class Parser(argparse.ArgumentParser):
+  """argparse, with the fix for a value that starts with '-' (e.g. --assignment -8,56,48)
+  and for a config-file key typed as a flag."""
+
+  def error(self, message: str):
+    found = re.match(r"argument (\S+?)(/\S+)?: expected one argument", message)
+    if found:
+      example = "-8,56,48" if found.group(1) == "--assignment" else "VALUE"
+      message += (f"; a value that starts with '-' must be joined to its flag with '=', "
+                  f"e.g. {found.group(1)}={example}")
+    unknown = re.search(r"unrecognized arguments: --([\w-]+)", message)
+    field = BY_KEY.get(unknown.group(1)) if unknown else None
+    if field is not None:
+      where = f"under `{field.section}:` " if field.section else ""
+      message += (f"; {field.key} is a config-file key, not a flag: write '{field.key}: ...' "
+                  f"{where}in a file given to --config")
+    elif unknown:
+      near = difflib.get_close_matches(unknown.group(1), list(BY_KEY), n=1)
+      message += f" (did you mean --{near[0]}?)" if near and BY_KEY[near[0]].group else ""
+    super().error(message)
+
+
+def _add(group: argparse._ArgumentGroup, field: Field) -> None:  # pylint: disable=protected-access
+  text = as_flags(field.help).replace("`", "").replace("%", "%%")
+  if field.kind is bool:
+    group.add_argument(field.flag, dest=field.dest, action="store_true", help=text)
+    return
+  metavar = {int: "N", float: "X"}.get(field.kind, field.key.split("-")[-1].upper())
+  group.add_argument(field.flag, dest=field.dest, type=field.kind, default=field.default,
+                     choices=CHOICES.get(field.name), metavar=None if field.name in CHOICES
+                     else metavar, help=text)
+
+
+def add_mode_arguments(p: argparse.ArgumentParser) -> None:
+  """`--mode` and the rounds settings alone (what `rounds_config` reads)."""
+  g = p.add_argument_group(MODES_GROUP)
+  for name in ("mode",) + dict(GROUPS)[MODES_GROUP]:
+    _add(g, BY_NAME[name])
+
+
+def parser() -> argparse.ArgumentParser:
+  """The whole command line: `train`, `report` and `doctor` with their flags (no JAX)."""
+  p = Parser(prog="hetjax", description="The `hetjax` command line: `hetjax train ...` runs "
+             "one host's part of a job.")
+  sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
+  t = sub.add_parser("train", help="train a built-in model, or your own, on a dataset",
+                     epilog="Every setting is also a config-file key, the flag without '--' "
+                     "(docs/cli.md lists the keys that have no flag).")
+  for title, names in GROUPS:
+    g = t.add_argument_group(title)
+    if title == "start here":
+      g.add_argument("--config", default=None, metavar="FILE.yaml",
+                     help="read settings from a YAML file (keys: the long flag names, e.g. "
+                          "'global-batch: 64', and the keys without a flag); flags on the "
+                          "command line override it; every run writes its resolved "
+                          "OUT/config.yaml, which re-runs the job")
+      g.add_argument("--print-config", action="store_true",
+                     help="print the resolved configuration as YAML and exit")
+    for name in names:
+      _add(g, BY_NAME[name])
+  t.set_defaults(**{f.dest: f.default for f in FIELDS if f.group is None})
+  from hetjax.cluster import doctor  # Neither imports JAX at module level.
+  from hetjax.observe import report
+  report.add_arguments(sub.add_parser("report", help="draw and summarise a run folder"))
+  doctor.add_arguments(sub.add_parser(
+      "doctor", help="check the cluster and measure every host (run it on every host)"))
+  return p
+
+
+def train_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+  """The `train` command's parser inside `p`."""
+  sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))  # pylint: disable=protected-access
+  return sub.choices["train"]
+
+
+def config_of(cls: type, args: argparse.Namespace, **values: Any) -> Any:
+  """The `cls` config (`TrainConfig`, `CheckpointConfig`) of the parsed arguments; `values`
+  replace fields."""
+  return cls(**{**{f.name: getattr(args, f.dest) for f in FIELDS if f.owner is cls}, **values})
+
+
+def parse_local_steps(text: str) -> tuple[int, ...]:
+  try:
+    return tuple(int(t) for t in text.split(","))
+  except ValueError:
+    raise ValueError(f"--local-steps {text!r} must be comma-separated whole numbers, one per "
+                     "host, e.g. 4,2,1.") from None
+
+
+def rounds_config(args: argparse.Namespace,
+                  num_hosts: int | None = None) -> config_lib.RoundsConfig | None:
+  """The `RoundsConfig` of `--mode` and its settings (None for sync); raises ValueError
+  worded as flags. A setting given to a mode it does not apply to is refused: a silently
+  ignored `--elastic-beta` is a wrong experiment."""
+  rounds = [f for f in FIELDS if f.owner is config_lib.RoundsConfig and f.name != "mode"]
+  given = {f.name: getattr(args, f.dest) for f in rounds if getattr(args, f.dest, None) is not None}
+  wrong = [k for k in given if args.mode not in _APPLIES.get(k, ("hybrid", "elastic"))]
+  with worded_as_flags():
+    if wrong:
+      modes = _APPLIES.get(wrong[0], ("hybrid", "elastic"))
+      raise ValueError(f"`{wrong[0]}` does not apply to `mode` {args.mode}; it is for `mode` "
+                       f"{' or '.join(modes)}. Drop it, or choose that mode.")
+    if args.mode == "sync":
+      return None
+    if getattr(args, "data_workers", None) is not None:
+      raise ValueError(f"`data_workers` does not apply to `mode` {args.mode}: a round reads its "
+                       "records in the training thread.")
+    if "local_steps" in given:
+      given["local_steps"] = parse_local_steps(given["local_steps"])
+    config = config_lib.RoundsConfig(mode=args.mode, **given)
+    config.check_split(getattr(args, "balancer", None), getattr(args, "assignment", "equal"),
+                       getattr(args, "shard_within_host", None) or "off")
+    config.validate(num_hosts, getattr(args, "global_batch", None))
+  return config

@@ -2,7 +2,7 @@
 
 A model factory returns a `hetjax.Task`; it is called with the keywords it
 names among `num_classes`, `vocab_size`, `kind` (from the dataset's info),
-`width` (`--model-width`) and `dropout` (`--dropout`); a factory with
+`width` (config key `model-width`) and `dropout`; a factory with
 `**kwargs` gets every one that is known. A dataset factory takes no
 argument and returns `(train_source, eval_source)` (the second may be None)
 or a single training source; each source has `len()`, `source[indices]`
@@ -28,7 +28,7 @@ from typing import Any, Callable
 _SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 # Keywords a model factory may name, and where their values come from.
 MODEL_KEYWORDS = ("num_classes", "vocab_size", "kind", "width", "dropout")
-_FLAG_OF = {"width": "--model-width", "dropout": "--dropout"}
+_FIELD_OF = {"width": "`model_width`", "dropout": "`dropout`"}  # Worded by the caller.
 
 
 def is_factory(name: str) -> bool:
@@ -75,8 +75,8 @@ def check_model(spec: str, overrides: dict[str, Any]) -> None:
   names, anything = _named(load(spec, "--model"))
   for key in overrides:
     if not anything and key not in names:
-      raise ValueError(f"{_FLAG_OF[key]} was given but --model {spec} takes no {key!r} "
-                       f"keyword; add `{key}=...` to its signature, or drop the flag.")
+      raise ValueError(f"{_FIELD_OF[key]} was given but --model {spec} takes no {key!r} "
+                       f"keyword; add {key}=... to its signature, or drop the setting.")
 
 
 def build_task(spec: str, info: Any, overrides: dict[str, Any]) -> Any:

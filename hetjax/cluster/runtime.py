@@ -285,7 +285,7 @@ def wait_for_coordinator(address: str, timeout_s: float) -> None:
   raise ConnectionError(
       f"Could not reach the hetjax coordinator at {address} within {timeout_s:g} s "
       f"(last error: {last_error}). Check that host 0 is running and that the address "
-      f"and port are right, or raise the limit with {Env.INIT_TIMEOUT} / --init-timeout.")
+      f"and port are right, or raise the limit with {Env.INIT_TIMEOUT} or the config key init-timeout.")
 
 
 def check_interface(name: str) -> None:

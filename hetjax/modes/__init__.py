@@ -15,7 +15,7 @@ checkpoints, evaluation, signals, the watchdog, the summary).
 - `hybrid.py`: `Hybrid`, an outer optimizer on the hosts' sample-weighted deltas.
 - `elastic.py`: `Elastic`, per-host parameters pulled towards a centre (EASGD).
 
-The modes' command-line flags live with the command line (`hetjax.cli.mode_flags`).
+The modes' command-line flags come from `RoundsConfig`'s fields (`hetjax.cli.flags`).
 """
 
 from __future__ import annotations

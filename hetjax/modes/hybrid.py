@@ -68,7 +68,7 @@ class Hybrid(Rounds):
   def __init__(self, round_steps: int = 4, local_steps: tuple[int, ...] | None = None,
                local_batch: int | None = None, outer_optimizer: str = "nesterov",
                outer_lr: float = 0.7, outer_momentum: float = 0.9):
-    """Args (`hetjax.RoundsConfig` says more of each):
+    """Args (`hetjax.config.RoundsConfig` says more of each):
       round_steps: local steps of the fastest host per round (the others from their speeds).
       local_steps: fixed local steps per host instead (reproducible), e.g. (4, 2, 1).
       local_batch: samples of one local step of one host (default: global batch / hosts).

@@ -161,7 +161,7 @@ def decide(mode: str, devices: int, need_whole: int | None, need_rows: int | Non
 
   `need_whole` / `need_rows`: a device's bytes without and with sharding
   (`estimate`); `limit`: the device's memory (`emulated`: from
-  `--device-memory`, on a backend that reports none). 'auto' shards only
+  `device_memory`, on a backend that reports none). 'auto' shards only
   when the whole state does not fit in `fraction` of the limit.
   """
   if devices < 2:
@@ -170,7 +170,7 @@ def decide(mode: str, devices: int, need_whole: int | None, need_rows: int | Non
     return Decision(mode == "on", "as asked")
   if limit is None or need_whole is None:
     return Decision(False, "auto: the device reports no memory limit and none was given "
-                           "(--device-memory)")
+                           "(`device_memory`)")
   label = "emulated " if emulated else ""
   room = fraction * limit
   if need_whole <= room:
