@@ -162,13 +162,12 @@ def check_partial_blocks(task: Task, model_state: PyTree, batch: int, block: int
     return
   real = batch % block
   raise ValueError(
-      f"the batch of {batch} examples is not a whole number of blocks of {block} (the "
-      f"microbatch): its last block holds {real} real examples and {block - real} padding rows, "
-      f"and the model keeps batch statistics ({', '.join(map(str, model_state))}) but is never "
-      f"shown hetjax's padding mask, so they would count the padding. Pass "
-      f"mask_arg='mask' to from_linen / from_nnx, with a `mask=None` argument of __call__ handed "
-      f"to BatchNorm (`nn.BatchNorm(...)(x, mask=mask[:, None] > 0)`), or make the batch a "
-      f"multiple of {block}.")
+      f"the batch of {batch} examples is not a whole number of blocks of {block} (the microbatch): "
+      f"its last block holds {real} real examples and {block - real} padding rows, and the model "
+      f"keeps batch statistics ({', '.join(map(str, model_state))}) but is never shown hetjax's "
+      f"padding mask, so they would count the padding. Pass mask_arg='mask' to from_linen / "
+      f"from_nnx, with a `mask=None` argument of __call__ handed to BatchNorm (`nn.BatchNorm(...)"
+      f"(x, mask=mask[:, None] > 0)`), or make the batch a multiple of {block}.")
 
 
 def check_batch_keys(keys: Sequence[str]) -> None:

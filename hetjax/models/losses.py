@@ -50,9 +50,7 @@ def next_token(logits: jax.Array, batch: Batch) -> tuple[Weighted, Metrics]:
   """
   tokens = batch["x"].astype(jnp.int32)
   if tokens.shape[1] < 2:
-    raise ValueError(
-        "Next-token loss needs sequences of length >= 2; "
-        f"got {tokens.shape[1]}.")
+    raise ValueError(f"Next-token loss needs sequences of length >= 2; got {tokens.shape[1]}.")
   logits = logits[:, :-1].astype(jnp.float32)
   targets = tokens[:, 1:]
   real = batch.get(TOKEN_MASK)
