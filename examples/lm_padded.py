@@ -71,7 +71,7 @@ class PaddedLM(nn.Module):
 
 
 def task(vocab_size: int = VOCAB, width: int = 32) -> hetjax.Task:
-  """`--model examples.lm_padded:task` (width: --model-width)."""
+  """`--model examples.lm_padded:task` (width: the config key model-width)."""
   return hetjax.from_linen(PaddedLM(vocab_size, width), next_token,
                            call_args={"mask": TOKEN_MASK})
 

@@ -1,14 +1,11 @@
 """What a run is told: its configs and the environment's names, with no JAX.
 
 The command line builds these and calls their `validate()` before JAX loads,
-so a bad value fails in a second, with the value, the limit and the fix,
-never after a cluster joined and compiled. The trainer calls the same
-`validate()`: one check wherever a config comes from. Messages name the
-dataclass fields in backticks (`global_batch`), the Python API's names; the
-command line rewords them as its flags (`--global-batch`) in one place,
-`hetjax.cli.flags`.
-Imports here are the standard library, plus JAX-free hetjax modules inside
-the checks that need them.
+so a bad value fails in a second, with the value, the limit and the fix;
+the trainer calls the same `validate()`. Messages name the fields in
+backticks (`global_batch`); the command line words them as its flags
+(`--global-batch`, `hetjax.cli.flags`), whose help is each field's `Args:`
+entry below. Imports: the standard library, and JAX-free hetjax modules.
 """
 
 from __future__ import annotations
@@ -193,7 +190,11 @@ class TrainConfig:
 
   def device_batches(self, num_hosts: int) -> tuple[int, ...] | None:
     """Every host's device batch `k`; None under 'auto' (the hosts choose at start)."""
-    return device_batches(self.device_batch, num_hosts)
+    parsed = parse_device_batch(self.device_batch)
+    if parsed == AUTO:
+      return None
+    check_device_batch(parsed, num_hosts=num_hosts)
+    return parsed * num_hosts if len(parsed) == 1 else parsed
 
 
 AUTO = "auto"
@@ -256,15 +257,6 @@ def check_device_batch(value: int | str | tuple[int, ...], memory_fraction: floa
     raise ValueError(f"`device_batch` {shown} gives {len(parsed)} values for {num_hosts} "
                      f"host(s); give one per host (e.g. {','.join(['4'] * num_hosts)}), one for "
                      "every host, or 'auto'.")
-
-
-def device_batches(value: int | str | tuple[int, ...], num_hosts: int) -> tuple[int, ...] | None:
-  """One `k` per host from a checked `device_batch` value; None under 'auto'."""
-  parsed = parse_device_batch(value)
-  if parsed == AUTO:
-    return None
-  check_device_batch(parsed, num_hosts=num_hosts)
-  return parsed * num_hosts if len(parsed) == 1 else parsed
 
 
 @dataclasses.dataclass(frozen=True)

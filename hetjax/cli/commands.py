@@ -21,13 +21,9 @@ from hetjax.cli import flags
 from hetjax.config import check_at_least
 
 
+@flags.worded_as_flags()
 def _check_args(args: argparse.Namespace) -> None:
   """Everything that can be checked before JAX starts; raises ValueError worded as flags."""
-  with flags.worded_as_flags():
-    _check_flags(args)
-
-
-def _check_flags(args: argparse.Namespace) -> None:
   from hetjax import models as zoo
   from hetjax.cli import user_code
   from hetjax.input import data

@@ -12,12 +12,10 @@ or inside the sections that group them (`modes:`, `checkpoints:`), e.g.
     ckpt-dir: runs/cnn/ckpt
     ckpt-every: 50
 
-Every key has one place; a key in another place, or given twice, is refused,
-naming both places (YAML itself would keep the last of two silently). The
-file's values become the defaults of the command line's flags, so flags
-override it, and every value meets the checks (and error wordings) its flag
-meets, before JAX starts. Every run writes its resolved configuration as
-OUT/config.yaml, which `--config` reads back to run the same job again.
+Every key has one place: one elsewhere, or given twice, is refused naming
+both places (YAML would keep the last silently). The file's values, checked
+as flags are, become the flags' defaults, so flags override them. Every run
+writes its resolved OUT/config.yaml, which `--config` reads back.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """`hetjax train`'s flags and config-file keys, generated from the configs' fields.
 
 One table, `FIELDS`: every field of `TrainConfig`, `CheckpointConfig`,
-`RoundsConfig` (`hetjax.config`) and `JobConfig` (below: what the command
-sets around them) is a config-file key, its name with dashes
-(`global-batch`). The fields `GROUPS` names are also flags
-(`--global-batch`), on `--help` in that order; the others are for the
-expert, in a config file only: what the platform decides (`reduction`,
-`update-layout`), emulated limits (`device-memory`) and tuning. A field's
-help is its entry under `Args:` in its class's docstring, and `as_flags`
-words a config error's fields as a command-line user typed them, both from
-the same table. No JAX here: a bad flag fails in a second.
+`RoundsConfig` (`hetjax.config`) and `JobConfig` (below) is a config-file
+key, its name with dashes (`global-batch`); those `GROUPS` names are also
+flags, on `--help` in that order. The rest are the expert's, in a config
+file only: what the platform decides (`reduction`), emulation, tuning. Help
+is the field's `Args:` entry in its class's docstring; `as_flags` words
+errors from the same table. No JAX here: a bad flag fails in a second.
 """
 
 from __future__ import annotations
