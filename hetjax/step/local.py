@@ -85,7 +85,7 @@ class LocalProgram:
     `device_batch`: `k`, blocks per device in the largest micro-batch.
     `within`: this host's parameters and gradient sums split over its devices
     (`hetjax.step.within_host`; only with `replica`): the state's parameters
-    are then rows `[L, c]`, gathered where the loss uses them.
+    are then slabs, each layer's gathered where it runs.
     """
     if within is not None and replica is None:
       raise ValueError("within-host sharding needs the sharded update (more than one device "
@@ -110,7 +110,7 @@ class LocalProgram:
     self._unpack = None if replica is None else jax.jit(
         replica.unpack, out_shardings=meshes.local_replicated)
     if within is not None:
-      self._state_specs = within_lib.sharding_specs(jax.eval_shape(replica.unpack, {
+      self._state_specs = within.state_specs(jax.eval_shape(replica.unpack, {
           g: jax.ShapeDtypeStruct((size,), jnp.dtype(g)) for g, size in replica.sizes.items()}))
       self._unpack = jax.jit(jax.shard_map(self._unpack_rows, mesh=meshes.local, in_specs=P(),
                                            out_specs=self._state_specs))
@@ -160,8 +160,8 @@ class LocalProgram:
     def grad_row(state, buffer, batch, key):
       # Without the cast, grad of a replicated input would already be summed
       # over the local devices; per-device sums let one reduction do it all.
-      params = state.params if within is not None else jax.lax.pcast(state.params, DEV,
-                                                                      to="varying")
+      params = within.varying(state.params) if within is not None else jax.lax.pcast(
+          state.params, DEV, to="varying")
       batch = dict(batch)
       position = batch.pop(_POSITION)[0]
       step, block, first, real = (position[i] for i in range(_POSITION_FIELDS))
@@ -201,7 +201,7 @@ class LocalProgram:
 
     def unpack_then_grad(packed, batch, key):
       # The sharded update's new state, gathered: unpacked where it is first read.
-      state = replica.unpack(packed) if within is None else self._unpack_rows(packed)
+      state = replica.unpack(packed)
       return state, grad_row(state, None, batch, key)
 
     local, d, k = self.meshes.local, self.meshes.local_devices, host_width
@@ -228,7 +228,7 @@ class LocalProgram:
     if within is not None:  # Parameters as rows, whatever placement `state` came in.
       state_spec = self._state_specs
       state_like = jax.tree.map(like, state)._replace(
-          params=within.shapes(self.meshes.local_by_device))
+          params=within.shapes(self.meshes.local))
     grad = jax.jit(jax.shard_map(accumulate, mesh=local,
                                  in_specs=(state_spec, P(DEV), P(DEV), P()), out_specs=P(DEV)),
                    donate_argnums=(1,))
@@ -236,10 +236,12 @@ class LocalProgram:
                   for j in self.ladder.sizes}
     # Read once per program, off the step's path: what `flops_of` prices a share with.
     self._flops = {j: _flops(program, d) for j, program in self._grad.items()}
-    if replica is not None:
+    if within is not None:  # Compiled now, so that `peak_bytes` reads it.
+      self._unpack = self._unpack.lower(total_like).compile()
+    elif replica is not None:
       self._fused_program = jax.jit(
           jax.shard_map(unpack_then_grad, mesh=local, in_specs=(P(), P(DEV), P()),
-                        out_specs=(P() if within is None else self._state_specs, P(DEV))))
+                        out_specs=(P(), P(DEV))))
     else:
       self._fused_program = jax.jit(
           jax.shard_map(update_then_grad, mesh=local, in_specs=(P(), P(), P(DEV), P()),
@@ -257,7 +259,7 @@ class LocalProgram:
             scalar, jax.ShapeDtypeStruct((k,), jnp.float32)).compile()
 
   def _unpack_rows(self, packed: Any) -> TrainState:
-    """The sharded update's new state with this device's parameter rows (in a `shard_map`)."""
+    """The sharded update's new state with this device's parameter slabs (in a `shard_map`)."""
     state = self.replica.unpack(packed)
     return state._replace(params=self.within.chunk(state.params))
 
@@ -269,6 +271,15 @@ class LocalProgram:
     if self._joined is None or self._joined[0] is not state:
       self._joined = (state, self._join(state))
     return self._joined[1]
+
+  def peak_bytes(self) -> int | None:
+    """A device's peak bytes over a step: the largest of the compiled programs a step runs
+    (XLA's memory analysis; None before the first step or where it gives none)."""
+    programs = [*self._grad.values(), *self._update_then_grad.values()]
+    if self.within is not None and not callable(getattr(self._unpack, "lower", None)):
+      programs.append(self._unpack)
+    peaks = [within_lib.peak_bytes(p) for p in programs]
+    return None if not peaks or None in peaks else max(peaks)
 
   def flops_of(self, rows: int) -> float | None:
     """FLOPs this host's devices run for a share of `rows` samples: XLA's cost analysis of
@@ -312,6 +323,10 @@ class LocalProgram:
     local_key = self._key[1]
     if self.layout is None:
       self._build(state, example, local_key, host.size)
+    if pending is not None and self.within is not None:
+      # Unpacked alone: inside the first micro-batch's program the whole packed
+      # replica would be live beside the sums row and the activations.
+      state, pending = self._unpack(pending), None
     if pending is not None and not self._update_then_grad:
       head = () if self.replica is not None else (state,)
       self._update_then_grad = {

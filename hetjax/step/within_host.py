@@ -6,21 +6,19 @@ never crosses hosts, so a host may split over its own devices (its fast
 links) without changing what crosses hosts, and each host decides for
 itself (`decide`), as it does for device batches.
 
-How (explicit collectives, measured against GSPMD annotations in
-`bench/memory.py`): each parameter leaf is laid out `[L, c]` over the host's
-`L` devices (`optimizer_layout.split_leaf`); device `d` keeps row `d`. Inside
-the local program's `shard_map` the loss is replayed so that each leaf is
-gathered at each use, once its other inputs exist, and gathered again in
-the backward pass once that use's cotangent exists (`gather_at_use`): a
-gathered leaf lives for one operation, so the program holds neither the
-whole parameters nor the whole gradients at once (`bench/memory.py`).
-The transpose of the gather is a reduce-scatter, so each device receives
-its own row of the host's summed gradients, and writes it into its sums row
-at that row's place (zeros elsewhere). The sums row keeps its layout: the
-cross-host reduction adds every device's row as before, and the sum over a
-host's devices is the host's sums, whichever way they were split. The
-gathered values are copies and the summed rows hold the same terms, so the
-math is the blocks' (invariant 2), up to float reduction order.
+How: each parameter leaf keeps its shape and is split over the host's `L`
+devices along one axis (`split_axis`: the largest that `L` divides,
+never the first of two or more, where `nn.scan` stacks layers), so
+device `d` holds slab `d`. Each layer gathers its slabs where it runs, and
+again for its gradient (`layer_gather`); the gather's transpose is a
+reduce-scatter, so each device receives its slab of the host's summed
+gradient and adds it into its sums row at the slab's places (zeros
+elsewhere). The sums row keeps its layout: the cross-host reduction adds
+every device's row as before, and the sum over a host's devices is the
+host's sums. A leaf no axis of which `L` divides stays whole on every
+device, as without sharding. The gathered values are copies and the summed
+slabs hold the same terms, so the math is the blocks' (invariant 2), up to
+float reduction order.
 """
 
 from __future__ import annotations
@@ -31,15 +29,20 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from hetjax.mesh import DEV
-from hetjax.step import gather_at_use
-from hetjax.step.optimizer_layout import columns, join_leaf, split_leaf
+from hetjax.step import layer_gather
 from hetjax.task import Task
 
 PyTree = Any
 MODES = ("auto", "on", "off")
+
+
+def split_axis(shape: tuple[int, ...], devices: int) -> int | None:
+  """The axis a leaf of `shape` is split on over `devices`; None: kept whole."""
+  fits = [a for a in range(min(1, len(shape) - 1), len(shape)) if shape[a] % devices == 0]
+  return max(fits, key=lambda a: (shape[a], -a), default=None)
 
 
 class Split:
@@ -53,73 +56,82 @@ class Split:
   def __init__(self, params: PyTree, devices: int):
     self.devices = int(devices)
     self.like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
-    self._likes = jax.tree.leaves(self.like)
+    self._likes, self._treedef = jax.tree.flatten(self.like)
+    self.axes = [split_axis(x.shape, self.devices) for x in self._likes]
+    self.specs = jax.tree.unflatten(self._treedef, [
+        P() if a is None else P(*([None] * a + [DEV])) for a in self.axes])
+
+  def _each(self, fn: Callable, *trees: PyTree) -> PyTree:
+    leaves = [jax.tree.leaves(t) for t in trees]
+    return jax.tree.unflatten(self._treedef, [fn(a, *xs) for a, *xs in zip(self.axes, *leaves)])
 
   def chunk(self, params: PyTree) -> PyTree:
-    """This device's row `[1, c]` of every whole leaf (inside a `shard_map`)."""
+    """This device's slab of every whole leaf (inside a `shard_map`)."""
     d = jax.lax.axis_index(DEV)
-    return jax.tree.map(
-        lambda x: jax.lax.dynamic_slice_in_dim(split_leaf(x, self.devices), d, 1), params)
+    return self._each(lambda a, x: x if a is None else jax.lax.dynamic_slice_in_dim(
+        x, d * (x.shape[a] // self.devices), x.shape[a] // self.devices, axis=a), params)
+
+  def varying(self, params: PyTree) -> PyTree:
+    """The slabs, with whole leaves cast to per-device values (their gradients stay per device)."""
+    return self._each(lambda a, x: jax.lax.pcast(x, DEV, to="varying") if a is None else x,
+                      params)
 
   def gathering(self, task: Task) -> Task:
-    """`task` whose training losses take the rows and gather each leaf where it is used."""
-    def one(row, i, tie):
-      if tie is None:
-        return join_leaf(jax.lax.all_gather(row, DEV, tiled=True), self._likes[i].shape)
-      tied = jnp.concatenate([row, tie.astype(row.dtype)], axis=1)
-      gathered = jax.lax.all_gather(tied, DEV, tiled=True)[:, :row.shape[1]]
-      return join_leaf(gathered, self._likes[i].shape)
+    """`task` whose training losses take the slabs and gather each layer's where it runs."""
+    def gather(slab, axis, after):
+      if after is not None:  # Not before `after` exists, on any compiler.
+        slab, _ = jax.lax.optimization_barrier((slab, after))
+      return jax.lax.all_gather(slab, DEV, axis=axis, tiled=True)
 
-    def wrap(loss: Callable | None) -> Callable | None:
-      if loss is None:
-        return None
-      return lambda rows, *args: gather_at_use.replay(loss, rows, one, *args)
-
+    wrap = lambda loss: loss and layer_gather.wrap(loss, self.like, self.axes, gather)
     return _Gathering(task, wrap(task.loss), wrap(task.unmasked_loss))
 
   def place(self, row: jax.Array, grads: PyTree, offsets: list[int]) -> jax.Array:
-    """`row` (one device's `[1, width]`) plus this device's gradient rows at their places.
+    """`row` (one device's `[1, width]`) plus this device's gradients at their places.
 
-    Leaf `i` starts at `offsets[i]`; device `d`'s row covers its values
-    `[d c, d c + c)`. Past a leaf's end a row holds zeros (the gradient of
-    the padding), so adding it over the next leaf's first values changes
-    nothing; a row that would run past the buffer is added by a scatter
-    that drops what falls outside.
+    Leaf `i` starts at `offsets[i]` in its real (row-major) order: a whole
+    leaf is added as it is, a slab over its own values of the leaf.
     """
-    d, width = jax.lax.axis_index(DEV), row.shape[-1]
-    for x, offset in zip(jax.tree.leaves(grads), offsets):
-      x = x.reshape(1, -1).astype(row.dtype)
-      c = x.shape[-1]
-      start = offset + d * c
-      if offset + self.devices * c <= width:
-        old = jax.lax.dynamic_slice_in_dim(row, start, c, axis=1)
-        row = jax.lax.dynamic_update_slice_in_dim(row, old + x, start, axis=1)
-      else:
-        row = row.at[0, start + jnp.arange(c)].add(x[0], mode="drop")
+    d = jax.lax.axis_index(DEV)
+    for x, a, like, offset in zip(jax.tree.leaves(grads), self.axes, self._likes, offsets):
+      size, x = math.prod(like.shape), x.astype(row.dtype)
+      if a is None:
+        row = row.at[0, offset:offset + size].add(x.ravel())
+        continue
+      leaf = row[0, offset:offset + size].reshape(like.shape)
+      start = d * x.shape[a]
+      old = jax.lax.dynamic_slice_in_dim(leaf, start, x.shape[a], axis=a)
+      leaf = jax.lax.dynamic_update_slice_in_dim(leaf, old + x, start, axis=a)
+      row = row.at[0, offset:offset + size].set(leaf.ravel())
     return row
 
-  def shapes(self, sharding: NamedSharding) -> PyTree:
-    """The rows' global shapes `[L, c]`, placed by `sharding` (for lowering)."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-        (self.devices, columns(math.prod(x.shape), self.devices)), x.dtype, sharding=sharding),
-        self.like)
+  def shapes(self, mesh: Mesh) -> PyTree:
+    """The leaves' global shapes, each split over `mesh` as it is kept (for lowering)."""
+    return jax.tree.map(lambda x, spec: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=NamedSharding(mesh, spec)), self.like, self.specs)
 
-  def join(self, chunks: PyTree) -> PyTree:
-    """The whole leaves from the rows (inside a `shard_map`); no remat name: for reads."""
-    return jax.tree.map(lambda x, like: join_leaf(jax.lax.all_gather(x, DEV, tiled=True),
-                                                  like.shape), chunks, self.like)
+  def join(self, slabs: PyTree) -> PyTree:
+    """The whole leaves from the slabs (inside a `shard_map`): for reads."""
+    return self._each(lambda a, x: x if a is None else jax.lax.all_gather(
+        x, DEV, axis=a, tiled=True), slabs)
 
   def bytes_per_device(self) -> dict[str, int]:
-    """Parameter bytes a device keeps: whole, and as its rows."""
-    leaves = jax.tree.leaves(self.like)
-    whole = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in leaves)
-    rows = sum(columns(math.prod(x.shape), self.devices) * jnp.dtype(x.dtype).itemsize
-               for x in leaves)
+    """Parameter bytes a device keeps: whole, and as its slabs."""
+    nbytes = lambda x: math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+    whole = sum(nbytes(x) for x in self._likes)
+    rows = sum(nbytes(x) // (1 if a is None else self.devices)
+               for x, a in zip(self._likes, self.axes))
     return {"whole": int(whole), "rows": int(rows)}
+
+  def state_specs(self, state_like: Any) -> Any:
+    """`shard_map` specs of a train state whose parameters are slabs; the rest whole."""
+    return state_like._replace(**{k: jax.tree.map(lambda _: P(), v)
+                                  for k, v in state_like._asdict().items() if k != "params"},
+                               params=self.specs)
 
 
 class _Gathering(NamedTuple):
-  """A task whose training losses gather their parameters first (`Split.gathering`)."""
+  """A task whose training losses gather their parameters where used (`Split.gathering`)."""
 
   task: Task
   loss: Callable
@@ -196,10 +208,3 @@ def peak_bytes(compiled: Any) -> int | None:
     return None
   return int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
              + m.temp_size_in_bytes)
-
-
-def sharding_specs(state_like: Any) -> Any:
-  """`shard_map` specs of a train state whose parameters are rows: `P(DEV)` there, else `P()`."""
-  return state_like._replace(**{k: jax.tree.map(lambda _: P(), v)
-                                for k, v in state_like._asdict().items() if k != "params"},
-                             params=jax.tree.map(lambda _: P(DEV), state_like.params))
