@@ -2,7 +2,7 @@
 
 Run from the repository root (a few minutes on 2 cores):
 
-  .venv/bin/python bench/memory.py [--devices 4] [--steps 5] [--parts gspmd,transformer,fits]
+  .venv/bin/python bench/memory.py [--devices 4] [--steps 5] [--parts structures,gspmd,...]
 
 Every figure of bytes is XLA:CPU's `compiled.memory_analysis()` of the
 compiled local program (arguments + outputs not aliased + temporaries, per
@@ -12,20 +12,22 @@ XLA:CPU's, on emulated devices that share the machine's cores: a gather
 there is a memory copy, not a link, so they say little about a GPU.
 
 Printed, as JSON lines:
+- `structure`: the decoder of tests/_layer_models.py (width 256, 4 layers,
+  tied embeddings) with its layers stacked by `nn.scan(nn.remat(Block))`,
+  in a Python loop, and scanned under a jitted loss (device batches 4), and
+  the NNX decoder (`nnx.vmap` + `nnx.scan`; gathered at the loss's entry):
+  a device's step peak (the largest program a step runs,
+  `LocalProgram.peak_bytes`) with `--shard-within-host off` and `on`.
 - `model`: resnet50 (32x32 digits, --microbatch 4) and the transformer, each
-  with `--shard-within-host off` and `on`: the steady local program's peak
-  (`grad_peak`), the step's first program's (`first_peak`, it also unpacks
-  the sharded update's result), and the median step time.
+  with sharding off and on: the step peak and the median step time.
 - `fits`: the largest transformer width (d_model, `LAYERS` layers, the
-  tokens data) whose local program fits 16 GB and 80 GB devices, with and
-  without sharding: peaks measured at small widths, fitted as
-  `a W^2 + b W + c` (parameters grow as W^2, activations as W) and solved;
-  an extrapolation from the same analysis, said so.
-- `gspmd_vs_explicit`: one block's gradient of the transformer with its
-  parameters split over the devices, written with GSPMD annotations
-  (`NamedSharding` constraints, XLA places the gathers) and with explicit
-  collectives in `shard_map` (`hetjax.step.within_host`): peak bytes,
-  collectives and time.
+  tokens data) whose step fits 16 GB and 80 GB devices, with and without
+  sharding: peaks measured at small widths, fitted as `a W^2 + b W + c`
+  (parameters grow as W^2, activations as W) and solved; an extrapolation
+  from the same analysis, said so.
+- `gspmd`: the scanned decoder's gradient with its parameters split on the
+  same axes, left to GSPMD (sharding annotations only): its peak, and
+  whether XLA gathered parameters or activations (the design's check).
 """
 
 from __future__ import annotations
@@ -64,10 +66,29 @@ def _trainer(model: str, mode: str, width: int | None = None, layers: int = 2):
 
 
 def _peaks(tr) -> dict[str, int]:
-  from hetjax.step import within_host
-  local = tr.mode.local
-  return {"grad_peak": max(within_host.peak_bytes(c) for c in local._grad.values()),
-          "first_peak": max(within_host.peak_bytes(c) for c in local._update_then_grad.values())}
+  return {"step_peak": tr.mode.local.peak_bytes()}
+
+
+def structures(devices: int) -> None:
+  import optax
+  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+  import _layer_models as layer_models
+  from hetjax import trainer
+  from hetjax.input import data
+  for structure, k in (("scan", 1), ("loop", 1), ("jit", 4), ("nnx", 1)):
+    peaks = {}
+    for mode in ("off", "on"):
+      config = trainer.TrainConfig(global_batch=32, microbatch=2, shard_within_host=mode,
+                                   device_batch=k)
+      tr = trainer.Trainer(layer_models.decoder(structure), optax.sgd(0.1), data.load("tokens"),
+                           config)
+      tr.fit(2)  # The second step unpacks the sharded update's result.
+      peaks[mode] = tr.mode.local.peak_bytes()
+      tr.close()
+    print(json.dumps({"structure": structure, "device_batch": k, "devices": devices,
+                      "step_peak_off": peaks["off"], "step_peak_on": peaks["on"],
+                      "ratio": round(peaks["on"] / peaks["off"], 3),
+                      "source": "XLA:CPU memory_analysis, emulated devices"}), flush=True)
 
 
 def measure(model: str, steps: int, width: int | None = None, layers: int = 2) -> None:
@@ -94,8 +115,7 @@ def fits(widths: list[int], layers: int, limits_gb=(16, 80)) -> None:
     for mode in peaks:
       tr = _trainer("transformer", mode, width, layers)
       tr.fit(2)  # The second step compiles the step's first program (it unpacks an update).
-      p = _peaks(tr)
-      peaks[mode].append(max(p.values()))
+      peaks[mode].append(_peaks(tr)["step_peak"])
       tr.close()
   out = {"fits": "largest transformer d_model", "layers": layers, "measured_widths": widths,
          "measured_peaks": peaks, "method": "a W^2 + b W + c fitted to XLA:CPU peaks, solved "
@@ -108,69 +128,40 @@ def fits(widths: list[int], layers: int, limits_gb=(16, 80)) -> None:
   print(json.dumps(out), flush=True)
 
 
-def gspmd_vs_explicit(width: int, layers: int, devices: int, repeats: int = 5) -> None:
+def gspmd(devices: int) -> None:
   import jax
   import jax.numpy as jnp
   import numpy as np
   from jax.sharding import NamedSharding, PartitionSpec as P
-  from hetjax import models as zoo
-  from hetjax.input import data
+  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+  import _layer_models as layer_models
   from hetjax.mesh import DEV
   from hetjax.step import within_host
-  from hetjax.step.optimizer_layout import join_leaf, split_leaf
-  source = data.load("tokens")
-  task = zoo.build("transformer", kind="tokens", vocab_size=source.info.vocab_size,
-                   d_model=width, num_layers=layers)
+  task = layer_models.decoder("scan")
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), (DEV,))
-  batch = {"x": np.asarray(source.arrays["x"][:4 * devices])}
-  batch["hetjax.mask"] = np.ones(4 * devices, np.float32)
-  params, model_state = task.init(jax.random.key(0), {k: v[:4] for k, v in batch.items()})
+  block = {"x": np.zeros((2, 16), np.int32), "hetjax.mask": np.ones(2, np.float32)}
+  params, state = task.init(jax.random.key(0), block)
   split = within_host.Split(params, devices)
+  shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), split.specs)
+  blocks = {k: np.repeat(v[None], devices, 0) for k, v in block.items()}
+  keys = jax.random.split(jax.random.key(1), devices)
+
+  def grads(p, b, k):  # One block per device, split over DEV; XLA places every collective.
+    total = lambda p: jnp.sum(jax.vmap(lambda b, k: jnp.sum(task.loss(p, state, b, k)[0]))(b, k))
+    g = jax.grad(total)(p)
+    return jax.lax.with_sharding_constraint(g, shardings)
+
   by_dev = NamedSharding(mesh, P(DEV))
-  rows = jax.device_put(jax.tree.map(lambda x: split_leaf(x, devices), params), by_dev)
-  batch = jax.device_put(batch, by_dev)
-  rng = jax.random.key(1)
-
-  def loss(p, b):
-    return jnp.sum(task.loss(p, model_state, b, rng)[0])
-
-  def annotated(rows, b):  # GSPMD: constraints only; XLA inserts and places the collectives.
-    def f(rows):
-      whole = jax.tree.map(lambda x, like: join_leaf(jax.lax.with_sharding_constraint(
-          x, NamedSharding(mesh, P())), like.shape), rows, split.like)
-      per_device = b["x"].reshape(devices, -1, b["x"].shape[-1])
-      masks = b["hetjax.mask"].reshape(devices, -1)
-      return jnp.sum(jax.vmap(lambda x, m: loss(whole, {"x": x, "hetjax.mask": m}))(
-          per_device, masks))
-    g = jax.grad(f)(rows)
-    return jax.lax.with_sharding_constraint(g, by_dev)
-
-  def explicit(rows, b):  # shard_map: one all_gather per leaf, its transpose a reduce-scatter.
-    gathered = split.gathering(task)
-    return jax.grad(lambda r: jnp.sum(gathered.loss(r, model_state, b, rng)[0]))(rows)
-
-  programs = {
-      "gspmd": jax.jit(annotated, out_shardings=by_dev),
-      "explicit": jax.jit(jax.shard_map(explicit, mesh=mesh, in_specs=(P(DEV), P(DEV)),
-                                        out_specs=P(DEV))),
-  }
-  for name, program in programs.items():
-    compiled = program.lower(rows, batch).compile()
-    text = compiled.as_text()
-    collectives = {op: len(re.findall(rf"= \S+ {op}(?:-start)?\(", text))
-                   for op in ("all-gather", "reduce-scatter", "all-reduce", "all-to-all",
-                              "collective-permute")}
-    jax.block_until_ready(compiled(rows, batch))
-    times = []
-    for _ in range(repeats):
-      start = time.perf_counter()
-      jax.block_until_ready(compiled(rows, batch))
-      times.append(time.perf_counter() - start)
-    print(json.dumps({"gspmd_vs_explicit": name, "width": width, "layers": layers,
-                      "peak": within_host.peak_bytes(compiled),
-                      "collectives": {k: v for k, v in collectives.items() if v},
-                      "step_s": round(float(np.median(times)), 4),
-                      "source": "XLA:CPU memory_analysis, emulated devices"}), flush=True)
+  compiled = jax.jit(grads, in_shardings=(shardings, by_dev, by_dev),
+                     out_shardings=shardings).lower(params, blocks, keys).compile()
+  text = compiled.as_text()
+  gathers = re.findall(r"= (\S+) all-gather(?:-start)?\(", text)
+  batch_shaped = sum(g.startswith("f32[%d," % devices) for g in gathers)
+  print(json.dumps({"gspmd": "scan", "devices": devices, "peak": within_host.peak_bytes(compiled),
+                    "all_gathers": len(gathers), "of_activations": batch_shaped,
+                    "note": "gathers whose leading axis is the host's blocks carry activations: "
+                            "the batch was replicated, the parameters kept split",
+                    "source": "XLA:CPU memory_analysis, emulated devices"}), flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -179,13 +170,15 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--steps", type=int, default=5)
   parser.add_argument("--width", type=int, default=256)
   parser.add_argument("--layers", type=int, default=2)
-  parser.add_argument("--parts", default="gspmd,transformer,resnet50,fits",
+  parser.add_argument("--parts", default="structures,gspmd,transformer,resnet50,fits",
                       help="which figures, comma-separated (resnet50 takes most of the time)")
   args = parser.parse_args(argv)
   parts = args.parts.split(",")
   _setup(args.devices)
+  if "structures" in parts:
+    structures(args.devices)
   if "gspmd" in parts:
-    gspmd_vs_explicit(args.width, args.layers, args.devices)
+    gspmd(args.devices)
   if "transformer" in parts:
     measure("transformer", args.steps, args.width, args.layers)
   if "resnet50" in parts:

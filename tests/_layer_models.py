@@ -29,12 +29,12 @@ class Block(nn.Module):
 
   @nn.compact
   def __call__(self, x, _=None):
-    h = nn.LayerNorm()(x)
+    h = nn.LayerNorm(use_fast_variance=False)(x)
     qkv = nn.Dense(3 * self.width)(h).reshape(*x.shape[:2], 3, self.heads, -1)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
     x = x + nn.Dense(self.width)(nn.dot_product_attention(q, k, v, mask=causal).reshape(x.shape))
-    h = nn.Dense(4 * self.width)(nn.LayerNorm()(x))
+    h = nn.Dense(4 * self.width)(nn.LayerNorm(use_fast_variance=False)(x))
     return x + nn.Dense(self.width)(nn.gelu(h)), None
 
 
@@ -55,7 +55,7 @@ class Decoder(nn.Module):
     else:
       for i in range(self.layers):
         x, _ = Block(self.width, name=f"layer_{i}")(x)
-    return embed.attend(nn.LayerNorm()(x))  # Tied output embedding.
+    return embed.attend(nn.LayerNorm(use_fast_variance=False)(x))  # Tied output embedding.
 
 
 def next_token(logits, batch):

@@ -2,9 +2,10 @@
 
 The 3x2 cluster that shards on one host only is the exactness matrix's
 (`_exact_entries.SHARD_WITHIN_HOST`). `train_saving`: an mlp saving and
-resuming under a sharding choice. `peaks`: the compiled local program's
-per-device peak bytes (XLA's memory analysis) of a transformer, with and
-without sharding, on this host's devices.
+resuming under a sharding choice. `peaks`: a device's step peak bytes
+(XLA's memory analysis of every program of a step) of a decoder, with and
+without sharding, on this host's devices. `scanned`: the scanned decoder
+trained with device batches and sharding.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import hetjax
 from hetjax import models as zoo
 from hetjax import trainer
 from hetjax.input import data
-from hetjax.step import within_host, within_host_choice
+from hetjax.step import within_host_choice
+
+import _layer_models as layer_models
 
 GLOBAL_BATCH = 30   # Not a multiple of the block: the last block is partial.
 BLOCK = 4
@@ -29,18 +32,18 @@ def build_mlp():
           optax.sgd(0.1))
 
 
-def peaks(width: int, num_layers: int):
-  """{'off' | 'on': per-device peak bytes of the steady local program} on this host, and
-  what 'auto' decides against an emulated device of 1 MB and of 1 TB."""
+def peaks(structure: str, device_batch: int = 1):
+  """{'off' | 'on': a device's step peak bytes (`LocalProgram.peak_bytes`)} of the decoder
+  of `structure` (tests/_layer_models.py) on this host, and what 'auto' decides against an
+  emulated device of 1 MB and of 1 TB."""
   out = {}
   for mode in ("off", "on"):
-    source = data.load("tokens")
-    task = zoo.build("transformer", kind="tokens", vocab_size=source.info.vocab_size,
-                     num_layers=num_layers, d_model=width)
-    config = trainer.TrainConfig(global_batch=16, microbatch=4, shard_within_host=mode)
+    source, task = data.load("tokens"), layer_models.decoder(structure)
+    config = trainer.TrainConfig(global_batch=32, microbatch=2, shard_within_host=mode,
+                                 device_batch=device_batch)
     tr = trainer.Trainer(task, optax.sgd(0.1), source, config)
-    tr.fit(1)
-    out[mode] = max(within_host.peak_bytes(c) for c in tr.mode.local._grad.values())
+    tr.fit(2)  # The second step unpacks the sharded update's result.
+    out[mode] = tr.mode.local.peak_bytes()
     if mode == "off":
       state, example = tr.state, {k: v[:1] for k, v in source.arrays.items()}
       for gb in (1e-3, 1e3):
@@ -49,6 +52,21 @@ def peaks(width: int, num_layers: int):
         out[f"auto {gb:g} GB"] = within_host_choice.for_host(
             auto, task, state.params, state.model_state, example, tr.mode.meshes)
     tr.close()
+  return out
+
+
+def scanned(shard_within_host: str, device_batch, steps: int = 3):
+  """The scanned decoder (`nn.scan(nn.remat(Block))`, tied embeddings) trained `steps` steps
+  with sgd: (final parameters as numpy, sharded on this host?)."""
+  if jax.process_count() > 1:
+    hetjax.initialize()
+  config = trainer.TrainConfig(global_batch=GLOBAL_BATCH, microbatch=2, seed=3,
+                               shard_within_host=shard_within_host, device_batch=device_batch)
+  tr = trainer.Trainer(layer_models.decoder("scan", width=64, layers=3), optax.sgd(0.1),
+                       data.load("tokens"), config)
+  tr.fit(steps)
+  out = (jax.tree.map(np.asarray, tr.params()), tr.mode.local.within is not None)
+  tr.close()
   return out
 
 

@@ -190,12 +190,19 @@ class Sync(ModeBase):
   def memory_per_device(self) -> dict[str, Any]:
     """Bytes of parameters, optimizer state and gradients one device holds, from the
     arrays' sizes: `unsplit` (every device updating a whole replica) and, when the
-    update is sharded, `split` over `split_over` devices (`hetjax.step.sharding`)."""
+    update is sharded, `split` over `split_over` devices (`hetjax.step.sharding`); and
+    `step_peak`, XLA's figure for a step, with and without sharding within the host."""
     memory = dict(self.replica.memory_per_device(self.config.reduction, self.optimizer))
     split = self.local.within
     memory["within_host"] = ({"split_over": 1} if split is None else
                              {"split_over": split.devices, "params": split.bytes_per_device()})
+    memory["step_peak"] = self.step_peak()
     return memory
+
+  def step_peak(self) -> dict[str, int | None]:
+    """This host's step peak bytes per device (XLA's memory analysis of the largest program a
+    step runs) and the same without sharding within the host (`LocalProgram.peak_bytes`)."""
+    return {"bytes": self.local.peak_bytes(), "unsharded": self.local.unsharded_peak_bytes()}
 
   def current(self) -> tuple[PyTree, PyTree]:
     state = self.replica.applied()

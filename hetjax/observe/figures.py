@@ -46,6 +46,7 @@ class Figures:
   reduction_s: float = 0.0      # mean of the fastest host's wait per step: the reduction itself
   resumes: list[int] = dataclasses.field(default_factory=list)  # steps a restarted run resumed at
   device_batches: list[int] | None = None  # blocks per device per program, per host (summary)
+  step_peaks: list[dict] | None = None  # per host: a device's step peak bytes, and unsharded
   # Where the job's time went (hetjax.observe.goodput_summary's entries), over every restart.
   goodput: dict[str, Any] | None = None
   balancer_saving: dict[str, Any] | None = None
@@ -164,7 +165,8 @@ def analyze(summary: dict[str, Any] | None, records: list[dict[str, Any]]) -> Fi
       last_eval_step=evaluated[-1]["step"] if evaluated else None,
       rounds=analyze_rounds(summary, records, hosts) if is_rounds(records) else None,
       step_s=step_s / len(run), reduction_s=reduction, resumes=resumed_at(records),
-      device_batches=(summary or {}).get("device_batches"))
+      device_batches=(summary or {}).get("device_batches"),
+      step_peaks=(summary or {}).get("step_peak_per_host"))
 
 
 def resumed_at(records: Sequence[dict[str, Any]]) -> list[int]:

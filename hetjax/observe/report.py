@@ -95,6 +95,11 @@ def format_text(fig: Figures, out_dir: str) -> str:
     lines.append(f"evaluation: {shown} after step {fig.last_eval_step} "
                  f"({_count(fig.evaluations, 'evaluation')} during training)")
   lines += _device_batch_lines(fig)
+  if fig.step_peaks:
+    mb = lambda n: "?" if n is None else f"{n / 1e6:,.1f}"
+    lines.append("step peak per device, MB (XLA's memory analysis; without sharding within the "
+                 "host): " + ", ".join(f"host {i} {mb(p['bytes'])} ({mb(p['unsharded'])})"
+                                       for i, p in enumerate(fig.step_peaks)))
   if fig.resumes:
     lines.append(f"resumed after step {', '.join(map(str, fig.resumes))} (a restart)")
   lines += goodput_summary.lines(fig.goodput, fig.balancer_saving, causes=None)

@@ -110,14 +110,16 @@ class LocalProgram:
     self._unpack = None if replica is None else jax.jit(
         replica.unpack, out_shardings=meshes.local_replicated)
     if within is not None:
-      self._state_specs = within.state_specs(jax.eval_shape(replica.unpack, {
-          g: jax.ShapeDtypeStruct((size,), jnp.dtype(g)) for g, size in replica.sizes.items()}))
+      self._whole_like = jax.eval_shape(replica.unpack, {
+          g: jax.ShapeDtypeStruct((size,), jnp.dtype(g)) for g, size in replica.sizes.items()})
+      self._state_specs = within.state_specs(self._whole_like)
       self._unpack = jax.jit(jax.shard_map(self._unpack_rows, mesh=meshes.local, in_specs=P(),
                                            out_specs=self._state_specs))
       self._join = jax.jit(jax.shard_map(
           lambda s: s._replace(params=within.join(s.params)), mesh=meshes.local,
           in_specs=(self._state_specs,), out_specs=P(), check_vma=False))
     self._key = None
+    self._unsharded_peak: int | None = None
     # Sums buffers recycled from two steps back: the last step's may still be
     # read (by its reduction, or the thread that times it) while this one runs.
     self._ring: list[jax.Array | None] = [None, None]
@@ -132,6 +134,7 @@ class LocalProgram:
     per_device = {k: v[:self.per_device] for k, v in
                   next(micro_batches(example, self.micro)).items()}
     within = self.within
+    self._build_args = (example, rng, host_width)
     whole_params = state.params if within is None else within.like
     _, metrics, new_state = jax.eval_shape(self._task.loss, whole_params, state.model_state,
                                            per_device, rng)
@@ -280,6 +283,23 @@ class LocalProgram:
       programs.append(self._unpack)
     peaks = [within_lib.peak_bytes(p) for p in programs]
     return None if not peaks or None in peaks else max(peaks)
+
+  def unsharded_peak_bytes(self) -> int | None:
+    """`peak_bytes` of this host's step without sharding within it: on a sharded host its
+    programs compiled whole once, on demand (the figure to compare with); else `peak_bytes`."""
+    if self.within is None or self.layout is None:
+      return self.peak_bytes()
+    if self._unsharded_peak is None:
+      whole = LocalProgram(self._task, self._optimizer, self.meshes, self.per_device,
+                           self.precision, self.blocks_full, self.replica, self.device_batch)
+      state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+          x.shape, x.dtype, sharding=self.meshes.local_replicated), self._whole_like)
+      whole._build(state, *self._build_args)
+      rng = self._build_args[1]
+      whole._update_then_grad = {j: whole._fused_program.lower(
+          self._total_like, whole._micro_like[j], rng).compile() for j in self.ladder.sizes}
+      self._unsharded_peak = whole.peak_bytes()
+    return self._unsharded_peak
 
   def flops_of(self, rows: int) -> float | None:
     """FLOPs this host's devices run for a share of `rows` samples: XLA's cost analysis of

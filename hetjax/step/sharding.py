@@ -398,7 +398,8 @@ def memory_per_device(like: Any, shards: int, optimizer: optax.GradientTransform
   From the arrays' sizes: `unsplit` is every device holding the whole state
   (one replicated update), `split` the sharded update over `shards` devices.
   Under the split update each device holds the whole parameters (the local
-  programs need them) plus its slice of the master parameters, its slice of
+  programs need them) plus its slice of the master parameters (`master_slice`),
+  its slice of
   the optimizer state, and its own gradient sums row (float32, whole: the
   reduction splits it). The whole layout also gathers, for the length of
   the update only, the whole gradients and optimizer state (`transient`).
@@ -413,7 +414,8 @@ def memory_per_device(like: Any, shards: int, optimizer: optax.GradientTransform
     opt_split = sum(split_bytes(x) if s else tree_bytes(x)
                     for x, s in zip(jax.tree.leaves(like.opt_state), kinds))
     master = sum(split_bytes(x) for x in jax.tree.leaves(like.params))
-    out["split"] = {"params": params + master, "opt_state": int(opt_split), "grads": grads}
+    out["split"] = {"params": params, "master_slice": master, "opt_state": int(opt_split),
+                    "grads": grads}
     if layout == "whole":
       out["split"]["transient"] = params + opt + grads
   return out

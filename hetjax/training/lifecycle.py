@@ -300,6 +300,8 @@ class Run:
       self.stream.pop()
     if self.recorder is not None:
       summary.update(goodput_fields(t, self.recorder))
+    if hasattr(t.mode, "step_peak"):  # Every host's, so every host joins the gather.
+      summary["step_peak_per_host"] = step_peaks(t.mode.step_peak(), t.meshes)
     if self.out is not None:
       write_summary(self.out, summary, t.host_id)
     return summary
@@ -382,6 +384,16 @@ def goodput_fields(trainer: Trained, recorder: goodput_record.Recorder) -> dict[
         h.shares[skip:end], h.compute_s[skip:end], h.wait_s[skip:end], h.step_s[skip:end],
         t.config.global_batch, steps=goodput["steps_run"], emulated=t.emulated)
   return {"goodput": goodput, "balancer_saving": goodput_summary.saving_fields(saving)}
+
+
+def step_peaks(mine: dict[str, int | None], meshes: Any) -> list[dict[str, int | None]]:
+  """Every host's `{'bytes', 'unsharded'}` step peak per device, gathered (exact: each
+  figure travels as two float32 parts of 24 bits)."""
+  parts = [p for k in ("bytes", "unsharded") for p in (
+      (-1, 0) if mine[k] is None else divmod(int(mine[k]), 1 << 24))]
+  rows = mesh_lib.gather_host_values(np.asarray(parts, np.float32), meshes)
+  whole = lambda hi, lo: None if hi < 0 else int(hi) * (1 << 24) + int(lo)
+  return [{"bytes": whole(*r[:2]), "unsharded": whole(*r[2:])} for r in rows.tolist()]
 
 
 def params_digest(params: PyTree) -> str:
