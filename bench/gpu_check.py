@@ -55,6 +55,11 @@ Sections, most valuable first:
   exactness       1 process x 1 device (this one) against the two_hosts
                   pair (2 x 1, rerun here if two_hosts did not run):
                   the same parameters up to float reduction order.
+  within_host     bench/memory.py's layer structures (nn.scan + nn.remat,
+                  a Python loop, a jitted loss, NNX) compiled for 1 host
+                  x 4 GPUs on JAX's mocked topology (`jax_mock_gpu_topology`
+                  1x1x4) on this one GPU: a device's step peak with and
+                  without `--shard-within-host`, from the GPU compiler.
 """
 
 from __future__ import annotations
@@ -82,7 +87,11 @@ for _path in (_ROOT, _BENCH):  # hetjax from the source tree; bench/overhead.py 
 import numpy as np  # noqa: E402  (JAX is imported only once the environment is set)
 
 # Most valuable first: the order they run in, and the order the budget serves them.
-SECTIONS = ("overhead", "precision", "two_hosts", "checkpoint", "device_batches", "exactness")
+SECTIONS = ("overhead", "precision", "two_hosts", "checkpoint", "device_batches", "exactness",
+            "within_host")
+# within_host: bench/memory.py's layer structures on one GPU shown as 1 host x 4 GPUs
+# (JAX's mocked topology: the GPU compiler's peaks, no real link), in a child process.
+MOCK_TOPOLOGY, WITHIN_HOST_TIMEOUT_S = "1x1x4", 300
 PRECISIONS = ("fp32", "bf16")
 BACKENDS = ("host", "device")  # two_hosts runs the one every GPU pair can run first.
 RESULT_FILE = "gpu_check.json"
@@ -662,10 +671,30 @@ def precision_section(ctx: Context) -> dict[str, Any]:
   return {"speedup": speedups}
 
 
+def within_host_section(ctx: Context) -> dict[str, Any]:
+  """A device's step peak with and without sharding within a host, per layer structure, from
+  the GPU compiler's memory analysis of a 1 x 4 step on a mocked 4-GPU topology."""
+  import subprocess
+  command = [sys.executable, os.path.join(os.path.dirname(__file__), "memory.py"),
+             "--parts", "structures", "--devices", "4"]
+  env = {**os.environ, "JAX_MOCK_GPU_TOPOLOGY": MOCK_TOPOLOGY}
+  env.pop("XLA_PYTHON_CLIENT_MEM_FRACTION", None)
+  run = subprocess.run(command, env=env, capture_output=True, text=True,
+                       timeout=min(WITHIN_HOST_TIMEOUT_S, max(30.0, ctx.end - time.perf_counter())))
+  rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+  out = {"command": f"JAX_MOCK_GPU_TOPOLOGY={MOCK_TOPOLOGY} " + " ".join(command[1:]),
+         "rows": {r["structure"]: {k: r[k] for k in ("device_batch", "step_peak_off",
+                                                      "step_peak_on", "ratio")} for r in rows}}
+  if run.returncode != 0:
+    out.update(status="failed", error=headline(run.stderr), stderr_tail=run.stderr[-3000:])
+  return out
+
+
 RUNNERS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "overhead": overhead_section, "precision": precision_section,
     "two_hosts": two_hosts_section, "checkpoint": checkpoint_section,
-    "device_batches": device_batches_section, "exactness": exactness_section}
+    "device_batches": device_batches_section, "exactness": exactness_section,
+    "within_host": within_host_section}
 
 
 # ---- The plan ----------------------------------------------------------------
@@ -714,6 +743,8 @@ def plan(profile: Profile, sections: list[str], models: list[str]) -> dict[str, 
     s = profile.two_hosts.size  # The reference here; the pair is two_hosts' when it runs.
     est["exactness"] = 2 * s.compile_s + _steps_s(s, profile.two_hosts.warmup + s.steps) + (
         0 if "two_hosts" in sections else pair_seconds(profile, "host"))
+  if "within_host" in sections:
+    est["within_host"] = WITHIN_HOST_TIMEOUT_S / 2  # Eight trainers of small decoders.
   return {name: round(v, 1) for name, v in est.items()}
 
 
@@ -990,6 +1021,11 @@ def print_table(results: dict[str, Any]) -> None:
             + ", ".join(f"k={k} {r['samples_s']:.1f}/s (x{r['over_k1']:.2f})"
                         for k, r in s["rows"].items()))
       print(f"   auto: {s['auto']['says']}")
+    elif name == "within_host":
+      for structure, r in s.get("rows", {}).items():
+        print(f"   {structure:>5} (device batch {r['device_batch']}): step peak per device "
+              f"{r['step_peak_on'] / 1e6:.1f} MB sharded, {r['step_peak_off'] / 1e6:.1f} MB "
+              f"whole (x{r['ratio']:.2f}; mocked 1 x 4 topology)")
     elif name == "precision":
       for model, r in s.get("speedup", {}).items():
         print(f"   {model:>11}: bf16 over fp32 x{r['hetjax']:.2f} (plain loop x{r['plain']:.2f})")

@@ -57,15 +57,17 @@ def peaks(structure: str, device_batch: int = 1):
 
 def scanned(shard_within_host: str, device_batch, steps: int = 3):
   """The scanned decoder (`nn.scan(nn.remat(Block))`, tied embeddings) trained `steps` steps
-  with sgd: (final parameters as numpy, sharded on this host?)."""
+  with sgd: (final parameters as numpy, sharded on this host?, the summary's step peaks of
+  every host, this host's `memory_per_device`)."""
   if jax.process_count() > 1:
     hetjax.initialize()
   config = trainer.TrainConfig(global_batch=GLOBAL_BATCH, microbatch=2, seed=3,
                                shard_within_host=shard_within_host, device_batch=device_batch)
   tr = trainer.Trainer(layer_models.decoder("scan", width=64, layers=3), optax.sgd(0.1),
                        data.load("tokens"), config)
-  tr.fit(steps)
-  out = (jax.tree.map(np.asarray, tr.params()), tr.mode.local.within is not None)
+  summary = tr.fit(steps)
+  out = (jax.tree.map(np.asarray, tr.params()), tr.mode.local.within is not None,
+         summary["step_peak_per_host"], tr.memory_per_device())
   tr.close()
   return out
 

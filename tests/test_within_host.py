@@ -91,7 +91,13 @@ def test_a_scanned_model_sharded_with_device_batches_keeps_the_math_and_the_repl
   bit-identical replicas, and one device's parameters up to float order."""
   hosts = run_hosts("_within_host_entries:scanned", hosts=2, devices_per_host=2,
                     args=("on,off", (4, 2)), timeout_s=600)
-  assert [sharded for _, sharded in hosts] == [True, False]
+  assert [host[1] for host in hosts] == [True, False]
+  peaks = hosts[0][2]  # Every host's, gathered: the sharded one below its unsharded figure.
+  assert peaks == hosts[1][2] and peaks[0]["bytes"] < peaks[0]["unsharded"], peaks
+  assert peaks[1]["bytes"] == peaks[1]["unsharded"], peaks
+  for memory in (hosts[0][3], hosts[1][3]):  # Split bytes never exceed the unsplit ones.
+    assert all(memory["split"][k] <= memory["unsplit"][k] for k in memory["unsplit"]), memory
+    assert memory["step_peak"] in peaks
   (alone,) = run_hosts("_within_host_entries:scanned", hosts=1, devices_per_host=1,
                        args=("off", 1), timeout_s=600)
   reference = jax.tree.leaves(hosts[0][0])

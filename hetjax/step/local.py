@@ -279,7 +279,7 @@ class LocalProgram:
     """A device's peak bytes over a step: the largest of the compiled programs a step runs
     (XLA's memory analysis; None before the first step or where it gives none)."""
     programs = [*self._grad.values(), *self._update_then_grad.values()]
-    if self.within is not None and not callable(getattr(self._unpack, "lower", None)):
+    if self.within is not None and self.layout is not None:  # Compiled by `_build`.
       programs.append(self._unpack)
     peaks = [within_lib.peak_bytes(p) for p in programs]
     return None if not peaks or None in peaks else max(peaks)
