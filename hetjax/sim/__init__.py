@@ -1,9 +1,6 @@
-"""A cluster simulator at scale, pure numpy, driving the real balancer.
+"""A cluster simulator at scale, pure numpy, driving the real balancer (SIMULATED figures).
 
-`sync` models synchronous steps (the balancer's world); `rounds` models the
-hybrid mode's rounds on the same cluster; `price` what a micro-batch size
-costs on each GPU class (with `ClusterSpec(price=True)`). SIMULATED
-figures, always labelled.
+`sync`: synchronous steps; `rounds`: hybrid rounds; `price`: what a micro-batch size costs.
 """
 
 from hetjax.sim.sync import (ASSUMPTIONS, DEFAULT_MIX, GPU_SPEED, ClusterSpec,  # noqa: F401

@@ -1,29 +1,19 @@
 """What a micro-batch size costs on each GPU class: the simulator's price of small kernels.
 
-Pure numpy, SIMULATED. Without it the simulator charges nothing for small
-micro-batches; a GPU does: ResNet-50 at 8 images per device runs far below
-the device's peak, and every micro-batch is one more program run (and one
-more pass over the gradient accumulator). Three parts, each with its source
-in `ASSUMPTIONS`:
+Pure numpy, SIMULATED: a GPU runs small micro-batches far below its peak, and
+each one is another program run. Sources in `ASSUMPTIONS`:
 
-- throughput per device at a per-device micro-batch `s`:
-  `peak_g * s / (s + HALF_BATCH)`, the saturating curve fitted (relative
-  least squares) to the only public per-batch ResNet-50 figures found for
-  both V100 and A100: NVIDIA Deep Learning Examples, MXNet ResNet-50 v1.5
-  README, "Inference performance" tables, mixed precision, batch 1..256
-  (DGX A100 80GB: 463..6198 img/s; DGX-1 V100 16GB: 286..3362 img/s).
-  Both fit a half-saturation batch of about 11 (A100 10.5, V100 11.1);
-  training runs the same layer shapes forward and backward, so the curve's
-  shape is taken over, and its level is the training throughput the
-  simulator already uses (`GPU_SPEED` x `A100_SAMPLES_PER_S`, read at the
-  large batches of those training figures, 256). H100: no public per-batch
-  figure found; the same shape is assumed.
-- per program run: a launch gap (assumed) plus the gradient accumulation,
-  read accumulator + read gradient + write accumulator of the model's fp32
-  values over the device's memory bandwidth (data sheets).
-- memory: the largest micro-batch that fits is proportional to device memory,
-  192 images per 16 GB (the mixed-precision batch the same README trains
-  ResNet-50 with on V100 16GB), times the memory fraction `auto` may use.
+- per-device throughput at micro-batch `s`: `peak * s / (s + HALF_BATCH)`,
+  fitted (relative least squares) to NVIDIA Deep Learning Examples' MXNet
+  ResNet-50 v1.5 inference tables, mixed precision, batch 1..256 (DGX A100
+  80GB: 463..6198 img/s; DGX-1 V100 16GB: 286..3362 img/s), the only public
+  per-batch figures for both; training runs the same layer shapes, so the
+  shape is taken over at the simulator's training level (read at 256).
+  H100: same shape assumed.
+- per program run: a launch gap (assumed) plus the gradient accumulation
+  (3 x the fp32 values over the memory bandwidth).
+- memory: the largest micro-batch is 192 images per 16 GB (that README's
+  V100 16GB training batch) times the fraction `auto` may use.
 """
 
 from __future__ import annotations

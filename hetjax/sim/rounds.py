@@ -1,17 +1,10 @@
-"""Simulated hybrid rounds (local SGD across hosts) on `hetjax.sim`'s cluster.
+"""SIMULATED hybrid (and elastic: same cost) rounds on `hetjax.sim`'s cluster.
 
-The synchronous simulator answers "how fast is one reduction per step?";
-this answers the same for `--mode hybrid` (and elastic, whose rounds cost
-the same): host i runs `tau_i = max(1, round(H * v_i / v_max))` local steps
-of `local_batch` samples with no collective, the round's barrier falls at
-the last host's finish, then ONE hierarchical all-reduce of the model's
-parameters (`spec.grad_bytes`) and the outer update. It reuses sim.py's
-cost model, noise, persistent slow hosts, slow spells and all-reduce.
-
-It measures THROUGHPUT only: samples per simulated second. Local steps
-trade statistical efficiency for it (a round's update is not a sync step's),
-which no figure here captures; bench/modes.py measures time to accuracy.
-Everything here is SIMULATED.
+Host i runs `tau_i = max(1, round(H * v_i / v_max))` local steps with no
+collective; the round ends at the last finish with ONE all-reduce of the
+parameters and the outer update. Cost model, noise, spells and all-reduce are
+`sim.sync`'s. THROUGHPUT only: what local steps cost in statistical
+efficiency is bench/modes.py's time to accuracy.
 """
 
 from __future__ import annotations
@@ -54,10 +47,8 @@ def _slot_of_steps(tau: int, round_steps: int) -> np.ndarray:
 def spell_spec(spec: sim.ClusterSpec, slot_s: float, seed: int = 0) -> sim.ClusterSpec:
   """`spec` with slow spells per slot of `slot_s` seconds instead of per balanced sync step.
 
-  `sim.simulate` draws spells per step; a round's slots are shorter, so the
-  same rate per slot would mean more and shorter spells per second. Rescaled
-  by slot / (noise-free balanced sync step, all-reduce included), spells
-  start as often and last as long in simulated seconds in both simulators.
+  Rate and length rescaled by slot / (noise-free balanced sync step), so spells are as
+  frequent and as long in simulated seconds as in `sim.simulate`.
   """
   true = spec.costs(seed)
   sync_s = float(true.predict(sim.optimal_shares(spec, seed)).max()) + spec.comm_s()
@@ -72,14 +63,11 @@ def simulate_rounds(spec: sim.ClusterSpec, round_steps: int, rounds: int = 60, *
                     spells_per: str = "time", speed_window: int = SPEED_WINDOW) -> RoundsResult:
   """Runs `rounds` hybrid rounds of `round_steps` (H); throughput counts rounds from `measure_from`.
 
-  Noise and slow spells are drawn per slot, one local step of the fastest
-  host. `spells_per='time'` rescales the spells' rate and length so that
-  they are as frequent and as long in simulated seconds as in `sim.simulate`
-  (`spell_spec`); `'slot'` takes them per slot as `sim.simulate` does per
-  step, so with H = 1 a round is exactly a sync step of the equal split
-  under the same seed. Taus come from the median of the last `speed_window`
-  rounds' step times, as the trainer's; `adapt=False` keeps the cost model's
-  taus all run; `comm` and `outer_update` False leave those parts out.
+  Noise and spells are drawn per slot (one local step of the fastest host):
+  `spells_per='time'` rescales them (`spell_spec`); `'slot'` does not, so H = 1
+  is exactly a sync step of the equal split under the same seed. Taus come from
+  the median of the last `speed_window` rounds, as the trainer's; `adapt=False`
+  keeps the cost model's; `comm` and `outer_update` False leave those parts out.
   """
   if round_steps < 1:
     raise ValueError(f"round_steps (H) must be >= 1, got {round_steps}; H = 1 is one local "
@@ -109,8 +97,6 @@ def simulate_rounds(spec: sim.ClusterSpec, round_steps: int, rounds: int = 60, *
     rows = factors[r * round_steps:(r + 1) * round_steps]
     compute = np.array([step_s[i] * rows[_slot_of_steps(t, round_steps), i].sum()
                         for i, t in enumerate(taus)])
-    # Every host's local steps end at its own time; the one reduction starts at
-    # the last arrival, then every host applies the outer update.
     round_s[r] = float(compute.max()) + comm_s + outer_s
     compute_all[r] = compute
     taus_all.append(taus)

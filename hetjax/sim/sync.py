@@ -1,13 +1,9 @@
-"""A simulated synchronous data-parallel cluster that drives the real balancer.
+"""A SIMULATED synchronous cluster that drives the trainer's own `ProfilingBalancer`.
 
-Pure numpy, no JAX: it answers "what would balancing buy on N hosts of these
-GPUs?" for N up to 1024 in seconds, with the very `ProfilingBalancer` the
-trainer uses. Each step is a small discrete-event sequence: every host
-finishes its local compute at its own time, the step's barrier falls at the
-last finish, then a hierarchical all-reduce runs (inside each host over
-NVLink, then between hosts over the network, then inside each host again),
-as hetjax does: the collective follows the local program, no overlap.
-Everything here is SIMULATED; `ASSUMPTIONS` lists what the figures rest on.
+Pure numpy: "what would balancing buy on N hosts of these GPUs?" for N up to
+1024 in seconds. A step ends at the last host's finish plus a hierarchical
+all-reduce (NVLink, network, NVLink), not overlapped, as hetjax does.
+`ASSUMPTIONS` lists what the figures rest on.
 """
 
 from __future__ import annotations
@@ -69,10 +65,9 @@ def ring_allreduce_s(num_hosts: int, nbytes: float, bandwidth: float, latency_s:
 
 def tree_allreduce_s(num_hosts: int, nbytes: float, bandwidth: float, latency_s: float) -> float:
   """Pipelined double binary tree (NCCL): `2 log2(N) latency + 2 bytes / bandwidth`."""
-  n = num_hosts
-  if n <= 1:
+  if num_hosts <= 1:
     return 0.0
-  return 2 * math.ceil(math.log2(n)) * latency_s + 2 * nbytes / bandwidth
+  return 2 * math.ceil(math.log2(num_hosts)) * latency_s + 2 * nbytes / bandwidth
 
 
 def hierarchical_allreduce_s(gpus: Sequence[str], devices_per_host: int, nbytes: float,
@@ -80,10 +75,8 @@ def hierarchical_allreduce_s(gpus: Sequence[str], devices_per_host: int, nbytes:
                              algorithm: str = "auto") -> float:
   """Reduce-scatter inside each host over NVLink, all-reduce between hosts, all-gather inside.
 
-  Inside a host the phase ends when the slowest host's NVLink finishes;
-  between hosts each GPU's 1/d shard crosses the host's one NIC, so the NIC
-  carries the whole gradient (`algorithm`: 'ring', 'tree' or 'auto', the
-  faster, as NCCL picks).
+  The NVLink phases end at the slowest host's NVLink; between hosts the NIC
+  carries the whole gradient. `algorithm`: 'ring', 'tree' or 'auto' (the faster, as NCCL).
   """
   d = devices_per_host
   intra = 0.0
@@ -109,33 +102,24 @@ class ClusterSpec:
     microbatch: samples per device per micro-batch (granularity = this x devices).
     per_host_batch: global batch = this x hosts (weak scaling).
     host_overhead_s: per-step host-side cost of a host that runs any micro-batch.
-    optimizer_bytes: bytes the optimizer update moves per GPU (param, grad,
-      momentum read; param, momentum written: 5 x 4 B x 25.6 M).
+    optimizer_bytes: bytes the update moves per GPU (5 x 4 B x 25.6 M: param,
+      grad, momentum read; param, momentum written).
     noise: sigma of the log-normal step-time noise.
-    persistent_fraction: share of hosts slower for the whole run.
-    persistent_slowdown: their compute-time factor.
-    straggler_rate: chance per host and step that a transient slow spell starts.
-    straggler_steps: mean length of a slow spell (geometric).
-    straggler_slowdown: compute-time factor during a slow spell.
-    spell_group: hosts that share each slow spell (consecutive hosts, e.g. a
-      rack behind one switch or one power feed); 1 = independent hosts.
+    persistent_fraction, persistent_slowdown: share of hosts slower for the whole run, and by how much.
+    straggler_rate, straggler_steps, straggler_slowdown: chance per host and step that a slow
+      spell starts, its mean (geometric) length, its compute-time factor.
+    spell_group: consecutive hosts that share each spell (a rack); 1 = independent.
     grad_bytes: bytes all-reduced per step (ResNet-50: 25.6 M fp32 values).
-    bandwidth: bytes/s of each host's network link (25 GB/s = 200 Gb/s).
-    latency_s: per-hop latency between hosts.
+    bandwidth, latency_s: each host's network link (25 GB/s = 200 Gb/s), per-hop latency.
     algorithm: inter-host all-reduce: 'auto' (faster of ring and tree), 'ring', 'tree'.
-    device_batches: blocks (micro-batches of `microbatch`) per device per
-      program, one per host; None = 1 everywhere. A share runs as full
-      programs plus the remainder through `k/2, ..., 1` (balancer ladders).
-    price: charge for micro-batch size (`hetjax.sim.price`): throughput
-      that saturates with the per-device micro-batch, and a cost per program
-      run. Off, a sample costs the same in any micro-batch (every host's
-      device batch 1).
-    shard_within_host: per host, parameters split over its devices
-      (`--shard-within-host`); None = off everywhere. A sharded host's every
-      program run adds `within_host_s`.
+    device_batches: blocks per device per program, one per host (None = 1); a share
+      runs as full programs plus the remainder through `k/2, ..., 1` (balancer ladders).
+    price: charge for micro-batch size (`hetjax.sim.price`); off, a sample costs
+      the same in any micro-batch (device batch 1 everywhere).
+    shard_within_host: per host, parameters split over its devices (None = off);
+      each program run of a sharded host adds `within_host_s`.
     param_bytes: bytes of the parameters a sharded host gathers (ResNet-50 fp32).
-    intra_host_bandwidth: bytes/s of each device's link inside a host; None =
-      the host's NVLink (`NVLINK_BYTES_PER_S`).
+    intra_host_bandwidth: bytes/s of a device's link inside a host; None = NVLink.
   """
 
   gpus: tuple[str, ...]
@@ -215,11 +199,8 @@ class ClusterSpec:
   def within_host_s(self, host: int) -> float:
     """Seconds each program run of `host` spends in within-host sharding's collectives.
 
-    The forward pass gathers every leaf, the backward pass gathers it again
-    (nothing gathered is kept) and the gradients leave by a reduce-scatter:
-    three collectives, each moving `(d - 1) / d` of the parameter bytes over
-    a device's link. Not overlapped with compute (an upper bound). 0 when the
-    host does not shard or has one device.
+    Gather (forward), gather again (backward) and reduce-scatter (gradients),
+    each `(d - 1) / d` of the parameter bytes, not overlapped (an upper bound).
     """
     d = self.devices_per_host
     if not (self.shard_within_host and self.shard_within_host[host]) or d < 2:
@@ -287,8 +268,7 @@ def fresh_spells(spec: ClusterSpec, steps: int, seed: int, within: int) -> np.nd
   began = slow & ~np.vstack([np.zeros((1, spec.num_hosts), bool), slow[:-1]])
   fresh = np.zeros_like(slow)
   for lag in range(within + 1):
-    shifted = np.vstack([np.zeros((lag, spec.num_hosts), bool), began[:steps - lag]])
-    fresh |= shifted
+    fresh |= np.vstack([np.zeros((lag, spec.num_hosts), bool), began[:steps - lag]])
   return fresh & slow
 
 
@@ -337,11 +317,9 @@ def simulate(spec: ClusterSpec, bal: balancer_lib.Balancer, steps: int = 60, *,
              comm_s: float | None = None) -> SimResult:
   """Runs `steps` synchronous steps; throughput counts steps from `measure_from`.
 
-  The same `seed` gives the same noise, persistent slow hosts and slow spells
-  to every mode, so modes are compared on identical conditions. `comm=False`
-  leaves the all-reduce out (for the breakdown of a figure); `costs` and
-  `comm_s` replace the GPU-class model with measured values (the replay of
-  an emulated cluster in bench/validate_sim.py).
+  One `seed` gives every mode the same noise and slow hosts. `comm=False` leaves the
+  all-reduce out; `costs` and `comm_s` replace the GPU-class model with measured
+  values (bench/validate_sim.py).
   """
   if not 0 <= measure_from < steps:
     raise ValueError(f"measure_from ({measure_from}) must be in [0, steps={steps}).")
@@ -353,8 +331,7 @@ def simulate(spec: ClusterSpec, bal: balancer_lib.Balancer, steps: int = 60, *,
   for step in range(steps):
     shares = bal.shares(step)
     compute = true.predict(shares) * factors[step]
-    # Every host's local program ends at its own time; the collective starts at
-    # the last arrival, and the step ends when it does.
+    # The collective starts at the last host's arrival.
     step_s[step] = float(compute.max()) + comm_s
     compute_all[step] = compute
     seen.append(tuple(shares))
@@ -388,12 +365,8 @@ def auto_device_batches(spec: ClusterSpec, fraction: float = price_lib.MEMORY_FR
 
 def ideal_best_device_batch_samples_per_s(spec: ClusterSpec, seed: int | None = None,
                                           fraction: float = price_lib.MEMORY_FRACTION) -> float:
-  """Sum of the hosts' own throughputs at `per_host_batch`, each alone at its best device batch.
-
-  Each host runs its `per_host_batch` samples as programs of one per-device
-  micro-batch `s` (every size that fits memory, no block size imposed: the
-  bound of any `m` and `k`), plus its fixed cost; no collective, no waiting.
-  """
+  """Sum of the hosts' own throughputs at `per_host_batch`, each alone at its best
+  per-device micro-batch (any size that fits memory: the bound of any `m` and `k`)."""
   priced = dataclasses.replace(spec, price=True)
   factor = np.ones(spec.num_hosts) if seed is None else spec.persistent(seed)
   fixed, thr = spec.fixed_s(), priced.gpu_samples_per_s()
