@@ -92,31 +92,23 @@ class TrainConfig:
     check_every: compare every host's parameter fingerprint every this many
       steps and at every checkpoint (0: only at checkpoints).
     precision: compute type, 'fp32', 'bf16' or 'fp16' (loss scaling).
-    watchdog_s: the deadline of a wait on the other hosts: a step may make no
-      progress for this many seconds, evaluation, checkpoints and agreement
-      checks 3 x, building and the first steps 10 x; past it the job stops,
-      naming the hosts that held it up (`hetjax.cluster.watchdog`); None: the
-      larger of 20 x the median step and 5 minutes; 0: no stall checks.
-    device_batch: blocks per device in a host's largest micro-batch (its
-      device batch `k`): one value for every host, one per host (e.g.
-      (16, 8, 2)), or 'auto' (each host picks from its device's memory and
-      speed, `hetjax.step.device_batch`). The blocks stay separate blocks, so
-      the math does not depend on it; a share runs as programs of `k, k/2,
-      ..., 1` blocks per device, all compiled at start.
+    watchdog_s: seconds a step may wait on the other hosts without progress
+      (evaluation, checkpoints, checks 3 x; building, first steps 10 x); past it
+      the job stops naming the hosts that held it up; None: max(20 x the median
+      step, 5 minutes); 0: no stall checks.
+    device_batch: blocks per device in a host's largest program (its device
+      batch `k`): one for every host, one per host (e.g. 16,8,2), or 'auto'
+      (from each device's memory and speed). The blocks stay separate, so the
+      math does not depend on it; programs of `k, k/2, ..., 1` are compiled.
     device_batch_memory_fraction: under 'auto', the share of a device's
       memory the largest micro-batch may fill.
-    update_layout: how the sharded update (more than one device) lays out
-      the optimizer: 'auto' (probe the optimizer at start: slices for an
-      element-wise one, whole leaves for one whose update depends on leaf
-      shapes), 'whole' (skip the probe) or 'sliced' (refuse an optimizer
-      that needs whole leaves). Every choice computes what one device would.
-    shard_within_host: 'off' (default: every device holds the whole
-      parameters, no gathers), 'on' (a host of several devices keeps its
-      parameters and gradient sums split over them, gathering each leaf where
-      the loss uses it), 'auto' (on only where the whole state does not fit
-      `device_batch_memory_fraction` of the device's memory), or one per host
-      ('off,off,on'). What crosses hosts and the math do not change
-      (`hetjax.step.within_host`).
+    update_layout: the sharded update's optimizer layout: 'auto' (probed:
+      slices for an element-wise optimizer, else whole leaves), 'whole' or
+      'sliced' (refuses an optimizer that needs whole leaves); all exact.
+    shard_within_host: 'off' (default), 'on' (a host keeps its parameters and
+      gradient sums split over its devices, gathered where used), 'auto' (on
+      where the whole state does not fit `device_batch_memory_fraction` of a
+      device), or one per host ('off,off,on'); the math does not change.
     device_memory: a device's memory in GB for 'auto', where the backend
       reports none (XLA:CPU): an emulated limit, labelled so where reported.
 
