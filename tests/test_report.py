@@ -17,7 +17,10 @@ def _run_folder(path, records, summary=True):
   if summary:
     (path / "summary.json").write_text(json.dumps(
         {"steps": len(records), "balancer_mode": "dynamic", "emulated_speeds": True,
-         "balancer_decisions": fixture.DECISIONS, "device_batches": [8, 4, 1]}))
+         "balancer_decisions": fixture.DECISIONS, "device_batches": [8, 4, 1],
+         "step_peak_per_host": [{"bytes": 22_834_140, "unsharded": 53_789_960},
+                                {"bytes": 53_789_960, "unsharded": 53_789_960},
+                                {"bytes": None, "unsharded": None}]}))
   return path
 
 
@@ -63,6 +66,8 @@ def test_report_on_a_recorded_run(tmp_path, capsys):
     assert f"{own[i]:13,.1f}  {records[-1]['shares'][i]:10d}  {idle[i]:.1%}" in text
   assert "dynamic, 3 moves after warm-up (6 decisions); the split changed 3 times" in text
   assert "device batches (blocks per device per program): 8/4/1" in text
+  assert ("step peak per device, MB (XLA's memory analysis; without sharding within the host): "
+          "host 0 22.8 (53.8), host 1 53.8 (53.8), host 2 ? (?)") in text
 
 
 def test_a_crashed_run_without_summary_still_reports(tmp_path, capsys):
@@ -72,7 +77,7 @@ def test_a_crashed_run_without_summary_still_reports(tmp_path, capsys):
   assert report.main([str(out)]) == 0
   text = capsys.readouterr().out
   assert "12 steps" in text and "balancer: unknown (summary.json missing" in text
-  assert "device batches" not in text
+  assert "device batches" not in text and "step peak" not in text
   assert (out / "report.png").stat().st_size > 0
 
 

@@ -40,10 +40,10 @@ def estimate(task: Task, params: PyTree, model_state: PyTree, example: dict[str,
 
   Without: the parameters, the pending packed replica (parameters and
   model state), the sums row (float32, one value per parameter) and the
-  one-block program's temporaries. With: the parameters as rows, the same
+  one-block program's temporaries. With: the parameters as slabs, the same
   replica and row, and the temporaries less the whole gradient tree (the
-  gradients arrive as rows); an estimate, the compiled local program's
-  `memory_analysis()` is the measure (`bench/memory.py`).
+  gradients arrive as slabs); an estimate: `LocalProgram.peak_bytes`
+  (XLA's `memory_analysis()`) is the measure (`bench/memory.py`).
   """
   params, model_state = jax.device_put((params, model_state), device)
   block = {k: np.repeat(np.asarray(v)[:1], microbatch, axis=0)[None] for k, v in example.items()}
