@@ -256,6 +256,12 @@ class Trainer:
       fields = self.mode.summary_fields()  # First: the last steps' late figures arrive.
       return {**lifecycle.summary(self, digest=digest), **fields}
 
+  def step_peak(self) -> dict[str, int | None] | None:
+    """This host's step peak bytes per device, XLA's memory analysis of the largest program
+    a step runs, and the same step's without sharding within the host (`unsharded`); None
+    in the rounds modes. summary.json holds every host's (`step_peak_per_host`)."""
+    return self.mode.step_peak() if hasattr(self.mode, "step_peak") else None
+
   def params(self) -> PyTree:
     """The current parameters as host numpy arrays (this host's copy)."""
     return lifecycle.host_copy(self.mode.current()[0])

@@ -58,7 +58,7 @@ def peaks(structure: str, device_batch: int = 1):
 def scanned(shard_within_host: str, device_batch, steps: int = 3):
   """The scanned decoder (`nn.scan(nn.remat(Block))`, tied embeddings) trained `steps` steps
   with sgd: (final parameters as numpy, sharded on this host?, the summary's step peaks of
-  every host, this host's `memory_per_device`)."""
+  every host, this host's `memory_per_device` and `Trainer.step_peak`)."""
   if jax.process_count() > 1:
     hetjax.initialize()
   config = trainer.TrainConfig(global_batch=GLOBAL_BATCH, microbatch=2, seed=3,
@@ -67,7 +67,7 @@ def scanned(shard_within_host: str, device_batch, steps: int = 3):
                        data.load("tokens"), config)
   summary = tr.fit(steps)
   out = (jax.tree.map(np.asarray, tr.params()), tr.mode.local.within is not None,
-         summary["step_peak_per_host"], tr.memory_per_device())
+         summary["step_peak_per_host"], tr.mode.memory_per_device(), tr.step_peak())
   tr.close()
   return out
 

@@ -98,6 +98,7 @@ def test_a_scanned_model_sharded_with_device_batches_keeps_the_math_and_the_repl
   for memory in (hosts[0][3], hosts[1][3]):  # Split bytes never exceed the unsplit ones.
     assert all(memory["split"][k] <= memory["unsplit"][k] for k in memory["unsplit"]), memory
     assert memory["step_peak"] in peaks
+  assert [host[4] for host in hosts] == peaks
   (alone,) = run_hosts("_within_host_entries:scanned", hosts=1, devices_per_host=1,
                        args=("off", 1), timeout_s=600)
   reference = jax.tree.leaves(hosts[0][0])
