@@ -1,20 +1,12 @@
 """The trainer's per-step records, bounded: a window of recent steps plus running totals.
 
-One history for every trainer: the sync steps (`hetjax.Trainer`) and the
-rounds of the rounds modes, which record a round as a step (shares: the
-samples each host processed) plus their own per-host series (`series`:
-taus, spreads).
+A million-step run must not keep a million per-host rows: complete records go
+to metrics.jsonl (`metrics.RecordStream`); here only the last steps stay, and
+what the summary needs of older ones is folded into totals (`Folded`). The
+rounds modes record a round as a step, with their own per-host `series`.
 
-A million-step run must not keep a million per-host rows in memory: the
-complete per-step records go to metrics.jsonl as they complete (one step
-late, see `hetjax.observe.metrics.RecordStream`); here only the last steps stay, for
-the progress line, tests and the summary, and what the summary needs of the
-older steps is folded into running totals (`Folded`) as they are dropped.
-
-Indices: entry `k` of the lists is the run's history index `dropped + k`
-(history index 0 is the first step this trainer ran). The lists are for
-reading; a trainer writes a step with `record` and its late figures with
-`arrived`, and the history keeps itself within its window.
+Entry `k` of the lists is history index `dropped + k` (0: this trainer's first
+step). Write with `record` and `arrived`; the lists are for reading.
 """
 
 from __future__ import annotations
@@ -47,11 +39,9 @@ class Folded:
 class History:
   """Per-step records of the recent steps; `compute_s` and `wait_s` are `[steps][hosts]`.
 
-  `wait_s` lags behind the others, and so may `compute_s` and a series: a
-  sync step's compute and wait seconds are measured off the critical path
-  and travel in the collective two steps later, a round's wait and spread
-  one round later (or in the final small collective of `summary`). What
-  lags arrives through `arrived`, in step order.
+  `wait_s` (and maybe `compute_s` and a series) lags: a sync step's travels in
+  the collective two steps later, a round's one round later (the last in
+  `summary`'s). It arrives through `arrived`, in step order.
 
   Example:
     >>> h = History(series={"tau": []})
@@ -82,10 +72,7 @@ class History:
 
   def record(self, shares: Sequence[int], step_s: float, loss: float,
              metrics: dict[str, float], **per_host: Sequence[float]) -> None:
-    """Appends one step; `per_host`: the `[hosts]` columns known now (`compute_s`, a series).
-
-    Older steps are folded into the totals as the window fills (`trim`).
-    """
+    """Appends one step; `per_host`: the `[hosts]` columns known now (`compute_s`, a series)."""
     self.shares.append(tuple(shares))
     self.step_s.append(float(step_s))
     self.loss.append(float(loss))
@@ -95,11 +82,8 @@ class History:
     self.trim()
 
   def arrived(self, index: int, **per_host: Sequence[float]) -> None:
-    """The lagging `[hosts]` figures (`wait_s`, ...) of history index `index`.
-
-    They arrive in step order; figures for a step that already has them, or
-    for none yet recorded, are ignored, so a caller need not count.
-    """
+    """The lagging `[hosts]` figures (`wait_s`, ...) of history index `index`, in step order;
+    ignored for a step that has them or is not recorded, so a caller need not count."""
     if index != self.dropped + len(self.wait_s) or index >= self.steps:
       return
     for name, values in per_host.items():
@@ -120,11 +104,8 @@ class History:
     return self.dropped + len(self.shares)
 
   def trim(self, warmup: int | None = None, window: int | None = None) -> None:
-    """Folds all but the last `window` steps into the totals, once the lists reach 2x.
-
-    Only steps whose wait is known are dropped (the record stream has made
-    their records by then).
-    """
+    """Folds all but the last `window` steps into the totals, once the lists reach 2x; only
+    steps whose wait is known (their records made) are dropped."""
     warmup = self.warmup if warmup is None else warmup
     window = window or self.window or WINDOW
     cut = min(len(self.shares) - window, len(self.wait_s))
@@ -170,12 +151,10 @@ class History:
   def per_host(self, hosts: int, warmup: int | None = None) -> list[dict[str, Any]]:
     """Each host's window lists (`batch`: its shares, `compute_s`, `wait_s`, each series) and,
     with `warmup`, the part of its busy seconds after warm-up it waited (`idle_fraction`)."""
-    out = []
-    for i in range(hosts):
-      row = {"batch": [s[i] for s in self.shares], "compute_s": [c[i] for c in self.compute_s],
-             "wait_s": [w[i] for w in self.wait_s],
-             **{name: [v[i] for v in values] for name, values in self.series.items()}}
-      out.append(row)
+    out = [{"batch": [s[i] for s in self.shares], "compute_s": [c[i] for c in self.compute_s],
+            "wait_s": [w[i] for w in self.wait_s],
+            **{name: [v[i] for v in values] for name, values in self.series.items()}}
+           for i in range(hosts)]
     if warmup is not None:
       _, _, compute, wait = self.steady_totals(warmup, hosts)
       for i, row in enumerate(out):

@@ -1,12 +1,8 @@
 """Per-step metrics on disk: OUT/metrics.jsonl and TensorBoard event files.
 
-One record per step, in the schema below (`RECORD_KEYS`). The trainer emits
-it two steps late, because the wait of step `s` travels in the collective of
-step `s + 2` (`RecordStream` does that bookkeeping), and the last ones at
-close. Only process 0 writes.
-
-TensorBoard scalars go through `tensorboardX`, the maintained event writer
-that needs no TensorFlow (it replaced a hand-written TFRecord/crc32c one).
+One record per step (`RECORD_KEYS`), emitted two steps late: the wait of step
+`s` travels in the collective of step `s + 2` (`RecordStream`). Only process 0
+writes. TensorBoard goes through `tensorboardX` (no TensorFlow needed).
 
 Example:
   >>> with MetricsWriter("runs/latest") as writer:
@@ -102,12 +98,7 @@ def validate_record(record: dict[str, Any]) -> dict[str, Any]:
     raise ValueError(f"{where}: missing key(s) {missing}, unknown key(s) {unknown}; the schema "
                      "is hetjax.observe.metrics.RECORD_KEYS (change it there and in its readers together).")
   out: dict[str, Any] = {}
-  for key, kind in RECORD_KEYS.items():
-    check, convert, want = _KINDS[kind]
-    if not check(record[key]):
-      raise ValueError(f"{where}: {key!r} must be {want}, got {record[key]!r}.")
-    out[key] = convert(record[key])
-  for key, kind in OPTIONAL_KEYS.items():
+  for key, kind in {**RECORD_KEYS, **OPTIONAL_KEYS}.items():
     if key in record:
       check, convert, want = _KINDS[kind]
       if not check(record[key]):
@@ -151,11 +142,9 @@ def read_records(path: str) -> list[dict[str, Any]]:
 class RecordStream:
   """Turns the trainer's growing `History` into complete per-step records.
 
-  A record for history index `i` is complete once `wait_s[i]` is known: one
-  step late, and for the last step after `Trainer.summary()` gathered it.
-  `time_s` is the running sum of `step_s` (seconds spent in steps). A new
-  stream starts after the records already complete, so each `fit` call can
-  make its own.
+  A record is complete once its `wait_s` is known (one step late; the last one
+  after `Trainer.summary()`). `time_s` sums `step_s`. A stream starts after the
+  records already complete, so each `fit` call can make its own.
   """
 
   def __init__(self, history: Any, *, global_batch: int | None, emulated: bool, first_step: int = 0,
@@ -171,16 +160,14 @@ class RecordStream:
     """
     self._history, self._sinks, self._extra = history, list(sinks), extra
     self._global_batch, self._emulated, self._first_step = global_batch, emulated, first_step
-    # Records complete before this stream began were someone else's to emit
-    # (an earlier `fit` call); the clock keeps running from them.
-    # A bounded history (hetjax.observe.history) drops old steps: index i is entry i - dropped.
+    # Records complete before this stream were an earlier `fit`'s; the clock runs on from them.
+    # A bounded history drops old steps: index i is entry i - dropped.
     self._next = self._ready()
     kept = self._next - self._dropped()
-    folded = getattr(getattr(history, "folded", None), "time_s", 0.0)
-    self._time_s = folded + float(sum(history.step_s[:kept]))
+    self._time_s = history.folded.time_s + float(sum(history.step_s[:kept]))
 
   def _dropped(self) -> int:
-    return getattr(self._history, "dropped", 0)
+    return self._history.dropped
 
   def _ready(self) -> int:
     h = self._history
@@ -202,12 +189,10 @@ class RecordStream:
           "step_s": h.step_s[k], "global_batch": batch, "shares": list(h.shares[k]),
           "compute_s": list(h.compute_s[k]), "wait_s": list(h.wait_s[k]),
           "emulated": self._emulated}
-      lr = getattr(h, "lr", {})
-      if lr.get(i) is not None:
-        record["lr"] = lr[i]
-      evals = getattr(h, "evals", {})
-      if i in evals:
-        record["eval"] = evals[i]
+      if h.lr.get(i) is not None:
+        record["lr"] = h.lr[i]
+      if i in h.evals:
+        record["eval"] = h.evals[i]
       records.append(validate_record(record))
     self._next = max(self._next, ready)
     for record in records:
@@ -236,11 +221,10 @@ def scalars_of(record: dict[str, Any]) -> dict[str, float]:
 
 
 class MetricsWriter:
-  """Writes each step's record to OUT/metrics.jsonl and OUT/tensorboard/.
+  """Writes each step's record to OUT/metrics.jsonl and OUT/tensorboard/ (process 0 only).
 
-  Only process 0 should build one. Every line is flushed as it is written,
-  so a run that crashes keeps every step it finished. A NaN loss is written
-  as `NaN` (Python's json reads it back; it is the signal, not an error).
+  Every line is flushed, so a crashed run keeps every step it finished. A NaN
+  loss is written as `NaN` (Python's json reads it back; it is the signal).
   """
 
   def __init__(self, out_dir: str, *, tensorboard: bool = True, resume_step: int | None = None):

@@ -1,8 +1,7 @@
 """One progress line for the whole job, printed by process 0 only.
 
-On a terminal the line is rewritten in place (`\\r`); in a log (not a TTY) a
-plain line is printed every `every` steps, so log files stay readable. Every
-host sees the same records, so one host speaking for all loses nothing.
+On a terminal the line is rewritten in place (`\\r`); in a log, a plain line
+every `every` steps. Every host sees the same records, so one speaks for all.
 
 Example:
   >>> progress = Progress(total_steps=1000, host_id=jax.process_index())
@@ -83,10 +82,8 @@ class Progress:
     self._width = 0
 
   def eta_s(self, record: dict[str, Any]) -> float:
-    """Seconds left: steps left times the mean duration of recent steps.
-
-    The first steps compile; they count only until later steps are known.
-    """
+    """Seconds left: steps left times the mean of recent steps (the compiling first
+    steps count only until later ones are known)."""
     left = max(0, self.total_steps - record["step"])
     return left * sum(self._recent) / len(self._recent) if self._recent else float("inf")
 
@@ -149,7 +146,6 @@ class _Lines:
 
 def log_sink(total_steps: int, *, host_id: int, every: int,
              log: Callable[[str], Any] = print) -> Callable[[dict[str, Any]], None]:
-  """The progress line of `hetjax train`, every `every` steps, through `log`: what
-  `Trainer.fit(log_every=N)` prints, so the API and the CLI show the same line
-  (loss, evaluation, learning rate, samples/s, shares, ETA)."""
+  """`Trainer.fit(log_every=N)`'s sink: `hetjax train`'s progress line every `every` steps,
+  through `log`, so the API and the CLI show the same line."""
   return Progress(total_steps, host_id=host_id, stream=_Lines(log), every=every, tty=False).update

@@ -1,27 +1,17 @@
 """`hetjax train --wandb PROJECT`: the run in Weights & Biases, from host 0.
 
-Host 0 logs the resolved configuration (what OUT/config.yaml holds), every
-record OUT/metrics.jsonl gets (as the TensorBoard scalars: loss, samples/s,
-metrics/*, eval/*, lr, host<i>/share, host<i>/compute_s, host<i>/wait_s, at
-the record's step), the summary's figures (with where the job's time went:
-goodput, badput_s/<cause>, host<i>/flops_per_s, balancer_saving/*), and the
-report picture at the end. The other hosts log nothing: their records are
-the same, and only host 0 builds a `WandbRun` (`hetjax.cli.commands`).
+Host 0 alone (the others' records are the same) logs the resolved config, every
+metrics record as its TensorBoard scalars, the summary's figures (goodput,
+badput_s/<cause>, host<i>/flops_per_s, balancer_saving/*) and the report picture.
 
-A job that resumes from a checkpoint (a requeue, a launcher's restart, the
-same command again) continues the same W&B run: its id is kept in
-OUT/wandb_run_id and passed back with `resume="allow"`. Whether the job
-resumed is read from its first record (a step after 1), so the run opens
-with that record; a job that starts afresh in the same OUT gets a new run,
-as its metrics.jsonl starts afresh. Steps redone after a crash (those after
-the checkpoint that a lost attempt had logged) are dropped by W&B, which
+A resumed job continues the same W&B run: its id is kept in OUT/wandb_run_id
+and passed back with `resume="allow"`; whether it resumed is read from its first
+record (a step after 1). Steps redone after a crash are dropped by W&B, which
 keeps a run's steps increasing.
 
-`wandb` is an optional extra (`pip install 'hetjax[wandb]'`); `check_installed`
-says so before JAX starts. `WANDB_MODE=offline` (or `disabled`), the API key
-and the entity come from wandb's own environment variables. Console capture
-is off: wandb would otherwise wrap stdout and stderr, which the progress
-line and the launchers' per-host prefixes own.
+`wandb` is an optional extra (`check_installed` says so before JAX starts); the
+mode, API key and entity come from wandb's own environment variables. Console
+capture is off: the progress line and the launchers' host prefixes own stdout.
 """
 
 from __future__ import annotations
@@ -72,14 +62,10 @@ class _NotOpened:
 class WandbRun:
   """One W&B run fed like a metrics sink: `run(record)` per step, `finish()` at the end.
 
-  The run opens with the first record: a continuation of the kept run when
-  that record's step shows the job resumed, else a new run.
-
   Args:
     project: the W&B project.
     config: the resolved configuration (nested dicts, as OUT/config.yaml).
-    out_dir: the run folder; wandb's own files go under OUT/wandb, the run's
-      id in OUT/wandb_run_id.
+    out_dir: the run folder (wandb's files under OUT/wandb, the id in OUT/wandb_run_id).
     name: the run's display name (default: W&B's own).
   """
 
@@ -120,7 +106,6 @@ class WandbRun:
     if summary:
       self._run.summary.update({k: v for k, v in summary.items()
                                 if isinstance(v, (int, float, str, bool)) or v is None})
-      # Where the job's time went: goodput, badput_s/<cause>, host<i>/flops_per_s, the saving.
       self._run.summary.update(goodput_summary.flat(summary.get("goodput"),
                                                     summary.get("balancer_saving")))
     self._run.finish()
