@@ -1,20 +1,13 @@
-"""A host that JAX aborts says so in one line; its C++ report goes to a file.
+"""A host that JAX aborts says so in one line; the C++ report goes to OUT/host<i>-error.log.
 
 JAX ends a host with a C++ fatal error (SIGABRT) when the coordination
-service is gone or declares a peer dead: some 30 lines of gRPC detail and C++
-stack, no Python exception, nothing hetjax can catch. So a hetjax host's
-stderr passes through a small relay process of its own (`start`):
-
-    python -I hetjax/cluster/abort_report.py LOG_PATH
-
-It copies the stderr through, except JAX's fatal line (`F1205 20:50:02.7 335
-client.h:86] ...`, or Python's `Fatal Python error`) and what follows: that
-report, the native log lines just before it and every thread's Python stack
-(`faulthandler`) go to LOG_PATH (`OUT/host<i>-error.log`, as for a lost
-peer), and the host says one line instead. Native log lines wait HOLD_S
-before they pass, so that those that lead to a fatal error go with it.
-
-Stdlib only, and no hetjax import: the relay runs isolated (`python -I`).
+service is gone or declares a peer dead: ~30 lines of gRPC detail and stack
+that Python never sees. So a multi-host host's stderr passes through a relay
+process (`start`; `python -I abort_report.py LOG_PATH`) that copies it
+through, except from JAX's fatal line on: that report, the native log lines
+just before it (they wait HOLD_S) and every thread's Python stack
+(`faulthandler`) go to LOG_PATH, and the host says one line instead, as for
+a lost peer (`lost_peer`). Stdlib only, no hetjax import (it runs `-I`).
 """
 
 from __future__ import annotations

@@ -1,32 +1,22 @@
 """JAX's coordination service in a process of its own, beside the hosts rather than inside host 0.
 
-`jax.distributed.initialize` starts the coordination service inside process 0.
-When host 0 dies, the service dies with it, and JAX aborts every other host
-(a C++ fatal error, SIGABRT) before Python can say a word. The local launcher
-(`hetjax.cluster.procs.launch_local`) therefore runs the service, for each
-attempt, in a small process of its own:
+JAX runs the service inside process 0, so host 0's death took it along and
+JAX aborted every other host before Python could say a word. A launcher
+therefore runs it, each attempt, in a small process of its own
 
     python -I hetjax/cluster/service.py ADDRESS NUM_HOSTS HEARTBEAT_S
 
-and tells the hosts so (HETJAX_SERVICE=launcher); host 0 then joins as a
-client, like every other host (JAX still starts a service in process 0, but
-on a free loopback port that no host looks for: `runtime.initialize`). When host 0 dies, the
-service lives on, the survivors' next collective fails in Python, and they
-say who stopped responding in one line (`hetjax.cluster.lost_peer`). The
-service behaves as JAX's own otherwise: a host silent for the heartbeat
-timeout is declared dead and the others are aborted, and its log lines (which
-name the dead hosts) reach the launcher's `Findings` as the hosts' do.
+and tells the hosts (HETJAX_SERVICE=launcher): host 0 then joins as a client
+like the others (`runtime.initialize`), and its death is one line on each
+survivor (`lost_peer`). Otherwise the service is JAX's own: a host silent
+for the heartbeat timeout is declared dead and the others aborted; its log
+lines (naming the dead hosts) reach the launcher's `Findings`. Who runs it:
+`procs.launch_local` (`Service`), the SLURM batch scripts on the first node,
+`launch/hosts.py --service-python` over ssh (`remote_argv`); elsewhere (no
+jaxlib in the launcher's Python, Kubernetes) host 0 keeps it.
 
-The SLURM templates (`launch/slurm*.sbatch`) do the same from the batch
-script, on the first node, with the Python of the hosts' command, and
-`launch/hosts.py --service-python PYTHON` over ssh on the first host
-(`remote_argv`). Where no launcher hosts the service (the local launcher's
-Python has no jaxlib, `launch/hosts.py` without that flag, Kubernetes),
-host 0 keeps it, and with it the abort when host 0 dies.
-
-Stdlib only at import, and no hetjax import there either: the service
-process runs isolated (`python -I`) and imports only jaxlib; the launcher
-side never imports JAX; `client` runs inside a host.
+Stdlib only at import, no hetjax import either: the service process runs
+isolated and imports only jaxlib; the launcher side never imports JAX.
 """
 
 from __future__ import annotations
