@@ -347,7 +347,7 @@ def _signal_name(signum: int) -> str:
 
 
 # What JAX's coordination service logs, on every host, when hosts stop
-# sending heartbeats; the hosts' numbers follow, one per line (JAX 0.10:
+# sending heartbeats; the hosts' numbers follow, one per line (JAX 0.10 to 0.12:
 # `1`; older releases: `/job:jax_worker/replica:0/task:1`).
 _HEARTBEATS = "stopped sending heartbeats"
 _TASK = re.compile(r"^\s*(?:/job:[^/\s]+/replica:\d+/task:)?(\d+)\s*$")
