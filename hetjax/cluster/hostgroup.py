@@ -53,16 +53,14 @@ class HostGroup:
 
   def __init__(self, commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str]], *,
                sink: IO[str] | None = None, tail_lines: int = TAIL_LINES,
-               cwd: str | None = None, guard: bool = True, findings: Findings | None = None):
+               findings: Findings | None = None):
     """Args:
-      commands: the argv of each host.
+      commands: the argv of each host; each starts under `hetjax.cluster.hostguard`, so it
+        dies with this process. Its parent-death signal fires when the *thread* that called
+        `start` ends: call `start` from a thread that outlives the hosts.
       envs: the environment of each host.
       sink: where prefixed output lines go (None: only kept as tails).
       tail_lines: how many last output lines to keep per host.
-      cwd: the hosts' working folder (default: ours).
-      guard: start each host under `hetjax.cluster.hostguard`, so it dies with this
-        process. Its parent-death signal fires when the *thread* that called
-        `start` ends: call `start` from a thread that outlives the hosts.
       findings: what the hosts' lines tell (shared with other readers, such as
         the coordination service's; default: the group's own).
     """
@@ -71,8 +69,6 @@ class HostGroup:
     self._commands = [list(c) for c in commands]
     self._envs = [dict(e) for e in envs]
     self._sink = sink
-    self._cwd = cwd
-    self._guard = guard
     self._lock = threading.Lock()
     self.procs: list[subprocess.Popen] = []
     self.tails = [collections.deque(maxlen=tail_lines) for _ in commands]
@@ -88,16 +84,14 @@ class HostGroup:
     """
     for cmd, env in zip(self._commands, self._envs):
       program = cmd[0] if cmd else ""
-      if self._cwd and os.sep in program:  # A relative path names a file in the hosts' folder.
-        program = os.path.join(self._cwd, program)
       if not program or shutil.which(program, path=env.get("PATH", os.defpath)) is None:
         self._exits.close()
         raise FileNotFoundError(f"no such program: {cmd[0] if cmd else '(empty command)'!r}")
     try:
       for i, (cmd, env) in enumerate(zip(self._commands, self._envs)):
-        if self._guard:  # -I: the guard needs nothing but the standard library.
-          cmd = [sys.executable, "-I", _GUARD, str(os.getpid()), "--", *cmd]
-        proc = subprocess.Popen(cmd, env=env, cwd=self._cwd, stdin=subprocess.DEVNULL,
+        # -I: the guard needs nothing but the standard library.
+        cmd = [sys.executable, "-I", _GUARD, str(os.getpid()), "--", *cmd]
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         self.procs.append(proc)

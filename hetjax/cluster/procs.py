@@ -28,20 +28,14 @@ import time
 from typing import IO, Mapping, Sequence
 
 from hetjax.config import Env
-# The launchers and tests use these names from here, where they always lived.
-from hetjax.cluster.hostenv import (  # noqa: F401 (public names)
-    cluster_envs, free_port, split_command, validate_cluster)
-from hetjax.cluster.hostgroup import (  # noqa: F401 (public names)
-    DEFAULT_GRACE_S, TAIL_LINES, HostGroup, split_lines)
-from hetjax.cluster.hostgroup import POLL_S
+# Names the launchers and tests use from here, where they always lived (noqa: public).
+from hetjax.cluster.hostenv import cluster_envs, free_port  # noqa: F401
+from hetjax.cluster.hostgroup import DEFAULT_GRACE_S, POLL_S, HostGroup, split_lines  # noqa: F401
 from hetjax.cluster.service import ELSEWHERE, Service
 from hetjax.cluster.peers import DEFAULT_HEARTBEAT_S
-# How a group ended and whether to restart it lives in `supervise`; its public
-# names are importable from here too, where the launchers and tests use them.
-from hetjax.cluster.supervise import (  # noqa: F401 (public names)
-    DEFAULT_MAX_PREEMPTIONS, PREEMPTED_EXIT, STALLED_EXIT, INTERRUPTED_EXIT, WRITE_FAILED_EXIT,
-    Findings, Outcome, _signal_name, add_restart_arguments, check_restarts, describe, failure,
-    first_failure, note, settled_failure, supervise)
+from hetjax.cluster.supervise import (  # noqa: F401
+    PREEMPTED_EXIT, Findings, Outcome, _signal_name, check_restarts, describe, first_failure, note,
+    settled_failure, supervise)
 
 # The key under which the service's log lines reach `Findings` (hosts use their index).
 SERVICE_LINES = -1
@@ -60,7 +54,7 @@ class ServiceNotStarted(RuntimeError):
 def run_group(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str]], *,
               sink: IO[str] | None = None, timeout_s: float | None = None,
               grace_s: float = DEFAULT_GRACE_S, handle_signals: bool = False,
-              tail_lines: int = TAIL_LINES, service: tuple[str, int] | None = None,
+              service: tuple[str, int] | None = None,
               service_command: Sequence[str] | None = None) -> Outcome:
   """Runs one process per host until all exit 0, one fails, a deadline or a signal.
 
@@ -75,7 +69,6 @@ def run_group(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str
     grace_s: how long stopped hosts get between SIGTERM and SIGKILL.
     handle_signals: catch SIGINT / SIGTERM / SIGHUP while running (main
       thread only) to stop the hosts instead of dying and orphaning them.
-    tail_lines: how many last output lines to keep per host.
     service: (the coordinator's address, the heartbeat timeout in seconds) to
       run the coordination service here, beside the hosts, so that host 0's
       death does not abort the others (`hetjax.cluster.service`); None, or a
@@ -108,7 +101,7 @@ def run_group(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str
     else:
       beside = None
       note(f"host 0 runs the coordination service: {why}; if host 0 dies, JAX aborts the others.")
-  group = HostGroup(commands, envs, sink=sink, tail_lines=tail_lines, findings=findings)
+  group = HostGroup(commands, envs, sink=sink, findings=findings)
   outcome = Outcome(returncodes=[None] * len(commands))
   deadline = None if timeout_s is None else time.monotonic() + timeout_s
   try:
