@@ -1,21 +1,11 @@
 """How the global batch is split between hosts. Pure numpy, no JAX.
 
 Every host computes the assignment itself from values every host holds
-(docs/design.md invariant 3), so an assignment policy must be deterministic.
-One file per job:
-
-- `split`: the splits that need no profiling (`equal`, a given one) and the
-  checks every split passes;
-- `ladder`: how a host runs a share (device rounds, micro-batches of `k`
-  blocks per device and the smaller programs of its ladder), and what that
-  costs in work units;
-- `cost`: the per-host cost model, fitted online and robustly;
-- `solver`: the exact integer min-max split for that cost;
-- `profiling`: the `static` / `dynamic` balancer around cost model and solver;
-- `policies`: the `Balancer` protocol, the fixed policies and `make_balancer`.
-
-Every public name is re-exported here, so `from hetjax import balancer` and
-`balancer.X` are the whole interface.
+(invariant 3), so a policy must be deterministic. `split`: splits that need no
+profiling and their checks; `ladder`: how a host runs a share and its work;
+`cost`: the online cost model; `solver`: the exact integer min-max split;
+`profiling`: `static` / `dynamic`; `policies`: the protocol and `make_balancer`.
+Every public name is re-exported here.
 """
 
 from hetjax.balancer.cost import CostModel, CostParams

@@ -1,8 +1,4 @@
-"""Cost model: what a share costs on each host, fitted online from timing vectors.
-
-Pure numpy. The fit is robust (weighted medians) so that a minority of
-outlier steps cannot move it; see `CostModel`.
-"""
+"""Cost model: what a share costs on each host, fitted online and robustly. Pure numpy."""
 
 from __future__ import annotations
 
@@ -18,12 +14,10 @@ _MIN_PER_SAMPLE_S = 1e-12  # Keeps the solver's division finite for a degenerate
 
 @dataclasses.dataclass(frozen=True)
 class CostParams:
-  """Per-host `t_i(b) = fixed_i + per_sample_i * work_i(b)`, and `t_i(0) = 0`.
+  """Per-host `t_i(b) = fixed_i + per_sample_i * work_i(b)`, and `t_i(0) = 0` (no program;
+  the collective it still joins is outside this model).
 
-  `work_i(b)` is the share's work units on host i's ladder (`ladder.py`):
-  with `k = 1` (no `ladders`) it is `ceil(b / g_i) * g_i`, whole device
-  rounds. A host with share 0 runs no program, so it costs nothing in the
-  local program (it still joins the collective, which is outside this model).
+  `work_i(b)`: work units on host i's ladder (`ladder.py`); `ceil(b / g_i) * g_i` with `k = 1`.
   """
 
   fixed_s: np.ndarray
@@ -63,18 +57,14 @@ class CostModel:
   (the level, which moves when a host changes speed) and `c_i` the fixed cost
   counted in samples (the shape, which a speed change scales with it).
   - shape `c_i`: the weighted median of the shapes that pairs of observations
-    give alone (`c = y_j dx / dy - x_j`; the level cancels within a pair, so a
-    later speed change cannot leak in), so a minority of outliers cannot move
-    it. Only pairs at most `pair_steps` apart whose padded shares differ by at
-    least `min_spread` of the larger one (widened to 8 sigma of the measured
-    noise, at most 0.6) count: a slope read off a 1 % share difference under
-    3 % noise is noise, and one such misfit once made a host look almost free
-    per sample (25.9x its optimal share at 1024 simulated hosts). The shape is
-    bounded to `[0, max_fixed_ratio x max(B / N, largest share seen)]`
-    (a fixed cost larger than that is not plausible, and an overestimate is
-    what hurts: it makes the per-sample cost look small). Without enough
-    spread (a settled split) the last identified shape is kept; before any,
-    the prior: fixed part = `prior_fixed_fraction` of the observed time.
+    give alone (`_update_shape`), so a minority of outliers cannot move it.
+    Only pairs at most `pair_steps` apart whose padded shares differ by at
+    least `min_spread` of the larger one (widened to 8 sigma of the noise, at
+    most 0.6) count: a slope read off a 1 % share difference under 3 % noise
+    once made a host look almost free (25.9x its optimal share at 1024
+    simulated hosts). Bounded to `[0, max_fixed_ratio x max(B / N, largest
+    share seen)]`: an overestimate makes the per-sample cost look small.
+    Without spread the last shape is kept; before any, `prior_fixed_fraction`.
   - level `a_i`: recency-weighted median of `t / (c_i + padded(b))` (half-life
     `half_life` steps): one slow step has at most ~1/4 of the weight and cannot
     move a median, while a host that really slows down wins the median within

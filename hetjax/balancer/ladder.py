@@ -1,27 +1,20 @@
 """How a host runs a share, and what that costs in work units. Pure numpy.
 
-A host with `D` devices runs its share of `b` units (blocks in the trainer,
-samples in the simulator) in device rounds of `unit` units: one round gives
-every device one block. A program of `j` blocks per device (a device batch
-of `j` blocks) runs `j` rounds at once. A host's ladder is its largest
-program `k` and a few smaller ones (by default `k, k/2, ..., 1`, all compiled
-once at start): a share of `q = ceil(b / unit)` rounds runs as `q // k`
-full programs plus the remainder `q % k` through the cheapest mix of the
-smaller ones. The padding is then what the last round leaves empty, below
-one device round of single blocks, and no share ever needs a new shape.
+A host runs its share of `b` units (blocks in the trainer, samples in the
+simulator) in device rounds of `unit` units (one block per device). A program
+of `j` blocks per device runs `j` rounds at once. A host's ladder is its
+largest program `k` and smaller ones (default `k, k/2, ..., 1`, all compiled at
+start): `q = ceil(b / unit)` rounds run as `q // k` full programs plus the
+cheapest mix for `q % k`, so padding stays below one device round and no share
+needs a new shape.
 
-The time of a share is therefore a step function of `b`, and not always a
-rising one: on a ladder 8, 4, 2, 1 seven rounds take three programs (4 + 2
-+ 1) where eight take one, so 7 rounds can cost more than 8. A share is
-*efficient* when no larger share costs as little; the solver hands out
-efficient shares (and pays for any other it must give).
+A share's time is a step function of `b`, not always rising: on 8, 4, 2, 1
+seven rounds take three programs where eight take one. A share is *efficient*
+when no larger share costs as little; the solver hands out efficient shares.
 
-Work units: the one-round program costs `unit` work units, so with `k = 1`
-the work of a share is its padded size, `ceil(b / unit) * unit` (the cost
-model before ladders). A program of `j` rounds costs `work[j]` units: `j *
-unit` by default (no price for program size), or from measured program
-seconds (`Ladder.of(..., program_s=...)`): a larger program that fills the
-device better costs less than `j` single rounds.
+Work units: the one-round program costs `unit`, so with `k = 1` a share's work
+is its padded size. A program of `j` rounds costs `j * unit` by default, or is
+scaled from measured seconds (`Ladder.of(..., program_s=...)`).
 """
 
 from __future__ import annotations
@@ -132,12 +125,6 @@ class Ladder:
     exactly these programs.
     """
     return self.decompose(-(-int(share) // self.unit))
-
-  def work_of(self, shares: Sequence[int] | np.ndarray) -> np.ndarray:
-    """Work units of each share in `shares` on this host."""
-    q = -(-np.asarray(shares, np.int64) // self.unit)
-    n, r = np.divmod(q, self.k)
-    return n * self.work[0] + self.remainder_work[r]
 
 
 def _remainder(ladder: Ladder) -> tuple[np.ndarray, np.ndarray]:

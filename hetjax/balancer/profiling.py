@@ -27,24 +27,14 @@ class ProfilingBalancer:
   make it oscillate, while a host that really slows down is answered in one
   move.
 
-  Trust region: every solve keeps each host's share at most `trust` x the
-  largest padded share it ran in the last `2 * every` measured steps (at
-  least one micro-batch): the model is only known near shares a host has
-  run, so a misfit costs at most one bounded step, never a pathological one.
-  The first solve also keeps each share at least `smallest / trust`: there
-  one slow warm-up step is a sixth of the evidence, and it must not send a
-  host to share 0; later, the level median needs several slow steps.
+  Trust region (`trust_region`): the model is only known near shares a host
+  has run, so a misfit costs at most one bounded step, never a pathological one.
+  Ladders (one `Ladder` per host; default `k = 1` over `granularity`): shares
+  are priced by the programs that run them, and handed out wasting no micro-batch.
 
-  Ladders (`ladders`, one `Ladder` per host; default `k = 1` over
-  `granularity`): the cost model prices each share by the programs its host
-  runs for it, the solver hands out shares that waste no micro-batch, and a
-  rate-limited move is the best split within the move limit rather than a
-  mix of two splits (a mix may land between a host's efficient shares).
-
-  Every input is the timing vector that every host holds, and every
-  computation is deterministic, so all hosts hold the same split
-  (docs/design.md invariant 3). `decisions` logs each split with its predicted and
-  then-measured step time (max host compute seconds).
+  Inputs are the timing vector every host holds and every computation is
+  deterministic, so all hosts hold the same split (invariant 3). `decisions`
+  logs each split with its predicted and then-measured step time.
   """
 
   def __init__(self, global_batch: int, num_hosts: int, granularity: Sequence[int] | None = None,
@@ -177,9 +167,11 @@ class ProfilingBalancer:
   def trust_region(self, first: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Per-host `(floors, caps)` a solve may use now: near the shares each host ran.
 
-    Floors only for the `first` solve after warm-up, where one step is a sixth
-    of the evidence; later the level median needs several slow steps anyway,
-    and a host whose fixed cost dominates must be able to reach share 0.
+    Caps: `trust` x the largest padded share of the last `2 * every` steps (at
+    least one micro-batch). Floors `smallest / trust` only for the `first` solve,
+    where one slow warm-up step is a sixth of the evidence and must not send a
+    host to 0; later the level median needs several slow steps, and a host whose
+    fixed cost dominates must be able to reach 0.
     """
     # Padded shares of the last two re-solve periods (pylint: disable=protected-access)
     ran = self.model._x[-2 * self.every:]
@@ -236,12 +228,8 @@ class ProfilingBalancer:
 
   def _limited_move(self, params: CostParams, cur: np.ndarray, tgt: np.ndarray,
                     limit: int) -> np.ndarray:
-    """A split at most `limit` units from `cur` per host, toward `tgt`.
-
-    With `k = 1` a mix of the two splits (any share is as good as its
-    rounds). With ladders the best split within the limit: a mix may land
-    between a host's efficient shares.
-    """
+    """A split at most `limit` units from `cur` per host, toward `tgt`: a mix of the two with
+    `k = 1`; with ladders the best split within the limit (a mix may fall between efficient shares)."""
     if not self.ladders.trivial:
       floors, caps = self.trust_region()
       low = np.maximum(floors, cur - limit)

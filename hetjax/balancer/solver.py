@@ -18,24 +18,16 @@ def solve(global_batch: int, fixed_s: Sequence[float], per_sample_s: Sequence[fl
           ladders: Sequence[Any] | Ladders | None = None) -> tuple[int, ...]:
   """Integer shares `b_i`, `sum = B`, `floor_i <= b_i <= cap_i`, minimising `max_i t_i(b_i)`.
 
-  The cost is the step function `t_i(b) = fixed_i + per_sample_i *
-  work_i(b)` (`t_i(0) = 0`) of each host's ladder (`ladder.py`; without
-  `ladders`, `k = 1`: `work_i(b) = ceil(b / g_i) * g_i`). Bisection over the
-  time T finds the smallest level at which the hosts' capacities (largest
-  share each can run within T) hold B; the units beyond the level just below
-  it go to the hosts that reach the level, lowest host index first. A floor
-  only raises a host's capacity at every level, so the same bisection stays
-  exact. O(N k) per bisection step, about 60 steps.
+  The cost is `CostParams`' step function on each host's ladder. Bisection over
+  the time T finds the smallest level at which the hosts' capacities (largest
+  share each runs within T) hold B; the units beyond the level just below go
+  to the hosts that reach it, lowest index first (floors only raise
+  capacities, so it stays exact). O(N k) per step, about 60 steps.
 
-  With `k = 1` this is exact. A ladder's cost is not always rising (7 rounds
-  may take three programs where 8 take one), so the one host that takes a
-  part of its step may land on a share that costs more than the level. Then
-  (`_within_level`) that host moves to its nearest share within the level,
-  below or above, the others making up the difference; failing that, every
-  host's capacity at the level is cut back to B highest index first; failing
-  that, the same at the next levels up. No share that wastes a micro-batch
-  is handed out while one within the level exists; against brute force on
-  random small ladders (tests/test_ladder.py) the split is optimal.
+  Exact with `k = 1`. A ladder's cost is not always rising, so the host that
+  takes part of its step may land above the level: `_within_level` repairs
+  it. Against brute force on random small ladders (tests/test_ladder.py) the
+  split is optimal.
 
   Example:
     >>> solve(10, [0, 0], [1.0, 3.0], [1, 1])
@@ -100,11 +92,10 @@ def _within_level(global_batch: int, capacity: "_Capacity", hi: float, shares: n
                   levels: int = 8) -> np.ndarray:
   """On ladders: shares within the level `hi`, else within the next level up.
 
-  Filling may leave one host on a share that costs more than the level (a
-  ladder's cost is not always rising); `_repair` moves it. Where no host can
-  make up the difference at this level, the next level up (the next share
-  cost of any host) is tried, a few times, each from every host's capacity
-  there cut back to the batch (`_reduce`); the best split seen is kept.
+  `_repair` moves a host whose share costs more than the level to its nearest
+  share within it, the others making up the difference; failing that, every
+  capacity at the level is cut back to B (`_reduce`); failing that, the next
+  levels up. The best split seen is kept.
   """
   best, best_t = shares, float(np.max(capacity.predict(shares)))
   tries = [_repair(shares, hi, capacity)]

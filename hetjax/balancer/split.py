@@ -1,8 +1,4 @@
-"""Splits that need no profiling, and the checks every split passes. Pure numpy.
-
-Every host computes its split itself from values every host holds
-(docs/design.md invariant 3), so everything here is deterministic.
-"""
+"""Splits that need no profiling, and the checks every split passes. Pure numpy."""
 
 from __future__ import annotations
 
