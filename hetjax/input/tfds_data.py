@@ -133,11 +133,18 @@ def _plain(feature: Any) -> bool:
 
 
 def _column(examples: list[Any], key: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-  """Feature `key` of every example as one `[n, *shape]` array: a C-level walk, no per-record numpy."""
+  """Feature `key` of every example as one `[n, *shape]` array: C-level walks, no per-record numpy."""
+  size, lists = math.prod(shape), [e.features.feature[key] for e in examples]
+  if dtype.kind == "f" and size:  # Packed float32s: one buffer, past each list's fixed header.
+    packed = [f.float_list.SerializeToString() for f in lists]
+    width = len(packed[0]) if packed else 0
+    if all(len(b) == width for b in packed) and width > 4 * size:
+      flat = np.frombuffer(b"".join(packed), np.uint8).reshape(len(lists), width)[:, width - 4 * size:]
+      return np.ascontiguousarray(flat).view("<f4").reshape(len(lists), *shape).astype(dtype)
   kind, flat_type = ("float_list", np.float32) if dtype.kind == "f" else ("int64_list", np.int64)
-  values = itertools.chain.from_iterable(getattr(e.features.feature[key], kind).value for e in examples)
-  flat = np.fromiter(values, flat_type, count=len(examples) * math.prod(shape))
-  return flat.reshape(len(examples), *shape).astype(dtype)
+  values = itertools.chain.from_iterable(getattr(f, kind).value for f in lists)
+  flat = np.fromiter(values, flat_type, count=len(lists) * size)
+  return flat.reshape(len(lists), *shape).astype(dtype)
 
 
 class TfdsSource:
