@@ -1,29 +1,22 @@
 """One host's reader: its slice of each global batch, prefetched in parallel.
 
-The balancer fixes step s+1's shares only after step s's cross-host
-reduction, so the loader cannot know the next slice for sure. The trainer
-guesses (the shares stay) and calls `prefetch(s + 1, shares)` before running
-step s; `get(s + 1, actual_shares)` then takes whatever prefetched records
-overlap the actual slice, keyed by their position in the global batch, and
-reads the rest at once. A wrong guess costs time, never correctness: the
-result equals `read(step, shares)`, the synchronous read, element for element.
+The balancer fixes step s+1's shares only after step s's reduction, so the
+trainer guesses (the shares stay) and calls `prefetch(s + 1, shares)`
+before running step s; `get(s + 1, actual_shares)` takes the prefetched
+records that overlap the actual slice and reads the rest at once. A wrong
+guess costs time, never correctness: the result equals `read(step, shares)`.
 
-Reads run in threads (`workers=0`: cheap records, numpy arrays) or in worker
-processes (`workers=N`: decoding JPEGs is CPU work the GIL would serialise).
-With threads, a slice that reads faster than `inline_below_s` is read on the
-calling thread instead: handing a sub-millisecond read (shuffle and numpy
-gather) to threads costs more in hand-offs than the read itself (BUILD_NOTES.md,
-"Decisions: input"), and the trainer reads after
-dispatching a step, while the devices compute it, so the read still
-overlaps the device work.
-A slice is cut into one piece per worker; each piece is read, decoded and
-augmented where it runs, keyed by the records' global positions, so the
-result never depends on how many workers there are. Workers start by
-`spawn` (forking a process that runs JAX's threads can deadlock), so a
-script that trains with workers needs the usual `if __name__ == "__main__":`.
-grain's loaders were considered and not used for the reading itself: their
-workers each walk a fixed shard of a fixed order, while a host's slice here
-changes size with the balancer every step (BUILD_NOTES.md, "Decisions: input").
+Reads run in threads (`workers=0`: numpy arrays) or in `spawn`ed worker
+processes (`workers=N`: decoding JPEGs is CPU work the GIL would serialise;
+forking after JAX's threads can deadlock, so a script that trains with
+workers needs `if __name__ == "__main__":`). With threads, a slice that
+reads faster than `inline_below_s` is read on the calling thread: handing a
+sub-millisecond read to threads costs more than the read (BUILD_NOTES.md,
+"Decisions: input"), and the trainer reads after dispatching a step, so it
+still overlaps the device work. Each piece is read and augmented keyed by
+the records' global positions, so the result never depends on the workers.
+grain's loaders were not used: their workers walk a fixed shard of a fixed
+order, while a host's slice here changes size with the balancer every step.
 
 Example:
   >>> with HostLoader(source, sampler, host_id=1, augment=augment.parse("crop")) as loader:
