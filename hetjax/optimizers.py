@@ -7,7 +7,7 @@ optimizer state, where the trainer reads it for metrics.jsonl and TensorBoard.
 Weight decay reaches kernels and embeddings, not biases and normalisation
 scales (`decay_mask`), as the Flax examples and big_vision decay: pulling
 offsets and gains towards 0 only constrains them, not the model's capacity.
-`decay_all=True` (`--decay-all`) decays every leaf.
+`decay_all=True` (`decay-all: true` in a config file) decays every leaf.
 
 Example:
   >>> opt = make("adam", 1e-3, schedule="cosine", warmup_steps=20, total_steps=500,
@@ -69,9 +69,9 @@ def check(name: str, lr: float, *, schedule: str = "constant", warmup_steps: int
   if weight_decay is not None and not weight_decay >= 0:
     raise ValueError(f"--weight-decay must be >= 0, got {weight_decay}.")
   if decay_all and not decays(name, weight_decay):
-    raise ValueError(f"--decay-all chooses which leaves weight decay reaches, but --optimizer "
+    raise ValueError(f"`decay-all` chooses which leaves weight decay reaches, but --optimizer "
                      f"{name} with --weight-decay {weight_decay} decays none; give --weight-decay "
-                     f"D (> 0) or drop --decay-all.")
+                     f"D (> 0) or drop `decay-all` from the config file.")
 
 
 def learning_rate_schedule(lr: float, schedule: str, warmup_steps: int, total_steps: int):

@@ -46,7 +46,6 @@ def compiles():
     (["--schedule", "cosine", "--warmup-steps", "2"], "--warmup-steps 2 leaves no step of the cosine decay (--steps 2)"),
     (["--clip-norm", "0"], "--clip-norm must be > 0 (a global gradient norm), got 0.0"),
     (["--weight-decay=-0.1"], "--weight-decay must be >= 0, got -0.1"),
-    (["--decay-all"], "--optimizer adam with --weight-decay None decays none; give --weight-decay D"),
     (["--lr", "0"], "--lr must be > 0, got 0.0"),
     (["--eval-every=-5"], "--eval-every must be >= 0 steps"),
     (["--eval-every", "5", "--model", "transformer", "--dataset", "tokens"], "--eval-every evaluates on the test split"),
@@ -211,16 +210,20 @@ def test_weight_decay_reaches_kernels_and_spares_biases_and_norm_scales(name):
                                  err_msg=f"{name} decay_all={decay_all}: {jax.tree_util.keystr(path)}")
 
 
-def test_decay_all_is_a_config_file_key_and_part_of_the_checkpoint_identity(tmp_path):
+def test_decay_all_is_a_config_file_key_and_part_of_the_checkpoint_identity(tmp_path, capsys):
   from hetjax.cli import commands
   path = tmp_path / "run.yaml"
   path.write_text("optimizer: adamw\ndecay-all: true\n")
   everything = cli.parse_args(["train", "--config", str(path)])
   kernels = cli.parse_args(["train", "--optimizer", "adamw"])
   assert everything.decay_all and not kernels.decay_all
-  # A checkpoint written before the mask (every leaf decayed) resumes only under --decay-all.
+  # A checkpoint written before the mask (every leaf decayed) resumes only under decay-all.
   assert commands._optimizer_identity(everything) == "adamw|0.001|constant|0|None|None"
   assert commands._optimizer_identity(kernels) != commands._optimizer_identity(everything)
+  # Decaying every leaf of an optimizer that decays none is refused before JAX starts.
+  path.write_text("optimizer: adam\ndecay-all: true\n")
+  assert cli.main(BASE + ["--config", str(path)]) == 2
+  assert "`decay-all` chooses which leaves" in capsys.readouterr().err
 
 
 def test_train_help_lists_at_most_40_flags_the_newcomers_first(capsys):

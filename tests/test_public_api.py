@@ -82,11 +82,11 @@ def test_the_cli_rejects_bad_arguments_before_jax_loads():
 CLI_FLAGS = {
     "train": [
         "--assignment", "--augment", "--balancer", "--ckpt-dir", "--ckpt-every", "--clip-norm",
-        "--config", "--data-dir", "--dataset", "--decay-all", "--device-batch", "--elastic-beta",
+        "--config", "--data-dir", "--dataset", "--device-batch", "--elastic-beta",
         "--eval-every", "--global-batch", "--image-size", "--local-batch", "--local-steps",
         "--log-every", "--lr", "--microbatch", "--mode", "--model", "--optimizer", "--out",
         "--outer-lr", "--outer-momentum", "--outer-optimizer", "--precision", "--print-config",
-        "--round-steps", "--schedule", "--seq-len", "--steps", "--token-dtype", "--vocab-size",
+        "--round-steps", "--schedule", "--seq-len", "--shard-within-host", "--steps", "--token-dtype", "--vocab-size",
         "--wandb", "--warmup-steps", "--watchdog", "--weight-decay",
     ],
     "report": [],

@@ -131,7 +131,7 @@ def _optimizer_identity(args: argparse.Namespace) -> str:
   identity = (f"{args.optimizer}|{args.lr}|{args.schedule}|{args.warmup_steps}|"
               f"{args.clip_norm}|{args.weight_decay}")
   # Decay of every leaf was the only rule before the mask: its checkpoints
-  # resume under --decay-all, and the mask's refuse them, naming this field.
+  # resume under decay-all, and the mask's refuse them, naming this field.
   if optimizers.decays(args.optimizer, args.weight_decay) and not args.decay_all:
     identity += "|decay: leaves of 2+ dimensions"
   return identity

@@ -100,7 +100,7 @@ GROUPS = (
                     "lr", "balancer", "mode", "out")),
     ("data", ("data_dir", "augment", "image_size", "seq_len", "token_dtype", "vocab_size")),
     ("training", ("precision", "schedule", "warmup_steps", "clip_norm", "weight_decay",
-                  "decay_all", "eval_every", "assignment", "device_batch")),
+                  "eval_every", "assignment", "device_batch", "shard_within_host")),
     ("the run", ("log_every", "wandb", "watchdog_s")),
     (MODES_GROUP, ("round_steps", "local_steps", "local_batch", "outer_optimizer", "outer_lr",
                    "outer_momentum", "elastic_beta")),
