@@ -8,32 +8,20 @@ A checkpoint is one orbax step folder with two items:
   refuse a checkpoint of another model or optimizer), the data cursor, the
   balancer state and the host layout that wrote it.
 
-The RNG needs no entry of its own: every step's key is the seed's key folded
-with the step (and micro-batch), so (seed, step) is the whole RNG state.
+The RNG needs no entry: every key is the seed's folded with the step (and
+block), so (seed, step) is the whole RNG state. Every host calls every method
+in the same order (orbax's multi-host contract); which checkpoint loads is
+agreed through a collective.
 
-Every host calls every method here in the same order with the same
-arguments (orbax's multi-host contract); which checkpoint to load is agreed
-through a collective, so no host loads one the others skip.
-
-An asynchronous save stalls the loop only for a snapshot:
-`save_in_background` takes one replica of the state per host
-(`hetjax.checkpoint.snapshot`: numpy views of the buffers on CPU, which JAX then does
-not donate; elsewhere one asynchronous copy into pinned host memory), and a
-worker thread hands it to orbax (per-array bookkeeping and thread start-up,
-which grow with the number of arrays), then orbax
-writes in its own background threads. The worker may run beside the
-training collectives because every orbax barrier goes through the coordination service's
-key-value store (`active_processes` = every host), never through a device
-collective: orbax's default barrier (`sync_global_devices`) is an
-all-gather over every device, which, issued from a second thread, meets the
-training programs in different orders on different hosts (tried: gloo
-aborts with "collective mismatch"). The hosts' workers run the same saves in
-the same order (the main threads decide them at the same step), so their
+An asynchronous save stalls the loop only for a snapshot (`snapshot`); a
+worker thread hands it to orbax (bookkeeping that grows with the number of
+arrays). The worker may run beside the training collectives because every
+orbax barrier goes through the coordination service's key-value store
+(`active_processes` = every host): orbax's default barrier is an all-gather
+over every device, which from a second thread meets the training programs in
+different orders on different hosts (tried: gloo aborts with "collective
+mismatch"). The workers run the same saves in the same order, so their
 barriers match.
-
-Beside it: which job a checkpoint belongs to (`jobs`), the one message of a
-write that failed (`write_failed`), and orbax's noise after a failure
-silenced (`quiet`).
 """
 
 from __future__ import annotations
@@ -95,8 +83,7 @@ class Checkpointer:
     self.directory = resolve(config.directory)
     self._path = epath.Path(self.directory)
     self._agree = agree
-    # Barriers through the key-value store (see the module docstring). Orbax
-    # then leaves the root folder to us: `validate` made it (a URL needs none).
+    # Barriers through the key-value store (module docstring); `validate` made the folder.
     options = ocp.CheckpointManagerOptions(
         max_to_keep=config.keep, create=False, enable_async_checkpointing=config.async_save,
         multiprocessing_options=ocp.options.MultiprocessingOptions(
@@ -139,14 +126,9 @@ class Checkpointer:
 
   def save_in_background(self, step: int, state: Any, meta: dict[str, Any],
                          hosts: Mesh | None = None) -> None:
-    """Saves the state after `step` steps, blocking only for a snapshot of it.
-
-    The snapshot (`hetjax.checkpoint.snapshot`) is the worker's to hand to orbax, so
-    the caller may donate `state` at once. `state` may be replicated over
-    this host's devices only, with `hosts` a mesh over every host's. Waits
-    first for the previous hand-over (it takes a fraction of a step; saves
-    are many steps apart).
-    """
+    """Saves the state after `step` steps, blocking only for a snapshot of it, so the caller
+    may donate `state` at once (`hosts`: as `SnapshotTaker.take`). Waits first for the
+    previous hand-over (a fraction of a step; saves are many steps apart)."""
     t0 = time.perf_counter()
     self._raise_if_any_failed(self._finished_hand_over())
     self.handover_wait_s.append(time.perf_counter() - t0)
@@ -197,11 +179,7 @@ class Checkpointer:
     the watchdog ends every host with its message now, not at the next save."""
     if step in self._reported:
       return
-    complete = committed_steps(self.directory)
-    good = [s for s in complete if s < step]
-    last_good = good[0] if good else None
-    size = (write_failed.folder_bytes(os.path.join(self.directory, str(last_good)))
-            if last_good is not None else None)
+    last_good, size = self._last_good(committed_steps(self.directory), step)
     text = write_failed.message(self.directory, step, error, size, last_good)
     if watchdog.WATCHDOG.fail(WRITE_FAILED_EXIT, f"host {jax.process_index()}: {text}"):
       self._reported.add(step)
@@ -218,14 +196,17 @@ class Checkpointer:
     tried = self._handed + ([failure.step] if failure is not None else [])
     failed = [s for s in tried if s not in complete]
     step = min(failed) if failed else (failure.step if failure is not None else self.last_saved)
-    good = [s for s in complete if step is None or s < step]
-    last_good = good[0] if good else None
-    size = (write_failed.folder_bytes(str(self._path / str(last_good)))
-            if last_good is not None else None)
+    last_good, size = self._last_good(complete, step)
     size = size or (failure.nbytes if failure is not None else None)
     text = write_failed.message(self.directory, step, None if failure is None else failure.cause,
                                 size, last_good)
     return CheckpointWriteFailed(text, step, self.directory)
+
+  def _last_good(self, complete: list[int], step: int | None) -> tuple[int | None, int | None]:
+    """The newest complete step before `step` (None: any), and its folder's bytes."""
+    last = next((s for s in complete if step is None or s < step), None)
+    folder = None if last is None else os.path.join(self.directory, str(last))
+    return last, None if folder is None else write_failed.folder_bytes(folder)
 
   def wait(self) -> None:
     """Blocks until every started save is complete on disk.
@@ -299,12 +280,8 @@ class Checkpointer:
     return None
 
   def _set_aside(self, step: int, why: str) -> None:
-    """Renames a step folder that cannot be loaded to STEP.damaged, so this run saves that step anew.
-
-    Host 0 renames (the folder is shared); the vote after it is the barrier
-    that keeps the other hosts from listing the folder before it moved. One
-    line on host 0 says so.
-    """
+    """Renames a step folder that cannot be loaded to STEP.damaged, so this run saves it anew.
+    Host 0 renames (the folder is shared); the vote after it is the others' barrier."""
     source = self._path / str(step)
     target = self._path / f"{step}{DAMAGED_SUFFIX}"
     n = 1
@@ -334,12 +311,8 @@ class Checkpointer:
     return meta
 
   def _read_state(self, step: int, like: Any) -> tuple[dict[str, Any] | None, list[str]]:
-    """The arrays of `step` on `like`'s shardings, and the `ADDED_FIELDS` it lacked.
-
-    A field in `ADDED_FIELDS` that the checkpoint does not hold is taken from
-    `like` (the run's fresh state), so a checkpoint written before the field
-    existed still continues the run; any other difference is damage (None).
-    """
+    """The arrays of `step` on `like`'s shardings, and the `ADDED_FIELDS` it lacked (taken
+    from `like`, so an older checkpoint continues the run); any other difference is damage."""
     fresh = like._asdict()
     try:
       saved = set(self._manager.item_metadata(step).state.keys())
@@ -357,8 +330,7 @@ class Checkpointer:
       log.debug("arrays of step %d unreadable: %s", step, e)
       return None, []
     # Restored containers may be plain tuples; the arrays go back into our structure.
-    leaves = jax.tree.leaves(restored)
-    treedef = jax.tree.structure(wanted)
+    leaves, treedef = jax.tree.leaves(restored), jax.tree.structure(wanted)
     if len(leaves) != treedef.num_leaves:
       return None, []
     state = jax.tree.unflatten(treedef, leaves)
@@ -386,6 +358,7 @@ def _describe_fill(name: str, value: Any) -> str:
 
 def _nbytes(state: Any) -> int:
   return int(sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(state)))
+
 
 def _say(message: str) -> None:
   if jax.process_index() == 0:

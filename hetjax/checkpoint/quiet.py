@@ -17,12 +17,7 @@ log = logging.getLogger("hetjax.checkpoint")
 
 
 class _QuietOrbax(logging.Filter):
-  """Drops orbax's own tracebacks of a failed read or write: hetjax reports those itself.
-
-  A damaged checkpoint that is skipped, or a write that fails, is said once
-  in one line (or one message) by the manager; orbax would add a traceback
-  per background thread (`logging.exception`) for the same event.
-  """
+  """Drops orbax's `logging.exception` tracebacks (one per background thread)."""
 
   def filter(self, record: logging.LogRecord) -> bool:
     from_orbax = f"{os.sep}orbax{os.sep}" in (record.pathname or "")
@@ -35,13 +30,9 @@ _QUIET = _QuietOrbax()
 def _from_a_closed_loop(kind: type, error: BaseException, tb: Any) -> bool:
   """A tensorstore callback that woke an asyncio loop orbax had already closed.
 
-  After a failed read or write, tensorstore's completion callbacks still
-  call `loop.call_soon_threadsafe` on the event loop of an orbax operation
-  that has ended; the RuntimeError has no Python caller, so the interpreter
-  prints it through `sys.excepthook`, once per pending array. Nothing is
-  lost: the failure itself is reported by the manager. Recognised by its
-  traceback starting inside asyncio (no user frame), so no other error is
-  hidden.
+  It has no Python caller, so `sys.excepthook` prints it once per pending
+  array. Recognised by its traceback starting inside asyncio (no user frame),
+  so no other error is hidden.
   """
   if kind is not RuntimeError or str(error) != "Event loop is closed" or tb is None:
     return False
@@ -54,7 +45,6 @@ def install() -> None:
     if _QUIET not in logging.getLogger(name).filters:
       logging.getLogger(name).addFilter(_QUIET)
   _install_hook()
-
 
 
 def _install_hook() -> None:

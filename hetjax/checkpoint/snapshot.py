@@ -1,21 +1,17 @@
 """A hold on a replicated train state that a checkpoint can write while training goes on.
 
-The next step's reduction donates the train state's buffers, so a save that
-reads them later (on a worker thread, in orbax's background) needs values
-of its own. Every device holds the whole state (it is replicated), so one
-replica per host is enough, taken from this host's first device:
+The next reduction donates the state's buffers, so a save that reads them later
+needs values of its own: one replica per host (the state is replicated), from
+this host's first device:
 
-- where the device's memory is the host's (CPU), a numpy view of each
-  buffer, which copies nothing: JAX does not donate a buffer that a view
-  still references, so the next reduction writes fresh buffers and the
-  viewed ones keep this step's values (where a view would need a copy,
+- on CPU, a numpy view of each buffer, which copies nothing: JAX does not
+  donate a buffer a view still references (where a view would need a copy,
   `np.asarray` makes one, just as correct);
-- elsewhere (GPU), one program copying the leaves into pinned host memory:
-  an asynchronous device-to-host copy that spends no device memory.
+- elsewhere, one program copying the leaves into pinned host memory (an
+  asynchronous copy that spends no device memory).
 
-The caller blocks only for the views or the copy's dispatch. On the worker
-thread, `Snapshot.as_global` wraps the replicas into global arrays
-replicated over one device per host, what orbax saves in a multi-host job.
+The caller blocks only for the views or the copy's dispatch; the worker's
+`Snapshot.as_global` makes what orbax saves in a multi-host job.
 
 Example:
   >>> taker = SnapshotTaker()
@@ -79,9 +75,7 @@ class SnapshotTaker:
   def take(self, tree: PyTree, hosts: Mesh | None = None) -> Snapshot:
     """A snapshot of `tree` (every leaf replicated on one mesh), safe from later donation.
 
-    `hosts`: a mesh over every host's devices, when the leaves live on this
-    host's devices only (the trainer's state); the global copy spans its
-    hosts. Default: the leaves' own mesh.
+    `hosts`: a mesh over every host's devices, where the leaves live on this host's only.
     """
     leaves, treedef = jax.tree.flatten(tree)
     key = (treedef, getattr(leaves[0].sharding, "mesh", None) if leaves else None, hosts)

@@ -1,11 +1,7 @@
 """A checkpoint that cannot be written: one message on every host, and its exit code.
 
-A full disk is the usual cause, and a restart cannot help, so the message
-says all a user needs to act: the folder, the free space against a
-checkpoint's size, the last good checkpoint (left intact), what may be
-deleted, and the command that resumes once there is room.
-
-No JAX here: the message is built from numbers the manager measured.
+A full disk is the usual cause and a restart cannot help, so the message says
+all a user needs to act. No JAX: it is built from what the manager measured.
 """
 
 from __future__ import annotations
@@ -20,12 +16,9 @@ from hetjax.exits import WRITE_FAILED_EXIT, JobExit
 
 
 class CheckpointWriteFailed(JobExit):
-  """A checkpoint could not be written; every host stops with one message.
-
-  The message names the folder, the free space against a checkpoint's
-  size, the last good checkpoint (left intact) and the command that
-  resumes; the command line exits with `WRITE_FAILED_EXIT`.
-  """
+  """A checkpoint could not be written; every host stops with one message naming the folder,
+  the free space against a checkpoint's size, the last good checkpoint (left intact), what
+  may be deleted and the command that resumes. The command line exits `WRITE_FAILED_EXIT`."""
 
   exit_code = WRITE_FAILED_EXIT
 
