@@ -77,3 +77,17 @@ def test_synthetic_tokens_take_the_sequence_flags_and_images_refuse_them():
   with pytest.raises(ValueError, match="apply to token datasets"):
     data.check_dataset_name("digits", None, seq_len=64)
   assert data.evaluation_split("tokenfile:/x.bin") is None
+
+
+def test_hetjax_train_reads_a_token_file_and_refuses_a_bad_one_before_jax(tmp_path, capsys):
+  import json
+
+  from hetjax import cli
+  path = _bin(tmp_path, (np.arange(4096) * 7) % 61)
+  base = ["train", "--model", "transformer", "--dataset", f"tokenfile:{path}", "--steps", "2",
+          "--global-batch", "8", "--microbatch", "4", "--vocab-size", "64"]
+  assert cli.main(base + ["--seq-len", "4097", "--out", str(tmp_path / "no")]) == 2
+  assert "fewer than one window of --seq-len 4097" in capsys.readouterr().err
+  assert cli.main(base + ["--seq-len", "16", "--out", str(tmp_path / "run")]) == 0
+  summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+  assert summary["steps"] == 2 and np.isfinite(summary["final_loss"])
