@@ -1,14 +1,9 @@
-"""A flat file of token ids (nanoGPT's `.bin`, MaxText's pre-tokenised corpora) as fixed windows.
+"""A flat file of token ids (nanoGPT's `.bin`) as fixed windows: record `i` is tokens
+`[i * seq_len, (i + 1) * seq_len)`, no overlap, a trailing partial window dropped.
 
-Record `i` is tokens `[i * seq_len, (i + 1) * seq_len)`: windows do not
-overlap, so an epoch sees every token once and the sampler's permutation
-over windows is the shuffle. A trailing partial window is dropped.
-
-Why a map per read: a `np.memmap` held open keeps every page it touched
-counted in the process's resident memory (nanoGPT remaps per batch for the
-same reason), so a long run over a 10^9-token file would grow; mapping per
-read keeps memory O(batch) and the source pickles as a path for the
-loader's worker processes.
+Mapped per read: a `np.memmap` held open keeps every page it touched in the
+process's resident memory (nanoGPT remaps per batch for the same reason), and
+the source pickles as a path for the loader's worker processes.
 """
 
 from __future__ import annotations
