@@ -55,7 +55,7 @@ Sections, most valuable first:
   exactness       1 process x 1 device (this one) against the two_hosts
                   pair (2 x 1, rerun here if two_hosts did not run):
                   the same parameters up to float reduction order.
-  within_host     bench/memory.py's layer structures (nn.scan + nn.remat,
+  within_host     (only when named) bench/memory.py's layer structures (nn.scan + nn.remat,
                   a Python loop, a jitted loss, NNX) compiled for 1 host
                   x 4 GPUs on JAX's mocked topology (`jax_mock_gpu_topology`
                   1x1x4) on this one GPU: a device's step peak with and
@@ -87,10 +87,11 @@ for _path in (_ROOT, _BENCH):  # hetjax from the source tree; bench/overhead.py 
 import numpy as np  # noqa: E402  (JAX is imported only once the environment is set)
 
 # Most valuable first: the order they run in, and the order the budget serves them.
-SECTIONS = ("overhead", "precision", "two_hosts", "checkpoint", "device_batches", "exactness",
-            "within_host")
-# within_host: bench/memory.py's layer structures on one GPU shown as 1 host x 4 GPUs
-# (JAX's mocked topology: the GPU compiler's peaks, no real link), in a child process.
+SECTIONS = ("overhead", "precision", "two_hosts", "checkpoint", "device_batches", "exactness")
+# Run only when named (--sections within_host): bench/memory.py's layer structures on one
+# GPU shown as 1 host x 4 GPUs (JAX's mocked topology: the GPU compiler's peaks, no real
+# link), in a child process.
+OPTIONAL = ("within_host",)
 MOCK_TOPOLOGY, WITHIN_HOST_TIMEOUT_S = "1x1x4", 300
 PRECISIONS = ("fp32", "bf16")
 BACKENDS = ("host", "device")  # two_hosts runs the one every GPU pair can run first.
@@ -829,7 +830,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   parser.add_argument("--out", help="folder for gpu_check.json (required unless --plan)")
   parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
   parser.add_argument("--sections", default=",".join(SECTIONS),
-                      help=f"comma-separated, from {', '.join(SECTIONS)} (run in that order)")
+                      help=f"comma-separated, from {', '.join(SECTIONS + OPTIONAL)} (run in "
+                           "that order; the last only when named)")
   parser.add_argument("--models", default=None,
                       help=f"overhead and precision models, from {', '.join(GPU.models)} "
                       f"(default: {','.join(GPU.default_models)}; with --smoke: "
@@ -843,13 +845,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   args = parser.parse_args(argv)
   if args.models is None:
     args.models = ",".join((SMOKE if args.smoke else GPU).default_models)
-  for name, known in (("sections", SECTIONS), ("models", tuple(GPU.models))):
+  for name, known in (("sections", SECTIONS + OPTIONAL), ("models", tuple(GPU.models))):
     chosen = [x.strip() for x in getattr(args, name).split(",") if x.strip()]
     unknown = [x for x in chosen if x not in known]
     if unknown or not chosen:
       parser.error(f"--{name} {unknown or '(none)'}: choose from {', '.join(known)}.")
     setattr(args, name, chosen)
-  args.sections = [name for name in SECTIONS if name in args.sections]  # Most valuable first.
+  args.sections = [n for n in SECTIONS + OPTIONAL if n in args.sections]  # Most valuable first.
   if args.budget is None:
     args.budget = 0.0 if args.smoke else float(GPU_BUDGET_S)
   if args.budget < 0:
@@ -973,7 +975,7 @@ def print_table(results: dict[str, Any]) -> None:
   sections = results["sections"]
   print(f"\nhetjax GPU check ({results['profile']}): jax {results['versions'].get('jax')}, "
         f"{results['versions']['device']['kind']}")
-  for name in SECTIONS:
+  for name in SECTIONS + OPTIONAL:
     s = sections.get(name)
     if s is None:
       continue
