@@ -1,17 +1,10 @@
 """Blocks: the unit that makes every model split-independent (DESIGN invariant 2).
 
-The global batch of a step is cut into blocks of `m` consecutive positions
-(`m` = the per-device micro-batch). A device runs whole blocks (one, or a
-device batch of `k` kept apart), a host's share is a whole number of
-blocks, and a block's randomness and its BatchNorm group belong to the
-block. So however the balancer splits the
-batch, every block is computed the same way, and BatchNorm, dropout or any
-other stochastic layer gives the same math on any host layout.
-
-`B` need not be a multiple of `m`: the last block then holds `B mod m`
-real positions and stays one (masked) block.
-
-Pure numpy and stdlib: the balancer works in blocks and knows nothing else.
+A block is `m` consecutive positions (the per-device micro-batch); a host's
+share is whole blocks, and a block's randomness and BatchNorm group are its
+own, so any split computes every block the same way. When `m` does not divide
+`B` the last block holds `B mod m` real positions (masked). Pure numpy: the
+balancer works in blocks and knows nothing else.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """The exit codes the hosts leave with and the launchers act on, in one table.
 
-Every host (`hetjax train`), every launcher (`launch/`, `hetjax.cluster`)
-and every library module that ends a job reads its code from here, so a
-code means one thing wherever it is written or read. The shell launchers
-(`launch/*.sbatch`) cannot import Python and repeat 75 with a pointer here;
-`tests/test_cluster_launchers.py` checks that they do.
-
-Also the base of the errors that end a job with such a code (`JobExit`), so
-the command line leaves with the right code without importing the modules
-(and JAX) that raise them. Stdlib only.
+A code means one thing wherever it is written or read. The shell launchers
+(`launch/*.sbatch`) repeat 75 with a pointer here (tests/test_cluster_launchers.py
+checks). `JobExit` lets the command line leave with the right code without
+importing the modules (and JAX) that raise it. Stdlib only.
 """
 
 from __future__ import annotations
@@ -39,11 +34,8 @@ INTERRUPTED_EXIT = 128 + signal.SIGINT
 class JobExit(RuntimeError):
   """An error after which every host leaves with `exit_code` (the command line's exit code).
 
-  Subclassed where a job ends on purpose: a stop signal
-  (`hetjax.cluster.signals.Stopped`), a checkpoint that cannot be written
-  (`hetjax.checkpoint.write_failed.CheckpointWriteFailed`), replicas that
-  differ (`hetjax.training.agreement.HostsDisagree`). `label` starts the
-  command line's one-line message ("error: " for a fault, "" for a stop).
+  Subclassed where a job ends on purpose (`Stopped`, `CheckpointWriteFailed`,
+  `HostsDisagree`); `label` starts the one-line message ("error: " for a fault).
 
   Example:
     >>> from hetjax import exits

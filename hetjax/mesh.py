@@ -1,14 +1,10 @@
 """Where arrays live: this host's mesh, the world's, and moving between them.
 
-A host's own devices form its local mesh, where the train state lives and
-the local programs run; every device of every host, in (host, device)
-order, forms the world mesh of the one cross-host program. Arrays cross
-between the two by re-wrapping the same device buffers (zero-copy), never
-by copying. The few host values every host must learn (agreement checks,
-votes, timings) travel in one small gather (`gather_host_values`): over the
-world mesh, or, where the job reduces on the hosts' CPUs, over one CPU
-device per host (`Meshes.hosts`), so that such a job runs no collective
-across hosts on its accelerators at all.
+The local mesh (this host's devices: the train state, the local programs) and
+the world mesh (every device, in (host, device) order: the cross-host program);
+arrays cross between them by re-wrapping the same buffers, never by copying.
+The few values every host must learn travel in one small gather
+(`gather_host_values`), over the world or over one CPU per host (`Meshes.values_over`).
 """
 
 from __future__ import annotations
@@ -34,11 +30,9 @@ VALUES_OVER = ("device", "host")  # where `gather_host_values` runs (`Meshes.val
 class Meshes:
   """This host's mesh and the mesh of every device, in (host, device) order.
 
-  `values_over` says where the small values every host must learn travel:
-  "device", over the world mesh; "host", over one CPU device per host
-  (`hosts`), for jobs that reduce on the CPUs (`reduction="host"`), whose
-  accelerators may share no collective (two processes on one GPU, GPUs of
-  two vendors).
+  `values_over`: "device", the world mesh; "host", one CPU per host (`hosts`), for jobs
+  that reduce on the CPUs, whose accelerators may share no collective (two processes on one
+  GPU, GPUs of two vendors).
   """
 
   local: Mesh
@@ -84,10 +78,8 @@ class Meshes:
 
   @functools.cached_property
   def hosts(self) -> Mesh:
-    """Each host's first CPU device, in host order (axis `HOSTS`): where the host
-    reduction sums and, under it, where host values travel. Any platform has
-    CPU devices, and their collectives (gloo) do not care what accelerator a
-    host has."""
+    """Each host's first CPU device (axis `HOSTS`): where the host reduction sums; any
+    platform has CPU devices, whose collectives (gloo) ignore the accelerators."""
     cpus = sorted(jax.devices("cpu"), key=lambda d: (d.process_index, d.id))
     firsts = [next(d for d in cpus if d.process_index == h) for h in range(self.num_hosts)]
     return Mesh(np.array(firsts), (HOSTS,))
@@ -97,8 +89,7 @@ class Meshes:
     """The mesh `gather_host_values` runs over (`values_over`)."""
     return self.hosts if self.values_over == "host" else self.world
 
-  # Shardings are built once: making one is Python work that would otherwise be paid per
-  # leaf per step.
+  # Shardings built once, not per leaf per step.
   @functools.cached_property
   def replicated(self) -> NamedSharding:
     return NamedSharding(self.world, P())

@@ -1,14 +1,9 @@
 """The lifecycle's phases: one name for each part of a run, announced to whoever listens.
 
-Two things need to know which part of its life a host is in: the watchdog,
-which puts a deadline on every wait (a host stuck in evaluation is as stuck
-as one inside a step), and the goodput record, which adds up where a job's
-wall time went. So the boundaries are named once, here; the trainer announces
-them (`within`), and listeners subscribe process-wide (`PHASES.subscribe`).
-
-Phases nest (an agreement check inside a checkpoint save inside the step
-loop): listeners see every start and end, and `PHASES.current` is the
-innermost. Stdlib only, so the cluster and observe rooms may both import it.
+The watchdog (a deadline on every wait, evaluation too) and the goodput record
+(where the wall time went) both need them, so they are named once here: the
+trainer announces them (`within`), listeners subscribe (`PHASES.subscribe`).
+Phases nest; `PHASES.current` is the innermost. Stdlib only.
 """
 
 from __future__ import annotations

@@ -18,13 +18,6 @@ OPTIONS = {
 }
 
 
-def check_name(name: str) -> str:
-  """Returns `name` or raises naming the choices."""
-  if name not in OPTIONS:
-    raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)}.")
-  return name
-
-
 def with_option(option: str) -> tuple[str, ...]:
   """The models that take `option` (e.g. 'dropout'), for error messages."""
   return tuple(n for n in MODEL_NAMES if option in OPTIONS[n])

@@ -22,8 +22,7 @@ class CNN(nn.Module):
     features: channels of each conv layer.
     hidden: width of the dense layer before the head.
     dropout: rate of dropout before the head in training.
-    dtype: computation dtype (parameters stay float32); None follows the
-      parameters, which hetjax casts to the `--precision` compute type.
+    dtype: computation dtype (parameters stay float32); None follows `--precision`.
   """
 
   num_classes: int

@@ -8,10 +8,6 @@ import jax
 
 
 def as_input(x: jax.Array, dtype: Any) -> jax.Array:
-  """`x` in the module's compute `dtype`, or unchanged when it is None.
-
-  With `dtype=None` the first layer promotes `x` with its parameters, so the
-  model computes in whatever type hetjax cast the parameters to (float32,
-  or bf16 / fp16 under `--precision`).
-  """
+  """`x` in the module's compute `dtype`; None leaves it for the first layer to promote with
+  the parameters (whatever `--precision` cast them to)."""
   return x if dtype is None else x.astype(dtype)

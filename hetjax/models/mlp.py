@@ -17,8 +17,7 @@ class MLP(nn.Module):
     num_classes: size of the output layer.
     hidden: width of each hidden layer.
     dropout: rate of dropout after each hidden layer in training.
-    dtype: computation dtype (parameters stay float32); None follows the
-      parameters, which hetjax casts to the `--precision` compute type.
+    dtype: computation dtype (parameters stay float32); None follows `--precision`.
   """
 
   num_classes: int

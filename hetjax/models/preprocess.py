@@ -1,8 +1,7 @@
 """Pixels arrive as uint8 and become floats on the device, not on the host.
 
-Sending uint8 moves a quarter of float32's bytes from the input workers to
-the accelerator; the scaling to [0, 1] costs the device one fused multiply.
-Float inputs (digits, synthetic images, tokens) pass through untouched.
+uint8 moves a quarter of float32's bytes to the accelerator; scaling to [0, 1]
+costs the device one fused multiply. Float inputs pass through untouched.
 
 Example:
   >>> task = on_device_scaling(task_lib.from_linen(module, loss))

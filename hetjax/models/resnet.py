@@ -1,10 +1,7 @@
 """ResNet-18 and ResNet-50 whose BatchNorm statistics ignore padded examples.
 
-hetjax pads batches to fixed shapes and marks the padding in the batch's
-`hetjax.task.MASK` entry (passed here as `mask`),
-so BatchNorm must compute its statistics from the real examples only;
-otherwise padding would shift both the activations of real examples and the
-running averages.
+hetjax pads batches to fixed shapes and marks the padding (`mask`); padding in
+the statistics would shift real examples' activations and the running averages.
 """
 
 from __future__ import annotations
@@ -24,18 +21,14 @@ _STATS = ("mean", "var")
 class MaskedBatchNorm(nn.BatchNorm):
   """`nn.BatchNorm` whose masked statistics stay finite with no real example.
 
-  Flax's masked statistics divide by the number of real examples, which is
-  zero for an all-padding micro-batch, and would write NaN into the running
-  averages. Then this layer normalizes with statistics of the (padding)
-  inputs instead, which keeps activations and gradients finite, and leaves
-  the running averages exactly as they were.
+  For an all-padding micro-batch Flax would divide by zero real examples and
+  write NaN into the running averages; this layer then normalizes with the
+  padding's statistics (finite) and leaves the running averages as they were.
 
-  Its variance is the stable `E[(x - E[x])^2]` by default, not Flax's
-  `E[x^2] - E[x]^2`, whose cancellation amplifies the rounding of kernels
-  of another shape (a device batch of `k` blocks): ResNet-18's first
-  update on 3x2 with device batches 4, 2, 1 moved 8.7e-4 (relative) from
-  one device's with Flax's, 4.1e-6 with this one
-  (bench/device_batch_exactness.py).
+  Its variance is the stable `E[(x - E[x])^2]`, not Flax's `E[x^2] - E[x]^2`,
+  whose cancellation amplifies the rounding of a device batch's kernels:
+  ResNet-18's first update on 3x2 with device batches 4, 2, 1 moved 8.7e-4
+  (relative) with Flax's, 4.1e-6 with this (bench/device_batch_exactness.py).
   """
 
   use_fast_variance: bool = False
@@ -59,19 +52,14 @@ class MaskedBatchNorm(nn.BatchNorm):
 
 def _norm(train: bool, mask: jax.Array | None, momentum: float, dtype: Any,
           **kwargs) -> Any:
-  """BatchNorm: masked batch statistics in training, running ones in eval
-  (`MaskedBatchNorm`, with the stable variance)."""
-  bn = MaskedBatchNorm(use_running_average=not train, momentum=momentum,
-                       dtype=dtype, **kwargs)
+  """BatchNorm: masked batch statistics in training, running ones in eval."""
+  bn = MaskedBatchNorm(use_running_average=not train, momentum=momentum, dtype=dtype, **kwargs)
   return functools.partial(bn, mask=mask if train else None)
 
 
 def _add_shortcut(x: jax.Array, y: jax.Array, conv: Any, norm: Any, strides: int) -> jax.Array:
-  """relu(shortcut + y): identity, or a strided 1x1 projection when shapes differ.
-
-  Called from a block's compact `__call__`, so the projection's modules keep
-  the names `proj_conv` and `proj_norm` inside that block.
-  """
+  """relu(shortcut + y): identity, or a strided 1x1 projection (`proj_conv`, `proj_norm`,
+  named inside the calling block) when shapes differ."""
   if x.shape != y.shape:
     x = conv(y.shape[-1], (1, 1), strides, name="proj_conv")(x)
     x = norm(name="proj_norm")(x)
@@ -100,11 +88,7 @@ class BasicBlock(nn.Module):
 
 
 class BottleneckBlock(nn.Module):
-  """1x1 reduce, 3x3 (strided), 1x1 expand to 4x the channels, plus a shortcut.
-
-  The stride sits on the 3x3 convolution (the "v1.5" variant that the usual
-  throughput tables train).
-  """
+  """1x1 reduce, 3x3 (strided: "v1.5", as the usual throughput tables), 1x1 expand to 4x."""
 
   features: int
   strides: int = 1

@@ -1,21 +1,10 @@
 """The training modes, each a strategy behind `hetjax.Trainer`'s one run lifecycle.
 
-Why a folder: a reader finds how a mode trains in its own file, and a new
-mode is one new file implementing `base.Mode` (the Trainer, `hetjax.trainer`,
-owns everything the modes share: setup, agreement, resume, the fit loop,
-checkpoints, evaluation, signals, the watchdog, the summary).
-
-- `base.py`: the `Mode` protocol, `ModeBase` (its defaults), `Setup` (what
-  a mode is built from).
-- `sync.py`: `Sync`, one cross-host reduction per step (the default).
-- `rounds_mode.py`: `Rounds`, what hybrid and elastic share: one round,
-  its records, its checkpoints (DESIGN "Modes: one lockstep rule").
-- `rounds.py`, `local_step.py`: a round's pieces: taus from speeds, the
-  round's positions, the local step program, the one reduction per round.
-- `hybrid.py`: `Hybrid`, an outer optimizer on the hosts' sample-weighted deltas.
-- `elastic.py`: `Elastic`, per-host parameters pulled towards a centre (EASGD).
-
-The modes' command-line flags come from `RoundsConfig`'s fields (`hetjax.cli.flags`).
+A reader finds how a mode trains in its own file; a new mode is one new file
+implementing `base.Mode`. `sync`: one reduction per step (the default);
+`rounds_mode`: what hybrid and elastic share, with a round's pieces in
+`rounds` and `local_step`; `hybrid`: an outer optimizer on the hosts'
+sample-weighted deltas; `elastic`: parameters pulled towards a centre (EASGD).
 """
 
 from __future__ import annotations

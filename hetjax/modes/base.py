@@ -1,14 +1,10 @@
 """What a training mode is: the strategy behind `hetjax.Trainer`'s one run lifecycle.
 
-The Trainer owns the run (`hetjax.trainer`): it checks and agrees on the
-configuration, reads the example batch, keeps the history, the
-checkpointer and the evaluator, resumes, runs `fit` (records, evaluations,
-stop signals, the watchdog, checkpoints, the summary) and closes. A mode
-owns what differs between modes: its programs and state, how it advances
-one step (or round), what a checkpoint holds of it, and its summary
-fields. That is the `Mode` protocol below; `ModeBase` gives the optional
-parts their defaults, so a new mode is one new file (tests/test_mode_protocol.py
-writes one in a test).
+The Trainer owns what modes share (agreement, history, checkpoints, evaluation,
+`fit`, signals, the summary); a mode owns its programs and state, how it advances
+a step (or round), its part of a checkpoint and of the summary: the `Mode`
+protocol. `ModeBase` gives the optional parts defaults (tests/test_mode_protocol.py
+writes a mode in a test).
 """
 
 from __future__ import annotations
@@ -74,17 +70,11 @@ class Setup:
     if eval_loss and self.task.eval_loss is not None:
       task_lib.check_contract(self.task.eval_loss, *args, what="the task's evaluation loss")
 
-
   def warn_fast_variance(self, params: PyTree, model_state: PyTree,
                          device_batches: Sequence[int]) -> tuple[str, ...]:
-    """Warns once, on host 0, when device batches meet norm layers with Flax's fast variance.
-
-    Why: a device batch keeps its blocks' math, but runs them in kernels of
-    another shape, which round differently; the fast variance amplifies that
-    rounding far past float reduction order (see `hetjax.fast_variance.find`).
-    Nothing to say when every host runs one block per program. Returns the
-    layers named (empty on other hosts), for tests.
-    """
+    """Warns once, on host 0, when device batches meet norm layers with Flax's fast variance
+    (which amplifies the other kernels' rounding far past float reduction order); returns
+    the layers named (empty on other hosts)."""
     if max(device_batches) <= 1 or self.meshes.host_id != 0:
       return ()
     layers = fast_variance.find(self.task.loss, params, model_state, self.first_block,

@@ -9,8 +9,6 @@ rounds; the centre is replicated on every host. Round r, on host i:
    `centre += sum_i d_i`.
 The centre is what is evaluated, checkpointed and reported; its model state
 (BatchNorm statistics) is the sample-weighted mean of the hosts'.
-`hetjax.modes.rounds_mode` runs the round, `hetjax.modes.rounds` supplies
-the pieces.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """How a round of hybrid works (local SGD across hosts, data parallel inside a host).
 
-Round r, on every host i (`hetjax.modes.rounds_mode` runs the round,
-`hetjax.modes.rounds` supplies the pieces):
+Round r, on every host i:
 1. start from the centre `theta` (the parameters every host agrees on) and
    the host's own inner optimizer state, which stays on the host;
 2. run `tau_i` local steps of `b` samples, reaching `theta_i`;
@@ -10,9 +9,8 @@ Round r, on every host i (`hetjax.modes.rounds_mode` runs the round,
 4. the outer gradient `sum n_i delta_i / sum n_i` (sample-weighted: the
    FedNova-consistent form when every host reads one global stream) goes
    through the outer optax optimizer, each slice of the centre on one
-   device of the world, then gathered (`hetjax.step.sharding`): every host holds
-   the same bits even when hosts compile differently. The outer optimizer
-   state is kept whole on every device (it is saved with the centre).
+   device, then gathered (invariant 6). The outer optimizer state is kept
+   whole on every device (it is saved with the centre).
 
 With one local step per host, plain SGD inside and outer SGD with lr 1, a
 round is exactly a sync step over the same positions.

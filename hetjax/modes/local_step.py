@@ -1,10 +1,7 @@
 """A round's local step: `b` samples in blocks on this host's devices, then the inner update.
 
-The one program a host runs between two reductions of a round
-(`hetjax.modes.rounds`): no cross-host collective, so hosts run different
-numbers of them. The inner update is the sync step's rule
-(`hetjax.step.optimizer_step`): summed gradients over summed weights, the
-optax update, the count-weighted model state, the fp16 skip.
+No cross-host collective, so hosts run different numbers of them; the inner
+update is the sync step's rule (`hetjax.step.optimizer_step`).
 """
 
 from __future__ import annotations
@@ -33,16 +30,11 @@ class LocalStep:
   One compiled program per step: each device scans over its blocks
   (device j of micro-round r runs block `first + r * d + j`), the sums meet
   in a psum over this host's devices only, and the inner optax update
-  follows. With a device batch `k` a device runs `k` micro-rounds' blocks at
-  once (`blocks_sums`, each block still its own), the rest through the
-  ladder's smaller sizes: the same blocks, keys and sums. Parameters and inner
-  state are arrays on this host's devices (the local mesh).
+  follows. A device batch `k` runs `k` micro-rounds' blocks at once (each block still its
+  own), the rest through the ladder's smaller sizes: the same blocks, keys and sums.
 
-  Precision as in the sync step (`hetjax.step.precision`). Under fp16 each host
-  keeps its own dynamic loss scale in its inner state: a local step whose
-  gradients overflow is skipped on that host alone and its scale halved.
-  No other host needs to know: the round's reduction sums models, not
-  gradients, and a skipped step leaves the host's model where it was.
+  Under fp16 each host keeps its own loss scale: a local step that overflows is skipped on
+  that host alone (the reduction sums models, not gradients, so no other host needs to know).
   """
 
   def __init__(self, task: Task, optimizer: optax.GradientTransformation, meshes: Meshes,

@@ -1,17 +1,10 @@
 """What a round of hybrid and of elastic share.
 
-A round, on every host:
-1. `taus`: how many local steps each host runs (fixed, or from the hosts'
-   measured local step times, which every host holds the same copy of);
-2. `RoundData`: the round takes the next `sum(tau) * b` positions of the
-   one global stream; host i the contiguous slice after hosts `< i`, cut
-   into its `tau_i` local steps of `b` positions;
-3. `LocalStep` (`hetjax.modes.local_step`): each local step runs on this
-   host's devices only (one program: blocks of `m` positions per device,
-   the sync step's update rule); no cross-host collective, so hosts run
-   different numbers of them;
-4. `RoundReduction`: one reduction that every host joins, summing a
-   per-host tree and gathering every host's small vector of timings.
+A round, on every host: `TauPolicy` says how many local steps each host runs;
+`RoundData` gives host i the contiguous slice after hosts `< i` of the next
+`sum(tau) * b` stream positions; `LocalStep` runs each local step on the host's
+own devices (no cross-host collective, so hosts run different numbers);
+`RoundReduction` is the one reduction every host joins.
 
 A block's key is `fold_in(fold_in(key(seed), round), block)`, `block`
 counting the round's blocks in stream order (as the sync step counts a
@@ -43,13 +36,8 @@ SPEED_WINDOW = 8    # Rounds of local step times whose median sets the speeds.
 
 
 class TauPolicy:
-  """Fixed counts, or counts from the hosts' measured seconds per local step.
-
-  Every host feeds `observe` the same gathered vector, so every host gets
-  the same taus. The first `WARMUP_ROUNDS` rounds (compilation, first
-  transfers) run one local step per host and are not measured; later the
-  median over the last `SPEED_WINDOW` rounds sets the speeds.
-  """
+  """Fixed counts, or counts from the hosts' measured seconds per local step (the same
+  gathered vector on every host). The first `WARMUP_ROUNDS` rounds run tau = 1, unmeasured."""
 
   def __init__(self, round_steps: int, num_hosts: int, fixed: Sequence[int] | None = None):
     self.round_steps, self.num_hosts = int(round_steps), int(num_hosts)
@@ -130,10 +118,8 @@ def spread(mine: PyTree, my_weight: float, totals: PyTree, total_weight: float,
            meshes: Meshes) -> jax.Array:
   """`||x_i - mean||` from what the round's reduction already holds, on this host's devices.
 
-  Both modes reduce a tree of the form `sum_j w_j (x_j - c)` (up to sign)
-  whose weights make `totals / total_weight` the hosts' sample-weighted
-  mean minus `c`, while `mine / my_weight` is `x_i - c`: the difference is
-  this host's distance to the mean, and no second full-size sum is needed.
+  Both modes reduce `sum_j w_j (x_j - c)` (up to sign): `totals / total_weight` is the
+  sample-weighted mean minus `c` and `mine / my_weight` is `x_i - c`, so no second sum.
   """
   local = mesh_lib.to_local_tree(totals, meshes)
   return _distance(mine, jnp.float32(my_weight), local, jnp.float32(total_weight))
@@ -148,15 +134,10 @@ def to_host_mesh(tree: PyTree, meshes: Meshes) -> PyTree:
 
 
 class RoundReduction:
-  """Sums one per-host tree over the hosts and gathers a small vector from each.
-
-  'device': one global program over every device (NCCL on GPU, gloo here);
-  each host's tree sits on its first device row, zeros on the others.
-  'host': the trees go to host memory and are summed with CPU collectives
-  over `hetjax.step.HostReduction`'s mesh of one CPU per host, for hosts
-  whose accelerators cannot share one collective. Either way the result is
-  global replicated arrays.
-  """
+  """Sums one per-host tree over the hosts (into global replicated arrays) and gathers a
+  small vector from each: 'device', one program over every device (each host's tree on its
+  first device row); 'host', CPU collectives over one CPU per host, for accelerators that
+  cannot share one collective."""
 
   def __init__(self, backend: str, meshes: Meshes):
     if backend not in ("device", "host"):
@@ -185,13 +166,11 @@ class RoundReduction:
       totals, rows = self._sum_world(world, mesh_lib.host_rows(host_values, meshes))
       return totals, mesh_lib.rows_by_host(np.asarray(rows), meshes)
     mine = jax.tree.map(lambda x: np.asarray(x.addressable_data(0))[None], tree)
-    mine["hetjax.host_values"] = np.asarray(host_values, np.float32).reshape(1, 1, -1)
     to_cpu = lambda x: jax.make_array_from_process_local_data(self._by_host, x)
-    # The host values ride in the same collective: row h holds host h's
-    # vector (a sum of one non-zero row per position).
-    h, k = meshes.num_hosts, mine["hetjax.host_values"].shape[-1]
-    placed = np.zeros((1, h, k), np.float32)
-    placed[0, meshes.host_id] = mine.pop("hetjax.host_values")[0, 0]
+    # The host values ride in the same collective: row h holds host h's vector.
+    values = np.asarray(host_values, np.float32).reshape(-1)
+    placed = np.zeros((1, meshes.num_hosts, values.size), np.float32)
+    placed[0, meshes.host_id] = values
     mine["hetjax.host_values"] = placed
     totals = jax.device_get(self._sum_hosts(jax.tree.map(to_cpu, mine)))
     rows = np.asarray(totals.pop("hetjax.host_values"))
@@ -207,12 +186,9 @@ class OuterUpdate:
   """A mode's outer update, `finish(centre, totals, total_n) -> centre`, where the
   round's reduction summed: the centre comes and goes as global replicated arrays.
 
-  `make(mesh, axis)` writes the update over a 1-D mesh; each slice of the
-  centre is computed by one device of it, then gathered, so hosts that
-  compile differently agree bit for bit. 'device': over every device.
-  'host': over one CPU per host, the centre and the totals copied through
-  host memory, so that no program spans the hosts' accelerators (which may
-  share no collective).
+  `make(mesh, axis)` writes the update over a 1-D mesh, each slice computed by one device
+  and gathered (invariant 6): 'device' over every device, 'host' over one CPU per host
+  (through host memory: no program spans the hosts' accelerators).
   """
 
   def __init__(self, make: Callable[[Mesh, str], OuterProgram], backend: str, meshes: Meshes):

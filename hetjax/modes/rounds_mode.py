@@ -1,16 +1,10 @@
 """The strategy hybrid and elastic share: one round, its records and its checkpoints.
 
-One round, on every host (DESIGN "Modes: one lockstep rule"): taus (the
-same on every host) -> the round's positions -> this host's `tau_i` local
-steps on its own devices -> (emulated pacing) -> the mode's contribution ->
-the one reduction, which also carries every host's timings and its stop
-request -> the mode's finish (outer update / elastic move). The pieces are
-in `hetjax.modes.rounds`; how a round ends is the subclass's
-(`hetjax.modes.hybrid`, `hetjax.modes.elastic`).
-
-A round is the Trainer's step: `fit(steps)` counts rounds, and
-`global_batch` is the samples of one round step of every host (each local
-step of a host takes `global_batch / hosts` unless `local_batch` is set).
+A round (DESIGN "Modes: one lockstep rule"): taus -> this host's `tau_i` local
+steps on its own devices -> the mode's contribution -> the one reduction (which
+carries every host's timings and stop request) -> the mode's finish. A round is
+the Trainer's step; a local step takes `global_batch / hosts` samples unless
+`local_batch` is set.
 """
 
 from __future__ import annotations
@@ -35,21 +29,16 @@ from hetjax.modes.base import Boundary, Loop, ModeBase, Resumed, Setup
 from hetjax.training.host_vector import HostVector
 
 PyTree = Any
-# What each host adds to a round's reduction: its seconds per local step,
-# the round's local compute seconds, and, of the round before (known only
-# after its reduction), the reduction's seconds and the host's distance to
-# the hosts' mean; then its stop request.
+# Each host's seconds per local step and compute seconds, of the round before (known
+# after its reduction) its reduction seconds and distance to the mean, and its stop request.
 HOST_VECTOR = HostVector("step_s", "compute_s", "wait_s", "spread", "stop")
 # The last round's reduction seconds and spread, in `summary_fields`' small collective.
 FINAL_WAITS = HostVector("wait_s", "spread")
 
 
 class Saved(NamedTuple):
-  """What a checkpoint holds: the centre, and each host's inner state with a leading row per device.
-
-  Orbax saves global arrays only, so a host's own state travels as rows of
-  `[all devices, ...]` arrays (every device row of host h holds host h's).
-  """
+  """What a checkpoint holds: the centre, and each host's inner state as rows of
+  `[all devices, ...]` global arrays (orbax saves global arrays only)."""
 
   round: jax.Array
   params: PyTree

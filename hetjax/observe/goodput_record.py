@@ -1,24 +1,15 @@
 """Each host's phases and steps, written as they happen into OUT/phases/host<i>.jsonl.
 
-A `Recorder` listens to the lifecycle's phases (`hetjax.phases`) and is fed
-every step's record; each line is flushed when written, so a host killed
-with SIGKILL leaves every phase it entered and every step it recorded. The
-lines (`kind`): `attempt` (one per process: its start time and pid),
-`start` / `end` (a phase), `step` (this host's column of a record, and the
-FLOPs of its share), `device` (what it ran on), `close` (a clean end).
-`hetjax.observe.goodput` reads them back.
+Every line is flushed, so a host killed with SIGKILL leaves every phase and
+step it recorded. Lines (`kind`): `attempt` (a process's start and pid),
+`start` / `end` (a phase), `step` (this host's column of a record, its FLOPs),
+`device`, `close` (a clean end).
 
-The same job's processes append to one file: a restarted host (the
-launchers' HETJAX_RESTART_COUNT > 0), or any process after one that did not
-close, continues the job; a process after a closed one with no restart
-count starts the file afresh (a new job in the same folder). A process
-with no restart count that starts from step 0 also begins a new job when
-the file is read (`hetjax.observe.goodput.job_attempts`): a crashed run
-started again by hand from scratch is not the crashed one's restart.
-
-`hetjax train --out` records the whole process (`recording`, from before
-joining); `Trainer.fit(out=...)` records its call when nothing else does
-(`for_fit`).
+A job's processes append to one file: a restarted host (HETJAX_RESTART_COUNT
+> 0) or a process after one that did not close continues it; after a closed
+one with no restart count the file starts afresh. A hand-started run from step
+0 also begins a new job when read (`goodput.job_attempts`). `hetjax train --out`
+records the whole process (`recording`); `Trainer.fit(out=...)` its call (`for_fit`).
 """
 
 from __future__ import annotations

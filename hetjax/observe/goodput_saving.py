@@ -1,13 +1,10 @@
 """What balancing saved: the step an equal split would have taken, from the same timings.
 
-Each host's measured seconds per sample (its compute over its samples,
-after warm-up) priced at an equal share, `global_batch / hosts`: the
-slowest host sets the equal split's step, plus the reduction (the fastest
-host's wait, which no split changes). The balanced step is priced the same
-way from what ran (each step's slowest host's compute plus its reduction),
-so an equal-split run saves exactly nothing and the dispatch time,
-which no split changes, stays out of both. A model: compute is taken
-to scale linearly with the samples, which small shares on a GPU beat.
+Each host's measured seconds per sample (after warm-up) priced at an equal
+share: the slowest sets the equal step, plus the reduction (the fastest host's
+wait). The balanced step is priced the same way from what ran, so an equal-split
+run saves exactly nothing and dispatch stays out of both. A model: compute is
+taken as linear in the samples, which small shares on a GPU beat.
 """
 
 from __future__ import annotations

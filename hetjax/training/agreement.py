@@ -1,22 +1,12 @@
 """Hosts' agreement, checked rather than hoped for (DESIGN invariant 3).
 
-Every host computes its share of the batch itself and keeps its own
-replica of the parameters. Rounding cannot make replicas drift (each slice
-of the update is computed once and gathered, `hetjax.step.sharding`), but a
-real fault can (a stale checkout whose model or balancer differs, a damaged
-copy): hosts would read overlapping slices or train different models,
-silently. So:
-
-- the shares each host used travel in the timing rows of every step and
-  must be equal on every host (`check_shares`);
-- every `check_every` steps and at every checkpoint, a fingerprint of each
-  host's parameters (`params_fingerprint`, computed on its devices) is
-  compared (`check_fingerprints`);
-- at start-up, a hash of the configuration, the parameter shapes and the
-  optimizer state's structure (`text_fingerprint`).
-
-Values travel as float32 in the rows, so hashes travel as 16-bit chunks,
-which float32 holds exactly.
+Rounding cannot make replicas drift (invariant 6), but a real fault can (a
+stale checkout, a damaged copy): hosts would read overlapping slices or train
+different models, silently. So the shares travel in every step's timing rows
+(`check_shares`); every `check_every` steps and at every checkpoint the
+parameters' fingerprints are compared (`check_replicas`); at start-up a hash
+of the configuration, shapes and optimizer structure (`agree_on`). Hashes
+travel in float32 rows as 16-bit chunks, which float32 holds exactly.
 """
 
 from __future__ import annotations
@@ -56,12 +46,8 @@ def _odd_weights(n: int, multiplier: int) -> jax.Array:
 
 @jax.jit
 def _fingerprint_words(params: PyTree) -> jax.Array:
-  """Two weighted sums of the parameters' bit patterns, wrapping in uint32.
-
-  Integer sums are exact and independent of the summation order, so two
-  hosts agree exactly when their parameters agree bit for bit; the weights
-  make a permutation or a swap of two values visible.
-  """
+  """Two weighted sums of the parameters' bit patterns, wrapping in uint32: exact in any
+  order, so hosts agree when their parameters do bit for bit; the weights catch a swap."""
   total = jnp.zeros((2,), jnp.uint32)
   for i, leaf in enumerate(jax.tree.leaves(params)):
     bits = jax.lax.bitcast_convert_type(jnp.ravel(leaf).astype(jnp.float32), jnp.uint32)
@@ -72,11 +58,8 @@ def _fingerprint_words(params: PyTree) -> jax.Array:
 
 
 def params_fingerprint(local_params: PyTree) -> np.ndarray:
-  """This host's parameter fingerprint, `FINGERPRINT_WIDTH` float32 values.
-
-  `local_params` are arrays on this host's devices only: the sums run on the
-  host's first device without any cross-host program.
-  """
+  """This host's parameter fingerprint, `FINGERPRINT_WIDTH` float32 values, computed on its
+  own devices (`local_params`: no cross-host program)."""
   words = np.asarray(jax.device_get(_fingerprint_words(local_params)), np.uint32)
   return words.view(np.uint16).astype(np.float32)
 

@@ -1,14 +1,9 @@
 """Evaluation over a whole split, spread over every host and device, streamed.
 
-- Compiled once: one `jit(shard_map)` over this host's devices, with the
-  parameters as arguments, so evaluating every N steps costs no recompile.
-- Streamed: a host reads its records `batch` at a time (a 10^7-record or
-  TFDS split never sits in memory at once).
-- Spread: host `h` takes a contiguous slice of the split sized by its weight
-  (its share of the global batch, which the balancer sized by speed), and
-  its devices split every batch; one small collective sums the results.
-
-The result is the exact mean over the split, whatever the split of work.
+Compiled once (the parameters are arguments: no recompile every N steps);
+streamed `batch` records at a time; host `h` takes a contiguous slice sized by
+its weight (its share of the global batch), and one small collective sums the
+results: the exact mean over the split, whatever the split of work.
 """
 
 from __future__ import annotations
@@ -30,11 +25,7 @@ COUNT = "count"
 
 
 def host_ranges(num_records: int, weights: Sequence[float]) -> list[tuple[int, int]]:
-  """Contiguous `[start, stop)` slices of `num_records`, sized by `weights`.
-
-  All-zero weights mean equal slices. The same on every host (plain integer
-  arithmetic on values every host holds).
-  """
+  """Contiguous `[start, stop)` slices of `num_records`, sized by `weights` (all zero: equal)."""
   w = np.asarray(weights, np.float64)
   if w.size == 0 or np.any(w < 0):
     raise ValueError(f"evaluation weights must be >= 0, one per host; got {list(weights)}.")
@@ -60,8 +51,7 @@ class Evaluator:
       raise ValueError(f"evaluation batch per device must be >= 1, got {batch_per_device}.")
     self.meshes = meshes
     self.batch = batch_per_device * meshes.local_devices
-    loss_fn = task.evaluation_loss()
-    self._loss_fn = loss_fn
+    self._loss_fn = loss_fn = task.evaluation_loss()
 
     def per_device(params, model_state, batch):
       losses, metrics, _ = loss_fn(params, model_state, batch, jax.random.key(0))
@@ -92,10 +82,8 @@ class Evaluator:
 
   def local_sums(self, params: PyTree, model_state: PyTree, source: Any,
                  start: int, stop: int) -> np.ndarray:
-    """Sums over records `[start, stop)` of `source`, in `names` order, as float64.
-
-    `params` and `model_state` are global replicated arrays.
-    """
+    """Sums over records `[start, stop)` of `source`, in `names` order, as float64
+    (`params`, `model_state`: global replicated arrays)."""
     local = lambda tree: jax.tree.map(lambda x: mesh_lib.to_local(x, self.meshes), tree)
     params, model_state = local(params), local(model_state)
     example = {**source[np.arange(1)], MASK: np.ones(1, np.float32)}

@@ -1,11 +1,8 @@
 """The small per-host vector a reduction carries, read and written by column name.
 
-Every host puts a few numbers (its timings, its stop request, its shares)
-into the cross-host reduction and gets every host's back as rows
-`[hosts, k]` (DESIGN invariant 3: every host decides from the same rows).
-A vector's columns are named once, in a `HostVector`; the host that writes
-it (`pack`) and every reader (`column`, `per_host`) go by those names, so
-no reader counts positions.
+Every host puts a few numbers into the reduction and gets every host's back as
+rows `[hosts, k]` (invariant 3); writer and readers go by column name, so no
+reader counts positions.
 """
 
 from __future__ import annotations

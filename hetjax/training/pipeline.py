@@ -1,12 +1,8 @@
 """The sync step pipeline: dispatch step s, finish step s - 1, feed the balancer.
 
-One step (docs/design.md, "One step, as the data flows"): balancer -> this
-host's share -> its slice of the global batch -> LOCAL program -> measured
-(and, under emulation, paced) compute seconds -> the cross-host reduction,
-which also carries every host's timings -> balancer. `Trainer.fit` overlaps
-consecutive steps (docs/design.md, "Overlapped steps"): a step's statistics
-are fetched after the next step is dispatched, so the devices never wait
-for Python.
+One step is docs/design.md's "One step, as the data flows". Consecutive steps
+overlap ("Overlapped steps"): a step's statistics are fetched after the next is
+dispatched, so the devices never wait for Python.
 """
 
 from __future__ import annotations
@@ -67,10 +63,8 @@ class _InFlight(NamedTuple):
 class StepPipeline:
   """Runs sync steps on this host, at most one in flight, and records them in `history`.
 
-  The rows of step `s` carry this host's compute and wait seconds of step
-  `s - 2`, and its stop request: every host learns every host's figures
-  from the same collective, so the balancer and the stop follow the same
-  figures at the same step on every host, overlapped or not (invariant 3).
+  The rows of step `s` carry every host's seconds of step `s - 2` and stop request, so the
+  balancer and the stop follow the same figures at the same step on every host (invariant 3).
   """
 
   def __init__(self, config: Any, meshes: mesh_lib.Meshes, replica: Replica,
@@ -101,10 +95,8 @@ class StepPipeline:
                  finished: Callable[[], None]) -> Iterator[tuple[int, dict[str, float] | None]]:
     """Runs the steps up to `target`, each dispatched before the one before is finished.
 
-    Yields (step, the last step's metrics) at each boundary where something
-    happens (`due(step)`, a stop, the target), with nothing in flight;
-    calls `finished()` after every step finished on the way. An error
-    finishes the step still in flight first.
+    Yields (step, the last step's metrics), nothing in flight, where `due(step)`, a stop or
+    the target says; calls `finished()` after every step. An error finishes the flight first.
     """
     self.drain()  # A step an earlier call left in flight.
     while self.step < target:
@@ -122,23 +114,14 @@ class StepPipeline:
         raise
       yield step, metrics
 
-  def one_step(self) -> dict[str, float]:
-    """Runs one step alone (a step `fit` left in flight finished first); its metrics."""
-    self.drain()
-    self.flight = self.dispatch()
-    return self.drain()
-
   def drain(self) -> dict[str, float] | None:
     """Finishes the step in flight, if any; its metrics."""
     flight, self.flight = self.flight, None
     return None if flight is None else self.finish(flight)
 
   def settle_after_error(self) -> None:
-    """Finishes the step still in flight, so the trainer's step matches its state.
-
-    That step's update has already happened on every host; its own error,
-    if any, is dropped: the first one is the one raised.
-    """
+    """Finishes the step in flight (its update happened on every host), so the trainer's
+    step matches its state; its own error is dropped: the first one is raised."""
     try:
       self.drain()
     except Exception:  # noqa: BLE001 (reported through the error being raised)
@@ -155,10 +138,8 @@ class StepPipeline:
     return code
 
   def dispatch(self) -> _InFlight:
-    """Launches one step (local programs, then the reduction) without waiting for it.
-
-    The balancer decides step `s` from rows up to step `s - 2`.
-    """
+    """Launches one step (local programs, then the reduction) without waiting for it; the
+    balancer decides step `s` from rows up to step `s - 2`."""
     step, config, replica = self.step, self.config, self.replica
     watchdog.entered(step)
     t0 = time.perf_counter()

@@ -1,19 +1,12 @@
 """When did the devices finish? Timed without making the loop wait for them.
 
-The balancer needs each host's local compute seconds. Blocking the training
-loop on the local sums to time them would leave the devices idle while
-Python prepares the reduction. So a step's stages are stamped in one of two ways:
-
-- on an accelerator, a helper thread waits for readiness and notes the time:
-  the device timeline, exactly (`ReadyClock()`);
-- on XLA:CPU, whose "devices" are the loop's own cores, waking that thread
-  competes with the loop for those cores and the GIL, which costs a short
-  step more than the timing is worth; there the
-  loop stamps a stage when it sees it done at points it passes anyway
-  (`ReadyClock(on_loop=True)`): an upper bound, off by at most the loop's own work
-  between two looks, and exact where the loop had to wait for it anyway.
-
-Either way the loop reads the figures when it fetches that step's results.
+Blocking the loop to time the local sums would idle the devices while Python
+prepares the reduction. So on an accelerator a helper thread waits and notes
+the time, exactly (`ReadyClock()`); on XLA:CPU, whose devices are the loop's
+own cores, waking a thread costs a short step more than the timing is worth,
+so the loop stamps a stage when it sees it done at points it passes anyway
+(`on_loop=True`): an upper bound, off by at most the loop's work between two
+looks. The loop reads the figures when it fetches that step's results.
 """
 
 from __future__ import annotations
@@ -40,11 +33,6 @@ def ready_at(arrays: Any) -> float:
 class ReadyClock:
   """Notes the `time.perf_counter()` when arrays are ready, without making the loop wait.
 
-  `on_loop=False` (accelerators): a helper thread waits and stamps, one
-  submission per step however many stages it times. `on_loop=True`
-  (XLA:CPU): `Pending.look` stamps what is done when the loop looks, and
-  `result` waits for the rest (see the module).
-
   Example:
     >>> clock = ReadyClock()
     >>> done = clock.watch(sums, update)      # returns at once
@@ -56,11 +44,8 @@ class ReadyClock:
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hetjax-ready")
 
   def watch(self, *stages: Any) -> concurrent.futures.Future:
-    """A future of the moments each stage (a tree of arrays) was ready, in order.
-
-    A stage may be a float: a moment already known. When every stage is
-    known or ready now, the future is resolved here, no thread woken.
-    """
+    """A future of the moments each stage (a tree of arrays, or a float: known) was ready;
+    resolved here, no thread woken, when every stage is known or ready now."""
     if all(isinstance(s, float) or ready_now(s) is not None for s in stages):
       done = concurrent.futures.Future()
       done.set_result(_ready_at(stages))
@@ -83,10 +68,8 @@ class Pending:
     self._future: concurrent.futures.Future | None = None
 
   def look(self) -> None:
-    """On the loop: stamps now, in order, the stages done by now (waits for nothing).
-
-    Otherwise hands the stages to the clock's thread, once, which stamps them exactly.
-    """
+    """On the loop: stamps the stages done by now, in order (waits for nothing); otherwise
+    hands them to the clock's thread, once."""
     if self._future is not None:
       return
     if not self._clock.on_loop:
@@ -100,11 +83,8 @@ class Pending:
         self._stages[i] = now
 
   def result(self) -> tuple[float, ...]:
-    """The moments each stage was ready, in order.
-
-    On the loop, the stages no look stamped are waited for and stamped here
-    (they are usually done: the loop calls this once it holds the results).
-    """
+    """The moments each stage was ready, in order (on the loop, what no look stamped is
+    waited for here: usually done, as the loop already holds the results)."""
     if self._future is None:
       if self._clock.on_loop:
         self._stages = [s if isinstance(s, float) else ready_at(s) for s in self._stages]

@@ -1,13 +1,9 @@
 """This host's replica of the train state: the live arrays, the update not yet applied, the views lent out.
 
-The state lives on this host's devices. In a world of one device the last
-step's update is applied by the next step's first program
-(`hetjax.step.LocalProgram`); in a larger one the reduction updates each
-slice of the state once (`hetjax.step.sharding`) and the next program
-unpacks the gathered result. Either way the update waits, "pending", for a
-program or a read to apply it. A replica whose buffers a user was handed
-("lent") is never donated: the next step donates a copy instead, so what a
-user holds is never deleted under them.
+The last step's update waits, "pending", for the next program (or a read) to
+apply it: on one device the next local program runs it; in a larger world the
+reduction updated each slice once and the next program unpacks the result.
+Buffers lent to a user are never donated: the next step donates a copy.
 """
 
 from __future__ import annotations
@@ -81,12 +77,9 @@ class Replica:
     return self.local.joined(self.live)  # Whole parameters, under within-host sharding too.
 
   def settled(self) -> step_lib.TrainState:
-    """The replica whole, for reads that keep nothing past the next step.
-
-    Under the sharded update the optimizer state is gathered from its
-    slices here (cached per step): checkpoints keep the unsplit layout, so
-    a run resumes on any number of hosts and devices (invariant 5).
-    """
+    """The replica whole, for reads that keep nothing past the next step: under the sharded
+    update the optimizer state is gathered (cached per step), so checkpoints keep the unsplit
+    layout and resume on any number of hosts and devices (invariant 5)."""
     live = self.applied()
     if self.sharded is None:
       return live
@@ -125,11 +118,8 @@ class Replica:
     self.pending = (step, reduced.total)
 
   def learning_rates(self, before: int | None = None) -> dict[int, float]:
-    """The learning rates of the applied updates of steps before `before`, read once.
-
-    Read here, not from the step's statistics: an update runs in the next
-    step's program. Called when those programs are done, so it waits for nothing.
-    """
+    """The learning rates of the applied updates of steps before `before`, read once (an
+    update runs in the next step's program; called when those are done: no wait)."""
     due = [s for s in self.late_lr if before is None or s < before]
     if not due:
       return {}
