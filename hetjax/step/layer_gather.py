@@ -1,21 +1,14 @@
 """Each Flax layer gathers its own parameters where it runs, and again for its gradient.
 
-Why: a device that keeps only its slab of every parameter must see a
-layer's whole parameters while that layer runs, and never all layers' at
-once. Gathering at the loss's entry holds them all; leaving the choice to
-GSPMD (sharding annotations) gave, on the scanned decoder, a tensor-parallel
-plan that replicates the batch's activations on every device
-(`bench/memory.py`). Here a Flax method interceptor (`nn.intercept_methods`,
-which reaches inside `nn.scan`, `nn.remat` and a jitted loss) runs each
-module that owns parameters on a copy given them whole: the slabs are
-gathered once the module's inputs exist, and, in the backward pass
-(`custom_vjp`), again once its cotangent exists; the gather's transpose
-reduce-scatters the gradient to the slabs. An `optimization_barrier` with
-the inputs (not a data trick) orders each gather after them, so no compiler
-may hoist it. A module with other collections (BatchNorm's statistics), an
-rng, children of its own, and any non-Flax loss (NNX, plain functions) get
-their leaves gathered at the loss's entry instead: the same math, less
-saved.
+Why: a device keeping slabs must see one layer's whole parameters at a
+time, never all layers' (GSPMD annotations replicated the activations
+instead: `bench/memory.py --parts gspmd`). A method interceptor (it reaches
+inside `nn.scan`, `nn.remat` and a jitted loss) runs each module owning only
+parameters on a copy given them whole, gathered after its inputs and, in the
+backward pass (`custom_vjp`), after its cotangent, ordered by an
+`optimization_barrier` that no compiler may hoist past; the gather's
+transpose reduce-scatters the gradient. Other leaves (BatchNorm statistics,
+rngs, NNX, plain functions) are gathered at the loss's entry.
 """
 
 from __future__ import annotations

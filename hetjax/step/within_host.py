@@ -6,19 +6,14 @@ never crosses hosts, so a host may split over its own devices (its fast
 links) without changing what crosses hosts, and each host decides for
 itself (`decide`), as it does for device batches.
 
-How: each parameter leaf keeps its shape and is split over the host's `L`
-devices along one axis (`split_axis`: the largest that `L` divides,
-never the first of two or more, where `nn.scan` stacks layers), so
-device `d` holds slab `d`. Each layer gathers its slabs where it runs, and
-again for its gradient (`layer_gather`); the gather's transpose is a
-reduce-scatter, so each device receives its slab of the host's summed
-gradient and adds it into its sums row at the slab's places (zeros
-elsewhere). The sums row keeps its layout: the cross-host reduction adds
-every device's row as before, and the sum over a host's devices is the
-host's sums. A leaf no axis of which `L` divides stays whole on every
-device, as without sharding. The gathered values are copies and the summed
-slabs hold the same terms, so the math is the blocks' (invariant 2), up to
-float reduction order.
+How: each leaf keeps its shape, split over the host's `L` devices on one
+axis (`split_axis`; a leaf no axis of which `L` divides stays whole), and
+each layer gathers its slabs where it runs, and again for its gradient
+(`layer_gather`). The gather's transpose reduce-scatters: each device adds
+its slab of the host's summed gradient into its sums row at the slab's
+places, so the row keeps its layout and the reduction is unchanged. The
+gathered values are copies, so the math is the blocks' (invariant 2), up
+to float reduction order.
 """
 
 from __future__ import annotations
