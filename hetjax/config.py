@@ -1,11 +1,9 @@
 """What a run is told: its configs and the environment's names, with no JAX.
 
-The command line builds these and calls their `validate()` before JAX loads,
-so a bad value fails in a second, with the value, the limit and the fix;
-the trainer calls the same `validate()`. Messages name the fields in
-backticks (`global_batch`); the command line words them as its flags
-(`--global-batch`, `hetjax.cli.flags`), whose help is each field's `Args:`
-entry below. Imports: the standard library, and JAX-free hetjax modules.
+`validate()` runs before JAX loads, so a bad value fails in a second, naming
+the value, the limit and the fix. Messages name fields in backticks; the
+command line words them as flags (`hetjax.cli.flags`), whose help is each
+field's `Args:` entry below.
 """
 
 from __future__ import annotations
@@ -16,11 +14,7 @@ import tempfile
 
 
 class Env:
-  """The `HETJAX_*` environment variables, in one table.
-
-  Launchers write the cluster's names for every host; the emulation's names
-  (speed, slowdown, per-sample time) exist only in emulated runs.
-  """
+  """The `HETJAX_*` environment variables, in one table (`EMULATION`: emulated runs only)."""
 
   COORDINATOR = "HETJAX_COORDINATOR"      # host:port of process 0's coordinator
   NUM_HOSTS = "HETJAX_NUM_HOSTS"
@@ -73,44 +67,32 @@ class TrainConfig:
 
   Args:
     global_batch: samples per step over all hosts; fixed for the whole run.
-    microbatch: samples per device per micro-batch, `m`: the global batch is
-      cut into blocks of `m` positions, each run whole by one device, so a
+    microbatch: samples per block, `m`: each block runs whole on one device, so a
       host's share is a whole number of blocks (`hetjax.blocks`).
     seed: seeds the parameters and the data order.
     assignment: 'equal' (in blocks) or explicit per-host shares in samples
       whose boundaries fall on blocks, e.g. (4, 24, 36) with microbatch 4.
-    reduction: the cross-host reduction backend: 'auto' (default: what the platform can
-      do, `hetjax.mesh.choose_reduction`: 'device' unless two processes drive one GPU),
-      'device' (one fused program over every device: NCCL on GPUs, gloo on CPUs) or
-      'host' (the sums meet on the hosts' CPUs, over gloo).
-    balancer: None (follow `assignment`), 'equal', 'static' (profile a short
-      warm-up, then fix the split) or 'dynamic' (keep re-sizing shares from
-      the measured step times).
-    augment: per-example augmentation, e.g. 'crop,flip' (see
-      hetjax.input.augment); its randomness follows the example's global
-      index, not the host.
+    reduction: the cross-host reduction: 'auto' ('device' unless two processes drive
+      one GPU), 'device' (one fused program: NCCL or gloo) or 'host' (gloo on the CPUs).
+    balancer: None (follow `assignment`), 'equal', 'static' (profile a warm-up, then
+      fix the split) or 'dynamic' (re-size shares from the measured step times).
+    augment: per-example augmentation, e.g. 'crop,flip', keyed by the example's index.
     check_every: compare every host's parameter fingerprint every this many
       steps and at every checkpoint (0: only at checkpoints).
     precision: compute type, 'fp32', 'bf16' or 'fp16' (loss scaling).
-    watchdog_s: seconds a step may wait on the other hosts without progress
-      (evaluation, checkpoints, checks 3 x; building, first steps 10 x); past it
-      the job stops naming the hosts that held it up; None: max(20 x the median
-      step, 5 minutes); 0: no stall checks.
-    device_batch: blocks per device in a host's largest program (its device
-      batch `k`): one for every host, one per host (e.g. 16,8,2), or 'auto'
-      (from each device's memory and speed). The blocks stay separate, so the
-      math does not depend on it; programs of `k, k/2, ..., 1` are compiled.
-    device_batch_memory_fraction: under 'auto', the share of a device's
-      memory the largest micro-batch may fill.
-    update_layout: the sharded update's optimizer layout: 'auto' (probed:
-      slices for an element-wise optimizer, else whole leaves), 'whole' or
-      'sliced' (refuses an optimizer that needs whole leaves); all exact.
-    shard_within_host: 'off' (default), 'on' (a host keeps its parameters and
-      gradient sums split over its devices, gathered where used), 'auto' (on
-      where the whole state does not fit `device_batch_memory_fraction` of a
-      device), or one per host ('off,off,on'); the math does not change.
-    device_memory: a device's memory in GB for 'auto', where the backend
-      reports none (XLA:CPU): an emulated limit, labelled so where reported.
+    watchdog_s: seconds a step may wait on the other hosts without progress before
+      the job stops naming them (longer for building, evaluation, checkpoints);
+      None: max(20 x the median step, 5 minutes); 0: no stall checks.
+    device_batch: blocks per device in a host's largest program (`k`): one for every
+      host, one per host (e.g. 16,8,2), or 'auto' (from memory and speed); exact.
+    device_batch_memory_fraction: under 'auto', the share of a device's memory
+      the largest micro-batch may fill.
+    update_layout: the sharded update's layout: 'auto' (probed), 'whole' or 'sliced'
+      (element-wise optimizers only); all exact.
+    shard_within_host: 'off', 'on' (parameters and gradient sums split over a host's
+      devices), 'auto' (on where the state does not fit), or one per host; exact.
+    device_memory: a device's memory in GB for 'auto' where the backend reports none
+      (XLA:CPU): an emulated limit.
 
   Example:
     >>> config = hetjax.TrainConfig(global_batch=64, microbatch=8, balancer="dynamic")
@@ -138,10 +120,8 @@ class TrainConfig:
   device_memory: float | None = None
 
   def validate(self, num_hosts: int | None = None) -> None:
-    """Raises ValueError naming the value, the limit and the fix.
-
-    `num_hosts`, where known, also checks an explicit assignment's length.
-    """
+    """Raises ValueError naming the value, the limit and the fix (`num_hosts`, where
+    known, also checks an explicit assignment's length)."""
     from hetjax import balancer as balancer_lib  # numpy only
     from hetjax import blocks as blocks_lib
     from hetjax.input import augment as augment_lib
@@ -256,8 +236,7 @@ class CheckpointConfig:
   """Where and how often to checkpoint.
 
   Args:
-    directory: the checkpoint folder (shared by all hosts): a local path or
-      a URL orbax reaches through `etils.epath` (gs://bucket/run, ...).
+    directory: the checkpoint folder shared by all hosts: a path or a URL (gs://...).
     every: save every this many steps (and always at the end of `fit`).
     keep: keep the newest this many checkpoints.
     resume: continue from the newest complete checkpoint in `directory`.
@@ -292,11 +271,8 @@ def resolve(directory: str) -> str:
 
 
 def check_writable(directory: str) -> None:
-  """Fails now, not after hours of training, if a local `directory` cannot take checkpoints.
-
-  A URL is left to orbax: probing a bucket from every host would cost a
-  request each and prove little (permissions may differ per object).
-  """
+  """Fails now, not after hours of training, if a local `directory` cannot take checkpoints
+  (a URL is left to orbax: a probe per host would prove little)."""
   if is_remote(directory):
     return
   path = os.path.abspath(directory)
@@ -322,19 +298,16 @@ OUTER_OPTIMIZERS = ("sgd", "nesterov")
 
 @dataclasses.dataclass(frozen=True)
 class RoundsConfig:
-  """What a hybrid or elastic run adds to `TrainConfig` (what `hetjax.Hybrid` and
-  `hetjax.Elastic` hold; the command line's `--mode` flags build one).
+  """What a hybrid or elastic run adds to `TrainConfig` (held by `hetjax.Hybrid` and
+  `hetjax.Elastic`).
 
   Args:
-    mode: 'hybrid' or 'elastic', one cross-host reduction per round (`mode` on the command
-      line also takes 'sync', the default: one per step, no RoundsConfig).
+    mode: 'hybrid' or 'elastic', one cross-host reduction per round (the command line
+      also takes 'sync', the default: one per step).
     round_steps: H, local steps of the fastest host per round; host i runs
-      `tau_i = max(1, round(H * v_i / v_max))` with v its measured local
-      steps per second.
-    local_steps: fixed per-host local steps per round (overrides the speeds);
-      reproducible, so resumed runs continue exactly.
-    local_batch: samples of one local step of one host; None = global batch
-      / hosts.
+      `max(1, round(H * v_i / v_max))`, v its measured local steps per second.
+    local_steps: fixed per-host local steps per round (reproducible; overrides speeds).
+    local_batch: samples of one local step of one host; None = global batch / hosts.
     outer_optimizer: hybrid's outer optax optimizer, 'sgd' or 'nesterov'.
     outer_lr, outer_momentum: its learning rate and momentum (DiLoCo's 0.7
       and 0.9 by default; momentum 0 = plain SGD).
@@ -414,11 +387,8 @@ class RoundsConfig:
 
 
 def fingerprint(text: str):
-  """A hash of `text` as four 16-bit chunks (float32 numpy), exact in a collective's rows.
-
-  How hosts compare what they were told (configs, identities, versions)
-  through one small collective.
-  """
+  """A hash of `text` as four 16-bit chunks (float32 numpy), exact in a collective's rows:
+  how hosts compare what they were told through one small collective."""
   import hashlib
 
   import numpy as np

@@ -23,14 +23,10 @@ def find(loss: Callable[..., Any], params: PyTree, model_state: PyTree, batch: B
          known: Sequence[str] = ()) -> tuple[str, ...]:
   """The Flax normalisation layers `loss` calls that compute the fast variance, by path.
 
-  Why: the fast variance `E[x^2] - E[x]^2` cancels, so it turns the rounding
-  of its means, which changes with a kernel's shape (a device batch of `k`
-  blocks), into differences far larger than float reduction order gives
-  (ResNet-18's BatchNorm scales: 8.7e-4 relative after one update against
-  4.1e-6 with the stable variance). Linen layers are found by tracing the
-  training loss `loss(params, model_state, batch, rng)` (a `Task`'s) abstractly
-  (`jax.eval_shape`, nothing runs) under `flax.linen.intercept_methods`,
-  whatever built it; NNX layers come in `known` (`Task.fast_variance_layers`).
+  Linen layers are found by tracing a `Task`'s training loss abstractly under
+  `flax.linen.intercept_methods`; NNX layers come in `known`. (ResNet-18's
+  BatchNorm scales: 8.7e-4 relative after one update, against 4.1e-6 with
+  the stable variance.)
   """
   import flax.linen as nn  # Only a run that may need the answer pays for the import.
 

@@ -1,13 +1,10 @@
 """The command line's optimizers: optax transforms, schedules counted in updates.
 
 `make(...)` builds `clip -> optimizer(schedule) [+ weight decay]` with
-`optax.inject_hyperparams`, so the learning rate of every update is in the
-optimizer state, where the trainer reads it for metrics.jsonl and TensorBoard.
-
-Weight decay reaches kernels and embeddings, not biases and normalisation
-scales (`decay_mask`), as the Flax examples and big_vision decay: pulling
-offsets and gains towards 0 only constrains them, not the model's capacity.
-`decay_all=True` (`decay-all: true` in a config file) decays every leaf.
+`optax.inject_hyperparams`, so each update's learning rate is in the
+optimizer state, where the trainer reads it for the metrics. Weight decay
+reaches kernels and embeddings, not biases and normalisation scales (as in
+the Flax examples and big_vision), unless `decay_all`.
 
 Example:
   >>> opt = make("adam", 1e-3, schedule="cosine", warmup_steps=20, total_steps=500,
@@ -35,9 +32,8 @@ _DECAYED = ("kernel", "embedding")
 def decay_mask(params: Any) -> Any:
   """`True` for the leaves weight decay reaches: kernels and embeddings, not biases and scales.
 
-  An optax mask decided by the name Flax gives a leaf, not by its number of
-  dimensions: a layer under `nn.scan` holds its bias as `[layers, d]` and
-  decays as its unscanned twin does. Other names decay from 2 dimensions.
+  Decided by the leaf's Flax name, not its rank (a bias under `nn.scan` is
+  `[layers, d]`); other names decay from 2 dimensions.
   """
   import jax
 
@@ -98,10 +94,9 @@ def make(name: str, lr: float, *, schedule: str = "constant", warmup_steps: int 
     warmup_steps: updates of linear warm-up from 0 to `lr`.
     total_steps: the run's length in updates (for the decay).
     clip_norm: clip the gradient to this global norm first (None: never).
-    weight_decay: decoupled weight decay (adam becomes adamw; sgd adds the
-      decayed weights); None keeps each optimizer's default (0; adamw 1e-4).
-    decay_all: decay every leaf; by default kernels and embeddings
-      (`decay_mask`), not biases and normalisation scales.
+    weight_decay: decoupled weight decay (adam becomes adamw); None: the
+      optimizer's default (0; adamw 1e-4).
+    decay_all: decay every leaf, not only `decay_mask`'s.
 
   Example:
     >>> opt = make("adamw", 1e-3, weight_decay=0.05)  # Kernels decay, biases do not.
@@ -110,9 +105,7 @@ def make(name: str, lr: float, *, schedule: str = "constant", warmup_steps: int 
   check(name, lr, schedule=schedule, warmup_steps=warmup_steps, total_steps=total_steps,
         clip_norm=clip_norm, weight_decay=weight_decay, decay_all=decay_all)
   rate = learning_rate_schedule(lr, schedule, warmup_steps, total_steps)
-  decay = weight_decay
-  if name == "adamw" and decay is None:
-    decay = ADAMW_DEFAULT_DECAY
+  decay = ADAMW_DEFAULT_DECAY if name == "adamw" and weight_decay is None else weight_decay
   mask = None if decay_all else decay_mask
   if name in ("adam", "adamw") and decay:
     inner = optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
@@ -131,11 +124,8 @@ def make(name: str, lr: float, *, schedule: str = "constant", warmup_steps: int 
 
 
 def find_learning_rate(opt_state: Any) -> Any:
-  """The `learning_rate` of the first `optax.inject_hyperparams` state in `opt_state`.
-
-  None for an optimizer that hides it. Works on traced states too, so the
-  step's program reports the rate with its other statistics.
-  """
+  """The `learning_rate` of the first `optax.inject_hyperparams` state in `opt_state` (None
+  if hidden); works on traced states too."""
   import jax
   import optax
   kinds = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)

@@ -1,19 +1,13 @@
 """What hetjax needs from a model: an init and a per-example loss.
 
-The step never sees a Flax module; it sees a `Task`. Per-example losses (not a
-mean) are the whole trick: the step masks them and sums, so hosts with
-different batch sizes are reconciled exactly by `sum(grad sums) / sum(counts)`.
-
-A batch is a dict of arrays with a common leading dimension: one *block* of
-the global batch (DESIGN invariant 2). The step adds a float32 entry under
-the reserved key `MASK` (1 for a real example, 0 for padding); a model may use
-it (BatchNorm statistics must ignore padding) or leave it alone; a module
-wrapped by `from_linen` / `from_nnx` gets it only through the argument named
-by `mask_arg`. Padding rows repeat a real row, so a loss is finite on them.
-
-`rng` is the block's key, `fold_in(fold_in(key(seed), step), block)`: a
-dropout mask belongs to the examples of the block, never to the host or the
-device that happens to run it.
+Per-example losses (not a mean) are the whole trick: the step masks them and
+sums, so hosts with different batch sizes are reconciled exactly by
+`sum(grad sums) / sum(counts)`. A batch is one *block* of the global batch
+(DESIGN invariant 2) plus the float32 padding mask under the reserved key
+`MASK` (a `from_linen` / `from_nnx` module gets it only through `mask_arg`);
+padding rows repeat a real row, so a loss is finite on them. `rng` is the
+block's key, `fold_in(fold_in(key(seed), step), block)`: dropout belongs to
+the block's examples, never to the host or device that runs it.
 """
 
 from __future__ import annotations
@@ -35,11 +29,8 @@ RESERVED_METRICS = ("loss", "count")
 class Weighted(NamedTuple):
   """Per-example losses with per-example weights (return it instead of `losses`).
 
-  The update then uses `sum(values) / sum(weights)` over the whole global
-  batch, so e.g. a language model whose examples hold different numbers of
-  tokens averages over tokens exactly across uneven hosts: `values` = the
-  example's summed token losses, `weights` = its token count. Metrics are
-  normalised by the same `sum(weights)`.
+  The update (and the metrics) then divide by `sum(weights)` over the global
+  batch: a language model averages over tokens exactly across uneven hosts.
 
   Args:
     values: `[b]` summed losses per example.
@@ -66,25 +57,17 @@ class Task:
   """A model as hetjax trains it (usually made by `from_functions`, `from_linen` or `from_nnx`).
 
   Args:
-    init: `init(rng, example_batch) -> (params, model_state)`. `model_state`
-      holds non-trained variables such as BatchNorm running statistics (an
-      empty dict when there are none); it is averaged over the blocks of a
-      step, weighted by their real examples.
+    init: `init(rng, example_batch) -> (params, model_state)`; `model_state`
+      (e.g. BatchNorm statistics, `{}` if none) is averaged over a step's
+      blocks, weighted by their real examples.
     loss: `loss(params, model_state, batch, rng) -> (losses, metrics,
-      new_model_state)` with `losses` of shape `[b]` (or a `Weighted`) and
-      every metric of shape `[b]` (per example; hetjax sums them over the
-      real examples).
-    eval_loss: the same contract in inference mode (BatchNorm running
-      averages, no dropout); `None` when it equals `loss`.
-    unmasked_loss: `loss` for blocks all real, skipping the mask's work (a
-      module whose `mask_arg` has a default, called without it: plain
-      BatchNorm, 118 fewer kernels in resnet18); used when no block that
-      counts holds padding; `None`: `loss` serves every block.
-    fast_variance_layers: the NNX norm layers (by path) with Flax's fast
-      variance (`from_nnx` fills it; linen's are found by tracing `loss`).
-    sees_mask: whether the model sees the padding mask (by hand: it reads
-      `batch[MASK]`; `from_linen` / `from_nnx`: by `mask_arg`). One that
-      does not and keeps state is refused where a block can be partial.
+      new_model_state)`, `losses` and every metric of shape `[b]` (or a `Weighted`).
+    eval_loss: the same in inference mode; `None`: `loss`.
+    unmasked_loss: `loss` without the mask's work, for blocks all real (plain
+      BatchNorm: 118 fewer kernels in resnet18); `None`: `loss` serves every block.
+    fast_variance_layers: the NNX norm layers (by path) with Flax's fast variance.
+    sees_mask: whether the model sees the padding mask; one that does not and
+      keeps state is refused where a block can be partial.
 
   Example:
     >>> def init(rng, batch):
@@ -155,9 +138,8 @@ def check_contract(loss: LossFn, params: PyTree, model_state: PyTree, batch: Bat
 
 
 def check_partial_blocks(task: Task, model_state: PyTree, batch: int, block: int) -> None:
-  """Refuses, before compiling, batch statistics that would count padding rows: a batch
-  that `block` does not divide ends with a partial block, and a model that keeps state
-  (BatchNorm) but never sees the mask would count its padding."""
+  """Refuses, before compiling, batch statistics (of a model never shown the mask) that
+  would count a partial block's padding rows."""
   if task.sees_mask or batch % block == 0 or not jax.tree.leaves(model_state):
     return
   real = batch % block
@@ -189,11 +171,8 @@ def _binds(signature: inspect.Signature, n: int) -> bool:
 
 
 def _check_loss_form(per_example_loss: Callable, adapter: str) -> None:
-  """Refuses, when the task is built, a loss written for the other adapter.
-
-  Without this the mismatch shows up at the first trace as a bare
-  `TypeError: <lambda>() missing 1 required positional argument: 'rng'`.
-  """
+  """Refuses, when the task is built, a loss written for the other adapter (else: a bare
+  TypeError at the first trace)."""
   n = 3 if adapter == "from_functions" else 2
   try:
     signature = inspect.signature(per_example_loss)
@@ -208,10 +187,9 @@ def _check_loss_form(per_example_loss: Callable, adapter: str) -> None:
                      f"{other}.")
 
 
-def from_functions(
-    init: Callable[[jax.Array, Batch], PyTree],
-    per_example_loss: Callable[[PyTree, Batch, jax.Array], tuple[Any, dict[str, jax.Array]]],
-) -> Task:
+def from_functions(init: Callable[[jax.Array, Batch], PyTree],
+                   per_example_loss: Callable[[PyTree, Batch, jax.Array],
+                                              tuple[Any, dict[str, jax.Array]]]) -> Task:
   """Builds a stateless `Task` from plain functions.
 
   Args:
@@ -227,7 +205,6 @@ def from_functions(
     >>> task = hetjax.from_functions(lambda rng, b: {"w": jnp.zeros(3)},
     ...     lambda p, b, rng: (((b["x"] @ p["w"]) - b["y"]) ** 2, {}))
   """
-
   _check_loss_form(per_example_loss, "from_functions")
 
   def _init(rng, batch):
@@ -265,42 +242,33 @@ def _check_arguments(fn: Callable, mask_arg: str | None, call_args: dict[str, st
 _MISSING_RNG = re.compile(r'needs PRNG for "([^"]+)"')
 
 
-def from_linen(
-    module: Any,
-    per_example_loss: Callable[[jax.Array, Batch], tuple[Any, dict[str, jax.Array]]],
-    *,
-    input_key: str = "x",
-    call_args: dict[str, str] | None = None,
-    mask_arg: str | None = None,
-    state_collections: Sequence[str] = ("batch_stats",),
-    rng_streams: Sequence[str] | None = None,
-) -> Task:
+# per_example_loss(outputs, batch) -> (losses[b] or Weighted, metrics) of from_linen / from_nnx.
+OutputsLoss = Callable[[jax.Array, Batch], tuple[Any, dict[str, jax.Array]]]
+
+
+def from_linen(module: Any, per_example_loss: OutputsLoss, *, input_key: str = "x",
+               call_args: dict[str, str] | None = None, mask_arg: str | None = None,
+               state_collections: Sequence[str] = ("batch_stats",),
+               rng_streams: Sequence[str] | None = None) -> Task:
   """Wraps a Flax linen module as people write them.
 
-  The module is called as `module(batch[input_key], <mode>=..., **call_args)`:
-  the mode argument is whichever of `train`, `training` (True in training)
-  or `deterministic` (False in training) its `__call__` names. hetjax's
-  padding mask reaches it only through `mask_arg`, so a module's own `mask=`
-  (an attention or token mask) keeps its meaning. Every rng stream the module
-  asks for (`dropout`, or any `make_rng` name) gets a key derived from the
-  block's key. Variables in `state_collections` are model state, averaged
-  over blocks; other collections (`intermediates`, anything sown) are dropped.
+  Called as `module(batch[input_key], <mode>=..., **call_args)`, the mode
+  whichever of `train`, `training`, `deterministic` `__call__` names. The
+  padding mask arrives only through `mask_arg`, so a module's own `mask=`
+  keeps its meaning. Every rng stream the module asks for gets a key from the
+  block's key. Collections other than `state_collections` are dropped.
 
   Args:
     module: a `flax.linen.Module`.
-    per_example_loss: `per_example_loss(outputs, batch) -> (losses[b],
-      metrics)`; `losses` may be a `Weighted` (e.g. summed token losses and
-      token counts).
+    per_example_loss: `per_example_loss(outputs, batch) -> (losses[b], metrics)`;
+      `losses` may be a `Weighted`.
     input_key: which batch entry feeds the module.
     call_args: `{argument of __call__: batch key}` passed on every call, e.g.
       `{"mask": "x_mask"}` hands a token padding mask `[b, T]` to `mask=`.
-    mask_arg: the `__call__` argument that gets the padding mask (float
-      `[b]`, 1 for a real example) in training, for BatchNorm statistics
-      that ignore padding; None: never passed (a BatchNorm model is then
-      refused where a block can be partial).
-    state_collections: the collections that are model state.
-    rng_streams: the rng streams the module uses in training; None finds
-      them from the module's own errors when the loss is first traced.
+    mask_arg: the `__call__` argument that gets the padding mask (float `[b]`)
+      in training, for BatchNorm statistics that ignore padding; None: never.
+    state_collections: the collections that are model state (averaged over blocks).
+    rng_streams: the module's rng streams in training; None: found when first traced.
 
   Returns:
     The `Task`.
@@ -369,32 +337,20 @@ def from_linen(
               sees_mask=mask_arg is not None)
 
 
-def from_nnx(
-    model: Any,
-    per_example_loss: Callable[[jax.Array, Batch], tuple[Any, dict[str, jax.Array]]],
-    *,
-    input_key: str = "x",
-    call_args: dict[str, str] | None = None,
-    mask_arg: str | None = None,
-) -> Task:
+def from_nnx(model: Any, per_example_loss: OutputsLoss, *, input_key: str = "x",
+             call_args: dict[str, str] | None = None, mask_arg: str | None = None) -> Task:
   """Wraps a Flax NNX module that the caller has already built.
 
-  NNX modules initialise eagerly from their own `nnx.Rngs`, so `init` ignores
-  its rng and returns the module's current parameters. `nnx.Param` variables
-  are trained; RNG variables are reseeded from the block's key at every call
-  (so dropout masks belong to the block) and are not model state; every other
+  `init` returns the module's current parameters. `nnx.Param`s are trained;
+  RNG variables are reseeded from the block's key at every call; every other
   variable (BatchNorm statistics) is model state. Training calls
-  `model.train()`, evaluation `model.eval()`; the padding mask reaches the
-  model only through `mask_arg`, as in `from_linen`.
+  `model.train()`, evaluation `model.eval()`.
 
   Args:
     model: a built `flax.nnx.Module`.
     per_example_loss: `per_example_loss(outputs, batch) -> (losses[b], metrics)`.
     input_key: which batch entry feeds the module.
-    call_args: `{argument of __call__: batch key}` passed on every call (see
-      `from_linen`).
-    mask_arg: the `__call__` argument that gets the padding mask in training
-      (see `from_linen`); None: never passed.
+    call_args, mask_arg: as for `from_linen`.
 
   Returns:
     The `Task`.

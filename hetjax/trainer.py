@@ -1,11 +1,9 @@
 """The public Python API: `Trainer`, `train`, `params_digest`.
 
-One `Trainer` runs every mode through one lifecycle: setup, agreement,
-resume, the `fit` loop, checkpoints, evaluation, signals, the watchdog, the
-summary and close. What differs between modes (the programs and the state,
-one step or round, what a checkpoint holds of them) is the mode's, a
-strategy behind a small protocol (`hetjax.modes.base.Mode`): `hetjax.Sync`
-(the default), `hetjax.Hybrid`, `hetjax.Elastic`, or your own.
+One `Trainer` runs every mode through one lifecycle (setup, agreement,
+resume, `fit`, checkpoints, evaluation, signals, watchdog, summary, close);
+what differs between modes is a strategy behind `hetjax.modes.base.Mode`:
+`hetjax.Sync` (the default), `hetjax.Hybrid`, `hetjax.Elastic`, or your own.
 """
 
 from __future__ import annotations
@@ -38,11 +36,9 @@ from hetjax.types import PyTree
 class Trainer:
   """Data parallelism over whatever hosts this process belongs to, in any mode.
 
-  Every host runs the same program: build a Trainer with the same
-  arguments, then call `fit`. A trainer's attributes are its own; its
-  mode's are `trainer.mode.X` (sync: `local_state`, `block_until_ready()`,
-  `learning_rate()`, `memory_per_device()`, `balancer`; rounds: `centre`,
-  `host_params`, `position`).
+  Every host builds a Trainer with the same arguments, then calls `fit`. The
+  mode's own attributes are `trainer.mode.X` (sync: `local_state`,
+  `learning_rate()`, `balancer`, ...; rounds: `centre`, `host_params`, ...).
 
   Example (after `hetjax.initialize()`, on every host):
     >>> task = hetjax.models.build("mlp", kind="image", num_classes=10, hidden=(16,))
@@ -66,15 +62,11 @@ class Trainer:
       config: the settings every host must share.
       mode: how the hosts train together (default `hetjax.Sync()`).
       balancer, data_workers: `hetjax.Sync`'s, when `mode` is not given.
-      pace: `pace(compute_s, step, samples) -> seconds to report`, called with
-        each step's real local compute seconds and the samples this host
-        computed; only for emulation (default: from HETJAX_SPEED /
-        HETJAX_SLOWDOWN / HETJAX_DEVICE_SAMPLE_MS).
-      identity: extra text the hosts must agree on (e.g. the command line); a
-        checkpoint written under another identity is refused.
-      checkpoint: where and how often to save; with `resume`, the trainer
-        continues from the newest complete checkpoint there, also when it was
-        written by another number of hosts.
+      pace: `pace(compute_s, step, samples) -> seconds to report`, for emulation
+        only (default: from HETJAX_SPEED / HETJAX_SLOWDOWN / HETJAX_DEVICE_SAMPLE_MS).
+      identity: extra text the hosts (and a resumed checkpoint) must agree on.
+      checkpoint: where and how often to save; with `resume`, continues from the
+        newest complete checkpoint there, whatever number of hosts wrote it.
 
     Raises:
       ValueError: a setting out of range, or hosts that were told different things.
@@ -121,8 +113,7 @@ class Trainer:
 
   @property
   def state(self) -> Any:
-    """The mode's state as global replicated arrays (sync: the train state; rounds: the
-    centre); replaceable between steps."""
+    """The mode's state (sync: the train state; rounds: the centre); settable between steps."""
     return self.mode.state
 
   @state.setter
@@ -140,11 +131,8 @@ class Trainer:
     return self.resumed_from or 0
 
   def check_params_agree(self) -> None:
-    """Compares every host's fingerprint of what they must hold alike (every host calls it).
-
-    Raises:
-      agreement.HostsDisagree: naming the hosts whose replicas differ.
-    """
+    """Compares every host's fingerprint of what they must hold alike (every host calls
+    it); raises `HostsDisagree` naming the hosts whose replicas differ."""
     with phases.within(phases.AGREEMENT, self.step):
       tree, what = self.mode.agreed()
       agreement.check_replicas(self.step, tree, self.meshes, what=what)
@@ -160,10 +148,9 @@ class Trainer:
           eval_source: data_lib.ArraySource | None = None, out: str | None = None) -> dict[str, Any]:
     """Runs `steps` more steps (rounds, in a rounds mode), or until step `until`.
 
-    With a checkpoint folder it saves every `every` steps and at the end.
-    SIGTERM or Ctrl-C (SIGINT) to any host makes every host stop at the same
-    step boundary, save when there is a checkpoint folder, and raise
-    `Preempted` (SIGTERM) or `Interrupted` (SIGINT). Callbacks, checks and
+    Saves every `every` steps and at the end, given a checkpoint folder.
+    SIGTERM or Ctrl-C to any host stops every host at the same step boundary,
+    saves, and raises `Preempted` or `Interrupted`. Callbacks, checks and
     evaluations run between steps, off the step clock.
 
     Args:
@@ -172,13 +159,10 @@ class Trainer:
       log_every: host 0 logs every this many steps (0: never).
       log: where log lines go.
       on_step: called after every step with the trainer and the step's metrics.
-      sinks: fed one complete per-step record each (`hetjax.observe.metrics` schema),
-        e.g. `MetricsWriter.write` or `Progress.update`.
-      eval_every: evaluate on `eval_source` every this many steps (0: only at the end,
-        when `eval_source` is given); the figures go into the records and the summary.
+      sinks: fed each per-step record (`hetjax.observe.metrics` schema).
+      eval_every: evaluate on `eval_source` every this many steps (0: only at the end).
       eval_source: the split to evaluate on (every host reads a slice).
-      out: a run folder: process 0 writes summary.json, metrics.jsonl and TensorBoard
-        events there, as `hetjax train --out` does.
+      out: a run folder for summary.json, metrics.jsonl and TensorBoard (process 0).
 
     Returns:
       The summary (`summary()`), the same on every host.
@@ -242,24 +226,16 @@ class Trainer:
             f"{resumed.note}", flush=True)
 
   def summary(self, digest: bool = False) -> dict[str, Any]:
-    """The figures of the run so far; identical on every host.
-
-    Aggregates cover the whole run; the per-host lists only the recent steps
-    the history keeps (`hetjax.observe.history.WINDOW`): every step is in
-    metrics.jsonl.
-
-    Args:
-      digest: also hash every parameter (`params_digest`): a copy of the whole
-        model to host memory, so only on request.
-    """
+    """The figures of the run so far, identical on every host (per-host lists: the recent
+    steps only; every step is in metrics.jsonl). `digest`: also hash every parameter (a
+    copy of the whole model to host memory)."""
     with phases.within(phases.SUMMARY, self.step):
       fields = self.mode.summary_fields()  # First: the last steps' late figures arrive.
       return {**lifecycle.summary(self, digest=digest), **fields}
 
   def step_peak(self) -> dict[str, int | None] | None:
-    """This host's step peak bytes per device, XLA's memory analysis of the largest program
-    a step runs, and the same step's without sharding within the host (`unsharded`); None
-    in the rounds modes. summary.json holds every host's (`step_peak_per_host`)."""
+    """This host's step peak bytes per device (XLA's analysis of the largest program), and
+    `unsharded`'s; None in the rounds modes."""
     return self.mode.step_peak() if hasattr(self.mode, "step_peak") else None
 
   def params(self) -> PyTree:
@@ -267,12 +243,8 @@ class Trainer:
     return lifecycle.host_copy(self.mode.current()[0])
 
   def evaluate(self, source: data_lib.ArraySource, batch_size: int = 256) -> dict[str, float]:
-    """Mean loss and metrics over all of `source`; every host must call it.
-
-    Compiled once; the split is streamed `batch_size` records per device at a
-    time and spread over every host by the samples each processed last step
-    (its speed) and over its devices.
-    """
+    """Mean loss and metrics over all of `source` (every host calls it), streamed
+    `batch_size` records per device, spread over the hosts by their last step's shares."""
     weights = self.history.shares[-1] if self.history.shares else [1] * self.num_hosts
     with phases.within(phases.EVALUATION, self.step):
       return self._evaluations.evaluate(*self.mode.current(), source, weights, batch_size)

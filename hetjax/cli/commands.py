@@ -13,12 +13,10 @@ import sys
 import traceback
 from typing import Sequence
 
-from hetjax import exits
-from hetjax.config import Env
 from hetjax import config as config_lib  # No JAX: the configs and their checks.
-from hetjax import optimizers  # Imports nothing heavy at module level.
+from hetjax import exits, optimizers  # Neither imports anything heavy at module level.
 from hetjax.cli import flags
-from hetjax.config import check_at_least
+from hetjax.config import Env, check_at_least
 
 
 @flags.worded_as_flags()
@@ -49,9 +47,7 @@ def _check_args(args: argparse.Namespace) -> None:
     tracking.check_installed()
   if args.data_workers is not None and args.data_workers < 0:
     raise ValueError(f"`data_workers` must be >= 0 (0 reads in threads), got {args.data_workers}.")
-  optimizers.check(args.optimizer, args.lr, schedule=args.schedule, warmup_steps=args.warmup_steps,
-                   total_steps=args.steps, clip_norm=args.clip_norm,
-                   weight_decay=args.weight_decay, decay_all=args.decay_all)
+  optimizers.check(args.optimizer, args.lr, **_optimizer_settings(args))
   if args.eval_every < 0:
     raise ValueError(f"--eval-every must be >= 0 steps (0: evaluate only at the end), got "
                      f"{args.eval_every}.")
@@ -119,11 +115,11 @@ def _train_config(args: argparse.Namespace) -> config_lib.TrainConfig:
       augment="none" if args.image_size is not None else args.augment)  # Else the recipe's.
 
 
-def _optimizer(args: argparse.Namespace):
-  return optimizers.make(args.optimizer, args.lr, schedule=args.schedule,
-                         warmup_steps=args.warmup_steps, total_steps=args.steps,
-                         clip_norm=args.clip_norm, weight_decay=args.weight_decay,
-                         decay_all=args.decay_all)
+def _optimizer_settings(args: argparse.Namespace) -> dict:
+  """The keywords of `optimizers.check` and `optimizers.make` beyond name and lr."""
+  return {"schedule": args.schedule, "warmup_steps": args.warmup_steps,
+          "total_steps": args.steps, "clip_norm": args.clip_norm,
+          "weight_decay": args.weight_decay, "decay_all": args.decay_all}
 
 
 def _optimizer_identity(args: argparse.Namespace) -> str:
@@ -140,14 +136,10 @@ def _optimizer_identity(args: argparse.Namespace) -> str:
 def train(args: argparse.Namespace) -> dict:
   """Runs one host's part of the job; returns the summary."""
   _check_args(args)
-  from hetjax import modes
-  from hetjax import trainer
-  from hetjax.input import loader
-  from hetjax.observe import progress
+  from hetjax import modes, phases, trainer
   from hetjax.cluster import runtime
-
-  from hetjax import phases
-  from hetjax.observe import goodput_record
+  from hetjax.input import loader
+  from hetjax.observe import goodput_record, progress
 
   topo = runtime.initialize(timeout_s=args.init_timeout)
   if topo.num_hosts > 1:  # JAX's own aborts in one line, the report beside a lost peer's.
@@ -174,7 +166,8 @@ def train(args: argparse.Namespace) -> dict:
   workers = args.data_workers if args.data_workers is not None else (
       loader.default_workers() if images else 0)
   mode = modes.Sync(data_workers=workers) if rounds is None else modes.from_config(rounds)
-  tr = trainer.Trainer(task, _optimizer(args), source, config, mode=mode, identity=identity,
+  optimizer = optimizers.make(args.optimizer, args.lr, **_optimizer_settings(args))
+  tr = trainer.Trainer(task, optimizer, source, config, mode=mode, identity=identity,
                        checkpoint=ckpt)
   if topo.host_id == 0:  # Only a job that starts writes what re-runs it.
     _write_config(args)
@@ -211,12 +204,11 @@ def _finish(args: argparse.Namespace, tr, summary: dict, host_id: int, tracked) 
     summary["test_accuracy"] = summary["eval"].get("accuracy")
     summary["test_loss"] = summary["eval"]["loss"]
   tr.write_summary(args.out, summary)
-  if host_id == 0:
-    if args.save_params:
-      import jax
-      flat = {jax.tree_util.keystr(k): np.asarray(v)
-              for k, v in jax.tree_util.tree_leaves_with_path(tr.params())}
-      np.savez(args.save_params, **flat)
+  if host_id == 0 and args.save_params:
+    import jax
+    flat = {jax.tree_util.keystr(k): np.asarray(v)
+            for k, v in jax.tree_util.tree_leaves_with_path(tr.params())}
+    np.savez(args.save_params, **flat)
   if tracked is not None:
     tracked.finish(summary, _report_picture(args.out))
 
@@ -241,10 +233,8 @@ def _report_picture(out: str) -> str | None:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-  """The command line, with `train --config FILE` read in first so that flags override it.
-
-  A bad config file is a usage error (exit 2) worded as a bad flag is.
-  """
+  """The command line, with `train --config FILE` read in first so that flags override it
+  (a bad file: a usage error, exit 2)."""
   parser = flags.parser()
   argv = list(sys.argv[1:] if argv is None else argv)
   args = parser.parse_args(argv)
@@ -274,9 +264,8 @@ def _write_config(args: argparse.Namespace) -> None:
 
 
 def _print_summary(summary: dict, out: str | None = None) -> None:
-  """The end of a run as a person reads it: a few rounded figures with units, where the
-  time went, and where the whole summary is (OUT/summary.json). A rounds run says which
-  figures are per round."""
+  """The end of a run as a person reads it: a few rounded figures, where the time went, and
+  where the whole summary is."""
   from hetjax.observe import goodput_summary
   rounds = summary.get("mode") in ("hybrid", "elastic")
   per = "/round" if rounds else "/step"

@@ -12,10 +12,9 @@ or inside the sections that group them (`modes:`, `checkpoints:`), e.g.
     ckpt-dir: runs/cnn/ckpt
     ckpt-every: 50
 
-Every key has one place: one elsewhere, or given twice, is refused naming
-both places (YAML would keep the last silently). The file's values, checked
-as flags are, become the flags' defaults, so flags override them. Every run
-writes its resolved OUT/config.yaml, which `--config` reads back.
+A key elsewhere, or given twice, is refused naming both places (YAML would
+keep the last silently). The file's values, checked as flags are, become the
+flags' defaults, so flags override them.
 """
 
 from __future__ import annotations
@@ -109,13 +108,8 @@ def _value(path: str, field: flags.Field, value: Any) -> Any:
 
 
 def read(path: str) -> dict[str, Any]:
-  """The settings of a config file, by their attribute on the parsed arguments.
-
-  Raises:
-    ValueError: an unreadable file, an unknown key (with the nearest
-      name), a key in another section or given twice (naming both places),
-      or a value its flag would refuse.
-  """
+  """The settings of a config file, by their attribute on the parsed arguments; raises
+  ValueError for an unreadable file, an unknown, misplaced or repeated key, or a bad value."""
   try:
     with open(path) as f:
       entries = _entries(path, f.read())

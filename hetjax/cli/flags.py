@@ -1,12 +1,9 @@
 """`hetjax train`'s flags and config-file keys, generated from the configs' fields.
 
-One table, `FIELDS`: every field of `TrainConfig`, `CheckpointConfig`,
-`RoundsConfig` (`hetjax.config`) and `JobConfig` (below) is a config-file
-key, its name with dashes (`global-batch`); those `GROUPS` names are also
-flags, on `--help` in that order. The rest are the expert's, in a config
-file only: what the platform decides (`reduction`), emulation, tuning. Help
-is the field's `Args:` entry in its class's docstring; `as_flags` words
-errors from the same table. No JAX here: a bad flag fails in a second.
+One table, `FIELDS`: every field of the configs (`hetjax.config`, `JobConfig`)
+is a config-file key, its name with dashes; those `GROUPS` names are also
+flags, on `--help` in that order (the rest are the expert's). Help is the
+field's `Args:` entry in its class's docstring. No JAX here.
 """
 
 from __future__ import annotations
@@ -28,43 +25,34 @@ class JobConfig:
   """What `hetjax train` sets around the library's configs: model, data, optimizer, files.
 
   Args:
-    model: mlp, cnn, resnet18, resnet50, transformer, or package.module:factory, a function
-      returning a hetjax.Task (it gets the keywords it names among num_classes, vocab_size,
-      kind, width (`model_width`), dropout (`dropout`)).
-    dataset: digits, synthetic, synthetic_big, tokens, tokenfile:PATH (a flat file of token
-      ids), tfds:NAME (prepared in `data_dir`), or package.module:factory, a function
-      returning (train_source, eval_source or None), each with .info (hetjax.DatasetInfo).
+    model: mlp, cnn, resnet18, resnet50, transformer, or package.module:factory returning
+      a hetjax.Task (docs/model.md).
+    dataset: digits, synthetic, synthetic_big, tokens, tokenfile:PATH (flat token ids),
+      tfds:NAME (in `data_dir`), or package.module:factory returning (train, eval) sources.
     data_dir: the TFDS data folder for tfds:NAME.
-    image_size: decode TFDS images (any size, JPEG/PNG) and crop/resize them to S x S on the
-      input workers; `augment` crop,flip gives the random resized crop.
+    image_size: decode TFDS images and crop/resize them to S x S on the input workers.
     seq_len: token datasets: tokens per record (tokenfile:PATH needs it).
     token_dtype: tokenfile:PATH's ids: uint16 (nanoGPT's .bin) or uint32.
     vocab_size: token datasets: the vocabulary (tokenfile: default the largest id + 1).
-    data_workers: input worker processes on this host (default: its cores minus one with
-      `image_size`, else 0; 0 reads in threads).
-    steps: how many steps (rounds, in a rounds mode) the run has in all; a resumed run does
-      what is left.
+    data_workers: input worker processes (default: cores - 1 with `image_size`, else 0:
+      threads).
+    steps: steps (rounds, in a rounds mode) in all; a resumed run does what is left.
     optimizer: the (inner) optimizer: sgd, momentum, adam or adamw.
     lr: the peak learning rate.
     schedule: the learning rate over optimizer updates, after the warm-up.
     warmup_steps: updates of linear learning-rate warm-up from 0.
     clip_norm: clip gradients to this global norm (default: no clipping).
-    weight_decay: decoupled weight decay (adam becomes adamw; default: none, adamw 1e-4) of
-      the kernels and embeddings, not of biases and normalisation scales.
-    decay_all: weight decay reaches every leaf, biases and normalisation scales too
-      (default: kernels and embeddings, by their Flax names).
-    eval_every: evaluate on the test split every N steps, spread over every host (0: only at
-      the end).
+    weight_decay: decoupled weight decay of kernels and embeddings (adam becomes adamw;
+      default: none, adamw 1e-4).
+    decay_all: weight decay reaches every leaf, biases and normalisation scales too.
+    eval_every: evaluate on the test split every N steps (0: only at the end).
     out: the run folder: summary.json, metrics.jsonl, config.yaml and tensorboard/ (host 0).
-    wandb: log to Weights & Biases project PROJECT from host 0: the resolved config, every
-      metrics record, the summary and the report picture (pip install 'hetjax[wandb]';
-      WANDB_MODE=offline works).
+    wandb: log to Weights & Biases project PROJECT from host 0 (pip install 'hetjax[wandb]').
     save_params: write the final parameters to this .npz file (host 0).
     log_every: a progress line every N steps when not on a terminal (0: none).
     init_timeout: seconds to reach the coordinator (default HETJAX_INIT_TIMEOUT or 120).
     model_width: override the built-in model's width.
-    dropout: dropout rate of mlp, cnn and transformer (default 0); keyed per block, so the
-      same example gets the same mask on any split.
+    dropout: dropout rate of mlp, cnn and transformer (default 0), keyed per block.
   """
 
   model: str = "cnn"

@@ -1,19 +1,12 @@
 """`--model package.module:factory` and `--dataset package.module:factory`: your own code on the CLI.
 
-A model factory returns a `hetjax.Task`; it is called with the keywords it
-names among `num_classes`, `vocab_size`, `kind` (from the dataset's info),
-`width` (config key `model-width`) and `dropout`; a factory with
-`**kwargs` gets every one that is known. A dataset factory takes no
-argument and returns `(train_source, eval_source)` (the second may be None)
-or a single training source; each source has `len()`, `source[indices]`
--> dict of arrays, and `.info` (a `hetjax.DatasetInfo`), e.g.
-`hetjax.ArraySource`.
-
-Both are found and checked before JAX starts (the module is imported, its
-function's signature read; nothing is called), so a typo or a flag the
-factory cannot take fails in a second. The current folder is searched
-first, as `python -m` does, so `examples.custom_model:task` works from a
-checkout.
+A model factory returns a `hetjax.Task`, called with the keywords it names
+among `num_classes`, `vocab_size`, `kind`, `width` and `dropout` (all known
+ones for `**kwargs`). A dataset factory takes nothing and returns
+`(train_source, eval_source or None)` or one source, each with `len()`,
+`source[indices]` and `.info`, e.g. `hetjax.ArraySource`. Both are checked
+before JAX starts (imported, signature read, nothing called); the current
+folder is searched first, as `python -m` does.
 """
 
 from __future__ import annotations
@@ -26,8 +19,6 @@ import sys
 from typing import Any, Callable
 
 _SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
-# Keywords a model factory may name, and where their values come from.
-MODEL_KEYWORDS = ("num_classes", "vocab_size", "kind", "width", "dropout")
 _FIELD_OF = {"width": "`model_width`", "dropout": "`dropout`"}  # Worded by the caller.
 
 

@@ -12,19 +12,14 @@ import jax.numpy as jnp
 import optax
 
 from hetjax.task import Weighted
+from hetjax.types import Batch
 
-Batch = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]
 
 
-def classification(logits: jax.Array,
-                   batch: Batch) -> tuple[jax.Array, Metrics]:
-  """Cross-entropy and 0/1 accuracy of `logits [b, classes]` vs `batch["y"]`.
-
-  Returns:
-    `(losses [b], {"accuracy": [b]})`, both float32.
-  """
-  # Models computing in bfloat16 still get float32 losses.
+def classification(logits: jax.Array, batch: Batch) -> tuple[jax.Array, Metrics]:
+  """`(losses [b], {"accuracy": [b]})` of `logits [b, classes]` vs `batch["y"]`, in float32
+  even for a bfloat16 model."""
   logits = logits.astype(jnp.float32)
   labels = batch["y"].astype(jnp.int32)
   losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)

@@ -30,8 +30,7 @@ _SPECS = {
     "mlp": _Spec(MLP, "image", "num_classes", losses.classification),
     "cnn": _Spec(CNN, "image", "num_classes", losses.classification),
     "resnet18": _Spec(ResNet, "image", "num_classes", losses.classification, "mask"),
-    "transformer": _Spec(
-        TransformerLM, "tokens", "vocab_size", losses.next_token),
+    "transformer": _Spec(TransformerLM, "tokens", "vocab_size", losses.next_token),
     "resnet50": _Spec(ResNet50, "image", "num_classes", losses.classification, "mask"),
 }
 assert tuple(_SPECS) == MODEL_NAMES
@@ -39,31 +38,20 @@ assert tuple(_SPECS) == MODEL_NAMES
 
 def _spec(name: str) -> _Spec:
   if name not in _SPECS:
-    raise ValueError(
-        f"Unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)}.")
+    raise ValueError(f"Unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)}.")
   return _SPECS[name]
 
 
 def default_config(name: str) -> dict[str, Any]:
-  """The options `build(name, ...)` accepts as overrides, with their defaults.
-
-  The dataset decides `num_classes` / `vocab_size`, so they are not listed.
-  """
+  """The options `build(name, ...)` accepts as overrides, with their defaults (not the
+  dataset's `num_classes` / `vocab_size`)."""
   spec = _spec(name)
-  return {
-      f.name: f.default for f in dataclasses.fields(spec.module)
-      if f.init and f.name not in ("parent", "name", spec.size_arg)
-  }
+  return {f.name: f.default for f in dataclasses.fields(spec.module)
+          if f.init and f.name not in ("parent", "name", spec.size_arg)}
 
 
-def build(
-    name: str,
-    *,
-    kind: str,
-    num_classes: int | None = None,
-    vocab_size: int | None = None,
-    **overrides: Any,
-) -> task_lib.Task:
+def build(name: str, *, kind: str, num_classes: int | None = None,
+          vocab_size: int | None = None, **overrides: Any) -> task_lib.Task:
   """Builds the `Task` hetjax trains for model `name` on data of `kind`.
 
   Args:
@@ -86,24 +74,19 @@ def build(
   """
   spec = _spec(name)
   if kind not in KINDS:
-    raise ValueError(
-        f"Unknown dataset kind {kind!r}; choose one of {', '.join(KINDS)}.")
+    raise ValueError(f"Unknown dataset kind {kind!r}; choose one of {', '.join(KINDS)}.")
   if kind != spec.kind:
     fits = [n for n in MODEL_NAMES if _SPECS[n].kind == kind]
-    raise ValueError(
-        f"model {name!r} needs {_NOUNS[spec.kind]} data; "
-        f"dataset kind is {kind!r} "
-        f"(models for {kind} data: {', '.join(fits)}).")
+    raise ValueError(f"model {name!r} needs {_NOUNS[spec.kind]} data; dataset kind is {kind!r} "
+                     f"(models for {kind} data: {', '.join(fits)}).")
   size = {"num_classes": num_classes, "vocab_size": vocab_size}[spec.size_arg]
   if size is None or size < 1:
-    raise ValueError(
-        f"model {name!r} needs {spec.size_arg} >= 1; got {size}.")
+    raise ValueError(f"model {name!r} needs {spec.size_arg} >= 1; got {size}.")
   valid = default_config(name)
   unknown = sorted(set(overrides) - set(valid))
   if unknown:
-    raise ValueError(
-        f"Unknown option(s) {unknown} for model {name!r}; valid options: "
-        f"{', '.join(valid)}.")
+    raise ValueError(f"Unknown option(s) {unknown} for model {name!r}; valid options: "
+                     f"{', '.join(valid)}.")
   module = spec.module(**{spec.size_arg: size}, **overrides)
   task = task_lib.from_linen(module, spec.loss, mask_arg=spec.mask_arg)
   return preprocess.on_device_scaling(task) if kind == "image" else task

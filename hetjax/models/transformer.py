@@ -44,10 +44,7 @@ class DecoderBlock(nn.Module):
 
 
 class TransformerLM(nn.Module):
-  """Maps tokens `[b, T]` to next-token logits `[b, T, vocab_size]`.
-
-  Position t's logits depend only on tokens 0..t; the loss pairs them with
-  token t + 1.
+  """Maps tokens `[b, T]` to next-token logits `[b, T, vocab_size]` (causal: t sees 0..t).
 
   Attributes:
     vocab_size: number of token ids.
@@ -58,8 +55,7 @@ class TransformerLM(nn.Module):
     mlp_ratio: hidden width of each MLP, as a multiple of d_model.
     dropout: rate of dropout (attention weights, residual branches) in training.
     dtype: computation dtype (parameters stay float32).
-    width: when given, the residual stream width in place of `d_model`: what
-      the command line's `--model-width` sets for every model.
+    width: overrides `d_model` (the command line's `--model-width`).
   """
 
   vocab_size: int
@@ -77,17 +73,13 @@ class TransformerLM(nn.Module):
     length = tokens.shape[1]
     d_model = self.width or self.d_model
     if length > self.max_len:
-      raise ValueError(
-          f"Sequence length {length} exceeds max_len={self.max_len}; "
-          f"build the model with max_len >= {length}.")
+      raise ValueError(f"Sequence length {length} exceeds max_len={self.max_len}; "
+                       f"build the model with max_len >= {length}.")
     if d_model % self.num_heads:
-      raise ValueError(
-          f"d_model={d_model} is not divisible by "
-          f"num_heads={self.num_heads}.")
+      raise ValueError(f"d_model={d_model} is not divisible by num_heads={self.num_heads}.")
     x = nn.Embed(self.vocab_size, d_model, dtype=self.dtype,
                  name="token_embed")(tokens.astype(jnp.int32))
-    pos = self.param("pos_embed", nn.initializers.normal(0.02),
-                     (self.max_len, d_model))
+    pos = self.param("pos_embed", nn.initializers.normal(0.02), (self.max_len, d_model))
     x = x + pos[:length].astype(self.dtype)
     causal_mask = nn.make_causal_mask(tokens)
     for i in range(self.num_layers):
