@@ -72,14 +72,9 @@ def first_block(shares: Sequence[int], host: int, block: int) -> int:
 
 
 class BlockBalancer:
-  """Runs any balancer in blocks and hands the trainer sample shares.
-
-  The wrapped balancer sees a "global batch" of `num_blocks` units and moves
-  single blocks; each host's ladder says what its share costs: device rounds
-  of `devices` blocks, run `k` rounds per program (a device batch of `k`
-  blocks) and the remainder through the smaller programs of the ladder. So
-  its cost model and solver need no notion of samples.
-  """
+  """Runs any balancer in blocks and hands the trainer sample shares: the wrapped balancer
+  sees a "global batch" of `num_blocks` units, priced by each host's ladder (`ladders_of`),
+  so its cost model and solver need no notion of samples."""
 
   def __init__(self, inner: Any, global_batch: int, block: int):
     self.inner, self.global_batch, self.block = inner, int(global_batch), int(block)
@@ -111,12 +106,9 @@ class BlockBalancer:
 
 def ladders_of(devices_per_host: Sequence[int], device_batches: Sequence[int] | None = None,
                program_s: Sequence[Sequence[float] | None] | None = None) -> list[balancer_lib.Ladder]:
-  """Every host's ladder in blocks: device rounds of `devices` blocks, device batches of `k`.
-
-  `device_batches[h]` is host h's `k` (blocks per device per program; 1
-  when not given); `program_s[h]` the measured seconds of one run of each
-  program of its ladder `k, k/2, ..., 1` (none: priced by size alone).
-  """
+  """Every host's ladder in blocks: device rounds of `devices` blocks, device batches of `k`
+  (default 1), priced by `program_s[h]`, the measured seconds of each program of its ladder
+  `k, k/2, ..., 1` (none: by size alone)."""
   n = len(devices_per_host)
   ks = [1] * n if device_batches is None else [int(k) for k in device_batches]
   times = [None] * n if program_s is None else list(program_s)
@@ -132,11 +124,7 @@ def make_block_balancer(assignment: str | Sequence[int], global_batch: int, bloc
                         program_s: Sequence[Sequence[float] | None] | None = None,
                         **options: Any) -> BlockBalancer:
   """`balancer.make_balancer`, in blocks; an explicit `assignment` (samples) must be aligned.
-
-  `device_batches` and `program_s` (one entry per host, see `ladders_of`)
-  give a profiling balancer each host's micro-batch ladder; the fixed
-  policies need none (their split does not depend on cost).
-  """
+  `device_batches` and `program_s` (see `ladders_of`) matter to the profiling modes only."""
   if isinstance(assignment, str):
     assignment = balancer_lib.parse_assignment(assignment)
   if assignment != "equal":

@@ -158,20 +158,14 @@ def to_global_tree(tree: PyTree, meshes: Meshes) -> PyTree:
   return jax.tree.map(lambda x: _rewrap(x, x.shape, meshes.replicated), tree)
 
 
-
 @functools.lru_cache(maxsize=None)
 def _all_gather(mesh: Mesh) -> Callable[[jax.Array], jax.Array]:
   return jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, P()))
 
 
 def gather_host_values(values: np.ndarray, meshes: Meshes) -> np.ndarray:
-  """Every host's `values` vector, `[hosts, k]`, from one small collective.
-
-  The collective runs over `meshes.values_mesh`: the world's devices, or,
-  under the host reduction, one CPU device per host, so agreement checks,
-  votes and timings never need the accelerators to share a collective.
-  Every host must call it, in the same order.
-  """
+  """Every host's `values` vector, `[hosts, k]`, from one small collective over
+  `meshes.values_mesh` (every host must call it, in the same order)."""
   mesh = meshes.values_mesh
   with watchdog.waiting():  # The watchdog names first the hosts that are not waiting here.
     rows = np.asarray(_all_gather(mesh)(_rows_on(values, mesh)))

@@ -78,12 +78,9 @@ class Ladder:
   @classmethod
   def of(cls, unit: int, k: int = 1, program_s: Sequence[float] | None = None,
          sizes: Sequence[int] | None = None) -> "Ladder":
-    """The ladder of a host running device batches of `k` blocks (default sizes `k, k/2, ..., 1`).
-
-    `program_s`: measured seconds of one run of each program, in the order of
-    the sizes; the work of each is then scaled so that the one-round program
-    costs `unit` (only the ratios matter: the cost model fits the level).
-    """
+    """The ladder of a host running device batches of `k` blocks (default sizes `k, k/2, ..., 1`);
+    `program_s`, seconds of each program, scaled so the one-round one costs `unit` (the
+    cost model fits the level)."""
     sizes = halving(k) if sizes is None else tuple(int(s) for s in sizes)
     if sizes[0] != int(k):
       raise ValueError(f"ladder sizes {list(sizes)} must start at the device batch k = {k}.")
@@ -119,11 +116,8 @@ class Ladder:
     return out
 
   def programs(self, share: int) -> dict[int, int]:
-    """The programs a host runs for a share of `share` units: {blocks per device: runs}.
-
-    The step and the balancer must agree on this: the balancer prices
-    exactly these programs.
-    """
+    """The programs a host runs for a share of `share` units: {blocks per device: runs}
+    (exactly what the balancer prices)."""
     return self.decompose(-(-int(share) // self.unit))
 
 
@@ -151,11 +145,8 @@ _REMAINDERS: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
 
 
 class Ladders:
-  """The ladders of every host as arrays, for the cost model and the solver.
-
-  `rem[h, r]` is host h's remainder work in units of its top program
-  (`inf` beyond its own k), so one vectorised pass serves hosts whose k differ.
-  """
+  """The ladders of every host as arrays: `rem[h, r]`, host h's remainder work in top programs
+  (`inf` beyond its k), so one vectorised pass serves hosts whose k differ."""
 
   def __init__(self, ladders: Sequence[Ladder]):
     self._items = tuple(ladders)

@@ -57,12 +57,8 @@ class FixedBalancer:
 def make_balancer(assignment: str | Sequence[int], global_batch: int, num_hosts: int, *,
                   mode: str | None = None, granularity: Sequence[int] | None = None,
                   **options: Any) -> Balancer:
-  """Builds the balancer for `assignment` ('equal' or explicit shares) or `mode`.
-
-  `mode` defaults to 'equal' or 'fixed' from `assignment`; 'static' and
-  'dynamic' build a `ProfilingBalancer` (which starts from the equal split)
-  with `granularity` and `options` (warmup_steps, every, threshold, ...).
-  """
+  """Builds the balancer for `assignment` ('equal' or explicit shares) or `mode` (default
+  from `assignment`); 'static' / 'dynamic' take `granularity` and `options` (warmup_steps, ...)."""
   if global_batch < 1:
     raise ValueError(f"global batch must be >= 1, got {global_batch}.")
   if isinstance(assignment, str):
@@ -84,11 +80,8 @@ def make_balancer(assignment: str | Sequence[int], global_batch: int, num_hosts:
 
 
 def taus_from_speeds(round_steps: int, step_s: Sequence[float]) -> tuple[int, ...]:
-  """Local steps per round of the rounds modes: `tau_i = max(1, round(H * v_i / v_max))`.
-
-  `v_i = 1 / step_s[i]` is host i's local steps per second; the fastest host
-  runs `round_steps` (H). Shared by the trainer and the simulator.
-  """
+  """Local steps per round: `tau_i = max(1, round(H * v_i / v_max))`, `v_i = 1 / step_s[i]`
+  (the fastest host runs `round_steps` = H). Shared by the trainer and the simulator."""
   step_s = np.asarray(step_s, np.float64)
   if not np.all(step_s > 0):
     raise ValueError(f"local step seconds must be > 0, got {step_s.tolist()}.")

@@ -115,12 +115,11 @@ class ResNet(nn.Module):
     num_classes: size of the output layer.
     width: channels of the first stage; stage i has `width * 2**i`.
     stage_sizes: blocks per stage ([2, 2, 2, 2] is ResNet-18).
-    small_input: 3x3 stride-1 stem without max-pool (CIFAR style) when True;
-      7x7 stride-2 stem with max-pool (ImageNet style) when False; None picks
-      the small stem for inputs up to 64 pixels on a side.
+    small_input: 3x3 stride-1 stem, no max-pool (CIFAR style) when True; 7x7 stride-2
+      with max-pool (ImageNet) when False; None: small for inputs up to 64 pixels a side.
     momentum: decay of the BatchNorm running averages.
-    dtype: computation dtype (parameters and statistics stay float32); None
-      follows the parameters, which hetjax casts to the `--precision` type.
+    dtype: computation dtype (parameters and statistics stay float32); None follows
+      `--precision`.
   """
 
   num_classes: int
@@ -149,12 +148,9 @@ class ResNet(nn.Module):
     if small is None:
       small = max(x.shape[1], x.shape[2]) <= 64
     x = as_input(x, self.dtype)
-    if small:
-      x = nn.Conv(self.width, (3, 3), padding=1, use_bias=False,
-                  dtype=self.dtype, name="stem_conv")(x)
-    else:
-      x = nn.Conv(self.width, (7, 7), 2, padding=3, use_bias=False,
-                  dtype=self.dtype, name="stem_conv")(x)
+    size, stride, pad = (3, 1, 1) if small else (7, 2, 3)
+    x = nn.Conv(self.width, (size, size), stride, padding=pad, use_bias=False, dtype=self.dtype,
+                name="stem_conv")(x)
     norm = _norm(train, mask, self.momentum, self.dtype, name="stem_norm")
     x = nn.relu(norm(x))
     if not small:

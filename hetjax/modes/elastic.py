@@ -1,7 +1,7 @@
 """How a round of elastic averaging works (EASGD with synchronous rounds).
 
-Each host keeps its own parameters `x_i` (and inner optimizer state) across
-rounds; the centre is replicated on every host. Round r, on host i:
+Each host keeps its own parameters `x_i` (and inner state); the centre is
+replicated. Round r, on host i:
 1. run `tau_i` local steps of `b` samples from `x_i`;
 2. `d_i = alpha_i (x_i - centre)`, `alpha_i = beta * n_i / sum n` with
    `n_i = tau_i * b` (every host knows every `n` before the round starts);

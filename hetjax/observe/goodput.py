@@ -1,18 +1,11 @@
 """Where a job's wall time went: goodput, and badput by cause, over every restart.
 
-Every host writes its phases (`hetjax.phases`) and its steps into
-OUT/phases/host<i>.jsonl (`hetjax.observe.goodput_record`), appending one
-attempt per process of the same job. This module turns those lines into
-seconds per cause; it is pure arithmetic (no JAX), so the report, the
-summary and the tests share it.
-
-A host's wall time runs from its first process's start to its last line,
-and splits without remainder into:
+Pure arithmetic (no JAX) on OUT/phases/host<i>.jsonl (`goodput_record`). A
+host's wall time, from its first process's start to its last line, splits
+without remainder into:
 - `compute`: its devices' own compute in steps that were kept (the goodput);
-- `startup` (interpreter and imports, before the first phase), `joining`,
-  `building`, `restoring`, `evaluation`, `checkpoint`, `agreement`,
-  `summary`: each phase's own time (an inner phase's time is the inner
-  phase's, not its parent's);
+- `startup` (before the first phase), then each phase's own time (an inner
+  phase's time is its own, not its parent's);
 - the training phase's steps, each split into `compute`, `waiting for
   input` (the devices idle while the loader had not yet handed over the
   step's batch: a host short of CPU), `dispatch` (the rest of the step
@@ -28,8 +21,7 @@ and splits without remainder into:
 - `step loop overhead`: the training phase's time between the steps;
 - `untracked`: time inside an attempt outside every phase.
 
-The job's figures are the hosts' means (every host lives the same wall
-time); goodput is `compute` over the wall time.
+The job's figures are the hosts' means; goodput is `compute` over the wall time.
 """
 
 from __future__ import annotations
@@ -254,12 +246,8 @@ def _attempt_time(a: Attempt, redo_after: float, warmup: int, seconds: dict[str,
 
 def _steps_time(steps: Sequence[Step], available: float, redo_after: float, warmup: int,
                 seconds: dict[str, float]) -> None:
-  """Splits the training phase's `available` seconds over its steps, and the rest as overhead.
-
-  Consecutive steps overlap a little (the next is dispatched before the last
-  is fetched), so their times may sum to more than the phase: then they are
-  scaled to fit it.
-  """
+  """Splits the training phase's `available` seconds over its steps, the rest as overhead
+  (overlapping steps may sum to more than the phase: then they are scaled to fit)."""
   total = sum(s.step_s for s in steps)
   scale = available / total if total > available > 0 else (0.0 if available <= 0 else 1.0)
   seconds[OVERHEAD] += max(0.0, available - total * scale)

@@ -1,11 +1,8 @@
 """The goodput figures as the summary, W&B and the report carry them, and as lines to read.
 
-The summary is identical on every host, so each host's own figures
-(`hetjax.observe.goodput.HostTime`) travel as one float vector in a small
-collective (`host_vector`); `fields` turns the gathered rows into the
-summary's `goodput` entry. `lines` prints that entry (or a report's fresher
-one, read from the phase files) as a person reads it; every figure of an
-emulated run says "emulated".
+The summary is identical on every host, so each host's figures travel as one
+float vector (`host_vector`) and `fields` turns the gathered rows into the
+`goodput` entry; `lines` prints it. An emulated run's figures say so.
 """
 
 from __future__ import annotations
@@ -18,8 +15,6 @@ from hetjax.observe import goodput_peaks
 from hetjax.observe.goodput_saving import Saving
 
 _SECONDS = (goodput_lib.COMPUTE,) + goodput_lib.CAUSES
-# wall, the seconds, attempts, redone steps, steps recorded, FLOP/s, peak, peak row, emulated
-VECTOR_LENGTH = 1 + len(_SECONDS) + 6
 
 
 def host_vector(host: goodput_lib.HostTime) -> list[float]:
