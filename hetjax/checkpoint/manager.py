@@ -62,10 +62,9 @@ log = logging.getLogger("hetjax.checkpoint")
 class Checkpointer:
   """An orbax `CheckpointManager` for hetjax train states.
 
-  A write that fails on one host, also inside orbax's background commit, is
-  reported at once to the run-wide watchdog, which ends every host with
-  `WRITE_FAILED_EXIT` and this host's message (`hetjax.cluster.ending`):
-  the others would otherwise wait in orbax's barrier for its whole timeout.
+  A write that fails on one host, in orbax's background commit too, goes at once to the
+  watchdog, which ends every host with `WRITE_FAILED_EXIT` (the others would otherwise
+  wait in orbax's barrier for its whole timeout).
 
   Args:
     config: folder, interval, how many to keep.
@@ -88,8 +87,7 @@ class Checkpointer:
         max_to_keep=config.keep, create=False, enable_async_checkpointing=config.async_save,
         multiprocessing_options=ocp.options.MultiprocessingOptions(
             active_processes=set(range(jax.process_count()))))
-    # Handlers named up front so `item_metadata` can tell which fields a
-    # checkpoint holds before its arrays are read (an older one lacks some).
+    # Handlers named up front so `item_metadata` tells an older checkpoint's fields.
     quiet.install()
     self._reported: set[int] = set()  # Steps whose failure the watchdog ends the job with.
     self._state_handler = commits.ReportingHandler(self._report, write_error)
@@ -104,13 +102,12 @@ class Checkpointer:
     self._handing_over: concurrent.futures.Future | None = None
     self.snapshot_s: list[float] = []  # Seconds each snapshot blocked the caller.
     self.handover_s: list[float] = []  # Seconds each hand-over spent in orbax (on the worker).
-    # Seconds each background save waited for the previous hand-over: saves
-    # closer together than a hand-over stall the loop for the difference.
+    # Seconds each background save waited for the previous hand-over (saves too close stall).
     self.handover_wait_s: list[float] = []
 
   def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
-    """Hands the state after `step` steps to orbax on this thread (written in the
-    background if async); `state` must not be donated until this returns.
+    """Hands the state after `step` steps to orbax on this thread (written in the background
+    if async); `state` must not be donated until this returns.
 
     Raises:
       CheckpointWriteFailed: on every host, when a save failed on any host.
@@ -175,8 +172,7 @@ class Checkpointer:
     raise self._write_failed(failure)
 
   def _report(self, step: int, error: BaseException) -> None:
-    """A write of `step` failed on this host (any thread, orbax's background one included):
-    the watchdog ends every host with its message now, not at the next save."""
+    """A write of `step` failed on this host (any thread): the watchdog ends every host now."""
     if step in self._reported:
       return
     last_good, size = self._last_good(committed_steps(self.directory), step)

@@ -35,9 +35,8 @@ RECORD_KEYS = {
     "wait_s": "host_floats",
     "emulated": "bool",       # host speeds were emulated (hetjax.cluster.emulate)
 }
-# Keys a record has only sometimes: the learning rate when the optimizer
-# exposes it (optax.inject_hyperparams), the evaluation figures on the steps
-# after which the trainer evaluated (measured after the step, off its clock).
+# Keys a record has only sometimes: the learning rate (optax.inject_hyperparams), and the
+# evaluation after the steps the trainer evaluated at (off the step's clock).
 OPTIONAL_KEYS = {
     "lr": "float",
     "eval": "floats",
@@ -85,9 +84,8 @@ def validate_record(record: dict[str, Any]) -> dict[str, Any]:
   """Checks `record` against `RECORD_KEYS`; returns it as plain Python types.
 
   Raises:
-    ValueError: a missing or unknown key, a wrong type, per-host lists of
-      different lengths, or shares that do not sum to the global batch. Schema
-      drift between the trainer and the readers should fail here, loudly.
+    ValueError: a missing or unknown key, a wrong type, per-host lists of different
+      lengths, or shares that do not sum to the global batch (schema drift, loudly).
   """
   if not isinstance(record, dict):
     raise ValueError(f"a metrics record must be a dict, got {type(record).__name__}.")
@@ -115,11 +113,8 @@ def validate_record(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_records(path: str) -> list[dict[str, Any]]:
-  """Reads and validates a metrics.jsonl file (or the run folder holding one).
-
-  A torn last line, as a crashed run leaves, is dropped; a bad line anywhere
-  else is an error that names it.
-  """
+  """Reads and validates a metrics.jsonl file (or the run folder holding one); a torn last
+  line (a crashed run's) is dropped, a bad line elsewhere is an error naming it."""
   if os.path.isdir(path):
     path = os.path.join(path, METRICS_FILE)
   with open(path) as f:
@@ -231,9 +226,8 @@ class MetricsWriter:
     """Args:
       out_dir: the run's output folder (created if missing).
       tensorboard: also write TensorBoard scalars under OUT/tensorboard/.
-      resume_step: the steps done at the checkpoint a run resumed from: it
-        keeps the records up to that one (those after it are redone); None
-        starts the file afresh.
+      resume_step: the checkpoint's step a run resumed from: records after it are
+        dropped (redone); None starts the file afresh.
     """
     os.makedirs(out_dir, exist_ok=True)
     self.out_dir = out_dir

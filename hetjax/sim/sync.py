@@ -244,12 +244,8 @@ def noise_factors(spec: ClusterSpec, steps: int, seed: int = 0) -> np.ndarray:
 
 
 def spell_factors(spec: ClusterSpec, steps: int, seed: int = 0) -> np.ndarray:
-  """`[steps, hosts]` transient slow spells: starts at `straggler_rate`, geometric lengths.
-
-  With `spell_group` k > 1 spells start per group of k consecutive hosts, at
-  `straggler_rate` per group and step, and slow the whole group at once: each
-  host is slowed as often as alone, but together with its rack.
-  """
+  """`[steps, hosts]` transient slow spells: starts at `straggler_rate`, geometric lengths;
+  with `spell_group` k > 1 a spell slows a group of k hosts at once (as often as alone)."""
   rng = np.random.default_rng([seed, 3])
   k = max(int(spec.spell_group), 1)
   groups = -(-spec.num_hosts // k)
@@ -273,11 +269,8 @@ def fresh_spells(spec: ClusterSpec, steps: int, seed: int, within: int) -> np.nd
 
 
 def slowdowns(spec: ClusterSpec, steps: int, seed: int = 0) -> np.ndarray:
-  """`[steps, hosts]` compute-time factors: noise times transient slow spells.
-
-  Persistent slow hosts are part of the true cost (`spec.costs(seed)`), not of
-  these factors, so a noise-free optimum can be computed for them.
-  """
+  """`[steps, hosts]` compute-time factors: noise times slow spells (persistent slow hosts
+  are in `spec.costs(seed)`, so a noise-free optimum can be computed for them)."""
   return noise_factors(spec, steps, seed) * spell_factors(spec, steps, seed)
 
 
