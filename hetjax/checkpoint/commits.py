@@ -1,13 +1,9 @@
 """orbax's commit, watched: a write that fails, in the background too, is reported as it fails.
 
-orbax writes an asynchronous checkpoint in its own background thread and
-reports a failure only at the next save; the other hosts meanwhile wait in
-its barrier until its timeout (20 minutes). So the state item's handler
-wraps the futures its commit waits on: the first to fail calls `report`
-from whichever thread waits on it, and the manager ends the job at once.
-
-The same seam injects an EMULATED failure (`hetjax.cluster.emulate.Faults`):
-one more future in the commit, which fails as a full disk does.
+orbax reports a background write's failure only at the next save, while the
+other hosts wait in its barrier (20 minutes). So the state handler's commit
+futures call `report` as they fail, and the manager ends the job at once. The
+same seam injects an EMULATED failure (`Faults.write_error`), as a full disk.
 """
 
 from __future__ import annotations
@@ -20,12 +16,8 @@ Report = Callable[[int, BaseException], None]
 
 
 class ReportingHandler:
-  """orbax's standard handler (`handler`), whose commit futures report a failure.
-
-  The handler keeps its own type (orbax pairs argument types with handler
-  types); only this instance's `async_save` is wrapped. Set `step` before
-  each save.
-  """
+  """orbax's standard handler (`handler`), whose commit futures report a failure; only its
+  `async_save` is wrapped (orbax pairs argument and handler types). Set `step` before a save."""
 
   def __init__(self, report: Report,
                inject: Callable[[int], BaseException | None] | None = None):
