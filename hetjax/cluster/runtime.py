@@ -1,36 +1,18 @@
 """Joining the cluster: `jax.distributed`, CPU collectives, topology.
 
-Where the cluster comes from, in order (`resolve` decides it, without JAX,
-from the environment alone):
-  1. explicit arguments to `initialize`;
-  2. HETJAX_COORDINATOR (host:port, `[v6 address]:port`), HETJAX_NUM_HOSTS,
-     HETJAX_HOST_ID, optionally HETJAX_INIT_TIMEOUT, HETJAX_CPU_DEVICES and
-     HETJAX_GLOO_INTERFACE; HETJAX_NUM_HOSTS=1 alone means one host;
-  3. a SLURM srun step of more than one task: host id SLURM_PROCID, the
-     coordinator the step's first node at HETJAX_PORT (default 20000 + job
-     id % 10000); a SLURM job without such a step is one host;
-  4. Open MPI (OMPI_COMM_WORLD_SIZE > 1): rank and size from Open MPI, the
-     coordinator from JAX's Open MPI support;
-  5. a Kubernetes Indexed Job pod with the `kubernetes` package (`jax[k8s]`):
-     JAX finds everything; such a pod without it and without HETJAX_* is
-     refused, never trained alone;
-  6. Cloud TPU (TPU_WORKER_HOSTNAMES): JAX's own detection;
-  7. otherwise a single host, with no distributed runtime at all.
+`resolve` decides, from the arguments and the environment alone (no JAX), in
+the order docs/cluster.md gives: arguments, HETJAX_*, a SLURM srun step of
+more than one task, Open MPI, a Kubernetes Indexed Job (refused without the
+`kubernetes` package and HETJAX_*, never trained alone), Cloud TPU, else one
+host. Where hetjax knows the host count and id, JAX's cluster detection is
+off: it would narrow each process to one GPU, and a hetjax host drives every
+GPU of its node.
 
-Where hetjax knows the host count and id (1-4), JAX's cluster detection is
-off: it would narrow each process to the GPU numbered SLURM_LOCALID (or
-Open MPI's local rank), and a hetjax host drives every GPU of its node
-(several tasks of a step on one node keep one GPU each).
-
-JAX aborts the process (a C++ fatal error) when a host cannot register, so
-other hosts first probe the coordinator's port for a bounded time and raise
-a `ConnectionError` naming it. A host silent for HETJAX_HEARTBEAT_TIMEOUT
-seconds (default 100, JAX's) is declared dead by the coordination service
-and JAX aborts the others; the launchers name it (`supervise.Findings`).
-The service runs in host 0 unless HETJAX_SERVICE=launcher says a launcher
-runs it (`hetjax.cluster.service`): host 0 is then a client like the others
-and its death aborts no one. JAX's preemption service stays off: its
-notifier would take SIGTERM from hetjax's handler (`signals`).
+JAX aborts the process when a host cannot register, so other hosts first
+probe the coordinator's port and raise a `ConnectionError` naming it. JAX's
+preemption service stays off: its notifier would take SIGTERM from hetjax's
+handler (`signals`). HETJAX_SERVICE=launcher: a launcher runs the service
+(`service`), host 0 is a client and its death aborts no one.
 """
 
 from __future__ import annotations
@@ -54,25 +36,14 @@ from hetjax import phases
 
 
 DEFAULT_TIMEOUT_S = 120.0
-# JAX's own default: a host that sends no heartbeat for this long is declared
-# dead by the coordination service, and every other host aborts (SIGABRT).
 DEFAULT_HEARTBEAT_S = watchdog.DEFAULT_HEARTBEAT_S
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 @dataclasses.dataclass(frozen=True)
 class ClusterSpec:
-  """How to join the cluster.
-
-  Attributes:
-    coordinator: `host:port` of host 0; None only when `detect` is set.
-    num_hosts: processes in the job (None: JAX detects it).
-    host_id: this process's index (None: JAX detects it).
-    timeout_s: bound on reaching the coordinator and on registration.
-    local_device_ids: GPUs this process may use; None: all of them.
-    detect: the JAX cluster detection to use ("ompi" fills only the
-      coordinator; "auto" everything); None: detection off.
-    source: where the settings came from, for the join message.
+  """How to join; None fields are JAX's to detect (`detect`: "ompi" fills only the
+  coordinator, "auto" everything). `source` names the settings' origin for the join message.
   """
 
   coordinator: str | None
@@ -125,11 +96,8 @@ def _env_timeout(env: Mapping[str, str]) -> float:
 
 
 def heartbeat_from_env(env: Mapping[str, str] = os.environ) -> int:
-  """HETJAX_HEARTBEAT_TIMEOUT: seconds without a heartbeat before a host is declared dead.
-
-  Every host must get the same value (the coordinator's decides). Shorter
-  finds a frozen host sooner; too short declares a host dead during a long
-  pause of its own (a swap storm, a long GC), so keep it well above that.
+  """HETJAX_HEARTBEAT_TIMEOUT (the coordinator's value decides); too short kills a host in a
+  long pause of its own (a swap storm, a long GC).
   """
   raw = env.get(Env.HEARTBEAT_TIMEOUT)
   if not raw:
@@ -144,11 +112,7 @@ def heartbeat_from_env(env: Mapping[str, str] = os.environ) -> int:
 
 
 def first_slurm_node(nodelist: str) -> str:
-  """The first host of a SLURM node list: `gpu[07-09,12],cpu1` -> `gpu07`.
-
-  Handles several bracket groups (`rack[1-2]-n[01-04]` -> `rack1-n01`), as
-  `scontrol show hostnames` would expand them.
-  """
+  """`gpu[07-09,12],cpu1` -> `gpu07`; `rack[1-2]-n[01-04]` -> `rack1-n01`, as scontrol would."""
   first, depth, out = True, 0, []
   for ch in nodelist.strip():
     if ch == "[":
@@ -214,11 +178,7 @@ def _k8s_spec(env: Mapping[str, str], timeout_s: float) -> ClusterSpec:
 def resolve(env: Mapping[str, str] = os.environ, coordinator: str | None = None,
             num_hosts: int | None = None, host_id: int | None = None,
             timeout_s: float | None = None) -> ClusterSpec:
-  """Decides how this process joins the cluster (see the module docstring); no JAX calls.
-
-  Raises:
-    ValueError: on settings that contradict or are incomplete, naming them.
-  """
+  """How this process joins (module docstring); ValueError names contradicting settings."""
   timeout = timeout_s or _env_timeout(env)
   if coordinator is not None or num_hosts is not None or host_id is not None:
     if num_hosts == 1 and coordinator is None:
@@ -297,12 +257,8 @@ def check_interface(name: str) -> None:
 
 
 def _use_gloo_interface(interface: str) -> None:
-  """Makes the CPU backend's gloo collectives use `interface` instead of the hostname's address.
-
-  JAX builds gloo from `gethostname()`, which a `127.0.1.1` hosts entry or a
-  machine with several networks resolves wrongly for its peers (pytorch/gloo
-  #223). JAX has no setting for it, so the CPU backend factory is registered
-  again (public), before the first backend exists, with gloo bound to the interface.
+  """Binds gloo to `interface`: JAX uses `gethostname()`, which a `127.0.1.1` hosts entry or
+  several networks resolve wrongly for peers (pytorch/gloo #223), and has no setting for it.
   """
   from jax._src import xla_bridge  # JAX's CPU client with given collectives: BUILD_NOTES.
   from jaxlib import _jax
@@ -318,10 +274,7 @@ def _use_gloo_interface(interface: str) -> None:
 
 
 def configure_cpu(devices_per_host: int | None) -> None:
-  """Selects gloo CPU collectives and, optionally, emulated CPU devices.
-
-  Must run before the first JAX computation creates a backend.
-  """
+  """Gloo CPU collectives and optional emulated devices; before the first backend exists."""
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   if devices_per_host is not None:
     if devices_per_host < 1:

@@ -1,43 +1,19 @@
 """The run-wide watchdog: every wait has a deadline, and the host that did not keep up is named.
 
-A host stuck anywhere (a hung file read in a step or in evaluation, a stuck
-data worker, a GPU hang, a restore from a dead mount) stalls every other
-host in the next cross-host wait, silently and for ever. So every host
-keeps, in a thread of its own, the time of its last progress: a lifecycle
-phase entered or left (`hetjax.phases`; the watchdog is a listener), a step
-entered, its reduction joined, a step completed, a cross-host wait (vote,
-gather) entered or left. When the wait in force exceeds its limit, every
-host that is still alive
-  1. dumps its threads' stacks to its log (`faulthandler`);
-  2. reads where every host is (`hetjax.cluster.positions`: each host's
-     thread posts its phase, step and whether it waits on the others to the
-     cluster's key-value store); a host whose posts stopped is frozen;
-  3. names the hosts behind the furthest one and what they were doing
-     ("host 1: in evaluation at step 4 for 612 s"), prints a line the
-     launchers read (`MARKER`), and exits with `STALLED_EXIT` (69), which
-     the launchers restart from the last checkpoint under --max-restarts.
-The first host to stop posts its verdict (`hetjax.cluster.ending`), so the
-others stop with it, and every host leaves with the same code.
+A host stuck anywhere stalls every other host in the next cross-host wait,
+silently and for ever. So a thread on every host keeps the time of its last
+progress (a phase entered or left, a step entered, reduced, completed, a
+cross-host wait) and posts its position (`positions`). When the wait in
+force exceeds its limit (docs/cluster.md, "Deadlines": L from `--watchdog
+S`, x STARTUP_FACTOR or x PHASE_FACTOR; none between steps), every live host
+dumps its stacks, names the hosts behind the furthest one, prints `MARKER`
+and exits `STALLED_EXIT` (69). The first host to stop posts its verdict
+(`ending`), so every host leaves with the same code. A limit bounds one wait
+without progress, never a slow but moving phase.
 
-The limits, from the user's one knob `--watchdog S` (`TrainConfig.watchdog_s`):
-  L = S, or by default max(STEP_FACTOR x the median step, MIN_DEFAULT_S);
-  a step or round (after the first WARMUP_STEPS of a run):  L;
-  building, restoring, and the first WARMUP_STEPS steps or rounds of each
-    run (compiling, first transfers):                       STARTUP_FACTOR x L;
-  evaluation, checkpoint, agreement, summary:               PHASE_FACTOR x L;
-  between steps with none outstanding (callbacks, the user's code): none;
-  joining: the join's own deadline (--init-timeout);
-  S = 0 switches the stall checks off (failures still end every host).
-A limit bounds one wait without progress, not a phase: a slow but moving
-job (steps completing, evaluation batches read) is never stopped.
-
-Host 0 also reads every host's posts while it watches: a host whose posts
-stop for a third of the heartbeat timeout (HETJAX_HEARTBEAT_TIMEOUT) is named
-in host 0's log as frozen or unreachable, before the coordination service
-declares it dead and JAX aborts host 0 (which prints only JAX's own words).
-
-Stdlib at import; JAX's key-value client is looked up when the watchdog
-starts, and a single-host run (no client) still stops and dumps its stacks.
+Host 0 also names a host whose posts stop for a third of the heartbeat
+timeout (`peers`), before JAX aborts host 0 with only its own words.
+Stdlib at import; a single-host run (no client) still stops and dumps stacks.
 """
 
 from __future__ import annotations
@@ -54,7 +30,7 @@ from hetjax import phases
 from hetjax.cluster import ending, service
 from hetjax.cluster.peers import DEFAULT_HEARTBEAT_S, Peers as _Peers, heartbeat_s  # noqa: F401
 from hetjax.cluster import positions
-from hetjax.cluster.positions import Position, behind, message  # noqa: F401 (public names)
+from hetjax.cluster.positions import Position, behind  # noqa: F401 (public names)
 from hetjax.exits import STALLED_EXIT, JobExit
 
 STEP_FACTOR = 20
@@ -69,12 +45,8 @@ _RECENT = 50  # Step times the default limit is computed from.
 
 
 class Watchdog:
-  """One per process (`WATCHDOG`): a phase listener; the trainers report steps, a thread watches.
-
-  The trainers call `entered(step)` when they start a step, `reducing(step)`
-  when they join its reduction and `completed(step)` when its results are
-  back; cross-host waits outside steps are wrapped in `waiting()`. Each is a
-  few attribute writes, so the step loop stays lean.
+  """One per process (`WATCHDOG`): a phase listener; the trainers report steps (a few
+  attribute writes each, so the step loop stays lean), a thread watches.
   """
 
   def __init__(self, *, clock: Callable[[], float] = time.monotonic,
@@ -226,12 +198,8 @@ class Watchdog:
                unit: str = "step", client=None) -> Iterator["Watchdog"]:
     """Watches every phase and step inside the block (nested blocks share the outer watch).
 
-    Args:
-      limit_s: --watchdog seconds; None: the default from the measured step time; 0: no stall
-        checks (a failure on one host still ends every host).
-      host_id, num_hosts: this host's place, to name the others.
-      unit: what the run counts, for the lines ('step' or 'round').
-      client: the key-value client (default: JAX's, on several hosts).
+    `limit_s`: None: from the measured steps; 0: no stall checks (a failure still ends every
+    host). `unit`: 'step' or 'round'. `client`: default JAX's key-value client on several hosts.
     """
     if self._thread is not None:
       self.unit = unit  # The outer watch (the trainer's construction) knew no unit yet.
@@ -337,9 +305,8 @@ class Watchdog:
                             self._poll_s())
 
   def wait_for_the_end(self, grace_s: float = 5.0) -> None:
-    """Blocks while this host's watchdog ends the job (it exits the process); returns when no
-    verdict came within `grace_s`. A main thread that failed because a peer left (or whose
-    write failed) calls it first, so the job's verdict, not its echo, is what this host says."""
+    """Blocks while the watchdog ends the job (it exits the process), or `grace_s` without a
+    verdict: so a main thread failed by a peer's leaving says the verdict, not its echo."""
     if self._thread is None or self._client is None:
       return
     if self.ending.wait(grace_s):
