@@ -1,21 +1,10 @@
 """Supervising a job: how a group of hosts ended, who is to blame, whether to restart.
 
-`hetjax.cluster.procs` runs the host processes; this module reads how they
-ended (`Outcome`), names the host to blame (`first_failure`, and what the
-hosts' own output says: `Findings`), writes the launcher's message
-(`describe`) and restarts the job under the two budgets (`supervise`).
-
-Exit codes the launchers understand, from the hosts (`hetjax.exits`, the one table):
-75 (`PREEMPTED_EXIT`) restarted under --max-preemptions, else passed on for
-an outer scheduler; 130 (`INTERRUPTED_EXIT`, a user's Ctrl-C) never
-restarted; 69 (`STALLED_EXIT`, the step watchdog) a failure restarted under
---max-restarts, the message naming the stuck host(s); 74
-(`WRITE_FAILED_EXIT`, a checkpoint could not be written) never restarted.
-A host that JAX aborts (SIGABRT) because the coordination service saw
-another host stop sending heartbeats is a failure, and the message names
-the host that stopped responding, not the one that aborted.
-
-Stdlib only: this module must never import JAX.
+The exit codes (`hetjax.exits`) as docs/cluster.md's table restarts them: 75
+under --max-preemptions, else passed on for an outer scheduler; 130 and 74
+never; 69 and other failures under --max-restarts. A host that JAX aborts
+(SIGABRT) because a peer stopped its heartbeats is a failure of that peer,
+which the message names. Stdlib only: this module must never import JAX.
 """
 
 from __future__ import annotations
@@ -41,20 +30,9 @@ DEFAULT_MAX_PREEMPTIONS = 20
 
 @dataclasses.dataclass
 class Outcome:
-  """How a group of hosts ended.
-
-  Attributes:
-    returncodes: per host; negative means killed by that signal.
-    failed_host: the first host seen exiting non-zero, if any.
-    signal: the signal that made us stop the hosts, if any.
-    timed_out: whether the hosts were stopped because of a deadline.
-    tails: the last output lines of each host.
-    unresponsive: hosts the coordination service declared dead (no heartbeats).
-    stalled: hosts a step watchdog named as holding the job up.
-    write_failed_hosts: hosts whose checkpoint write failed (named by every host).
-    reactions: hosts whose failure was a reaction to a peer's loss (their own words).
-    service_stopped: how the coordination service that the launcher ran ended, when it
-      ended by itself (killed, crashed) and the hosts with it; None otherwise.
+  """How a group of hosts ended: `returncodes` negative for a signal; `signal` the one that
+  made the launcher stop them; the host lists as `Findings` read them; `service_stopped` how a
+  launcher-run coordination service ended by itself (None otherwise).
   """
 
   returncodes: list[int | None]
@@ -122,23 +100,11 @@ def first_failure(codes: Sequence[int | None],
                   reactions: Collection[int] = ()) -> int | None:
   """The host to blame among those that exited non-zero by themselves, if any.
 
-  When a host dies, its peers fail soon after in the collective they shared,
-  so the cause is ranked first:
-  1. a host killed by a signal from outside (SIGKILL, the OOM killer, a
-     crash), never a reaction to a peer; SIGABRT does not count, it is how
-     JAX ends a process whose peer vanished;
-  2. then a host that did not say its failure was a reaction (`reactions`,
-     `hetjax.cluster.lost_peer`) nor was aborted by JAX (SIGABRT);
-  3. then the earliest to exit, by each process's own exit time;
-  4. at equal times, a real failure before a preemption: restarting a crash
-     as "preempted" would hide it from --max-restarts; then the lowest index.
-  Which host the message names comes from the hosts' own words where they
-  gave them (`Outcome.blamed`), so it does not depend on who ended first.
-
-  Args:
-    codes: per host, its exit code (negative: the signal), None if running.
-    exit_times: per host, when it exited (any clock); None: all equal.
-    reactions: hosts whose failure was a reaction to a peer's loss.
+  A dead host's peers fail soon after in their shared collective, so rank: a
+  host killed from outside (SIGABRT is JAX ending a peer's survivor, not that);
+  then one that neither said it reacted (`reactions`) nor was aborted; then the
+  earliest `exit_times` (None: all equal); then a failure before a preemption
+  (a crash restarted as "preempted" would dodge --max-restarts); then the index.
   """
   failed = [i for i, rc in enumerate(codes) if rc not in (None, 0)]
   if not failed:
@@ -157,11 +123,8 @@ def first_failure(codes: Sequence[int | None],
 def settled_failure(codes: Sequence[int | None], stopped: Collection[int],
                     exit_times: Sequence[float | None] | None,
                     findings: "Findings") -> int | None:
-  """`first_failure` once the group has ended and every host's words are read.
-
-  Hosts the launcher itself stopped (`stopped`, ending by its SIGTERM or
-  SIGKILL) did not fail by themselves and are left out; a host that left
-  with its own code during the grace still counts.
+  """`first_failure` without the hosts the launcher itself stopped (`stopped`, ending by its
+  SIGTERM or SIGKILL); one that left with its own code during the grace still counts.
   """
   own = [None if i in stopped and rc in (-signal.SIGTERM, -signal.SIGKILL) else rc
          for i, rc in enumerate(codes)]
@@ -189,28 +152,12 @@ def check_restarts(max_restarts: int, max_preemptions: int | None) -> None:
 
 def supervise(attempt: Callable[[int], Outcome], *, max_restarts: int = 0,
               max_preemptions: int | None = None) -> int:
-  """Runs `attempt` until the hosts succeed or the restart budgets are spent.
+  """Runs `attempt(restarts so far)` until the hosts succeed or a budget is spent.
 
-  Two budgets, because a preemption is not a failure:
-  - a failure (a host exits non-zero, or dies by a signal) is restarted at
-    most `max_restarts` times in all;
-  - a preemption (the hosts stop with PREEMPTED_EXIT, having saved) is
-    restarted at most `max_preemptions` times, without using up
-    `max_restarts`. Its default is DEFAULT_MAX_PREEMPTIONS when
-    `max_restarts > 0` and 0 otherwise, so a plain run that is preempted
-    exits PREEMPTED_EXIT and an outer scheduler can requeue it.
-  The launcher being interrupted, a deadline, or a checkpoint that could
-  not be written (WRITE_FAILED_EXIT: the disk is still full) is never
-  restarted.
-
-  Args:
-    attempt: starts all hosts, waits for them (`run_group`), returns how they
-      ended; it gets the number of restarts so far.
-    max_restarts: restarts allowed after failures.
-    max_preemptions: restarts allowed after preemptions (see above).
-
-  Returns:
-    0 on success, else the exit code of the last attempt (`Outcome.exit_code`).
+  Two budgets, because a preemption is not a failure: `max_preemptions`
+  defaults to DEFAULT_MAX_PREEMPTIONS with `max_restarts > 0`, else 0, so a
+  plain preempted run exits PREEMPTED_EXIT for an outer scheduler to requeue.
+  Returns 0, else the last attempt's `Outcome.exit_code`.
   """
   check_restarts(max_restarts, max_preemptions)
   if max_preemptions is None:
@@ -354,11 +301,8 @@ _TASK = re.compile(r"^\s*(?:/job:[^/\s]+/replica:\d+/task:)?(\d+)\s*$")
 
 
 class Findings:
-  """What the hosts' own output says about who held the job up, read line by line as it passes.
-
-  The lines matter more than the tails: a host that JAX aborts prints a C++
-  stack after the line that names the dead host, which pushes it out of the
-  last lines kept.
+  """Who held the job up, in the hosts' own lines as they pass: not the tails, where a JAX
+  abort's C++ stack pushes out the line naming the dead host.
   """
 
   def __init__(self):
