@@ -1,27 +1,13 @@
 """`hetjax doctor`: can this cluster train, and how fast is each host?
 
-Run it on every host, exactly like `hetjax train`:
-
-    python launch/local.py --hosts 3 --devices-per-host 2 -- hetjax doctor
-
-Before joining, every host checks what would make joining fail in confusing
-ways (preflight): a hostname that resolves to a loopback address (gloo, which
-JAX uses for CPU collectives, would give its peers 127.0.1.1, and they get
-"connection refused"), a `--gloo-interface` / HETJAX_GLOO_INTERFACE that this
-machine lacks, and, on host 0, a coordinator port that is already taken.
-
-Every host joins the cluster, then all hosts, in the same order:
-  1. share who they are (name, JAX version, collectives, emulated speed)
-     through one small all-gather;
-  2. check that every host reaches every other with a cross-host sum whose
-     answer is known (each device row carries its host id + 1);
-  3. time a few local train steps (forward and backward, the compute that
-     `hetjax train` measures for the balancer) of a small model on synthetic
-     data, one host at a time, so hosts that share a machine do not slow
-     each other. Under emulated speeds (HETJAX_SPEED) the pacing applies and
-     the figure says "emulated".
-Process 0 prints the report (and writes `--json FILE`); every host returns
-the same exit code, 0 when every check passed.
+Run on every host like `hetjax train` (docs/cluster.md, "The doctor"). Before
+joining, a preflight catches what makes joining fail confusingly: a hostname
+resolving to loopback (gloo would hand peers 127.0.1.1: "connection
+refused"), a missing gloo interface, a taken coordinator port on host 0.
+Then every host, in the same order: one all-gather of who it is; a
+cross-host sum with a known answer (each device row carries host id + 1);
+local train steps timed one host at a time, so hosts sharing a machine do
+not slow each other. Every host returns the same exit code.
 """
 
 from __future__ import annotations
@@ -124,10 +110,8 @@ def check_reduction(meshes: Meshes, repeats: int = 5) -> dict[str, Any]:
 
 
 def build_local_step(model: str, batch: int, meshes: Meshes) -> Callable[[int], Any]:
-  """A compiled local train step of `model` on `batch` synthetic samples.
-
-  Every host must call it (initialising the state is one program over all
-  hosts); the step it returns is local to this host.
+  """A compiled local train step on `batch` synthetic samples; every host calls it (the
+  state's initialisation is one program over all hosts), the step is local.
   """
   import jax
   import optax
@@ -152,10 +136,7 @@ def build_local_step(model: str, batch: int, meshes: Meshes) -> Callable[[int], 
 
 def time_steps(run: Callable[[int], Any], batch: int, steps: int,
                pace: Callable[[float, int], float] | None) -> dict[str, float]:
-  """Samples/s of the median step, paced (as training sees it) and real.
-
-  The median, so that one slow step (a page fault, a neighbour) does not set it.
-  """
+  """Samples/s of the median step (one page fault must not set it), paced and real."""
   run(1)  # Warms caches after compilation.
   real, paced = [], []
   for s in range(steps):
