@@ -1,16 +1,11 @@
-"""Stop signals: SIGTERM (a preemption notice) and SIGINT (a user's Ctrl-C).
+"""Stop signals: SIGTERM (a preemption notice, exit 75) and SIGINT (a user's Ctrl-C, 130).
 
-A signal never stops a host on its own: the handler only raises a flag, the
-flag travels to every host in the next step's reduction (DESIGN invariant
-3), and every host stops at the same step boundary, saving first when there
-is a checkpoint folder: the boundary after the step that follows that
-reduction (a loop that overlaps steps has dispatched it already). SIGTERM means "restart me" (exit 75, the launchers'
-preemption code); SIGINT means the user wants to stop (exit 130).
-
-A second Ctrl-C on the same host is not caught: it interrupts at once, as a
-user pressing it twice expects. Outside the step loop (joining the cluster,
-compiling, writing the summary) no step boundary is coming, so a signal
-stops the host at once (`installed(defer=False)`, the command line's).
+The handler only raises a flag; it travels to every host in the next step's
+reduction (DESIGN invariant 3), and every host stops, saving first, at the
+boundary after the step that follows it (an overlapping loop dispatched that
+step already). A second Ctrl-C is not caught: it interrupts at once. Outside
+the step loop no boundary is coming, so a signal stops the host at once
+(`installed(defer=False)`, the command line's).
 """
 
 from __future__ import annotations
@@ -65,11 +60,8 @@ class Stopped(JobExit):
 
 
 class Preempted(Stopped):
-  """SIGTERM reached a host: every host saved (when it can) and must now exit.
-
-  The command line exits with `exit_code` (`hetjax.exits.PREEMPTED_EXIT`),
-  which the launchers read as "restart me": the restarted job resumes from
-  the checkpoint. Args as for `Stopped`.
+  """SIGTERM reached a host: every host saved (when it can) and exits `exit_code`, which the
+  launchers read as "restart me" (it resumes from the checkpoint). Args as for `Stopped`.
 
   Example:
     >>> stop = hetjax.Preempted(120, "/ckpt")
@@ -110,21 +102,16 @@ class Interrupted(Stopped):
 
 
 def stopped(code: float, step: int | None, directory: str | None) -> Stopped:
-  """The exception for the largest stop code any host sent.
-
-  On a host that got the signal itself it also says during which step, so a
-  log shows how far the hosts went on before stopping (at most two steps).
+  """The exception for the largest stop code any host sent; on the host that got the signal,
+  it also names the step it came in (the log shows the at most two steps run after it).
   """
   during, REQUESTS.last_during = REQUESTS.last_during, None
   return (Interrupted if code >= INT else Preempted)(step, directory, during)
 
 
 class StopRequests:
-  """Catches SIGTERM and SIGINT while installed; `code` is what this host sends.
-
-  One per process (`REQUESTS`): the command line installs it before the
-  cluster is joined, so a signal during start-up is not lost to JAX's own
-  SIGTERM handler; `Trainer.fit` installs it too (nested installs are free).
+  """Catches SIGTERM and SIGINT while installed; `code` is what this host sends. The command
+  line installs `REQUESTS` before joining, so JAX's own SIGTERM handler cannot take a signal.
   """
 
   def __init__(self):
@@ -156,12 +143,8 @@ class StopRequests:
 
   @contextlib.contextmanager
   def installed(self, defer: bool = True) -> Iterator["StopRequests"]:
-    """Catches the stop signals inside the block (main thread only; elsewhere a no-op).
-
-    Args:
-      defer: raise the flag for the next step boundary (a step loop); False
-        raises `Preempted` / `Interrupted` at once, unless a deferring
-        install is active inside this one.
+    """Catches the stop signals inside the block (main thread only). `defer`: flag for the
+    next step boundary; False raises at once unless a deferring install is active inside.
     """
     if threading.current_thread() is not threading.main_thread():
       yield self
@@ -190,10 +173,8 @@ class StopRequests:
     self.last_during, self.during = self.during, None
 
   def leave(self) -> None:
-    """This host stopped at a boundary and closed the run: until the outermost install
-    ends, a signal no longer raises. Why: the launcher stops a group once one host has
-    exited, and its SIGTERM must not replace the stop on its way out ("checkpoint of
-    step N saved") with "stopped outside the training steps; nothing was saved"."""
+    """Stopped and saved: until the outermost install ends, the launcher's SIGTERM to the
+    group must not replace "checkpoint of step N saved" with "nothing was saved"."""
     self._leaving = True
 
 
