@@ -1,19 +1,11 @@
 """N host processes as one group: spawn, prefix output, stop trees, record exits.
 
-Every host runs in its own session (and so its own process group), which
-lets us signal the host together with everything it started. Stopping is
-SIGTERM to the group, a grace period for the host's main process to exit,
-then SIGKILL to the group, so descendants that ignore SIGTERM die too. A
-descendant that leaves the group on purpose (`setsid`) escapes; nothing
-stdlib-only and portable can follow it.
-
-Every host starts under `hetjax.cluster.hostguard`, which kills the host's group when
-the launcher dies, even by SIGKILL, so no host trains on as an orphan.
-
-Who failed first is decided from each process's own exit time, recorded by a
-thread that waits on it, not from the order a poll happens to find them in:
-when one host dies, its peers die of the broken collective moments later.
-
+Each host runs in its own session, so a stop (SIGTERM to the group, a grace,
+then SIGKILL to the group) reaches everything it started; a descendant that
+calls `setsid` escapes, as nothing portable can follow it. Each starts under
+`hostguard`, so no host trains on as an orphan of a SIGKILLed launcher. Who
+failed first comes from each process's own exit time, not from poll order:
+a dead host's peers die of the broken collective moments later.
 Stdlib only: this module must never import JAX.
 """
 
@@ -36,14 +28,10 @@ from hetjax.config import Env
 from hetjax.cluster.service import split_lines  # noqa: F401 (procs reads it here too)
 from hetjax.cluster.supervise import Findings
 
-# A JAX host with the distributed runtime up treats SIGTERM as a preemption
-# notice and keeps running, so the grace is the time a trainer that watches
-# for preemption gets to react; after it, SIGKILL.
+# The time a host that takes SIGTERM as a preemption notice gets to react; then SIGKILL.
 DEFAULT_GRACE_S = 5.0
 TAIL_LINES = 20
-# gloo (inside jaxlib) prints one such line per host when the CPU collectives
-# connect; hidden from the launcher's output and the failure tails unless
-# HETJAX_SHOW_GLOO=1.
+# gloo's line per host when the CPU collectives connect: hidden unless HETJAX_SHOW_GLOO=1.
 _GLOO_CONNECTED = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
 POLL_S = 0.05  # How often a waiting loop looks at the hosts.
 
@@ -54,15 +42,9 @@ class HostGroup:
   def __init__(self, commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str]], *,
                sink: IO[str] | None = None, tail_lines: int = TAIL_LINES,
                findings: Findings | None = None):
-    """Args:
-      commands: the argv of each host; each starts under `hetjax.cluster.hostguard`, so it
-        dies with this process. Its parent-death signal fires when the *thread* that called
-        `start` ends: call `start` from a thread that outlives the hosts.
-      envs: the environment of each host.
-      sink: where prefixed output lines go (None: only kept as tails).
-      tail_lines: how many last output lines to keep per host.
-      findings: what the hosts' lines tell (shared with other readers, such as
-        the coordination service's; default: the group's own).
+    """Call `start` from a thread that outlives the hosts: the guard's parent-death signal
+    fires when the *thread* that started them ends. `sink` gets the prefixed lines (None: only
+    tails); `findings` may be shared with other readers (the coordination service's).
     """
     if len(commands) != len(envs):
       raise ValueError(f"got {len(commands)} commands but {len(envs)} environments.")
@@ -77,11 +59,7 @@ class HostGroup:
     self.findings = Findings() if findings is None else findings
 
   def start(self) -> None:
-    """Starts every host; if one cannot start, stops those already running.
-
-    Raises:
-      FileNotFoundError: a host's program is not on its PATH (nothing started).
-    """
+    """Starts every host, or none: FileNotFoundError when a program is not on its PATH."""
     for cmd, env in zip(self._commands, self._envs):
       program = cmd[0] if cmd else ""
       if not program or shutil.which(program, path=env.get("PATH", os.defpath)) is None:
@@ -105,11 +83,7 @@ class HostGroup:
       raise
 
   def _pump(self, host: int, pipe: IO[bytes]) -> None:
-    """Copies one host's output, line by line, prefixed, and keeps its tail.
-
-    A carriage return ends a line too, so a progress line that redraws itself
-    with `\\r` shows up at every redraw instead of never.
-    """
+    """Copies one host's output, prefixed, and keeps its tail (`\\r` ends a line too)."""
     prefix = f"[host {host}] "
     with pipe:
       for line in split_lines(iter(lambda: pipe.read1(65536), b"")):
@@ -126,11 +100,8 @@ class HostGroup:
               self._sink = None
 
   def exit_times(self, settle_s: float = 1.0) -> list[float | None]:
-    """Each host's own exit time (monotonic seconds, in the order the kernel saw the exits).
-
-    None while running. Waits up to `settle_s` for every host that has exited
-    to be recorded, so that a caller deciding who died first sees them all.
-    """
+    """Each host's exit time (None: running), once every exited host's is recorded or
+    `settle_s` passed, so that a caller deciding who died first sees them all."""
     return self._exits.settle([i for i, rc in enumerate(self.poll()) if rc is not None], settle_s)
 
   def forward(self, signum: int) -> None:
@@ -139,20 +110,13 @@ class HostGroup:
       _signal_group(p.pid, signum)
 
   def poll(self) -> list[int | None]:
-    """Exit codes of the hosts (None while running), without reaping them.
-
-    An unreaped host keeps its pid, and so its process-group id, reserved
-    until `stop`: the SIGKILL to the group can never hit a stranger that
-    reused the number.
-    """
+    """Exit codes (None: running), unreaped: the pid, and so the group id, stays reserved until
+    `stop`, whose SIGKILL can then never hit a stranger that reused the number."""
     return [_peek(p) for p in self.procs]
 
   def stop(self, grace_s: float = DEFAULT_GRACE_S) -> None:
-    """SIGTERM every host's group, wait up to `grace_s` for the hosts, then SIGKILL the groups.
-
-    The groups are killed even when their main process has already exited,
-    so nothing a host started outlives it.
-    """
+    """SIGTERM every group, up to `grace_s` for the hosts, then SIGKILL every group, even
+    one whose main process exited, so nothing a host started outlives it."""
     for p in self.procs:
       _signal_group(p.pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
@@ -176,13 +140,9 @@ class HostGroup:
 
 
 class _ExitClock:
-  """When each process exited, in the order the kernel saw the exits.
-
-  One thread waits on the processes' pidfds with epoll, which hands ready
-  descriptors back in the order they became ready: two hosts that die a
-  millisecond apart are told apart however late this thread gets to run (a
-  thread per process, stamping the time when it wakes, can swap them while it
-  waits for the GIL). Without pidfds (not Linux), one such thread per process.
+  """When each process exited, in the kernel's order: epoll on pidfds returns them in the order
+  they became ready, however late this thread runs (a thread per process, the fallback without
+  pidfds, can swap two exits a millisecond apart while it waits for the GIL).
   """
 
   def __init__(self, n: int):
