@@ -1,21 +1,10 @@
 """Running N host processes to their end: one attempt of a job, and the local launcher.
 
-Shared by `launch/local.py`, `launch/hosts.py` (whose processes are the ssh
-clients) and `hetjax.testing`, so the launchers that people use and the
-harness that tests use stop processes in exactly the same way.
-`hetjax.cluster.supervise` reads how a group ended and restarts it after a
-failure or a preemption (PREEMPTED_EXIT); its names are re-exported here.
-
-The group itself (sessions, stopping trees, exit order) is
-`hetjax.cluster.hostgroup`; each host's environment is `hetjax.cluster.hostenv`.
-This module runs a group to its end and passes the launcher's signals on.
-
-A launcher that is told to stop passes the signal on: Ctrl-C (SIGINT) reaches
-every host as SIGINT (a user's stop: a hetjax host saves and exits 130),
-SIGTERM and SIGHUP as SIGTERM (a preemption: it saves and exits 75). A second
-signal kills the hosts at once.
-
-Stdlib only: this module must never import JAX.
+Shared by `launch/local.py`, `launch/hosts.py` (its processes are the ssh
+clients) and `hetjax.testing`, so launchers and tests stop processes the
+same way. A launcher told to stop passes it on: SIGINT as SIGINT (a user's
+stop, exit 130), SIGTERM and SIGHUP as SIGTERM (a preemption, 75); a second
+signal kills the hosts at once. Stdlib only: this module must never import JAX.
 """
 
 from __future__ import annotations
@@ -41,8 +30,7 @@ from hetjax.cluster.supervise import (  # noqa: F401
 SERVICE_LINES = -1
 # Signals that make the launcher stop its hosts; it then exits 128 + signum.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-# What the hosts receive when the launcher gets one of STOP_SIGNALS: a user's
-# Ctrl-C stays a Ctrl-C; a hang-up is a stop like SIGTERM.
+# What the hosts receive: a Ctrl-C stays a Ctrl-C; a hang-up is a stop like SIGTERM.
 FORWARDED = {signal.SIGINT: signal.SIGINT, signal.SIGTERM: signal.SIGTERM,
              signal.SIGHUP: signal.SIGTERM}
 
@@ -56,33 +44,14 @@ def run_group(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str
               grace_s: float = DEFAULT_GRACE_S, handle_signals: bool = False,
               service: tuple[str, int] | None = None,
               service_command: Sequence[str] | None = None) -> Outcome:
-  """Runs one process per host until all exit 0, one fails, a deadline or a signal.
+  """Runs one process per host until all exit 0, one fails, a deadline or a signal; then
+  stops the others and kills every host's process group before returning the `Outcome`.
 
-  On the first failure (or timeout, or signal) every other host is stopped.
-  Either way, every host's process group is killed before this returns.
-
-  Args:
-    commands: the argv of each host.
-    envs: the environment of each host.
-    sink: where prefixed output lines go (None: only kept as tails).
-    timeout_s: optional deadline for the whole group.
-    grace_s: how long stopped hosts get between SIGTERM and SIGKILL.
-    handle_signals: catch SIGINT / SIGTERM / SIGHUP while running (main
-      thread only) to stop the hosts instead of dying and orphaning them.
-    service: (the coordinator's address, the heartbeat timeout in seconds) to
-      run the coordination service here, beside the hosts, so that host 0's
-      death does not abort the others (`hetjax.cluster.service`); None, or a
-      launcher without jaxlib: host 0 runs it.
-    service_command: instead, the command that runs the service elsewhere
-      (ssh to the first host, `hetjax.cluster.service.remote_argv`, which
-      carries its own address and timeout); the hosts' commands then say so
-      themselves (HETJAX_SERVICE), so no host starts when it does not listen.
-
-  Returns:
-    The `Outcome`.
-
-  Raises:
-    ServiceNotStarted: `service_command`'s service did not listen; no host started.
+  `handle_signals` (main thread only) stops the hosts on SIGINT / SIGTERM / SIGHUP instead
+  of orphaning them. `service` (address, heartbeat seconds) runs the coordination service
+  here, so host 0's death aborts no one (None, or no jaxlib: host 0 runs it);
+  `service_command` runs it elsewhere (`service.remote_argv`), and raises
+  ServiceNotStarted, no host started, when it does not listen.
   """
   received: list[int] = []
   previous = _install_handlers(received) if handle_signals else {}
@@ -144,12 +113,9 @@ def run_group(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str
 
 
 def _pass_on(group: HostGroup, received: list[int], grace_s: float) -> None:
-  """Forwards the launcher's stop signal to the hosts and waits for them to end.
-
-  A user's Ctrl-C waits as long as the hosts take to save (a hetjax host stops
-  at the next step boundary); SIGTERM / SIGHUP wait `grace_s`. Once one host
-  has ended, the others get `grace_s` more (a host stuck in a collective with
-  a peer that is gone never ends by itself). A second signal ends the wait.
+  """Forwards the stop signal and waits: for Ctrl-C as long as saving takes, else `grace_s`;
+  once one host ended, `grace_s` more (a host in a collective with a gone peer never ends by
+  itself). A second signal ends the wait.
   """
   first = received[0]
   group.forward(FORWARDED.get(first, first))
@@ -178,16 +144,9 @@ def launch_local(command: Sequence[str], *, hosts: int, devices_per_host: int = 
                  device_sample_ms: float | None = None,
                  host_env: Mapping[int, Mapping[str, str]] | None = None,
                  heartbeat_timeout_s: int | None = None) -> int:
-  """Runs `command` as `hosts` hosts of a localhost cluster; returns the exit code.
-
-  The code is 0 when every host exits 0, the last failing host's code when
-  the job fails (after any restarts), and 128 + signal when the launcher
-  itself is interrupted. What went wrong is printed to stderr. Every attempt
-  gets a fresh coordinator port and its own coordination service, run here
-  (`hetjax.cluster.service`); see `supervise` for the restart rules.
-
-  Raises:
-    ValueError: on a bad argument, before anything starts.
+  """Runs `command` as `hosts` hosts of a localhost cluster under `supervise`; returns 0, the
+  last failing host's code, or 128 + signal. Each attempt gets a fresh coordinator port and
+  its own coordination service here. ValueError on a bad argument, before anything starts.
   """
   if not command:
     raise ValueError("no host command given; put it after '--', e.g. "
