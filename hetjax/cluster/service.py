@@ -1,22 +1,14 @@
 """JAX's coordination service in a process of its own, beside the hosts rather than inside host 0.
 
-JAX runs the service inside process 0, so host 0's death took it along and
-JAX aborted every other host before Python could say a word. A launcher
-therefore runs it, each attempt, in a small process of its own
-
-    python -I hetjax/cluster/service.py ADDRESS NUM_HOSTS HEARTBEAT_S
-
-and tells the hosts (HETJAX_SERVICE=launcher): host 0 then joins as a client
-like the others (`runtime.initialize`), and its death is one line on each
-survivor (`lost_peer`). Otherwise the service is JAX's own: a host silent
-for the heartbeat timeout is declared dead and the others aborted; its log
-lines (naming the dead hosts) reach the launcher's `Findings`. Who runs it:
-`procs.launch_local` (`Service`), the SLURM batch scripts on the first node,
-`launch/hosts.py --service-python` over ssh (`remote_argv`); elsewhere (no
-jaxlib in the launcher's Python, Kubernetes) host 0 keeps it.
-
-Stdlib only at import, no hetjax import either: the service process runs
-isolated and imports only jaxlib; the launcher side never imports JAX.
+Inside host 0 (JAX's way), host 0's death takes the service along and JAX
+aborts every other host before Python can say a word. So a launcher runs it
+each attempt (`python -I hetjax/cluster/service.py ADDRESS NUM_HOSTS
+HEARTBEAT_S`: `Service` in `procs.launch_local`, the SLURM batch scripts,
+`launch/hosts.py --service-python` via `remote_argv`) and sets
+HETJAX_SERVICE=launcher: host 0 joins as a client and its death is one line
+on each survivor (`lost_peer`). Without jaxlib in the launcher's Python, or
+on Kubernetes, host 0 keeps it. Stdlib only at import, no hetjax import
+either: the service process runs isolated and imports only jaxlib.
 """
 
 from __future__ import annotations
@@ -70,15 +62,8 @@ class Service:
   def __init__(self, address: str, num_hosts: int, heartbeat_s: int,
                sink: IO[str] | None, scan: Callable[[str], None],
                command: Sequence[str] | None = None):
-    """Args:
-      address: `127.0.0.1:PORT`, where the hosts look for the coordinator.
-      num_hosts: hosts in the job.
-      heartbeat_s: seconds without a heartbeat before a host is declared dead.
-      sink: where the service's log lines go, prefixed `[service] ` (None: dropped).
-      scan: reads each log line (the launcher's `Findings`).
-      command: the whole command that runs the service somewhere else (e.g.
-        ssh to the first host, then `remote_argv`); None: this Python, here,
-        guarded by the launcher's pid.
+    """`scan` reads each log line (the launcher's `Findings`), `sink` gets them prefixed;
+    `command` runs the service elsewhere (ssh, then `remote_argv`); None: here, guarded.
     """
     self._argv = [address, str(num_hosts), str(heartbeat_s)]
     self._command = None if command is None else list(command)
@@ -148,22 +133,15 @@ class Service:
 
 
 def client():
-  """This host's client of the coordination service (its key-value store); None before joining.
-
-  JAX keeps it in private state and offers no public handle (orbax and
-  `jax.experimental.multihost_utils` read it the same way): BUILD_NOTES.
-  """
+  """This host's key-value client; None before joining. JAX offers no public handle (orbax and
+  `multihost_utils` read it the same way): BUILD_NOTES."""
   from jax._src import distributed  # The one handle on the key-value store: BUILD_NOTES.
   return distributed.global_state.client
 
 
 def _serve(address: str, num_hosts: int, heartbeat_s: int) -> int:
-  """The service process: listens until SIGTERM / SIGINT / SIGHUP (or its launcher's death).
-
-  A stop signal ignored from the start stays ignored: the SLURM batch script
-  ignores SIGTERM and SIGINT for it, which scancel sends to every process of
-  the job while the hosts still need the service to save.
-  """
+  """Listens until SIGTERM / SIGINT / SIGHUP or the launcher's death. One ignored from the start
+  stays ignored: the SLURM script ignores scancel's, as the hosts still need it to save."""
   stops = {s for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
            if signal.getsignal(s) != signal.SIG_IGN}
   signal.pthread_sigmask(signal.SIG_BLOCK, stops)  # Before the service's threads exist.
@@ -184,11 +162,7 @@ def _serve(address: str, num_hosts: int, heartbeat_s: int) -> int:
 
 
 def split_lines(chunks: Iterable[bytes]) -> Iterator[str]:
-  """Decoded lines from a byte stream whose lines end in `\\n`, `\\r\\n` or a lone `\\r`.
-
-  An unfinished last line is yielded at the end; the empty pieces between
-  consecutive carriage returns (a redraw) are dropped.
-  """
+  """Decoded lines ending in `\\n`, `\\r\\n` or a lone `\\r` (empty redraw pieces dropped)."""
   pending = b""
   for chunk in chunks:
     pending += chunk
