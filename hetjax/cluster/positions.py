@@ -1,15 +1,9 @@
 """Where each host is in its run, and who held the others up: what the watchdog posts and reads.
 
-Every host's watchdog thread posts its `Position` to the cluster's key-value
-store (the coordination service answers it while a collective is stuck), so
-a host that stops can say where every other host was. The position names
-the lifecycle phase (`hetjax.phases`), the step, whether the host waits on
-the others (in a reduction, a vote, a gather) or is busy with its own work,
-and `seq`, a count of the phase boundaries it passed: every host passes the
-same boundaries in the same order (invariant 3), so `(seq, step, waiting)`
-orders the hosts along the one path they all walk.
-
-Stdlib only.
+Each host's watchdog thread posts its `Position` to the key-value store (the
+service answers while a collective is stuck). Every host passes the same
+phase boundaries in the same order (invariant 3), so `(seq, step, waiting)`
+orders the hosts along the one path they all walk. Stdlib only.
 """
 
 from __future__ import annotations
@@ -20,21 +14,14 @@ from typing import Mapping, Sequence
 
 from hetjax.exits import STALLED_EXIT
 
-KEY = "hetjax/watchdog/{host}"
-_BEFORE_STEPS = ("joining", "building", "restoring")  # Phases with no step to name.  # Each host's posted position in the key-value store.
+KEY = "hetjax/watchdog/{host}"  # Each host's posted position in the key-value store.
+_BEFORE_STEPS = ("joining", "building", "restoring")  # Phases with no step to name.
 
 
 @dataclasses.dataclass(frozen=True)
 class Position:
-  """Where a host is: its phase, step and whether it waits on the others.
-
-  Attributes:
-    seq: phase boundaries this host passed (the same path on every host).
-    step: the step (or round) it entered last, or the phase's step.
-    waiting: True inside a cross-host wait (a reduction, vote or gather).
-    phase: the innermost lifecycle phase (`hetjax.phases.NAMES`).
-    since: wall-clock time (time.time()) of its last progress.
-    beat: counts the host's posts: a beat that stops moving means a frozen host.
+  """Where a host is: `seq` phase boundaries passed, the step (or the phase's), `waiting` in a
+  cross-host wait, `since` its last progress (time.time()), `beat` its posts (stuck: frozen).
   """
 
   seq: int
@@ -69,12 +56,8 @@ class Position:
 
 
 def behind(positions: Mapping[int, Position | None], frozen: Sequence[int] = ()) -> list[int]:
-  """The hosts that held the job up: frozen, never posted, or behind the furthest host.
-
-  When every live host stands at the same place, nobody is behind: all wait
-  in one collective (a device, network or collective-library hang), or all
-  are busy in the same place (a shared file system that hangs), and the
-  answer is the empty list.
+  """The hosts that held the job up: frozen, never posted, or behind the furthest host; none
+  when all stand at the same place (one hang in a device, network or shared file system).
   """
   silent = sorted(set(frozen) | {h for h, p in positions.items() if p is None})
   known = {h: p.order for h, p in positions.items() if p is not None and h not in silent}
@@ -103,11 +86,7 @@ def message(idle_s: float, limit: str, positions: Mapping[int, Position | None],
             stuck: Sequence[int], frozen: Sequence[int], unit: str = "step",
             now: float | None = None) -> str:
   """What a stopping host prints: the wait, every host's place, the culprits, the fix.
-
-  Args:
-    idle_s: seconds without progress (this host's, or the host that stopped first's).
-    limit: the limit in force and where it comes from, e.g. `15 s for evaluation, 3 x --watchdog 5`.
-  """
+  `limit` names its source, e.g. `15 s for evaluation, 3 x --watchdog 5`."""
   if stuck:
     who = f"host(s) {', '.join(map(str, stuck))} did not keep up with the others"
   else:
