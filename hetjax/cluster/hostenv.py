@@ -1,11 +1,5 @@
-"""Each host's environment: the variables `hetjax.cluster.runtime.initialize()` reads.
-
-What a host is told (the coordinator, its id, its devices, emulated speeds)
-is a different job from how its process is run (`hetjax.cluster.hostgroup`);
-the local launcher and the test harness both build it here, and every value
-is checked before the first host starts.
-
-Stdlib only: this module must never import JAX.
+"""Each host's environment: the variables `runtime.initialize()` reads, all checked before the
+first host starts (how its process runs is `hostgroup`'s job). Stdlib only: never JAX.
 """
 
 from __future__ import annotations

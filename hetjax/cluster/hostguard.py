@@ -2,20 +2,13 @@
 
     python -I hetjax/cluster/hostguard.py LAUNCHER_PID -- COMMAND ...
 
-`hetjax.cluster.procs` starts every host through this guard, in a session (and so a
-process group) of its own. The guard
-  1. leaves behind a watcher, a detached process in the same group that
-     waits for the launcher to end (a pidfd, or polling where there is none)
-     and then SIGKILLs the group: the host and everything the host started,
-     even when the launcher died by SIGKILL;
-  2. asks Linux for a parent-death signal (`prctl(PR_SET_PDEATHSIG)` through
-     ctypes), so the host itself dies at once with its launcher;
-  3. becomes the host command (exec), so the launcher sees the host's own
-     exit code and exit time, signals reach it directly, nothing sits between.
-The watcher is a grandchild that was handed to init, never a child of the
-host, so a host that waits for "any child" never meets it; it ignores the
-stop signals the group receives and dies with the group when the launcher
-stops the host. Stdlib only, and quick to start.
+In its own session (from `procs`), the guard leaves a watcher (a detached
+process in the group that SIGKILLs the group once the launcher ends, even by
+SIGKILL), asks for a parent-death signal (`prctl(PR_SET_PDEATHSIG)`), then
+execs the command, so the launcher sees the host's own exit code and time.
+The watcher, handed to init, is no child of the host (a wait for "any
+child" never meets it); it ignores the group's stop signals and dies with
+the group. Stdlib only, and quick to start.
 """
 
 from __future__ import annotations

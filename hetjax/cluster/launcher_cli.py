@@ -1,10 +1,5 @@
-"""The command line that both launchers share (`launch/local.py`, `launch/hosts.py`).
-
-How a launcher stops and restarts its hosts (--grace, --max-restarts,
---max-preemptions), how long a silent host lives (--heartbeat-timeout), and
-its own arguments standing before `-- COMMAND`, are one behaviour in both,
-so they are spelled once. Stdlib only: the launchers
-never import JAX.
+"""The command line both launchers share (`launch/local.py`, `launch/hosts.py`): stopping,
+restarts, heartbeats and `ARGS -- COMMAND` are one behaviour, spelled once. Stdlib only.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """A host whose peer is gone says so in one line; the full traceback goes to a file.
 
-When a host dies (kill -9, the OOM killer, a lost machine), the others fail
-in the collective they shared with a long gloo or coordination-service
-traceback ("Gloo AllGather failed ... Connection closed by peer") that names
-nobody. The surviving host prints instead one line: which host stopped
-responding, at which step and phase, where the traceback is; then a marker
-that tells the launcher its failure was a reaction, so the launcher blames
-the host that died (`hetjax.cluster.supervise`).
-
-Stdlib only.
+A dead host's peers fail in their shared collective with a long traceback
+that names nobody ("Gloo AllGather failed ... Connection closed by peer").
+A survivor says instead which host stopped responding, at which step and
+phase, and where the traceback is, then `MARKER`, so the launcher blames the
+host that died (`supervise`). Stdlib only.
 """
 
 from __future__ import annotations
