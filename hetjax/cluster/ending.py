@@ -1,15 +1,11 @@
 """Ending a job together: one host's verdict reaches every host, and they all leave with its code.
 
-When one host decides the job must end (its watchdog saw a stall, its
-checkpoint write failed), the others are usually stuck where no error can
-reach them (in a collective, in orbax's barrier). So the deciding host posts
-its verdict to the cluster's key-value store, which every host's watchdog
-thread reads at each poll; each host then says what it knows, acknowledges,
-and exits with the verdict's code once every live host has acknowledged (or
-after `ACK_WAIT_S`). Host 0 leaves last: it runs the coordination service,
-and a host whose service vanishes is aborted by JAX before it can say a word.
-
-Stdlib only; `client` is JAX's key-value client (or a fake in tests).
+The others are usually stuck where no error reaches them (a collective,
+orbax's barrier), so the deciding host posts its verdict to the key-value
+store, which every watchdog thread reads each poll; each host says what it
+knows, acknowledges, and exits once every live host has (or `ACK_WAIT_S`).
+Host 0 leaves last: where it runs the service, JAX aborts a host whose
+service vanished before it can say a word. Stdlib only.
 """
 
 from __future__ import annotations
@@ -27,11 +23,9 @@ _ENDS = "hetjax/end/"      # host -> "CODE REASON": a host's verdict.
 _ACKS = "hetjax/ended/"    # host -> "1": this host has said its piece and is leaving.
 ACK_WAIT_S = 10.0          # The longest a host waits for the others' acknowledgements.
 HOST_0_LAST_S = 1.0        # Host 0's extra wait, so that the others leave before its service.
-# The codes a verdict may carry, the cause first: a stall that follows a failed
-# write is the write's consequence.
+# The cause first: a stall that follows a failed write is the write's consequence.
 PRIORITY = (WRITE_FAILED_EXIT, STALLED_EXIT)
-# The line naming the host behind a verdict other than a stall (the watchdog's
-# MARKER names stalled hosts), for the launchers (`hetjax.cluster.supervise`).
+# The line naming the host behind a non-stall verdict, for the launchers (`supervise`).
 MARKERS = {WRITE_FAILED_EXIT: "[hetjax] checkpoint write failed on host:"}
 STALL_MARKER = "[hetjax] watchdog: stalled host(s):"  # The watchdog's, naming the stalled hosts.
 

@@ -1,11 +1,6 @@
-"""Host 0's view of the other hosts' posts: a host whose posts stopped is named early.
-
-The coordination service declares a host dead only after the heartbeat
-timeout (HETJAX_HEARTBEAT_TIMEOUT), and JAX then aborts the other hosts with
-its own words; host 0's watchdog thread reads every host's posts anyway, so
-it names a host whose posts stopped for a third of that timeout first.
-
-Stdlib only.
+"""Host 0's view of the other hosts' posts: a host whose posts stopped for a third of the
+heartbeat timeout is named before the service declares it dead and JAX aborts the others
+with its own words. Stdlib only.
 """
 
 from __future__ import annotations
