@@ -46,26 +46,12 @@ def cluster_envs(hosts: int, devices_per_host: int, *, speeds: Sequence[float] |
                  device_sample_ms: float | None = None,
                  host_env: Mapping[int, Mapping[str, str]] | None = None,
                  heartbeat_timeout_s: int | None = None) -> list[dict[str, str]]:
-  """One environment per host, as `hetjax.cluster.runtime.initialize()` reads it.
+  """One complete environment per host, as `runtime.initialize()` reads it.
 
-  Args:
-    hosts: number of host processes.
-    devices_per_host: emulated CPU devices per host.
-    speeds: optional emulated relative speeds, one per host (HETJAX_SPEED).
-    init_timeout_s: optional bound on joining the cluster (HETJAX_INIT_TIMEOUT).
-    base: environment to extend; defaults to this process's.
-    coordinator: `host:port`; defaults to a free port on 127.0.0.1.
-    slowdown: optional emulated stragglers, `HOST:FACTOR@STEP,...` (HETJAX_SLOWDOWN).
-    device_sample_ms: optional emulated device milliseconds per sample on the
-      fastest host (HETJAX_DEVICE_SAMPLE_MS).
-    host_env: optional per-host variables, {host: {key: value}}, e.g. another
-      XLA_FLAGS on one host to emulate hosts that compile differently
-      (`emulate.parse_host_env`).
-    heartbeat_timeout_s: optional seconds without heartbeats before the
-      coordination service declares a host dead (HETJAX_HEARTBEAT_TIMEOUT).
-
-  Returns:
-    A list of `hosts` complete environments.
+  `base` defaults to this process's environment, `coordinator` to a free
+  port on 127.0.0.1; the emulation settings become HETJAX_SPEED,
+  HETJAX_SLOWDOWN (`HOST:FACTOR@STEP,...`), HETJAX_DEVICE_SAMPLE_MS and
+  `host_env` ({host: {key: value}}, e.g. another XLA_FLAGS on one host).
   """
   speeds = validate_cluster(hosts, devices_per_host, speeds, init_timeout_s)
   if heartbeat_timeout_s is not None and (not isinstance(heartbeat_timeout_s, int)
