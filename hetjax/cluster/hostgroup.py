@@ -25,7 +25,7 @@ import time
 from typing import IO, Mapping, Sequence
 
 from hetjax.config import Env
-from hetjax.cluster.service import split_lines  # noqa: F401 (procs reads it here too)
+from hetjax.cluster.service import split_lines, write_line  # noqa: F401 (procs reads split_lines)
 from hetjax.cluster.supervise import Findings
 
 # The time a host that takes SIGTERM as a preemption notice gets to react; then SIGKILL.
@@ -92,12 +92,7 @@ class HostGroup:
         with self._lock:
           self.tails[host].append(line)
           self.findings.scan(host, line)
-          if self._sink is not None:
-            try:
-              self._sink.write(prefix + line + "\n")
-              self._sink.flush()
-            except (OSError, ValueError):  # Closed or broken sink: keep draining the host.
-              self._sink = None
+          self._sink = write_line(self._sink, prefix + line)
 
   def exit_times(self, settle_s: float = 1.0) -> list[float | None]:
     """Each host's exit time (None: running), once every exited host's is recorded or

@@ -106,12 +106,7 @@ class Service:
           continue
         with self._lock:
           self._scan(line)
-          if self._sink is not None:
-            try:
-              self._sink.write(PREFIX + line + "\n")
-              self._sink.flush()
-            except (OSError, ValueError):
-              self._sink = None
+          self._sink = write_line(self._sink, PREFIX + line)
 
   def stop(self) -> None:
     """Ends the service (after the hosts: a host whose service vanishes is aborted)."""
@@ -178,6 +173,17 @@ def split_lines(chunks: Iterable[bytes]) -> Iterator[str]:
   pending = pending.rstrip(b"\r")
   if pending:
     yield pending.decode("utf-8", errors="replace")
+
+
+def write_line(sink: IO[str] | None, line: str) -> IO[str] | None:
+  """Writes `line` to `sink`; None once the sink is closed or broken (keep draining the host)."""
+  if sink is not None:
+    try:
+      sink.write(line + "\n")
+      sink.flush()
+    except (OSError, ValueError):
+      return None
+  return sink
 
 
 _LINE_END = re.compile(rb"\r*\n|\r+")

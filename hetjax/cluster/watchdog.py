@@ -332,23 +332,9 @@ def service_alive() -> bool:
 
 
 WATCHDOG = Watchdog()
-
-
-def entered(step: int) -> None:
-  WATCHDOG.entered(step)
-
-
-def reducing(step: int) -> None:
-  WATCHDOG.reducing(step)
-
-
-def completed(step: int) -> None:
-  WATCHDOG.completed(step)
-
-
-def waiting() -> contextlib.AbstractContextManager[None]:
-  """`WATCHDOG.waiting`: what a cross-host vote or gather is wrapped in."""
-  return WATCHDOG.waiting()
+# What the trainers call per step, and what a cross-host vote or gather is wrapped in.
+entered, reducing, completed, waiting = (WATCHDOG.entered, WATCHDOG.reducing, WATCHDOG.completed,
+                                         WATCHDOG.waiting)
 
 
 def watching(limit_s: float | None, host_id: int, num_hosts: int, unit: str = "step"):
