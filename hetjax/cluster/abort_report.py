@@ -34,11 +34,8 @@ _RELAY: list[subprocess.Popen] = []
 
 
 def start(log_dir: str, host_id: int) -> None:
-  """Routes this process's stderr through the relay (and its Python stacks, on a fatal signal).
-
-  Call it once the host knows its folder; a relay that cannot start leaves stderr as it is,
-  and so does a terminal (where the progress line redraws in place).
-  """
+  """Routes stderr (and the Python stacks, on a fatal signal) through the relay, once the host
+  knows its folder; a terminal's (the progress line redraws) or a failed relay's stays as it is."""
   if _RELAY or not log_dir or os.isatty(2):
     return
   path = os.path.join(os.path.abspath(log_dir), f"host{host_id}-error.log")

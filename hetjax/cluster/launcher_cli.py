@@ -29,11 +29,8 @@ def add_heartbeat_argument(parser: argparse.ArgumentParser) -> None:
 
 def parse(parser: argparse.ArgumentParser,
           argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
-  """`argv` (default: sys.argv[1:]) as (the launcher's arguments, the host command).
-
-  A negative --grace, a restart budget that is not a count or a heartbeat
-  timeout under 1 s exits 2 with the usage line, before anything starts.
-  """
+  """`argv` (default: sys.argv[1:]) as (the launcher's arguments, the host command); a bad
+  --grace, restart budget or heartbeat timeout exits 2 with the usage line, before any start."""
   own, command = split_command(sys.argv[1:] if argv is None else argv)
   args = parser.parse_args(own)
   try:

@@ -40,11 +40,8 @@ def is_peer_failure_raised_as_value_error(error: ValueError) -> bool:
 
 
 def suspects(host_id: int, num_hosts: int, service_alive: Callable[[], bool]) -> tuple[list[int], str]:
-  """(the hosts that stopped responding, how it is known); [] when it cannot be told.
-
-  Where the coordination service runs in host 0 and cannot be reached, host
-  0 is gone (where a launcher runs it, it answers). With two hosts, the other one is.
-  """
+  """(the hosts that stopped responding, how it is known); [] when it cannot be told. An
+  unreachable service means host 0 is gone (a launcher's would answer); of two, the other."""
   if host_id != 0 and not _bounded(service_alive, 1.5):
     return [0], " (the coordination service it runs is gone)"
   others = [h for h in range(num_hosts) if h != host_id]

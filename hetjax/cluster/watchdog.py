@@ -278,7 +278,8 @@ class Watchdog:
     by, code, reason = ending.first(found)
     if code != STALLED_EXIT:
       print(f"hetjax: {reason}", file=sys.stderr, flush=True)
-      print(f"{ending_marker(code)} {by}", file=sys.stderr, flush=True)
+      marker = ending.MARKERS.get(code, f"[hetjax] job ended with code {code} by host:")
+      print(f"{marker} {by}", file=sys.stderr, flush=True)  # For the launchers (`supervise`).
       skip: set[int] = set()
     else:
       skip = set(self._stop(host_id, num_hosts, client, mine, stalled, by))
@@ -311,12 +312,6 @@ class Watchdog:
       return
     if self.ending.wait(grace_s):
       time.sleep(2 * ending.ACK_WAIT_S + 30)  # The watchdog thread exits the process.
-
-
-def ending_marker(code: int) -> str:
-  """The line naming the host behind a verdict, for the launchers (`hetjax.cluster.supervise`)."""
-  return MARKER if code == STALLED_EXIT else ending.MARKERS.get(code, f"[hetjax] job ended "
-                                                                     f"with code {code} by host:")
 
 
 def service_alive() -> bool:
