@@ -18,6 +18,7 @@ round is exactly a sync step over the same positions.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -98,12 +99,8 @@ class Hybrid(Rounds):
 
     self._contribution = jax.jit(contribution, out_shardings=meshes.local_replicated)
 
-    def make_finish(mesh, axis):
-      def finish(centre, totals, total_n):
-        return self._outer_step(outer, mesh, axis, centre, totals, total_n)
-      return finish
-
-    self._finish = rounds_lib.OuterUpdate(make_finish, backend, meshes)
+    self._finish = rounds_lib.OuterUpdate(
+        lambda mesh, axis: functools.partial(self._outer_step, outer, mesh, axis), backend, meshes)
 
   @staticmethod
   def _outer_step(outer: optax.GradientTransformation, mesh: Mesh, axis: str, centre: Centre,

@@ -116,13 +116,12 @@ def _plot_throughput(ax, records: list[dict[str, Any]], fig: Figures, unit: str,
   steps = [r["step"] for r in records]
   sps = [r["samples_per_sec"] for r in records]
   window = 5
-  mean = lambda v, k: sum(v[max(0, k - window + 1):k + 1]) / len(v[max(0, k - window + 1):k + 1])
-  smooth = [mean(sps, k) for k in range(len(sps))]
+  recent = lambda v, k: v[max(0, k - window + 1):k + 1]
+  smooth = [sum(recent(sps, k)) / len(recent(sps, k)) for k in range(len(sps))]
   # The ideal moves when a host changes speed, so it is drawn step by step; a median, as
   # one step whose compute seconds read near zero (an asynchronous dispatch) would spike a mean.
   own = [sum(b / c for b, c in zip(r["shares"], r["compute_s"]) if b > 0 and c > 0) for r in records]
-  median = lambda v, k: sorted(v[max(0, k - window + 1):k + 1])[len(v[max(0, k - window + 1):k + 1]) // 2]
-  ideal = [median(own, k) for k in range(len(own))]
+  ideal = [sorted(recent(own, k))[len(recent(own, k)) // 2] for k in range(len(own))]
   # Compiling steps, at the start and after each resume, are shaded and left out of the scale.
   starts = [0] + [k + 1 for k, r in enumerate(records) if r["step"] in fig.resumes]
   warm = set()
