@@ -1,13 +1,11 @@
 """A host that JAX aborts says so in one line; the C++ report goes to OUT/host<i>-error.log.
 
-JAX ends a host with a C++ fatal error (SIGABRT) when the coordination
-service is gone or declares a peer dead: ~30 lines of gRPC detail and stack
-that Python never sees. So a multi-host host's stderr passes through a relay
-process (`start`; `python -I abort_report.py LOG_PATH`) that copies it
-through, except from JAX's fatal line on: that report, the native log lines
-just before it (they wait HOLD_S) and every thread's Python stack
-(`faulthandler`) go to LOG_PATH, and the host says one line instead, as for
-a lost peer (`lost_peer`). Stdlib only, no hetjax import (it runs `-I`).
+JAX's C++ fatal error (SIGABRT, when the service is gone or declares a peer
+dead) is ~30 lines Python never sees. So a multi-host host's stderr passes
+through a relay (`start`) that copies it, except from JAX's fatal line on:
+that report, the native lines held HOLD_S before it and every thread's
+Python stack go to the file, and the host says one line, as `lost_peer`
+does. Stdlib only, no hetjax import (it runs `-I`).
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
-"""Starts one host command so that it, and all it starts, die with the launcher.
+"""`python -I hetjax/cluster/hostguard.py LAUNCHER_PID -- COMMAND ...`: the host, and all it
+starts, die with the launcher, even a SIGKILLed one.
 
-    python -I hetjax/cluster/hostguard.py LAUNCHER_PID -- COMMAND ...
-
-In its own session (from `procs`), the guard leaves a watcher (a detached
-process in the group that SIGKILLs the group once the launcher ends, even by
-SIGKILL), asks for a parent-death signal (`prctl(PR_SET_PDEATHSIG)`), then
-execs the command, so the launcher sees the host's own exit code and time.
-The watcher, handed to init, is no child of the host (a wait for "any
-child" never meets it); it ignores the group's stop signals and dies with
-the group. Stdlib only, and quick to start.
+It leaves a watcher (handed to init, so no "any child" wait of the host meets
+it; deaf to the group's stop signals) that SIGKILLs the group once the
+launcher ends, arms `PR_SET_PDEATHSIG`, then execs the command, so the
+launcher sees the host's own exit code and time. Stdlib only, quick to start.
 """
 
 from __future__ import annotations

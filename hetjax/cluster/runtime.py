@@ -1,18 +1,14 @@
 """Joining the cluster: `jax.distributed`, CPU collectives, topology.
 
-`resolve` decides, from the arguments and the environment alone (no JAX), in
-the order docs/cluster.md gives: arguments, HETJAX_*, a SLURM srun step of
-more than one task, Open MPI, a Kubernetes Indexed Job (refused without the
-`kubernetes` package and HETJAX_*, never trained alone), Cloud TPU, else one
-host. Where hetjax knows the host count and id, JAX's cluster detection is
-off: it would narrow each process to one GPU, and a hetjax host drives every
-GPU of its node.
-
-JAX aborts the process when a host cannot register, so other hosts first
-probe the coordinator's port and raise a `ConnectionError` naming it. JAX's
-preemption service stays off: its notifier would take SIGTERM from hetjax's
-handler (`signals`). HETJAX_SERVICE=launcher: a launcher runs the service
-(`service`), host 0 is a client and its death aborts no one.
+`resolve` decides without JAX, in docs/cluster.md's order: arguments,
+HETJAX_*, a SLURM srun step of several tasks, Open MPI, a Kubernetes Indexed
+Job (refused without `kubernetes` and HETJAX_*: never trained alone), Cloud
+TPU, else one host. Where hetjax knows the host count and id, JAX's cluster
+detection is off: it would narrow a process to one GPU, and a hetjax host
+drives every GPU of its node. JAX aborts a host that cannot register, so the
+others first probe the coordinator's port and raise a `ConnectionError`
+naming it. JAX's preemption service stays off: its notifier would take
+SIGTERM from `signals`. HETJAX_SERVICE=launcher: host 0 is a client (`service`).
 """
 
 from __future__ import annotations

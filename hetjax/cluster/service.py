@@ -1,14 +1,12 @@
 """JAX's coordination service in a process of its own, beside the hosts rather than inside host 0.
 
-Inside host 0 (JAX's way), host 0's death takes the service along and JAX
-aborts every other host before Python can say a word. So a launcher runs it
-each attempt (`python -I hetjax/cluster/service.py ADDRESS NUM_HOSTS
-HEARTBEAT_S`: `Service` in `procs.launch_local`, the SLURM batch scripts,
-`launch/hosts.py --service-python` via `remote_argv`) and sets
-HETJAX_SERVICE=launcher: host 0 joins as a client and its death is one line
-on each survivor (`lost_peer`). Without jaxlib in the launcher's Python, or
-on Kubernetes, host 0 keeps it. Stdlib only at import, no hetjax import
-either: the service process runs isolated and imports only jaxlib.
+Inside host 0 (JAX's way), its death takes the service along and JAX aborts
+every other host before Python can say a word. So a launcher runs it each
+attempt (`Service`; the SLURM scripts; `launch/hosts.py --service-python`
+via `remote_argv`) and sets HETJAX_SERVICE=launcher: host 0 is a client and
+its death one line on each survivor (`lost_peer`). Without jaxlib in the
+launcher's Python, or on Kubernetes, host 0 keeps it. Stdlib at import, no
+hetjax import: the service process runs `-I` and imports only jaxlib.
 """
 
 from __future__ import annotations

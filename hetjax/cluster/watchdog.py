@@ -1,18 +1,15 @@
 """The run-wide watchdog: every wait has a deadline, and the host that did not keep up is named.
 
-A host stuck anywhere stalls every other host in the next cross-host wait,
-silently and for ever. So a thread on every host keeps the time of its last
-progress (a phase entered or left, a step entered, reduced, completed, a
-cross-host wait) and posts its position (`positions`). When the wait in
-force exceeds its limit (docs/cluster.md, "Deadlines": L from `--watchdog
-S`, x STARTUP_FACTOR or x PHASE_FACTOR; none between steps), every live host
-dumps its stacks, names the hosts behind the furthest one, prints `MARKER`
-and exits `STALLED_EXIT` (69). The first host to stop posts its verdict
-(`ending`), so every host leaves with the same code. A limit bounds one wait
-without progress, never a slow but moving phase.
-
+A host stuck anywhere stalls every other in the next cross-host wait, for
+ever. So a thread on every host keeps the time of its last progress (a
+phase, a step entered, reduced, completed, a cross-host wait) and posts its
+position (`positions`). Past the wait's limit (docs/cluster.md, "Deadlines":
+L from `--watchdog S`, x STARTUP_FACTOR or x PHASE_FACTOR, none between
+steps; one wait without progress, never a slow but moving phase), every
+live host dumps its stacks, names the hosts behind, prints `MARKER` and
+exits `STALLED_EXIT` (69), all with the first verdict posted (`ending`).
 Host 0 also names a host whose posts stop for a third of the heartbeat
-timeout (`peers`), before JAX aborts host 0 with only its own words.
+timeout (`peers`), before JAX aborts it with only its own words.
 Stdlib at import; a single-host run (no client) still stops and dumps stacks.
 """
 
