@@ -1,10 +1,7 @@
 """The report's panel of where the job's time went: one bar per host, the job's mean on top.
 
-Each bar is the host's wall time over every restart, split by cause
-(`hetjax.observe.goodput`): the goodput (its own compute) first, in black,
-then the badput causes in the order a job meets them. Each host's label
-carries its achieved FLOP/s and its fraction of the vendor peak; the title
-carries the goodput and what the balancer saved against an equal split.
+Each bar is a host's wall time over every restart by cause, goodput first;
+labels carry FLOP/s against the vendor peak, the title what the balancer saved.
 """
 
 from __future__ import annotations
@@ -14,10 +11,7 @@ from typing import Any
 from hetjax.observe import goodput as goodput_lib
 from hetjax.observe import goodput_summary
 
-# Cause -> (grey, hatch). In the report a colour always means a host, so the
-# causes are told apart by greys and hatches: the goodput black, setting up
-# plain greys, a step's parts white with hatches, the pauses between steps
-# light grey with hatches, the faults dark grey with hatches.
+# Cause -> (grey, hatch): a colour always means a host, so causes are greys and hatches.
 _STYLES = {
     goodput_lib.COMPUTE: ("0.0", ""), goodput_lib.STARTUP: ("0.55", ""), "joining": ("0.65", ""),
     "building": ("0.75", ""), "restoring": ("0.87", ""), goodput_lib.COMPILING: ("0.87", "xx"),

@@ -1,15 +1,9 @@
 """Vendor peak FLOP/s of a few accelerators, to say what fraction of its peak a host achieved.
 
-Dense (no structured sparsity) figures from the vendors' datasheets, per
-device, in FLOP/s. They are the vendors' numbers, not measured ones: every
-figure shown from this table says "vendor figure" and names its source. A
-device kind not in the table (every CPU) has no peak: the report says
-"peak unknown" rather than guess.
-
-`fp32` is the plain (non-tensor-core) single-precision peak; `bf16` the
-dense tensor-core peak, used for `--precision bf16` and `fp16` (V100 has no
-bf16: its fp16 tensor-core peak). XLA may run fp32 matmuls on TF32 tensor
-cores (A100 and newer), so an fp32 run can exceed the fp32 figure.
+Dense datasheet figures per device, in FLOP/s, shown as "vendor figure" with
+their source; a device kind not listed (every CPU) says "peak unknown". `fp32`:
+the non-tensor-core peak (XLA's TF32 matmuls on A100 and newer can exceed it);
+`bf16`: the dense tensor-core peak, for bf16 and fp16 (V100: its fp16 peak).
 """
 
 from __future__ import annotations
