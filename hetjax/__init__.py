@@ -10,30 +10,17 @@ import importlib as _importlib
 
 __version__ = "0.1.0"
 
-_EXPORTS = {
-    "initialize": "hetjax.cluster.runtime",
-    "topology": "hetjax.cluster.runtime",
-    "Task": "hetjax.task",
-    "from_functions": "hetjax.task",
-    "from_linen": "hetjax.task",
-    "from_nnx": "hetjax.task",
-    "Weighted": "hetjax.task",
-    "MASK": "hetjax.task",
-    "Trainer": "hetjax.trainer",
-    "TrainConfig": "hetjax.config",
-    "train": "hetjax.trainer",
-    "params_digest": "hetjax.trainer",
-    "Sync": "hetjax.modes",
-    "Hybrid": "hetjax.modes",
-    "Elastic": "hetjax.modes",
-    "Preempted": "hetjax.cluster.signals",
-    "Interrupted": "hetjax.cluster.signals",
-    "Stopped": "hetjax.cluster.signals",
-    "HostsDisagree": "hetjax.training.agreement",
-    "CheckpointConfig": "hetjax.config",
-    "ArraySource": "hetjax.input.data",
-    "DatasetInfo": "hetjax.input.data",
+_MODULE_EXPORTS = {
+    "hetjax.cluster.runtime": ("initialize", "topology"),
+    "hetjax.task": ("Task", "from_functions", "from_linen", "from_nnx", "Weighted", "MASK"),
+    "hetjax.trainer": ("Trainer", "train", "params_digest"),
+    "hetjax.config": ("TrainConfig", "CheckpointConfig"),
+    "hetjax.modes": ("Sync", "Hybrid", "Elastic"),
+    "hetjax.cluster.signals": ("Preempted", "Interrupted", "Stopped"),
+    "hetjax.training.agreement": ("HostsDisagree",),
+    "hetjax.input.data": ("ArraySource", "DatasetInfo"),
 }
+_EXPORTS = {name: module for module, names in _MODULE_EXPORTS.items() for name in names}
 
 # Submodules the README uses as `hetjax.NAME.thing` after a plain `import hetjax`,
 # by the family folder each lives in.

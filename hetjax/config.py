@@ -61,6 +61,12 @@ def check_at_least(name: str, value: int, least: int, meaning: str = "") -> None
     raise ValueError(f"{name} must be >= {least}{meaning}, got {value}.")
 
 
+def check_choice(name: str, value: object, choices: tuple, note: str = "") -> None:
+  """The one wording of "unknown X; choose one of ..." (`note`: what else is allowed)."""
+  if value not in choices:
+    raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(choices)}{note}.")
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
   """What every host must agree on (compared by hash before training).
@@ -128,15 +134,10 @@ class TrainConfig:
 
     check_at_least("`global_batch`", self.global_batch, 1)
     check_at_least("`microbatch`", self.microbatch, 1)
-    if self.reduction not in REDUCTIONS:
-      raise ValueError(f"unknown reduction backend {self.reduction!r}; choose "
-                       f"{' or '.join(map(repr, REDUCTIONS))}.")
-    if self.balancer is not None and self.balancer not in BALANCERS:
-      raise ValueError(f"unknown balancer {self.balancer!r}; choose one of {', '.join(BALANCERS)} "
-                       "(or None to follow the assignment).")
-    if self.precision not in PRECISIONS:
-      raise ValueError(f"unknown precision {self.precision!r}; choose one of "
-                       f"{', '.join(PRECISIONS)}.")
+    check_choice("reduction backend", self.reduction, REDUCTIONS)
+    if self.balancer is not None:
+      check_choice("balancer", self.balancer, BALANCERS, " (or None to follow the assignment)")
+    check_choice("precision", self.precision, PRECISIONS)
     augment_lib.parse(self.augment)  # Raises on an unknown augmentation.
     assignment = (balancer_lib.parse_assignment(self.assignment)
                   if isinstance(self.assignment, str) else tuple(self.assignment))
@@ -152,9 +153,7 @@ class TrainConfig:
       raise ValueError(f"`watchdog_s` must be >= 0 seconds (0: off; unset: 20 x the median step, "
                        f"at least 5 minutes), got {self.watchdog_s}.")
     check_device_batch(self.device_batch, self.device_batch_memory_fraction, num_hosts)
-    if self.update_layout not in UPDATE_LAYOUTS:
-      raise ValueError(f"`update_layout` {self.update_layout!r} is unknown; choose one of "
-                       f"{', '.join(UPDATE_LAYOUTS)}.")
+    check_choice("`update_layout`", self.update_layout, UPDATE_LAYOUTS)
     check_shard_within_host(self.shard_within_host, num_hosts)
     if self.device_memory is not None and not float(self.device_memory) > 0:
       raise ValueError(f"`device_memory` must be > 0 GB (unset: what the device reports), "
@@ -353,9 +352,7 @@ class RoundsConfig:
         and global_batch < num_hosts:
       raise ValueError(f"`global_batch` {global_batch} gives each of {num_hosts} hosts less "
                        f"than one sample per local step; raise it or set `local_batch`.")
-    if self.outer_optimizer not in OUTER_OPTIMIZERS:
-      raise ValueError(f"unknown `outer_optimizer` {self.outer_optimizer!r}; choose "
-                       f"{' or '.join(OUTER_OPTIMIZERS)}.")
+    check_choice("`outer_optimizer`", self.outer_optimizer, OUTER_OPTIMIZERS)
     if not self.outer_lr > 0:
       raise ValueError(f"`outer_lr` must be > 0, got {self.outer_lr}.")
     if not 0 <= self.outer_momentum < 1:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from hetjax.config import check_choice  # No JAX either.
+
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 SCHEDULES = ("constant", "cosine", "linear")
 ADAMW_DEFAULT_DECAY = 1e-4  # optax.adamw's own default, kept for `--optimizer adamw`.
@@ -49,10 +51,8 @@ def check(name: str, lr: float, *, schedule: str = "constant", warmup_steps: int
           total_steps: int = 1, clip_norm: float | None = None,
           weight_decay: float | None = None, decay_all: bool = False) -> None:
   """Raises ValueError naming the flag, the value and the limit; imports nothing heavy."""
-  if name not in OPTIMIZERS:
-    raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}.")
-  if schedule not in SCHEDULES:
-    raise ValueError(f"unknown --schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}.")
+  check_choice("optimizer", name, OPTIMIZERS)
+  check_choice("--schedule", schedule, SCHEDULES)
   if not lr > 0:
     raise ValueError(f"--lr must be > 0, got {lr}.")
   if warmup_steps < 0:

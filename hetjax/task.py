@@ -103,13 +103,9 @@ def split_losses(losses: Any) -> tuple[jax.Array, jax.Array | None]:
 
 def check_contract(loss: LossFn, params: PyTree, model_state: PyTree, batch: Batch,
                    rng: jax.Array, *, what: str = "the task's loss") -> None:
-  """Checks a loss against the contract with `jax.eval_shape` (nothing runs).
-
-  Raises:
-    ValueError: a loss or metric that is not per example (`[b]`), a metric
-      named like one of hetjax's own figures, or a new model state whose
-      structure differs from the old one.
-  """
+  """Checks a loss against the contract with `jax.eval_shape` (nothing runs): raises
+  ValueError for a loss or metric not of shape `[b]`, a metric named like hetjax's own, or
+  a new model state of another structure."""
   b = len(batch[MASK])
   losses, metrics, new_state = jax.eval_shape(loss, params, model_state, batch, rng)
   values, weights = split_losses(losses)

@@ -298,14 +298,6 @@ def _print_summary(summary: dict, out: str | None = None) -> None:
                                       if summary.get("params_digest") else ""))
 
 
-def _check_args_or_exit(args: argparse.Namespace) -> None:
-  """--print-config shows only a configuration that would run."""
-  try:
-    _check_args(args)
-  except ValueError as e:
-    flags.train_parser(flags.parser()).error(str(e))
-
-
 def _exit_now(code: int) -> None:
   """Leaves at once: JAX's exit-time shutdown would wait for the other hosts."""
   sys.stdout.flush()
@@ -330,9 +322,12 @@ def _say_failure(error: BaseException, args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
   args = parse_args(argv)
-  if args.command == "train" and args.print_config:
+  if args.command == "train" and args.print_config:  # Only a configuration that would run.
     from hetjax.cli import config_file
-    _check_args_or_exit(args)
+    try:
+      _check_args(args)
+    except ValueError as e:
+      flags.train_parser(flags.parser()).error(str(e))
     print(config_file.dump(resolved_config(args)), end="")
     return 0
   if args.command in ("report", "doctor"):

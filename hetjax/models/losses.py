@@ -1,8 +1,5 @@
-"""Per-example losses and metrics shared by every model.
-
-hetjax sums per-example values over the real examples of every host, so these
-helpers never reduce over the batch: each returns arrays of shape `[b]`
-(`next_token` a `Weighted` of them: token sums and token counts).
+"""Per-example losses and metrics shared by every model: never reduced over the batch
+(hetjax sums over the real examples of every host), each of shape `[b]`.
 """
 
 from __future__ import annotations
@@ -33,15 +30,13 @@ TOKEN_MASK = "x_mask"  # The batch key of a token padding mask, [b, T]: 1 real, 
 def next_token(logits: jax.Array, batch: Batch) -> tuple[Weighted, Metrics]:
   """Next-token cross-entropy of `logits [b, T, V]` vs `batch["x"] [b, T]`, weighted by tokens.
 
-  Position `t` predicts token `t + 1`, a target that counts when tokens `t`
-  and `t + 1` are real in `batch["x_mask"]` (`[b, T]`; absent: all real).
-  Summed losses and token counts per sequence make the update the mean over
-  the global batch's real tokens on any split: a plain loop's
-  `sum(losses * mask) / sum(mask)`, which a per-sequence mean is not.
+  Position `t` predicts token `t + 1`, a target that counts when both are real
+  in `batch["x_mask"]` (absent: all real). Summed losses and token counts per
+  sequence make the update the mean over the global batch's real tokens on
+  any split, which a per-sequence mean is not.
 
   Returns:
-    `(Weighted(values [b], weights [b]), {"accuracy": [b] correct tokens})`;
-    hetjax divides metrics by the token count too.
+    `(Weighted(values [b], weights [b]), {"accuracy": [b] correct tokens})`.
   """
   tokens = batch["x"].astype(jnp.int32)
   if tokens.shape[1] < 2:

@@ -64,13 +64,8 @@ def build(name: str, *, kind: str, num_classes: int | None = None,
       "resnet18"; see `default_config(name)`.
 
   Returns:
-    A Task whose loss gives per-example cross-entropy and an "accuracy"
-    metric (for tokens: `losses.next_token`, weighted by tokens, with the
-    padding mask `batch["x_mask"]` when the data have one).
-
-  Raises:
-    ValueError: unknown name, kind or override, a model/kind mismatch, or a
-      missing num_classes / vocab_size.
+    A Task whose loss gives per-example cross-entropy and an "accuracy" metric
+    (for tokens: `losses.next_token`).
   """
   spec = _spec(name)
   if kind not in KINDS:

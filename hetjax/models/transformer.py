@@ -1,11 +1,8 @@
-"""A small decoder-only transformer language model.
+"""A small decoder-only transformer language model (pre-LayerNorm, learned positions).
 
-Pre-LayerNorm blocks with causal self-attention and a learned positional
-embedding; optional dropout (`dropout`) on the attention weights and the
-residual branches, keyed per block by hetjax so any split computes the same
-function. The LayerNorms compute the stable variance `E[(x - E[x])^2]`
-(not Flax's default `E[x^2] - E[x]^2`, whose cancellation amplifies the
-rounding differences of kernels of another shape, such as device batches).
+The LayerNorms compute the stable variance, not Flax's fast `E[x^2] - E[x]^2`,
+whose cancellation amplifies the rounding of kernels of another shape
+(`hetjax.fast_variance`).
 """
 
 from __future__ import annotations
