@@ -174,13 +174,9 @@ def gather_host_values(values: np.ndarray, meshes: Meshes) -> np.ndarray:
 
 def choose_reduction(reduction: str) -> str:
   """The reduction backend: `reduction`, or for 'auto' what the platform can do, alike on
-  every host.
-
-  'device' (one fused program over every device) wherever the world's devices can
-  share a collective: CPU hosts (gloo either way) and accelerators that are one rank each
-  (NCCL). Two processes that drive one GPU are two ranks NCCL cannot place, so then
-  'host' (gloo over the hosts' CPUs); each host's machine and device numbers travel
-  over the CPUs first, so every host decides from the same rows.
+  every host: 'device' wherever the world's devices can share a collective (CPU hosts,
+  accelerators one rank each); 'host' where two processes drive one GPU (two ranks NCCL
+  cannot place), decided from every host's machine and device numbers gathered over the CPUs.
   """
   if reduction != "auto":
     return reduction

@@ -22,8 +22,7 @@ TENSORBOARD_DIR = "tensorboard"
 
 # The record schema: key -> kind. Every record has exactly these keys.
 RECORD_KEYS = {
-    "step": "int",            # steps done, counting this one (1 = the first step), as the
-                              # progress line, --steps, checkpoint folders and resumed_from count
+    "step": "int",            # steps done, counting this one (1 = the first), as --steps counts
     "time_s": "float",        # training seconds since the stream started, at the end of the step
     "loss": "float",
     "metrics": "floats",      # {name: float}; the loss is not repeated here
@@ -37,10 +36,7 @@ RECORD_KEYS = {
 }
 # Keys a record has only sometimes: the learning rate (optax.inject_hyperparams), and the
 # evaluation after the steps the trainer evaluated at (off the step's clock).
-OPTIONAL_KEYS = {
-    "lr": "float",
-    "eval": "floats",
-}
+OPTIONAL_KEYS = {"lr": "float", "eval": "floats"}
 
 
 # ---- Records -------------------------------------------------------------

@@ -187,8 +187,8 @@ class ClusterSpec:
     return np.array([GPU_SPEED[g] for g in self.gpus]) * A100_SAMPLES_PER_S
 
   def ladders(self) -> list[balancer_lib.Ladder] | None:
-    """Each host's programs in samples (a device round = microbatch x devices) with their
-    true relative times; None where every host runs k = 1 unpriced (the cost before ladders)."""
+    """Each host's programs in samples with their true relative times; None where every host
+    runs k = 1 unpriced."""
     if self.device_batches is None and not self.price:
       return None
     ks = self.device_batches or (1,) * self.num_hosts

@@ -73,12 +73,8 @@ def _differing(rows: np.ndarray) -> tuple[list[int], int]:
 
 
 def check_shares(step: int, rows: np.ndarray) -> None:
-  """Raises `HostsDisagree` unless every host used the same shares at `step`.
-
-  Args:
-    step: the step whose shares these are.
-    rows: `[hosts, hosts]`, row `h` the shares host `h` used.
-  """
+  """Raises `HostsDisagree` unless every host used the same shares at `step` (`rows[h]`:
+  the shares host `h` used)."""
   differ, ref = _differing(rows)
   if differ:
     used = "; ".join(f"host {h} used {tuple(int(v) for v in rows[h])}" for h in differ)
