@@ -350,10 +350,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
-  if args.batch < 1:
-    raise ValueError(f"--batch must be >= 1, got {args.batch}.")
-  if args.steps < 1:
-    raise ValueError(f"--steps must be >= 1, got {args.steps}.")
+  for flag, value in (("--batch", args.batch), ("--steps", args.steps)):
+    if value < 1:
+      raise ValueError(f"{flag} must be >= 1, got {value}.")
 
 
 def run(args: argparse.Namespace) -> int:

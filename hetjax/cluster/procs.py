@@ -114,9 +114,7 @@ def run_group(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str
 
 def _pass_on(group: HostGroup, received: list[int], grace_s: float) -> None:
   """Forwards the stop signal and waits: for Ctrl-C as long as saving takes, else `grace_s`;
-  once one host ended, `grace_s` more (a host in a collective with a gone peer never ends by
-  itself). A second signal ends the wait.
-  """
+  once one host ended, `grace_s` more (one in a collective with a gone peer never ends)."""
   first = received[0]
   group.forward(FORWARDED.get(first, first))
   note(f"received {_signal_name(first)}: passed {_signal_name(FORWARDED.get(first, first))} on "

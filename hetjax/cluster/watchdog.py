@@ -193,11 +193,9 @@ class Watchdog:
   @contextlib.contextmanager
   def watching(self, limit_s: float | None, host_id: int, num_hosts: int,
                unit: str = "step", client=None) -> Iterator["Watchdog"]:
-    """Watches every phase and step inside the block (nested blocks share the outer watch).
-
-    `limit_s`: None: from the measured steps; 0: no stall checks (a failure still ends every
-    host). `unit`: 'step' or 'round'. `client`: default JAX's key-value client on several hosts.
-    """
+    """Watches every phase and step inside the block (nested blocks share the outer watch);
+    `limit_s` None: from the measured steps, 0: no stall checks (a failure still ends every
+    host); `unit` 'step' or 'round'; `client` default JAX's key-value store on several hosts."""
     if self._thread is not None:
       self.unit = unit  # The outer watch (the trainer's construction) knew no unit yet.
       yield self
