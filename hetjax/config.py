@@ -73,32 +73,26 @@ class TrainConfig:
 
   Args:
     global_batch: samples per step over all hosts; fixed for the whole run.
-    microbatch: samples per block, `m`: each block runs whole on one device, so a
-      host's share is a whole number of blocks (`hetjax.blocks`).
+    microbatch: samples per block, run whole by one device; a host's share is whole blocks.
     seed: seeds the parameters and the data order.
-    assignment: 'equal' (in blocks) or explicit per-host shares in samples
-      whose boundaries fall on blocks, e.g. (4, 24, 36) with microbatch 4.
+    assignment: 'equal' (in blocks) or per-host shares in whole blocks, e.g. (4, 24, 36).
     reduction: the cross-host reduction: 'auto' ('device' unless two processes drive
       one GPU), 'device' (one fused program: NCCL or gloo) or 'host' (gloo on the CPUs).
     balancer: None (follow `assignment`), 'equal', 'static' (profile a warm-up, then
       fix the split) or 'dynamic' (re-size shares from the measured step times).
     augment: per-example augmentation, e.g. 'crop,flip', keyed by the example's index.
-    check_every: compare every host's parameter fingerprint every this many
-      steps and at every checkpoint (0: only at checkpoints).
+    check_every: compare the hosts' parameter fingerprints every N steps (0: at checkpoints).
     precision: compute type, 'fp32', 'bf16' or 'fp16' (loss scaling).
     watchdog_s: seconds a step may wait on the other hosts without progress before
       the job stops naming them (longer for building, evaluation, checkpoints);
       None: max(20 x the median step, 5 minutes); 0: no stall checks.
     device_batch: blocks per device in a host's largest program (`k`): one for every
       host, one per host (e.g. 16,8,2), or 'auto' (from memory and speed); exact.
-    device_batch_memory_fraction: under 'auto', the share of a device's memory
-      the largest micro-batch may fill.
-    update_layout: the sharded update's layout: 'auto' (probed), 'whole' or 'sliced'
-      (element-wise optimizers only); all exact.
+    device_batch_memory_fraction: under 'auto', the device memory share a program may fill.
+    update_layout: the sharded update's layout: 'auto' (probed), 'whole' or 'sliced'; exact.
     shard_within_host: 'off', 'on' (parameters and gradient sums split over a host's
       devices), 'auto' (on where the state does not fit), or one per host; exact.
-    device_memory: a device's memory in GB for 'auto' where the backend reports none
-      (XLA:CPU): an emulated limit.
+    device_memory: a device's memory in GB for 'auto' where none is reported (XLA:CPU).
 
   Example:
     >>> config = hetjax.TrainConfig(global_batch=64, microbatch=8, balancer="dynamic")
@@ -306,7 +300,7 @@ class RoundsConfig:
     round_steps: H, local steps of the fastest host per round; host i runs
       `max(1, round(H * v_i / v_max))`, v its measured local steps per second.
     local_steps: fixed per-host local steps per round (reproducible; overrides speeds).
-    local_batch: samples of one local step of one host; None = global batch / hosts.
+    local_batch: samples of one host's local step; None = global batch / hosts.
     outer_optimizer: hybrid's outer optax optimizer, 'sgd' or 'nesterov'.
     outer_lr, outer_momentum: its learning rate and momentum (DiLoCo's 0.7
       and 0.9 by default; momentum 0 = plain SGD).

@@ -96,9 +96,7 @@ class Task:
 
 def split_losses(losses: Any) -> tuple[jax.Array, jax.Array | None]:
   """`(values, weights)` of a loss output; `weights` is None for plain losses."""
-  if isinstance(losses, Weighted):
-    return losses.values, losses.weights
-  return losses, None
+  return tuple(losses) if isinstance(losses, Weighted) else (losses, None)
 
 
 def check_contract(loss: LossFn, params: PyTree, model_state: PyTree, batch: Batch,
@@ -190,9 +188,8 @@ def from_functions(init: Callable[[jax.Array, Batch], PyTree],
 
   Args:
     init: `init(rng, example_batch) -> params`.
-    per_example_loss: `per_example_loss(params, batch, rng) -> (losses[b],
-      metrics)`, metrics a dict of `[b]` arrays (may be empty); `losses` may
-      be a `Weighted`.
+    per_example_loss: `per_example_loss(params, batch, rng) -> (losses[b] or a
+      Weighted, metrics {name: [b]})`.
 
   Returns:
     The `Task` (its model state an empty dict).

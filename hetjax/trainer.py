@@ -69,7 +69,7 @@ class Trainer:
         newest complete checkpoint there, whatever number of hosts wrote it.
 
     Raises:
-      ValueError: a setting out of range, or hosts that were told different things.
+      ValueError: a setting out of range, or hosts told different things.
     """
     lifecycle.check_joined("a Trainer")
     with lifecycle.watched(config), phases.within(phases.BUILDING):

@@ -334,14 +334,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from hetjax.cluster import doctor
     from hetjax.observe import report
     return {"report": report, "doctor": doctor}[args.command].run(args)
-  # Read when needed, not up front: joining a cluster found from SLURM or
-  # Open MPI writes HETJAX_NUM_HOSTS / HETJAX_HOST_ID (hetjax.cluster.runtime).
+  # Read when needed: joining a SLURM / Open MPI cluster writes HETJAX_NUM_HOSTS.
   multi_host = lambda: config_lib.num_hosts_from_env() > 1
   from hetjax.cluster import signals  # Stdlib only: bad arguments still fail before JAX loads.
   try:
-    # Caught from the start: a signal while joining or compiling stops this host
-    # at once (exit 75 / 130) instead of being swallowed by JAX's SIGTERM handler;
-    # inside the step loop it waits for the boundary every host agrees on.
+    # From the start: a signal while joining or compiling stops this host at once (exit
+    # 75 / 130), not swallowed by JAX; in the step loop it waits for the agreed boundary.
     from hetjax.observe import goodput_record  # Stdlib only, as signals.
     with signals.REQUESTS.installed(defer=False), goodput_record.recording(
         args.out, config_lib.host_id_from_env):

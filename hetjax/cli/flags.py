@@ -34,16 +34,14 @@ class JobConfig:
     seq_len: token datasets: tokens per record (tokenfile:PATH needs it).
     token_dtype: tokenfile:PATH's ids: uint16 (nanoGPT's .bin) or uint32.
     vocab_size: token datasets: the vocabulary (tokenfile: default the largest id + 1).
-    data_workers: input worker processes (default: cores - 1 with `image_size`, else 0:
-      threads).
+    data_workers: input worker processes (default: cores - 1 with `image_size`; 0: threads).
     steps: steps (rounds, in a rounds mode) in all; a resumed run does what is left.
     optimizer: the (inner) optimizer: sgd, momentum, adam or adamw.
     lr: the peak learning rate.
     schedule: the learning rate over optimizer updates, after the warm-up.
     warmup_steps: updates of linear learning-rate warm-up from 0.
     clip_norm: clip gradients to this global norm (default: no clipping).
-    weight_decay: decoupled weight decay of kernels and embeddings (adam becomes adamw;
-      default: none, adamw 1e-4).
+    weight_decay: decoupled weight decay of kernels and embeddings (adam becomes adamw).
     decay_all: weight decay reaches every leaf, biases and normalisation scales too.
     eval_every: evaluate on the test split every N steps (0: only at the end).
     out: the run folder: summary.json, metrics.jsonl, config.yaml and tensorboard/ (host 0).
@@ -243,9 +241,8 @@ def parser() -> argparse.ArgumentParser:
     if title == "start here":
       g.add_argument("--config", default=None, metavar="FILE.yaml",
                      help="read settings from a YAML file (keys: the long flag names, e.g. "
-                          "'global-batch: 64', and the keys without a flag); flags on the "
-                          "command line override it; every run writes its resolved "
-                          "OUT/config.yaml, which re-runs the job")
+                          "'global-batch: 64'); flags override it; a run's OUT/config.yaml "
+                          "re-runs it")
       g.add_argument("--print-config", action="store_true",
                      help="print the resolved configuration as YAML and exit")
     for name in names:
