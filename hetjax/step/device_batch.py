@@ -1,21 +1,12 @@
 """`--device-batch auto`: each host's device batch from its device's memory and speed.
 
-On each host: compile the one-block program on one of its devices, read
-what it holds (`compiled.memory_analysis()`) against the device's limit
-(`device.memory_stats()["bytes_limit"]`), and take the largest power of two
-`k` whose estimate fits in `fraction` of the limit (a power of two: its
-ladder `k, k/2, ..., 1` then makes every remainder from one program of each
-size). A device that reports no memory (XLA:CPU) starts from `CPU_DEFAULT`.
-Then `k` runs against `k/2` for a few interleaved repeats and the faster
-per block stays: a program that no longer fills the device better only
-pads the ladder. `k` never exceeds the blocks a device could ever get in
-one step (`cap`) nor `MAX_K`.
-
-The blocks inside a device batch stay separate blocks, so the choice
-changes the speed, never the math: hosts may choose differently, and a
-resumed run may choose anew. Every host must know every host's `k` (the
-balancer prices each host's ladder), so the choices travel in one small
-collective (`agree`).
+The largest power of two `k` (its ladder `k, k/2, ..., 1` then makes every remainder from one
+program of each size) whose one-block program's `memory_analysis()` estimate fits in `fraction`
+of the device's `bytes_limit` (XLA:CPU reports none: `CPU_DEFAULT`), capped by `cap` and
+`MAX_K`; then `k` runs against `k/2` and the faster per block stays (a program that no longer
+fills the device better only pads the ladder). Blocks stay separate blocks, so the choice
+changes the speed, never the math: hosts may choose differently and a resumed run anew. The
+balancer prices each host's ladder, so the choices travel in one small collective (`agree`).
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """Is an optimizer element-wise? Read from its traced program, without running it.
 
-The sharded update may give an optimizer its leaves as flat slices only if
-that computes what the real leaves would (`hetjax.step.optimizer_layout`).
-That holds, for any values, when the optimizer's `init` and `update` traced
-on the real shapes and on the slices' shapes are the same program up to
-shapes, and that program only combines values position by position:
-element-wise operations, scalars broadcast, calls of such programs, and
-sums over every axis of values known to be 0 at the padding (the squared
-gradients of clipping's global norm). Then every value at a real position
-is computed from the same positions of the inputs on both layouts, and the
-padding never reaches them (no other reduction, no reshape, no matmul).
-Tracing costs no compile and no memory, which matters for a large model;
-anything else is left to the numeric probe.
+Slices compute what the real leaves would, for any values, when `init` and `update` traced on
+both layouts are one program up to shapes that combines values position by position only
+(element-wise ops, broadcast scalars, calls of such programs, full sums of values 0 at the
+padding: clipping's squared gradients; no other reduction, reshape or matmul). Tracing costs no
+compile and no memory; anything else is left to the numeric probe (`optimizer_layout`).
 """
 
 from __future__ import annotations

@@ -1,25 +1,14 @@
 """Which layout the sharded update gives the optimizer: slices, or whole leaves.
 
-The sharded update holds every leaf as `[S, c]` slices (`hetjax.step.sharding`).
-An element-wise optimizer (sgd, momentum, adam, lion, lamb's per-leaf norms,
-clipping by the global norm) computes the same on those slices as on the
-real leaves, and then each device updates only its slice: the cheapest
-layout. An optimizer whose update depends on a leaf's real shape does not:
-a mask by `ndim` (no weight decay on biases) sees every slice as a matrix,
-adafactor factors `[S, c]`, Muon orthogonalises the slices. For those the
-update runs on the real leaves ("whole"), and each device keeps its slice
-of the result.
+An element-wise optimizer (sgd, momentum, adam, lion, lamb's per-leaf norms, global-norm
+clipping) computes the same on the `[S, c]` slices as on the real leaves, so each device updates
+only its slice (cheapest). One that depends on a leaf's shape (a mask by `ndim`, adafactor,
+Muon) runs on the real leaves ("whole"), each device keeping its slice of the result.
 
-Which one an optimizer needs is found before any training program
-compiles. First from its traced program (`hetjax.step.elementwise`): one
-made of element-wise operations only, the same on both layouts, computes
-alike on slices (sgd, momentum, adam, adamw with a mask by ndim, lion,
-rmsprop; tracing only). Otherwise by running it (`probe`): `PROBE_STEPS`
-updates on stand-ins of the run's real shapes, once laid out as the leaves
-and once as the slices, compared; a transformation the probe cannot tell
-apart on those steps (clipping by the global norm, lamb) computes the same
-on the slices up to float order, one it can tell apart gets the whole
-layout. The probe runs on this host's CPU.
+Decided before any training program compiles: first from the traced program
+(`hetjax.step.elementwise`), else by `probe` on this host's CPU: `PROBE_STEPS` updates on
+stand-ins of the real shapes, as leaves and as slices, compared; one the probe cannot tell apart
+(global-norm clipping, lamb) computes the same up to float order, one it can gets "whole".
 """
 
 from __future__ import annotations

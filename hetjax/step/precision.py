@@ -1,18 +1,10 @@
 """Mixed precision: compute in bf16 or fp16, keep float32 where sums happen.
 
-The parameters stay float32 (the master copy the optimizer updates); the
-local program casts them, and the batch's floating inputs, to the compute
-type before the forward pass, so gradients come back float32 through the
-cast, and the per-device sums and the cross-host reduction stay float32
-(sums over thousands of examples in 16 bits would lose the small ones).
-
-fp16 has too few exponent bits for small gradients, so its loss is scaled
-(dynamic loss scaling): the local program multiplies the summed loss by the
-scale before differentiating and divides the gradient sums after. When any
-host's sums overflow, every host skips the update and halves the scale; after
-`GROWTH_INTERVAL` finite steps in a row the scale doubles. The decision
-uses only values the reduction gives every host (docs/design.md invariant 3):
-each host's overflow flag rides in its rows of the reduction.
+Parameters stay float32 masters, cast (with the batch's float inputs) before the forward pass,
+so gradients, sums and the reduction stay float32 (16-bit sums over thousands of examples would
+lose the small ones). fp16's loss is scaled dynamically: on any host's overflow every host skips
+the update and halves the scale; `GROWTH_INTERVAL` finite steps in a row double it. The decision
+uses only values the reduction gives every host (invariant 3).
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 """Sharding within a host: parameters and gradient sums split over the host's own devices.
 
-Why: every device otherwise holds the whole parameters and their whole
-gradients, so the smallest GPU of a cluster caps the model. A local program
-never crosses hosts, so a host may split over its own devices (its fast
-links) without changing what crosses hosts, and each host decides for
-itself (`decide`), as it does for device batches.
+Why: otherwise the smallest GPU caps the model. A local program never crosses hosts, so each
+host may split over its own devices (`decide`) without changing what crosses hosts.
 
-How: each leaf keeps its shape, split over the host's `L` devices on one
-axis (`split_axis`; a leaf no axis of which `L` divides stays whole), and
-each layer gathers its slabs where it runs, and again for its gradient
-(`layer_gather`). The gather's transpose reduce-scatters: each device adds
-its slab of the host's summed gradient into its sums row at the slab's
-places, so the row keeps its layout and the reduction is unchanged. The
-gathered values are copies, so the math is the blocks' (invariant 2), up
-to float reduction order.
+How: each leaf keeps its shape, split over the host's `L` devices on one axis (`split_axis`;
+whole if `L` divides none); each layer gathers its slabs where it runs and again for its
+gradient (`layer_gather`), whose transpose reduce-scatters into each device's sums row at the
+slab's places, so the row layout and the reduction are unchanged. Gathered values are copies:
+the blocks' math (invariant 2), up to float order.
 """
 
 from __future__ import annotations

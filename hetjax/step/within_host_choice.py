@@ -1,14 +1,10 @@
 """`--shard-within-host auto`: each host splits its parameters over its devices when its memory asks.
 
-As `--device-batch auto` does (`hetjax.step.device_batch`): compile the
-one-block program on one of the host's devices and read what it holds
-(`compiled.memory_analysis()`), add what a device keeps between programs
-(the parameters, the pending update's packed replica, the float32 sums
-row), and compare with the device's memory: its `bytes_limit`, or the
-`device_memory` figure given (on XLA:CPU, which reports none: emulated, and
-said so). Sharding goes on only when the whole state does not fit, since
-its gathers cost time. Each host decides alone; nothing that crosses hosts
-depends on the choice.
+The one-block program's `memory_analysis()` plus what a device keeps between programs
+(parameters, packed pending replica, float32 sums row) against `bytes_limit` or the given
+`device_memory` (XLA:CPU reports none: emulated, and said so). Sharding goes on only when the
+whole state does not fit (its gathers cost time). Each host decides alone; nothing that crosses
+hosts depends on it.
 """
 
 from __future__ import annotations
