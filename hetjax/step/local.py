@@ -29,12 +29,8 @@ _POSITION_FIELDS = 4
 
 def _position_rows(step: int, first_block: int, first: bool, real: int, per_device: int,
                    devices: int, host_values: np.ndarray, blocks: int = 1) -> np.ndarray:
-  """`_POSITION` of one micro-batch of `blocks` blocks per device: `[devices, 4 + k]` int32.
-
-  Device `d` runs blocks `first_block + d * blocks ...` (`per_device` rows
-  each) with `clip(real - d * blocks * per_device, 0, blocks * per_device)`
-  real examples; the host vector rides as its float32 bits.
-  """
+  """`_POSITION` of one micro-batch of `blocks` blocks per device: `[devices, 4 + k]` int32
+  (device `d` runs blocks `first_block + d * blocks ...`)."""
   d, rows = np.arange(devices), blocks * per_device
   fields = np.stack([np.full(devices, step), first_block + d * blocks, np.full(devices, int(first)),
                      np.clip(real - d * rows, 0, rows)], axis=1)
@@ -54,23 +50,14 @@ class LocalProgram:
   """Applies the last step's update (or unpacks the sharded update's result, `replica`),
   then accumulates this host's gradient sums.
 
-  The train state lives on this host's devices. The update of step `s`
-  (`apply_update`, from the reduction's summed row) runs at the start of
-  step `s + 1`'s first micro-batch, in the same program: on XLA:CPU a
-  separate update program's hundreds of small kernels cannot overlap the
-  backward pass as they do inside one program, and nothing is re-wrapped
-  per leaf. Where no micro-batch follows (a share of 0, a checkpoint, the
-  end of `fit`), `update` applies it alone: the same function, and every
-  host applies every update, so the replicas stay equal.
+  Step `s`'s update runs inside step `s + 1`'s first micro-batch program: on XLA:CPU a separate
+  update program's hundreds of small kernels cannot overlap the backward pass. With no
+  micro-batch (a share of 0, a checkpoint, the end of `fit`) `update` applies it alone; every
+  host applies every update, so replicas stay equal.
 
-  Device batches: with `device_batch = k` a micro-batch gives each device
-  `k` whole blocks (`k * m` rows), kept apart inside the program
-  (`blocks_sums`). A share runs as the programs of this host's ladder
-  (`Ladder.of(devices, k).programs`: `k, k/2, ..., 1` blocks per device),
-  the very decomposition the balancer prices; every size is compiled at the
-  first call, so a new share compiles nothing. A row's block is its host's
-  first block plus its offset in the share over `m`, whatever `k` is, so
-  the math does not depend on `k`.
+  With `device_batch = k` a micro-batch gives each device `k` whole blocks, kept apart
+  (`blocks_sums`); a share runs as this host's ladder (`k, k/2, ..., 1`, what the balancer
+  prices), all sizes compiled at the first call. A row's block index does not depend on `k`.
   """
 
   def __init__(self, task: Task, optimizer: optax.GradientTransformation, meshes: Meshes,
@@ -79,13 +66,9 @@ class LocalProgram:
                within: within_lib.Split | None = None):
     """`blocks_full`: no block of the run is part padding (see `block_sums`).
 
-    `replica`: the sharded update's packing of the state (`hetjax.step.sharding`);
-    then the update ran in the reduction, a pending update is that packed
-    new state, and the first micro-batch's program only unpacks it.
+    `replica`: the sharded update's packing; a pending update is then the packed new state.
     `device_batch`: `k`, blocks per device in the largest micro-batch.
-    `within`: this host's parameters and gradient sums split over its devices
-    (`hetjax.step.within_host`; only with `replica`): the state's parameters
-    are then slabs, each layer's gathered where it runs.
+    `within`: split this host's parameters over its devices (`within_host`; needs `replica`).
     """
     if within is not None and replica is None:
       raise ValueError("within-host sharding needs the sharded update (more than one device "
@@ -276,8 +259,7 @@ class LocalProgram:
     return self._joined[1]
 
   def peak_bytes(self) -> int | None:
-    """A device's peak bytes over a step: the largest of the compiled programs a step runs
-    (XLA's memory analysis; None before the first step or where it gives none)."""
+    """A device's peak bytes over a step (XLA's memory analysis; None if unknown)."""
     programs = [*self._grad.values(), *self._update_then_grad.values()]
     if self.within is not None and self.layout is not None:  # Compiled by `_build`.
       programs.append(self._unpack)
@@ -302,19 +284,15 @@ class LocalProgram:
     return self._unsharded_peak
 
   def flops_of(self, rows: int) -> float | None:
-    """FLOPs this host's devices run for a share of `rows` samples: XLA's cost analysis of
-    each compiled program the share runs (`programs`), summed; None before the first step,
-    or where XLA gives no figure. The update's own FLOPs are left out (a small part)."""
+    """FLOPs this host's devices run for a share of `rows` samples (XLA's cost analysis of the
+    share's programs; None if unknown). The update's own FLOPs are left out (a small part)."""
     if not getattr(self, "_flops", None) or any(f is None for f in self._flops.values()):
       return None
     return float(sum(self._flops[j] for j in self.programs(rows)))
 
   def programs(self, rows: int) -> list[int]:
-    """Blocks per device of each micro-batch a share of `rows` samples runs, in order.
-
-    The ladder's decomposition (`Ladder.programs`), largest first: the
-    balancer prices exactly these.
-    """
+    """Blocks per device of each micro-batch a share of `rows` samples runs, largest first
+    (`Ladder.programs`: what the balancer prices)."""
     blocks = -(-int(rows) // self.per_device)
     runs = self.ladder.programs(blocks)
     return [j for j in sorted(runs, reverse=True) for _ in range(runs[j])]
@@ -324,14 +302,10 @@ class LocalProgram:
                first_block: int = 0, host_values: np.ndarray | None = None) -> Local:
     """Applies `pending`, then runs the host's share `batch` (possibly empty).
 
-    `state` is this host's train state (replicated over its devices:
-    `to_local_tree`); it is donated when `pending` (the last reduction's
-    `Reduced.total`, or None) is applied. `example` is one record of the
-    dataset; it fixes the micro-batch shapes even when this host's share is
-    0. `key` is the run's base PRNG key; the step and each device's global
-    block index (from `first_block`, the host's first block) are folded in
-    on the devices. `host_values` (float32, the same length every call)
-    ride along in the sums to the reduction, which gathers every host's.
+    `state` is donated when `pending` (`Reduced.total`, or None) is applied. `example` (one
+    record) fixes the shapes even for a share of 0. `key`: the run's base key; the step and
+    each block's global index (from `first_block`) are folded in. `host_values` (float32, same
+    length every call) ride in the sums to the reduction.
     """
     host = np.zeros(0, np.float32) if host_values is None else (
         np.asarray(host_values, np.float32).ravel())

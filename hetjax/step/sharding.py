@@ -1,41 +1,23 @@
 """The sharded update (ZeRO stage 1): each slice of the train state updated once, then gathered.
 
-Hosts whose accelerators differ compile the same update differently (fusions,
-reduction tilings, matmul precision), so replicas that each host updates
-itself drift apart bit by bit. Here every parameter, model-state and
-optimizer-state leaf is flattened, zero-padded to a multiple of the shard
-mesh's size `S` and held as an `[S, c]` array split over that mesh: device
-`i` holds row `i` of every leaf and is the only one to update it. The
-step's sums reach it by one reduce-scatter (device `i` receives only the
-summed row `i` of every leaf); the new parameters and model state are then
-all-gathered (an explicit `all_gather`, so no device recomputes another's
-slice: one per dtype, the leaves side by side) and packed into one buffer
-per dtype, which the next local programs unpack (`Replica`). Three
-collectives a step whatever the number of leaves (and what the optimizer
-needs itself: clipping's global norm), where letting GSPMD split the summed
-row and gather leaf by leaf made 24 for the digits mlp and 30 for the cnn
-(`bench/multihost_step.py`).
+Hosts with unlike accelerators compile one update differently, so self-updated replicas drift
+bit by bit. Here every state leaf is flattened, zero-padded to a multiple of the shard mesh's
+size `S` and held `[S, c]`: device `i` alone updates row `i`. Sums arrive by one reduce-scatter;
+the new parameters and model state leave by an explicit all-gather per dtype (no device
+recomputes another's slice), packed for the local programs. Three collectives a step whatever
+the leaf count (plus the optimizer's own, e.g. clipping's norm), where GSPMD made 24 for the
+digits mlp and 30 for the cnn (`bench/multihost_step.py`).
 
-The optimizer must compute what it would on one device, whatever it is
-(`hetjax.step.optimizer_layout` chooses, by probing it at start):
-- **sliced** (element-wise optimizers: sgd, adam, lion, lamb, clipping,
-  masks and labels by ndim): the optax update runs under GSPMD on the slices,
-  each seen flat with its real leaf's ndim (`optimizer_layout.view`), so
-  per-leaf structure survives: masks, `clip_by_global_norm` (its norm an
-  all-reduce of per-slice partial sums), per-leaf norms; zero padding adds
-  nothing to any sum. Scalar state (a step count, an injected learning
-  rate) is kept replicated.
-- **whole** (adafactor, Muon, Shampoo-like, shape-dependent masks, anything
-  the probe tells apart): the slices of the gradients, parameters and state
-  are gathered (one all-gather per dtype), the update runs on the real
-  leaves on every device, and each device keeps its own slice of the result:
-  still the only copy gathered into every replica. Every state leaf,
-  scalars too, is split, so each value has one owner.
+Layouts (`hetjax.step.optimizer_layout` chooses at start):
+- **sliced** (element-wise optimizers): optax runs under GSPMD on the slices, each seen with its
+  real leaf's ndim (`optimizer_layout.view`), so masks, global-norm clipping and per-leaf norms
+  survive; zero padding adds nothing to any sum. Scalar state stays replicated.
+- **whole** (adafactor, Muon, shape-dependent masks, anything the probe tells apart): slices are
+  gathered, the update runs on the real leaves on every device, each keeps its own slice of the
+  result. Every state leaf, scalars too, is split, so each value has one owner.
 
-The optimizer state then costs `1/S` of its unsplit bytes per device
-(`memory_per_device`). The device reduction shards over the world mesh
-(every device of every host); the host reduction over its CPU mesh (one
-device per host).
+The optimizer state costs `1/S` of its bytes per device (`memory_per_device`). The device
+reduction shards over the world mesh; the host reduction over its CPU mesh (one per host).
 """
 
 from __future__ import annotations
@@ -72,10 +54,8 @@ class Shards(NamedTuple):
 
 def opt_kinds(optimizer: optax.GradientTransformation, params: PyTree, opt_state: PyTree,
               shards: int, layout: str) -> list[bool]:
-  """Per optimizer-state leaf: True when it is split `[S, c]`, False when a replicated scalar.
-
-  The whole layout splits every leaf, scalars too, so every value of the
-  state has one owner.
+  """Per optimizer-state leaf: True when it is split `[S, c]`, False when a replicated scalar
+  (the whole layout splits every leaf, so every value has one owner).
 
   Raises:
     ValueError: the sliced layout for a state that is not element-wise.
@@ -151,12 +131,8 @@ class ShardedUpdate:
                             shards.loss_scale)
 
   def onto_mesh(self, tree: PyTree) -> PyTree:
-    """Replicated copies of `tree`'s leaves on the shard mesh (from any mesh, or numpy).
-
-    Leaves already replicated there are kept; others travel through host
-    memory (a whole replica per host: for init, restore and replacing the
-    state, never per step).
-    """
+    """Replicated copies of `tree`'s leaves on the shard mesh (from any mesh, or numpy); others
+    than those already there travel through host memory (init, restore, never per step)."""
     def move(x):
       if isinstance(x, jax.Array) and x.sharding == self.replicated:
         return x
@@ -173,11 +149,8 @@ class ShardedUpdate:
     return self._join(shards)
 
   def local_opt_state(self, shards: Shards, meshes: Any) -> PyTree:
-    """The whole optimizer state, replicated on this host's devices (`meshes.local`).
-
-    Gathered and packed on the shard mesh, so one buffer per dtype crosses
-    to the local mesh whatever the number of leaves, then unpacked there.
-    """
+    """The whole optimizer state, replicated on this host's devices (`meshes.local`): packed on
+    the shard mesh, so one buffer per dtype crosses, whatever the number of leaves."""
     if self._opt_programs is None:
       packer = packing.Packer(self.like.opt_state)
       pack = jax.jit(lambda s: packer.pack(self._join_state(s).opt_state),
@@ -196,12 +169,8 @@ class ShardedUpdate:
             for g, x in packed.items()}
 
   def replica(self, shards: Shards, meshes: Any) -> packing.Packed:
-    """The packed replica the shards make, on this host's devices (what a local program unpacks).
-
-    A state made or restored on each device (an initialisation runs once
-    per device, and devices compiled differently may round differently)
-    thus reaches every replica from the one device that holds each slice.
-    """
+    """The packed replica the shards make, on this host's devices (what a local program unpacks):
+    each slice from its one owner, however differently the devices initialised or rounded."""
     return self.to_local(self._replica(shards), meshes)
 
   def _gathered_replica(self, shards: Shards) -> packing.Packed:
@@ -218,14 +187,10 @@ class ShardedUpdate:
                     ) -> tuple[Shards, packing.Packed, dict[str, jax.Array], jax.Array, jax.Array]:
     """Every device's sums added slice by slice, each slice updated once, the replica gathered.
 
-    `world` holds one row per device of the shard mesh (`[S, n + 1 + k]`:
-    sums, loss scale, host vector), split over it. Each device lays its
-    gradient and model-state sums out as the state's `[S, c]` slices, and one
-    reduce-scatter hands device `i` the summed row `i`: the only sums it
-    updates with, and half an all-reduce's traffic. One small all-gather
-    carries the scalar sums and every row's loss scale and host vector; the
-    new slices come back in one all-gather per dtype (`gather_rows`).
-    Called while tracing a reduction's program, jitted over the shard mesh.
+    `world`: one `[n + 1 + k]` row per shard-mesh device (sums, loss scale, host vector). One
+    reduce-scatter hands device `i` the summed slice row `i` (half an all-reduce's traffic);
+    one small all-gather carries the scalar sums, loss scales and host vectors; the new slices
+    return by one all-gather per dtype (`gather_rows`). Traced inside a reduction's program.
 
     Returns:
       (new shards, the packed replica, the step's statistics
@@ -290,14 +255,9 @@ class ShardedUpdate:
 
   def _whole_step(self, shards: Shards, totals: Sums, overflow: jax.Array, layout: Layout
                   ) -> tuple[Shards, jax.Array]:
-    """The update rule on the real leaves: what the slices hold gathered (one all-gather
-    per dtype), the optax update on every device, each device's slice of the result kept.
-
-    Any optimizer sees the shapes it would on one device; the kept slices are
-    then the only copies, gathered into every replica as the sliced layout's.
-    Spelled out per device (`shard_map`), so GSPMD adds no collectives of its
-    own to partition the optimizer (it made 17 for adafactor on 4 devices).
-    """
+    """The update rule on the real leaves: slices gathered (one all-gather per dtype), optax on
+    every device, each device's slice kept. Spelled out per device (`shard_map`), so GSPMD adds
+    no collectives to partition the optimizer (it made 17 for adafactor on 4 devices)."""
     like, size, axis = self.like, self.size, self.axis
     join = lambda tree, shapes: jax.tree.map(lambda x, s: join_leaf(x, s.shape), tree, shapes)
 
@@ -337,13 +297,9 @@ def _all_gather_rows(tree: PyTree, axis: str) -> PyTree:
 
 
 def gather_rows(tree: PyTree, mesh: Mesh, axis: str) -> PyTree:
-  """Every device's rows of every `[S, c]` leaf, to every device, in one all-gather per dtype.
-
-  An explicit all-gather, so each value comes from the one device that
-  computed it. The leaves travel side by side (`[S, sum of c]` per dtype):
-  one collective whatever the number of leaves, where one per leaf would
-  cost a ResNet-50 hundreds of collectives a step.
-  """
+  """Every device's rows of every `[S, c]` leaf, to every device, in one all-gather per dtype
+  (each value from the one device that computed it; one per leaf would cost a ResNet-50
+  hundreds of collectives a step)."""
   if not jax.tree.leaves(tree):
     return tree
   return jax.shard_map(
@@ -395,14 +351,9 @@ def memory_per_device(like: Any, shards: int, optimizer: optax.GradientTransform
                       = None, layout: str = "sliced") -> dict[str, dict[str, int]]:
   """Each device's bytes of parameters, optimizer state and gradients, unsplit and split.
 
-  From the arrays' sizes: `unsplit` is every device holding the whole state
-  (one replicated update), `split` the sharded update over `shards` devices.
-  Under the split update each device holds the whole parameters (the local
-  programs need them) plus its slice of the master parameters (`master_slice`),
-  its slice of
-  the optimizer state, and its own gradient sums row (float32, whole: the
-  reduction splits it). The whole layout also gathers, for the length of
-  the update only, the whole gradients and optimizer state (`transient`).
+  `split` (over `shards` devices): the whole parameters (the local programs need them), its
+  `master_slice` and optimizer-state slice, and its whole float32 sums row. The whole layout
+  also gathers the gradients and optimizer state during the update (`transient`).
   """
   like = layout_lib.shapes(like)
   params, opt, grads = tree_bytes(like.params), tree_bytes(like.opt_state), 4 * sum(
