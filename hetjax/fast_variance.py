@@ -14,8 +14,7 @@ import jax
 
 from hetjax.types import Batch, PyTree
 
-# Flax's normalisation layers whose variance subtracts a mean: `use_fast_variance=True`
-# (their default) computes it as E[x^2] - E[x]^2. RMSNorm subtracts none.
+# Flax's norm layers whose variance subtracts a mean (RMSNorm subtracts none).
 NORM_LAYERS = ("BatchNorm", "LayerNorm", "GroupNorm", "InstanceNorm")
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hetjax.config import check_choice  # No JAX either.
+from hetjax.config import check_at_least, check_choice  # No JAX either.
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 SCHEDULES = ("constant", "cosine", "linear")
@@ -55,8 +55,7 @@ def check(name: str, lr: float, *, schedule: str = "constant", warmup_steps: int
   check_choice("--schedule", schedule, SCHEDULES)
   if not lr > 0:
     raise ValueError(f"--lr must be > 0, got {lr}.")
-  if warmup_steps < 0:
-    raise ValueError(f"--warmup-steps must be >= 0, got {warmup_steps}.")
+  check_at_least("--warmup-steps", warmup_steps, 0)
   if warmup_steps >= total_steps and schedule != "constant":
     raise ValueError(f"--warmup-steps {warmup_steps} leaves no step of the {schedule} decay "
                      f"(--steps {total_steps}); use fewer warm-up steps.")

@@ -370,12 +370,11 @@ def from_nnx(model: Any, per_example_loss: OutputsLoss, *, input_key: str = "x",
     def loss(p, state, batch, rng):
       # Fresh variables of this trace (tree.map rebuilds them): NNX refuses to
       # mutate, from inside a trace, variables that were made outside it.
-      _, abstract_params, abstract_rng, abstract_rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
-      abstract_params, abstract_rng, abstract_rest = (
-          jax.tree.map(jnp.asarray, x) for x in (abstract_params, abstract_rng, abstract_rest))
-      nnx.replace_by_pure_dict(abstract_params, p)
-      nnx.replace_by_pure_dict(abstract_rest, state)
-      m = nnx.merge(graphdef, abstract_params, abstract_rng, abstract_rest)
+      _, *fresh = nnx.split(model, nnx.Param, nnx.RngState, ...)
+      fresh_params, fresh_rng, fresh_rest = (jax.tree.map(jnp.asarray, x) for x in fresh)
+      nnx.replace_by_pure_dict(fresh_params, p)
+      nnx.replace_by_pure_dict(fresh_rest, state)
+      m = nnx.merge(graphdef, fresh_params, fresh_rng, fresh_rest)
       if streams:
         nnx.reseed(m, **{s: jax.random.fold_in(rng, i) for i, s in enumerate(streams)})
       m.train() if train else m.eval()

@@ -45,12 +45,10 @@ def _check_args(args: argparse.Namespace) -> None:
   if args.wandb:
     from hetjax.observe import tracking
     tracking.check_installed()
-  if args.data_workers is not None and args.data_workers < 0:
-    raise ValueError(f"`data_workers` must be >= 0 (0 reads in threads), got {args.data_workers}.")
+  if args.data_workers is not None:
+    check_at_least("`data_workers`", args.data_workers, 0, " (0 reads in threads)")
   optimizers.check(args.optimizer, args.lr, **_optimizer_settings(args))
-  if args.eval_every < 0:
-    raise ValueError(f"--eval-every must be >= 0 steps (0: evaluate only at the end), got "
-                     f"{args.eval_every}.")
+  check_at_least("--eval-every", args.eval_every, 0, " steps (0: evaluate only at the end)")
   check_at_least("--steps", args.steps, 1, " (the total, a resumed run does what is left)")
   hosts = os.environ.get(Env.NUM_HOSTS)  # Unset before joining under some launchers.
   hosts = int(hosts) if hosts else None
