@@ -1,11 +1,8 @@
 """Augmentations whose randomness comes from the record, not from the reader.
 
-An augmentation is `fn(batch, keys) -> batch`, `keys` one uint64 per example
-from `example_keys(seed, epochs, indices)`. Every draw is a hash of that key,
-so record `i` in epoch `e` is cropped and flipped the same way whichever host
-reads it and whatever shares the balancer chose (docs/design.md invariant 1).
-Augmentation is opt-in: digits, the default dataset, trains best without it
-(a flipped 2 is not a 2).
+An augmentation is `fn(batch, keys) -> batch`, `keys` from `example_keys`: every draw hashes
+the key, so record `i` in epoch `e` is augmented alike on any host and split (invariant 1).
+Opt-in: digits, the default dataset, trains best without it (a flipped 2 is not a 2).
 
 Example:
   >>> aug = parse("crop,flip")

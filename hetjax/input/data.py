@@ -1,16 +1,10 @@
 """Global-batch sampling, host slices, and datasets by name.
 
-docs/design.md invariant 1: the samples of step `s` depend only on (dataset, seed,
-step). The sampler enumerates one global stream of record indices, epoch
-after epoch, each epoch a fresh keyed permutation (`hetjax/input/shuffle.py`, O(1)
-memory); step `s` takes stream positions `[s*B, (s+1)*B)`, so batches may
-cross epoch boundaries. Host `i` then takes the contiguous slice
-`[o_i, o_i + b_i)` of the step's `B` indices.
-
-Sources live in `hetjax/input/sources.py` (memory, synthetic),
-`hetjax/input/tfds_data.py` (TFDS on disk), `hetjax/input/tokenfile.py` (a flat file of
-token ids as windows) and `hetjax/input/images.py` (encoded images decoded and cropped
-to a fixed size); the names below are re-exported here.
+Invariant 1: step `s`'s samples depend only on (dataset, seed, step). One global stream of
+record indices, each epoch a keyed O(1)-memory permutation (`shuffle.py`); step `s` takes
+positions `[s*B, (s+1)*B)` (batches may cross epochs); host `i` the contiguous slice
+`[o_i, o_i + b_i)`. Sources (`sources.py`, `tfds_data.py`, `tokenfile.py`, `images.py`) are
+re-exported here.
 """
 
 from __future__ import annotations
@@ -71,11 +65,8 @@ class GlobalSampler:
     return step * self.global_batch // self.num_records
 
   def state_dict(self, step: int) -> dict[str, int]:
-    """The data cursor as small integers a checkpoint can store.
-
-    The stream is a function of (size, batch, seed), so the cursor is the
-    step plus what a restore must find unchanged.
-    """
+    """The data cursor for a checkpoint: the step plus what a restore must find unchanged
+    (the stream is a function of size, batch and seed)."""
     return {"step": int(step), "position": int(step) * self.global_batch,
             "num_records": self.num_records, "global_batch": self.global_batch,
             "seed": self.seed, "version": SAMPLER_VERSION}

@@ -7,11 +7,9 @@ here, the way the Flax ImageNet example and big_vision prepare them:
   aspect 3/4-4/3) to `size x size`, a random left-right flip;
 - evaluation: decode, resize the shorter side to `size / 0.875`, centre crop.
 
-Every draw is a hash of the example's key (`hetjax.input.augment.example_keys`:
-seed, epoch, global record index), so a record is cropped and flipped the
-same way on any host and under any split (docs/design.md invariant 1). Pixels
-stay uint8 (a quarter of float32's bytes on the way to the device); the
-models scale them on the device (`zoo.preprocess`).
+Every draw hashes the example's key (`augment.example_keys`), so a record is cropped and
+flipped alike on any host and split (invariant 1). Pixels stay uint8 (a quarter of float32's
+bytes to the device); the models scale them there (`zoo.preprocess`).
 
 JPEGs are decoded by libjpeg-turbo through simplejpeg (accurate integer
 IDCT, smooth chroma upsampling), at the smallest DCT scale (1/2, 1/4, 1/8)

@@ -1,22 +1,15 @@
 """One host's reader: its slice of each global batch, prefetched in parallel.
 
-The balancer fixes step s+1's shares only after step s's reduction, so the
-trainer guesses (the shares stay) and calls `prefetch(s + 1, shares)`
-before running step s; `get(s + 1, actual_shares)` takes the prefetched
-records that overlap the actual slice and reads the rest at once. A wrong
-guess costs time, never correctness: the result equals `read(step, shares)`.
+Step s+1's shares are known only after step s's reduction, so the trainer guesses (the shares
+stay) and prefetches; `get` reuses what overlaps the actual slice and reads the rest. A wrong
+guess costs time, never correctness: `get` equals `read(step, shares)`.
 
-Reads run in threads (`workers=0`: numpy arrays) or in `spawn`ed worker
-processes (`workers=N`: decoding JPEGs is CPU work the GIL would serialise;
-forking after JAX's threads can deadlock, so a script that trains with
-workers needs `if __name__ == "__main__":`). With threads, a slice that
-reads faster than `inline_below_s` is read on the calling thread: handing a
-sub-millisecond read to threads costs more than the read (BUILD_NOTES.md,
-"Decisions: input"), and the trainer reads after dispatching a step, so it
-still overlaps the device work. Each piece is read and augmented keyed by
-the records' global positions, so the result never depends on the workers.
-grain's loaders were not used: their workers walk a fixed shard of a fixed
-order, while a host's slice here changes size with the balancer every step.
+Reads run in threads (`workers=0`) or `spawn`ed processes (`workers=N`: JPEG decoding under the
+GIL would serialise; forking after JAX's threads can deadlock, so scripts need
+`if __name__ == "__main__":`). With threads, a slice faster than `inline_below_s` is read on
+the calling thread (handing off a sub-ms read costs more: BUILD_NOTES.md "Decisions: input").
+Pieces are keyed by global positions, so results never depend on the workers. Not grain: its
+workers walk a fixed shard of a fixed order; a host's slice here changes size every step.
 
 Example:
   >>> with HostLoader(source, sampler, host_id=1, augment=augment.parse("crop")) as loader:
@@ -57,9 +50,7 @@ class _Chunk:
 
 _WORKER: tuple = ()  # (source, sampler, augment) inside a worker process.
 _LOADER_IDS = itertools.count()
-# A slice that reads faster than this is read on the calling thread (what the
-# trainer uses): in-memory datasets read a step's slice well under it, decoding
-# sources do not.
+# The trainer's inline_below_s: in-memory slices read well under it, decoding sources do not.
 INLINE_BELOW_S = 2e-3
 _WATCHDOG_S = 0.5  # How often a worker checks that its host process is alive.
 
@@ -127,10 +118,8 @@ class HostLoader:
       augment: per-example augmentation (see `hetjax.input.augment`), or None.
       min_chunk: do not split a read into pieces smaller than this (default
         64 records for threads, 1 for worker processes).
-      inline_below_s: with threads, read a slice on the calling thread when
-        the fastest of the last 8 reads, per record, puts it under this many
-        seconds (0: always in threads). The records are the same either
-        way; only where the read runs differs.
+      inline_below_s: with threads, read a slice on the calling thread when the fastest of
+        the last 8 reads, per record, puts it under this many seconds (0: always in threads).
     """
     if (threads < 1 or workers < 0 or (min_chunk is not None and min_chunk < 1)
         or inline_below_s < 0):
@@ -171,12 +160,8 @@ class HostLoader:
     return self._read(step, part.start, part.stop)
 
   def prefetch(self, step: int, shares: Sequence[int]) -> None:
-    """Starts reading this host's slice of `step` under `shares` (a guess).
-
-    Records already being read for `step` are not read twice; `get` drops
-    what its step no longer needs, so prefetching never grows memory past
-    about two steps' slices when each step is fetched with `get`.
-    """
+    """Starts reading this host's slice of `step` under `shares` (a guess); nothing is read
+    twice, and `get` drops the rest, so memory stays about two steps' slices."""
     self._check_open()
     part = self._slice(shares)
     if not self._reads_inline(part.stop - part.start):
@@ -244,10 +229,8 @@ class HostLoader:
     return part
 
   def _reads_inline(self, records: int) -> bool:
-    """Whether a slice of `records` is cheaper to read here than to hand to a thread.
-
-    Before any read is timed, the first one runs here and is timed.
-    """
+    """Whether a slice of `records` is cheaper to read here than in a thread (the first
+    read runs here, to be timed)."""
     if not self.inline_below_s:
       return False
     return not self._record_s or min(self._record_s) * records < self.inline_below_s

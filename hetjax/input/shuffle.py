@@ -1,13 +1,9 @@
 """A keyed permutation of `[0, n)` that costs O(1) memory, in numpy.
 
-Shuffling a dataset of 10^9 records must not allocate 10^9 indices, so the
-sampler never builds a permutation array: it asks for the image of the
-positions it needs. The bijection is a Feistel network on `[0, 2^k)`, the
-smallest power of two (at least 4) that holds `n`; cycle-walking (apply it
-again while the result is `>= n`) restricts it to a permutation of `[0, n)`.
-Each output costs a few dozen integer operations and is vectorised over the
-requested positions; since `2^k < 2n` (for n >= 3), a walk takes under two
-rounds on average.
+10^9 records must not cost 10^9 indices, so only the needed positions are mapped: a Feistel
+network on `[0, 2^k)` (the smallest power of two >= max(n, 4)), cycle-walked (reapplied while
+`>= n`) into `[0, n)`. A few dozen vectorised integer ops per output; `2^k < 2n` (n >= 3), so
+under two rounds on average.
 
 Example:
   >>> key = epoch_key(seed=0, epochs=np.zeros(5, np.int64))

@@ -1,10 +1,8 @@
 """Random-access record sources held in memory or computed from the index.
 
-A source is anything with `len(source)`, `source.info` (a `DatasetInfo`) and
-`source[indices] -> {name: array[len(indices), ...]}` that returns record `i`
-the same way whatever else is in `indices`: every host then reads exactly the
-records of its slice and nothing else (docs/design.md invariant 1). TFDS sources
-on disk live in `hetjax/input/tfds_data.py`.
+A source has `len(source)`, `source.info` (a `DatasetInfo`) and
+`source[indices] -> {name: array[len(indices), ...]}`, record `i` the same whatever else is in
+`indices`, so each host reads exactly its slice (invariant 1).
 """
 
 from __future__ import annotations

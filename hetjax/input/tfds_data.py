@@ -1,17 +1,10 @@
 """TFDS datasets prepared on disk, read at random without TensorFlow.
 
-`tfds_source("mnist", "train", data_dir)` opens any catalog dataset already
-prepared in `data_dir` in the array_record format through `tfds.data_source`
-(random access: each host reads only its records). Nothing is downloaded at
-run time. `build_from_arrays` prepares such a dataset offline from numpy
-arrays, with the same layout `tfds build --file_format=array_record` writes,
-so a dataset made here and a catalog dataset go through one path.
-Image datasets whose images vary in size (ImageNet) are read with their
-images still encoded (`EncodedImages`) and decoded by `hetjax.input.images` on the
-loader's workers (`tfds_source(..., image_size=S)`).
-
-`check` reads only `dataset_info.json`, so the command line can refuse a
-missing folder, dataset or split in milliseconds, before JAX starts.
+`tfds_source` opens a dataset prepared as array_record in `data_dir` (random access: each host
+reads only its records; nothing downloaded at run time). `build_from_arrays` writes the layout
+`tfds build --file_format=array_record` writes, so both go through one path. Images of varying
+size stay encoded (`EncodedImages`), decoded by `hetjax.input.images` on the loader's workers.
+`check` reads only `dataset_info.json`: bad folders or splits fail in ms, before JAX starts.
 """
 
 from __future__ import annotations
@@ -150,15 +143,10 @@ def _column(examples: list[Any], key: str, shape: tuple[int, ...], dtype: np.dty
 class TfdsSource:
   """A prepared TFDS split of fixed-shape records as a hetjax source.
 
-  A dataset with an `image` (or `x`) and a class-label `label` (or `y`)
-  becomes an image-classification source: `x` keeps its dtype (uint8 pixels
-  go to the device as they are and are scaled there; a channel axis is added
-  to 2-D images), `y` int32. Any other dataset keeps its feature names and
-  dtypes (kind "custom"). Images of varying size go through
-  `hetjax.input.images.ImageSource` instead (`tfds_source(..., image_size=S)`).
-  A slice is read in one call and parsed as a batch: features stored as plain
-  numbers become one array each without TFDS's per-record decode; encoded
-  ones (PNG images) are decoded by TFDS record by record.
+  An `image`/`x` plus a class-label `label`/`y` becomes an image source (`x` keeps its dtype,
+  uint8 scaled on the device; 2-D images get a channel axis; `y` int32); anything else keeps
+  its names and dtypes ("custom"). Plain-number features are parsed as one array per batch,
+  without TFDS's per-record decode; encoded ones (PNG) are decoded record by record.
   """
 
   def __init__(self, data_source: Any, spec: str):
@@ -201,10 +189,8 @@ class TfdsSource:
 class EncodedImages:
   """A TFDS image-classification split with its images left encoded (JPEG/PNG bytes).
 
-  `source[indices] -> {"image": object array of bytes, "label": int32}`, read
-  and parsed as a batch; decoding, cropping and resizing happen in
-  `hetjax.input.images.ImageSource`, on the loader's workers. Pickles small
-  (the files are reopened by path), so worker processes can open it.
+  `source[indices] -> {"image": object array of bytes, "label": int32}`; decoded by
+  `images.ImageSource` on the loader's workers. Pickles small (files reopened by path).
   """
 
   def __init__(self, data_source: Any, spec: str, keys: tuple[str, str]):
