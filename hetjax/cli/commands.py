@@ -15,7 +15,7 @@ from typing import Sequence
 
 from hetjax import config as config_lib  # No JAX: the configs and their checks.
 from hetjax import exits, optimizers  # Neither imports anything heavy at module level.
-from hetjax.cli import flags
+from hetjax.cli import flags, user_code  # Stdlib only.
 from hetjax.config import Env, check_at_least
 
 
@@ -23,7 +23,6 @@ from hetjax.config import Env, check_at_least
 def _check_args(args: argparse.Namespace) -> None:
   """Everything that can be checked before JAX starts; raises ValueError worded as flags."""
   from hetjax import models as zoo
-  from hetjax.cli import user_code
   from hetjax.input import data
 
   if user_code.is_factory(args.model):
@@ -78,7 +77,6 @@ def _model_overrides(args: argparse.Namespace) -> dict:
 
 def _load_data(args: argparse.Namespace):
   """(training source, evaluation source or None) of --dataset."""
-  from hetjax.cli import user_code
   from hetjax.input import data
   if user_code.is_factory(args.dataset):
     return user_code.load_dataset(args.dataset)
@@ -94,7 +92,6 @@ def _load_data(args: argparse.Namespace):
 
 def _build_task(args: argparse.Namespace, info):
   from hetjax import models as zoo
-  from hetjax.cli import user_code
   if user_code.is_factory(args.model):
     return user_code.build_task(args.model, info, _model_overrides(args))
   return zoo.build(args.model, kind=info.kind, num_classes=info.num_classes,

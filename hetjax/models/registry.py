@@ -6,14 +6,13 @@ import dataclasses
 from typing import Any, Callable
 
 from hetjax import task as task_lib
-
 from hetjax.models import losses, preprocess
+from hetjax.models.catalog import KINDS, MODEL_NAMES
 from hetjax.models.cnn import CNN
 from hetjax.models.mlp import MLP
 from hetjax.models.resnet import MaskedBatchNorm, ResNet, ResNet50
 from hetjax.models.transformer import TransformerLM
 
-from hetjax.models.catalog import KINDS, MODEL_NAMES
 _NOUNS = {"image": "image", "tokens": "token"}  # For error messages.
 
 
