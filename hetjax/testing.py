@@ -7,20 +7,11 @@
     def test_two_hosts():
       assert run_hosts("_entries:entry", hosts=2) == [(0, 2), (1, 2)]
 
-Every host is a fresh Python process (`python -m hetjax.testing`) that joins
-a localhost cluster through `hetjax.cluster.runtime.initialize()` with the
-environment the launcher gives, so tests exercise the real multi-process
-path: `jax.distributed`, gloo collectives, one process per host, started,
-prefixed and stopped by `hetjax.cluster.procs` as the launcher does. The
-hosts can be made unlike (EMULATED, `hetjax.cluster.emulate`): relative
-speeds, stragglers from a step on, stalls and failed checkpoint writes, and
-per-host variables such as another XLA_FLAGS.
-
-`HETJAX_TESTING_PYTHON` (a command line) replaces this interpreter in front
-of `-m hetjax.testing`: hetjax's own suite points it at a client that forks
-hosts from a server that imported JAX once (tests/_warm_hosts.py).
-
-This module imports no JAX; only the hosts do.
+Each host is a fresh process (`python -m hetjax.testing`) joining a localhost cluster through
+`runtime.initialize()`, started and stopped by `hetjax.cluster.procs` as the launcher does: the
+real multi-process path (`jax.distributed`, gloo). Hosts can be made unlike (EMULATED,
+`hetjax.cluster.emulate`). `HETJAX_TESTING_PYTHON` replaces the interpreter (the suite forks
+hosts from a warm server: tests/_warm_hosts.py). This module imports no JAX.
 """
 
 from __future__ import annotations
@@ -39,9 +30,7 @@ from hetjax.cluster import emulate, procs
 from hetjax.config import Env
 
 PYTHON_ENV = "HETJAX_TESTING_PYTHON"
-# JAX catches SIGTERM once the distributed runtime is up (it treats it as a
-# preemption notice), so a stopped host only really ends at SIGKILL; test
-# hosts have nothing to save, so do not wait long for them.
+# JAX takes SIGTERM as a preemption notice, so a host ends only at SIGKILL; nothing to save.
 _GRACE_S = 0.5
 _ENTRY_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 

@@ -1,17 +1,10 @@
 """Heterogeneity EMULATION: identical CPU hosts made to behave as unlike ones.
 
-Nothing here runs on the real path. It exists so that tests and benchmarks
-on one machine show what hetjax does on a cluster whose hosts differ, and
-it is the one place that emulates: speeds (HETJAX_SPEED: a host of relative
-speed `s`, the fastest 1.0, sleeps after its real local compute so that the
-compute appears to take `1 / s` as long; HETJAX_DEVICE_SAMPLE_MS instead
-adds emulated device time per sample), stragglers from a step on
-(HETJAX_SLOWDOWN), hosts that compile differently (`parse_host_env`), and
-faults (HETJAX_FAULTS: a stalled phase or step, a failed checkpoint
-write). The launcher (`--speeds`, `--slowdown`, ...) and
-`hetjax.testing.run_hosts` set these variables; the hosts read them.
-
-Stdlib only, so the launcher can validate speeds without importing JAX.
+Never on the real path; the one place that emulates, so tests and benchmarks on one machine
+show unlike hosts: speeds (HETJAX_SPEED: sleep after the real compute so it appears to take
+`1 / s` as long; or HETJAX_DEVICE_SAMPLE_MS per sample), stragglers (HETJAX_SLOWDOWN), hosts
+that compile differently (`parse_host_env`) and faults (HETJAX_FAULTS). The launcher and
+`hetjax.testing.run_hosts` set these variables. Stdlib only (the launcher imports no JAX).
 """
 
 from __future__ import annotations
@@ -36,11 +29,8 @@ def check_speed(speed: float, *, name: str = "speed") -> float:
 
 
 def check_speeds(speeds: Sequence[float], hosts: int) -> list[float]:
-  """Validates one speed per host, the fastest being exactly 1.0.
-
-  Speeds are relative, so the scale is pinned by the fastest host; without
-  that, `0.5,0.5` and `1,1` would describe the same cluster twice.
-  """
+  """Validates one speed per host, the fastest exactly 1.0 (else `0.5,0.5` and `1,1` would
+  describe one cluster twice)."""
   speeds = [float(s) for s in speeds]
   if len(speeds) != hosts:
     raise ValueError(f"--speeds gives {len(speeds)} speed(s) ({_join(speeds)}) but there are "
@@ -190,12 +180,8 @@ def sample_ms_from_env(env: Mapping[str, str] = os.environ, name: str = Env.DEVI
 
 
 class PacedInput:
-  """EMULATED input: a host short of CPU, whose reader needs `sample_s` per record.
-
-  Wraps a source; each read sleeps `sample_s` per record, in the reader that
-  runs it (a loader thread or worker process, so reads ahead overlap the
-  step as real decoding does) and then returns the source's own records.
-  """
+  """EMULATED input: a host short of CPU, whose reader sleeps `sample_s` per record (in the
+  loader's thread or worker, so reads ahead overlap the step as real decoding does)."""
 
   def __init__(self, source, sample_s: float, *, sleep: Callable[[float], None] = time.sleep):
     self.source, self.sample_s, self._sleep = source, sample_s, sleep
@@ -229,12 +215,9 @@ Pace = Callable[..., float]
 
 
 def pacing_from_env(host: int, env: Mapping[str, str] = os.environ) -> Pace | None:
-  """The pacing hook `(compute_s, step, samples=0) -> emulated_s` for this host.
-
-  `None` when nothing is emulated. Without HETJAX_DEVICE_SAMPLE_MS the whole
-  measured compute is stretched by `1 / speed`; with it, an emulated device
-  time proportional to `samples` is added (see `Env.DEVICE_SAMPLE_MS`).
-  """
+  """The pacing hook `(compute_s, step, samples=0) -> emulated_s` for this host (None: nothing
+  emulated): compute stretched by `1 / speed`, or device time per sample added
+  (`Env.DEVICE_SAMPLE_MS`)."""
   speed = speed_from_env(env)
   sample_ms = sample_ms_from_env(env)
   slowdowns = parse_slowdowns(env.get(Env.SLOWDOWN, ""))
@@ -250,12 +233,8 @@ def pacing_from_env(host: int, env: Mapping[str, str] = os.environ) -> Pace | No
 
 
 def parse_host_env(entries: Sequence[str], hosts: int) -> dict[int, dict[str, str]]:
-  """`HOST:KEY=VALUE` entries as {host: {key: value}}: hosts that differ on purpose.
-
-  The emulation of a cluster whose hosts are not alike beyond their speed:
-  e.g. `1:XLA_FLAGS=--xla_backend_optimization_level=0` compiles host 1's
-  programs differently, as another GPU generation would.
-  """
+  """`HOST:KEY=VALUE` entries as {host: {key: value}}: hosts that differ on purpose, e.g.
+  `1:XLA_FLAGS=--xla_backend_optimization_level=0` compiles as another GPU generation would."""
   found: dict[int, dict[str, str]] = {}
   for entry in entries:
     host, sep, assignment = entry.partition(":")
@@ -277,9 +256,7 @@ def parse_host_env(entries: Sequence[str], hosts: int) -> dict[int, dict[str, st
 # ---- Emulated faults (HETJAX_FAULTS): what the tests and the chaos soak inject ----
 
 FAULT_KINDS = ("stall-in-<phase>", "stall-in-step", "fail-write")
-# A folder: with it, each fault fires once per job, whatever the restarts (a
-# marker file per fault, made when it fires), so a seeded schedule of faults
-# (bench/chaos.py) can run under a launcher that restarts the same command.
+# A folder of marker files: each fault fires once per job, whatever the restarts (bench/chaos.py).
 FAULTS_ONCE = "HETJAX_FAULTS_ONCE"
 
 
@@ -287,13 +264,9 @@ FAULTS_ONCE = "HETJAX_FAULTS_ONCE"
 class Fault:
   """EMULATED: host `host` meets fault `kind` at (or after) step `step`.
 
-  Kinds: `stall-in-PHASE` (the host stops for ever on entering lifecycle
-  phase PHASE, e.g. `stall-in-evaluation`: its threads alive, as a hung read
-  leaves them), `stall-in-step` (the host stops for ever inside step STEP,
-  after its local compute and before the reduction, as a hung device or
-  kernel leaves it) and `fail-write` (the checkpoint of that step fails inside
-  orbax's commit, in the background when the save is asynchronous, as a
-  full disk or an unreachable bucket fails it).
+  Kinds: `stall-in-PHASE` (stops for ever entering lifecycle phase PHASE, threads alive, as a
+  hung read), `stall-in-step` (stops inside the step, before the reduction, as a hung device)
+  and `fail-write` (that step's checkpoint fails in orbax's commit, as a full disk).
   """
 
   @property
@@ -390,12 +363,8 @@ def faults_from_env(host: int, env: Mapping[str, str] = os.environ) -> Faults | 
 
 def with_step_faults(pace: Pace | None, host: int,
                      env: Mapping[str, str] = os.environ) -> Pace | None:
-  """`pace` with this host's emulated `stall-in-step` faults inside it (`pace` itself without).
-
-  The pacing hook is the one place inside a step, after the local compute
-  and before the reduction, that emulation reaches; a hook that only stalls
-  reports the compute time unchanged, so a run is not marked emulated by it.
-  """
+  """`pace` with this host's `stall-in-step` faults inside it (the one hook between the local
+  compute and the reduction); one that only stalls reports compute time unchanged."""
   faults = faults_from_env(host, env)
   if faults is None or not any(f.kind == "stall-in-step" for f in faults.faults):
     return pace

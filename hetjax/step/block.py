@@ -18,12 +18,8 @@ PyTree = Any
 
 def padded_chunks(batch: dict[str, np.ndarray],
                   size: int) -> Iterator[tuple[dict[str, np.ndarray], int]]:
-  """Cuts a batch into `size`-row chunks, the last one padded: (chunk, real rows).
-
-  Padding rows repeat the chunk's first (real) row: a loss that is NaN on an
-  all-zero row (a count of zero tokens, say) stays finite, and the mask
-  removes the copies from every sum with `where`.
-  """
+  """Cuts a batch into `size`-row chunks, the last one padded: (chunk, real rows). Padding
+  repeats the first real row (a loss NaN on all-zero rows stays finite); the mask drops it."""
   n = len(next(iter(batch.values())))
   for start in range(0, n, size):
     yield pad_rows({k: v[start:start + size] for k, v in batch.items()}, size), min(size, n - start)
@@ -49,15 +45,10 @@ def block_sums(task: Task, params: PyTree, model_state: PyTree, block: dict[str,
                blocks_full: bool = False) -> Sums:
   """One block's sums over its real examples: float32 gradients, loss, metrics, state.
 
-  The one definition of what a device computes for a block, shared by the
-  sync step and the rounds modes' local steps. `blocks_full` (fixed for a
-  run): every block is all real or all padding, never partly; then the
-  task's `unmasked_loss` serves, as the sums drop an all-padding block
-  whole. Under bf16 / fp16 the model
-  runs in the low type from float32 parameters, so the gradients come back
-  float32; `scale` multiplies the loss before differentiation and is divided
-  out of the gradients, only when `precision` scales its loss (a pass over
-  every gradient otherwise spent dividing by 1).
+  The one definition, shared by the sync step and the rounds modes. `blocks_full` (fixed for a
+  run): no block is part padding, so the task's `unmasked_loss` serves. Gradients come back
+  float32 under bf16 / fp16; `scale` is applied and divided out only when `precision` scales
+  its loss (else a pass over every gradient dividing by 1).
   """
   return _sums(task, params, model_state, block, rng, scale, precision, blocks_full, stacked=False)
 
@@ -67,11 +58,8 @@ def blocks_sums(task: Task, params: PyTree, model_state: PyTree, blocks: dict[st
                 blocks_full: bool = False) -> Sums:
   """The summed `block_sums` of `j` blocks stacked on a leading axis (`[j, m, ...]`, keys `[j]`).
 
-  A device batch: the model sees each block alone (`vmap`), so each keeps
-  its BatchNorm group, its key, its mask and its count-weighted state, and
-  the sums equal those of `j` separate `block_sums`. One backward pass over
-  the summed losses gives the summed gradients, with no `j` gradient trees
-  held at once.
+  Each block alone under `vmap` (its BatchNorm group, key, mask, state), so the sums equal `j`
+  separate `block_sums`; one backward pass, no `j` gradient trees held at once.
   """
   return _sums(task, params, model_state, blocks, rngs, scale, precision, blocks_full,
                stacked=True)
@@ -111,12 +99,8 @@ _FORWARDS: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 def _forward(task: Task, blocks_full: bool, compute: Any) -> Any:
   """One block's masked loss sums and aux, as a `jax.jit` made once per loss function.
 
-  Why: every program that runs blocks (each rung of a host's ladder, with
-  and without the update) and every trainer of the same task then
-  transform (vmap, grad) one trace of the model, one block's and one
-  stacked, instead of tracing the model again. As with any `jax.jit`, a
-  loss that reads Python state which changes between trainers is not
-  traced again: pass such values in the batch or the model state.
+  Why: every program and trainer of a task then transforms one trace of the model. As with any
+  `jax.jit`, a loss reading Python state that changes is not retraced: pass such values in.
   """
   loss_fn = task.training_loss(blocks_full)
   key = (blocks_full, jnp.dtype(compute).name)
@@ -136,10 +120,8 @@ def _masked_sums(loss_ref: Any, compute: Any) -> Any:
 
   def one(params, model_state, block, rng):
     real = block[MASK] > 0
-    # An all-padding block (a host whose blocks do not fill its last device
-    # round) shows the model an all-ones mask: masked BatchNorm over zero rows
-    # would be NaN, and NaN survives `where` in the backward pass. Its rows are
-    # copies of a real row, and every sum below uses `real`.
+    # An all-padding block shows the model an all-ones mask: masked BatchNorm over zero rows
+    # is NaN, which survives `where` in the backward pass. Every sum below uses `real`.
     model_block = {**block, MASK: jnp.where(jnp.any(real), block[MASK], 1.0)}
     if low:
       model_block = precision_lib.cast_batch(model_block, compute, keep=(MASK,))

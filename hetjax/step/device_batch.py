@@ -53,13 +53,9 @@ def power_of_two_at_most(n: float) -> int:
 
 def memory_k(stats: dict[str, Any] | None, memory: Any, block_bytes: int, fraction: float,
              cap: int) -> int | None:
-  """The largest power of two `k <= cap` whose estimate fits in `fraction` of the limit.
-
-  The estimate: what the device holds now (the train state), the one-block
-  program's outputs (its gradient sums), and `k` times its temporaries plus
-  a block's input; an upper bound, as part of the temporaries does not grow
-  with `k`. None when the device reports no limit.
-  """
+  """The largest power of two `k <= cap` whose estimate fits in `fraction` of the limit (None:
+  no limit reported). Estimate: bytes in use + the one-block program's outputs + `k` times
+  (its temporaries + a block's input); an upper bound (some temporaries do not grow with `k`)."""
   if not stats or not stats.get("bytes_limit"):
     return None
   per_block = int(getattr(memory, "temp_size_in_bytes", 0)) + int(block_bytes)
@@ -73,13 +69,8 @@ def choose(task: Task, params: Any, model_state: Any, example: dict[str, np.ndar
            microbatch: int, *, device: jax.Device, precision: str = "fp32",
            blocks_full: bool = False, fraction: float = 0.8, cap: int = MAX_K,
            repeats: int = REPEATS, clock: Callable[[], float] = time.perf_counter) -> Choice:
-  """This host's device batch (see the module docstring).
-
-  `params` and `model_state` are this host's (any placement: they are
-  copied to `device`); `example` is one record, repeated into blocks of
-  `microbatch` rows; `cap` the most blocks a device of this host can get in
-  one step.
-  """
+  """This host's device batch (module docstring). `params`, `model_state`: copied to `device`;
+  `example`: one record, repeated into blocks; `cap`: most blocks a device gets in one step."""
   cap = max(1, min(int(cap), MAX_K))
   params, model_state = jax.device_put((params, model_state), device)
   block = {k: np.repeat(np.asarray(v)[:1], microbatch, axis=0) for k, v in example.items()}
@@ -137,9 +128,7 @@ def for_hosts(config: Any, task: Task, params: Any, model_state: Any,
   """Every host's device batch for a run: `config.device_batch` (a `TrainConfig`) as
   given, or under 'auto' each host's `choose` (printed), gathered (`agree`).
 
-  `params` and `model_state` are global replicated arrays (each host reads
-  its own copy); `samples` is the most a host computes in one program's
-  step (default: the global batch), which caps `k`.
+  `samples`: the most a host computes in one step (default: the global batch), capping `k`.
   """
   fixed = config.device_batches(meshes.num_hosts)
   if fixed is not None:

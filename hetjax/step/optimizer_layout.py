@@ -92,13 +92,9 @@ def unview(x: jax.Array, shards: int) -> jax.Array:
 
 def sliced_kinds(optimizer: optax.GradientTransformation, params: PyTree, opt_state: PyTree,
                  shards: int) -> list[bool] | None:
-  """Per optimizer-state leaf, True when the sliced layout splits it, False for a
-  scalar kept whole; None when the state is not element-wise: its structure or a
-  leaf's shape follows the leaves' shapes otherwise (a factored optimizer, labels
-  by shape).
-
-  From shapes alone (`jax.eval_shape`): nothing runs.
-  """
+  """Per optimizer-state leaf, True when the sliced layout splits it, False for a scalar kept
+  whole; None when the state follows the leaves' shapes (factored, labels by shape). Shapes
+  only (`jax.eval_shape`): nothing runs."""
   try:
     split_state = jax.eval_shape(optimizer.init, _view_shapes(params, shards))
   except Exception:  # An optimizer that cannot even start on matrices of slices.
@@ -232,10 +228,8 @@ def for_hosts(optimizer: optax.GradientTransformation, params: PyTree, opt_state
               shards: int, requested: str, meshes: Any) -> Choice:
   """`choose` on every host, agreed: whole leaves if any host's probe asked for them.
 
-  Each host probes on its own CPU; float order could make a borderline
-  difference fall on both sides of `TOLERANCE` on two machines, and every
-  host must lay the state out alike (one collective, the same answer).
-  Host 0 says the choice once.
+  Float order could put a borderline probe on both sides of `TOLERANCE` on two machines, and
+  every host must lay the state out alike (one collective). Host 0 says the choice once.
   """
   choice = choose(optimizer, params, opt_state, shards, requested)
   wants_whole = gather_host_values(np.array([choice.layout == "whole"], np.float32), meshes)

@@ -24,22 +24,16 @@ def _report(stats: dict[str, jax.Array], names: tuple[str, ...], rows: jax.Array
 class Reduced(NamedTuple):
   """A dispatched reduction: the summed row for the next update, and what to fetch.
 
-  Fetching the report is the step's only wait for the devices; the trainer
-  does it after dispatching the next step, so the devices never idle while
-  Python prepares it (a plain JAX loop reads its loss one step late for the
-  same reason). One array: each fetch of a not-yet-ready array costs the
-  waiting thread CPU that, on XLA:CPU, the step's own threads want.
+  The report's fetch is the step's only wait, done after dispatching the next step so devices
+  never idle. One array: each fetch of an unready array costs CPU the XLA:CPU step wants.
   """
 
   report: jax.Array        # `names`' values, then (device backend) every device's host vector
   names: tuple[str, ...]
   rows: np.ndarray | None  # every host's vector `[hosts, k]`, when already in host memory
   meshes: Meshes          # picks each host's first row out of the report's `[all devices, k]`
-  # The summed row, on this host's devices: the next step's program applies it.
-  # A one-device world's is its local sums array `[1, n + 1 + k]` as it is:
-  # summing over one device would only copy the row (ResNet-18's reduction
-  # alone: 0.86 -> 0.29 ms). Under the sharded update, the new state packed
-  # (`hetjax.step.sharding`): the next step's program unpacks it.
+  # The summed row on this host's devices (a one-device world's `[1, n + 1 + k]` sums as they
+  # are: ResNet-18's reduction 0.86 -> 0.29 ms); under the sharded update the packed new state.
   total: Any
   shards: Any = None                     # the sharded update's new `Shards`
   learning_rate: jax.Array | None = None  # of the update the reduction applied (sharded)
@@ -121,11 +115,8 @@ class DeviceReduction:
 class HostReduction:
   """Sums moved to host memory and reduced with CPU collectives (gloo).
 
-  For jobs whose hosts cannot share one device collective (accelerators of
-  different vendors or generations whose collective libraries do not
-  interoperate): the CPU collective does not care what accelerator a host
-  has. Each host first sums over its own devices, on the devices, then
-  copies that one row to host memory: one device-to-host copy per step.
+  For hosts that share no device collective (vendors or generations whose libraries do not
+  interoperate). Each host sums over its devices first: one device-to-host copy per step.
   """
 
   name = "host"
@@ -173,11 +164,8 @@ class HostReduction:
                           out_shardings=self.meshes.local_replicated)
 
   def __call__(self, sums: LocalSums, shards=None) -> Reduced:
-    """Reduces on the CPUs; same contract as `DeviceReduction`.
-
-    The CPU collective needs this host's sums in host memory, so this
-    backend waits for the local programs.
-    """
+    """Reduces on the CPUs; same contract as `DeviceReduction`, but waits for the local
+    programs (the CPU collective needs the sums in host memory)."""
     layout = sums.layout
     if self._device_sum is None:
       self._build(layout)
@@ -201,12 +189,9 @@ class HostReduction:
 def line_up(program: Any, by_host: NamedSharding, meshes: Meshes) -> None:
   """Runs `program` once on a `[hosts, 1]` probe with every host lined up first.
 
-  gloo sets up a communicator for a new set of devices on its first
-  collective and gives up if a peer is not there within 30 s (fixed in
-  XLA), so a host that compiles much later (a slower or busier machine)
-  would fail the first step. Set it up here: compile the probe, line the
-  hosts up with a gather of host values (over these same CPUs, whose
-  communicator the trainer's agreement checks set up), then run it at once.
+  gloo sets up a communicator on its first collective and gives up if a peer is not there
+  within 30 s (fixed in XLA), so a host compiling much later would fail the first step. So:
+  compile, line hosts up with a gather of host values (over these CPUs), run at once.
   """
   probe = jax.make_array_from_process_local_data(by_host, np.zeros((1, 1), np.float32))
   compiled = program.lower(probe).compile()
@@ -218,11 +203,8 @@ REDUCTIONS = {"device": DeviceReduction, "host": HostReduction}
 
 
 def check_values_over_hosts(meshes: Meshes, what: str) -> None:
-  """Refuses `what` (a CPU reduction) on meshes whose host values travel over the devices.
-
-  A job reduces on the CPUs because its accelerators may share no collective;
-  its agreement checks, votes and timings must then avoid them too.
-  """
+  """Refuses `what` (a CPU reduction) on meshes whose host values travel over the devices
+  (their accelerators may share no collective: checks, votes and timings avoid them too)."""
   if meshes.values_over != "host":
     raise ValueError(f"{what} needs meshes whose host values travel over the CPUs too, got "
                      f"values_over={meshes.values_over!r}: build them with "

@@ -43,13 +43,8 @@ class Sums(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-  """How one device's sums travel, fixed by the model's shapes.
-
-  A device's row is `[sums | loss scale | host vector]`: its `Sums` packed
-  into float32 (`row_size` values, summed over devices), so a step's sums
-  cross to the world mesh as one array; then the loss scale the step ran
-  with and the host vector's `k` values, both set rather than summed.
-  """
+  """How one device's sums travel: a row `[sums | loss scale | host vector]`, its `Sums` packed
+  into `row_size` float32s (summed over devices), then the scale and `k` values (set)."""
 
   sums: packing.Packer
   precision: str
@@ -61,11 +56,7 @@ class Layout:
 
 @jax.tree_util.register_pytree_node_class
 class LocalSums:
-  """The local program's output: one `[local devices, row + 1 + k]` float32 array.
-
-  Each device's row is its packed `Sums`, the loss scale, then the host
-  vector (`k` values, the same on every device of the host): `Layout`.
-  """
+  """The local program's output: one `[local devices, row + 1 + k]` float32 array (`Layout`)."""
 
   def __init__(self, flat: jax.Array, layout: Layout):
     self.flat, self.layout = flat, layout

@@ -18,10 +18,8 @@ def apply_update(optimizer: optax.GradientTransformation, state: TrainState, tot
                  layout: Layout) -> tuple[TrainState, jax.Array]:
   """`sum(grad sums) / sum(weights)`, the optax update, the weighted model state.
 
-  `total` is the sums row added over every device (`Reduced.total`). On an
-  fp16 overflow (`overflowed`) the update is skipped and the loss scale
-  halved, the same on every host. Also returns the update's learning rate
-  (NaN when the optimizer hides it).
+  `total`: `Reduced.total`. An fp16 overflow skips the update and halves the scale on every
+  host. Also returns the learning rate (NaN when the optimizer hides it).
   """
   row = summed_row(total, layout)
   return optimizer_step(optimizer, state, layout.sums.unpack({"float32": row}),
@@ -32,10 +30,8 @@ def optimizer_step(optimizer: optax.GradientTransformation, state: Any, totals: 
                    overflow: jax.Array, layout: Layout) -> tuple[Any, jax.Array]:
   """The one update rule, on a whole state or on its slices: (new state, learning rate).
 
-  `state` is a `TrainState` or the sharded update's `Shards` (the same
-  fields); `totals` holds the summed gradient and model-state leaves laid
-  out as the state's are (whole, or the sharded update's `[S, c]` slices),
-  so both paths divide, update, average and skip an fp16 overflow alike.
+  `state`: a `TrainState` or `Shards`; `totals` laid out as the state is (whole or `[S, c]`
+  slices), so both paths divide, update, average and skip an fp16 overflow alike.
   """
   count = totals.count
   # count == 0 is reported by the trainer as an error; a zero total weight

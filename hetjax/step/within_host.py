@@ -76,11 +76,8 @@ class Split:
     return _Gathering(task, wrap(task.loss), wrap(task.unmasked_loss))
 
   def place(self, row: jax.Array, grads: PyTree, offsets: list[int]) -> jax.Array:
-    """`row` (one device's `[1, width]`) plus this device's gradients at their places.
-
-    Leaf `i` starts at `offsets[i]` in its real (row-major) order: a whole
-    leaf is added as it is, a slab over its own values of the leaf.
-    """
+    """`row` (one device's `[1, width]`) plus this device's gradients at their places: leaf
+    `i` from `offsets[i]` in row-major order, a slab over its own values."""
     d = jax.lax.axis_index(DEV)
     for x, a, like, offset in zip(jax.tree.leaves(grads), self.axes, self._likes, offsets):
       size, x = math.prod(like.shape), x.astype(row.dtype)
@@ -160,10 +157,8 @@ def decide(mode: str, devices: int, need_whole: int | None, need_rows: int | Non
            limit: int | None, emulated: bool, fraction: float) -> Decision:
   """Sharding on or off for one host.
 
-  `need_whole` / `need_rows`: a device's bytes without and with sharding
-  (`estimate`); `limit`: the device's memory (`emulated`: from
-  `device_memory`, on a backend that reports none). 'auto' shards only
-  when the whole state does not fit in `fraction` of the limit.
+  `need_whole` / `need_rows`: bytes without / with sharding (`estimate`); `limit`: device
+  memory (`emulated`: given). 'auto' shards only when whole does not fit in `fraction` of it.
   """
   if devices < 2:
     return Decision(False, f"{mode}: one device, nothing to split over")
