@@ -117,11 +117,8 @@ def check_dataset_name(name: str, data_dir: str | None = None, split: str = "tra
                        vocab_size: int | None = None) -> None:
   """Cheap checks before JAX starts (no TFDS import); raises ValueError.
 
-  `tfds:NAME` must be prepared in `data_dir` in a random-access format and
-  have `split`; `tokenfile:PATH` must be a whole number of `token_dtype`
-  ids holding at least one window of `seq_len`; a built-in name must exist
-  and have `split` (built-in datasets read no folder, so `data_dir` is
-  ignored for them). `seq_len` and `vocab_size` are for token datasets.
+  `tfds:NAME`: prepared in `data_dir`, random-access, has `split`; `tokenfile:PATH`: whole
+  `token_dtype` ids, at least one `seq_len` window; a built-in name: exists, has `split` (`data_dir` unread).
   """
   if name.startswith(TOKENFILE_PREFIX):
     tokenfile.check(name[len(TOKENFILE_PREFIX):], seq_len, token_dtype)

@@ -126,11 +126,8 @@ def _scaled_box(box: Box, sx: float, sy: float) -> Box:
 
 
 def _dct_factor(width: int, height: int, box: Box, size: int) -> int:
-  """The largest of 1, 2, 4, 8 whose DCT-reduced image still holds the box at >= `size` pixels.
-
-  The resize after it then shrinks by less than 2x, where bilinear without
-  antialiasing loses little (tf.image.resize's default, as big_vision crops).
-  """
+  """The largest of 1, 2, 4, 8 whose DCT-reduced image still holds the box at >= `size` pixels
+  (the resize then shrinks < 2x, where bilinear without antialiasing loses little)."""
   want_w = width * size / max(box[2] - box[0], 1e-9)
   want_h = height * size / max(box[3] - box[1], 1e-9)
   factor = 1
@@ -196,9 +193,8 @@ def _decode_pil(data: bytes, size: int, channels: int, box_fn: Callable[[int, in
 class ImageSource:
   """Encoded images as fixed-size uint8 records: evaluation and training views.
 
-  `source[indices]` gives the evaluation view (deterministic);
-  `train_records(indices, keys)` the training view, one key per example.
-  Both return `{"x": uint8 [n, size, size, channels], "y": int32 [n]}`.
+  `source[indices]`: evaluation view; `train_records(indices, keys)`: training view. Both give
+  `{"x": uint8 [n, size, size, channels], "y": int32 [n]}`.
   """
 
   def __init__(self, encoded: Source, recipe: ImageRecipe, *, image_key: str = "image",

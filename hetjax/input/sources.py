@@ -95,9 +95,8 @@ class ArraySource:
 class SyntheticSource:
   """Any number of records computed from their index, none held in memory.
 
-  Record `i` is an image of i.i.d. uniform pixels (zero mean, unit variance)
-  hashed from `(seed, i, pixel)`, labelled by a fixed random linear teacher,
-  so the task is learnable and 10^9 records cost nothing until read.
+  Record `i`: i.i.d. uniform pixels (zero mean, unit variance) hashed from `(seed, i, pixel)`,
+  labelled by a fixed random linear teacher: learnable, and 10^9 records cost nothing.
   """
 
   def __init__(self, size: int = 10**7, seed: int = 0, shape: Sequence[int] = (8, 8, 1),
@@ -147,12 +146,8 @@ def digits(split: str = "train") -> ArraySource:
 
 
 def digits_table() -> np.ndarray:
-  """scikit-learn's `digits.csv.gz` (64 pixels, then the label per row), read as
-  `sklearn.datasets.load_digits` reads it, without importing scikit-learn.
-
-  Why: importing scikit-learn loads SciPy, 1.6 s of CPU in every process
-  that reads the digits (each emulated host of the demo and of the tests).
-  """
+  """scikit-learn's `digits.csv.gz` (64 pixels, then the label), read as `load_digits` does,
+  without importing scikit-learn (it loads SciPy: 1.6 s of CPU in every emulated host)."""
   spec = importlib.util.find_spec("sklearn")  # Locates the package; runs none of it.
   path = None if spec is None or not spec.submodule_search_locations else os.path.join(
       list(spec.submodule_search_locations)[0], "datasets", "data", "digits.csv.gz")

@@ -34,12 +34,9 @@ def estimate(task: Task, params: PyTree, model_state: PyTree, example: dict[str,
              blocks_full: bool = False) -> tuple[int | None, int | None]:
   """A device's bytes (without, with) sharding over `devices`; None where XLA gives none.
 
-  Without: the parameters, the pending packed replica (parameters and
-  model state), the sums row (float32, one value per parameter) and the
-  one-block program's temporaries. With: the parameters as slabs, the same
-  replica and row, and the temporaries less the whole gradient tree (the
-  gradients arrive as slabs); an estimate: `LocalProgram.peak_bytes`
-  (XLA's `memory_analysis()`) is the measure (`bench/memory.py`).
+  Without: parameters, pending packed replica, float32 sums row and the one-block program's
+  temporaries. With: parameters as slabs, the same replica and row, temporaries less the whole
+  gradient tree. An estimate: `LocalProgram.peak_bytes` is the measure (`bench/memory.py`).
   """
   params, model_state = jax.device_put((params, model_state), device)
   block = {k: np.repeat(np.asarray(v)[:1], microbatch, axis=0)[None] for k, v in example.items()}
