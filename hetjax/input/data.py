@@ -118,7 +118,7 @@ def check_dataset_name(name: str, data_dir: str | None = None, split: str = "tra
   """Cheap checks before JAX starts (no TFDS import); raises ValueError.
 
   `tfds:NAME`: prepared in `data_dir`, random-access, has `split`; `tokenfile:PATH`: whole
-  `token_dtype` ids, at least one `seq_len` window; a built-in name: exists, has `split` (`data_dir` unread).
+  `token_dtype` ids, one `seq_len` window at least; a built-in name: has `split` (no folder).
   """
   if name.startswith(TOKENFILE_PREFIX):
     tokenfile.check(name[len(TOKENFILE_PREFIX):], seq_len, token_dtype)
