@@ -1,23 +1,16 @@
 """Image recipes as the field uses them, keyed by the example, uint8 out.
 
-Variable-size encoded images (JPEG, PNG) become fixed-size uint8 batches
-here, the way the Flax ImageNet example and big_vision prepare them:
-
-- training: decode, an Inception-style random resized crop (area 8-100 %,
-  aspect 3/4-4/3) to `size x size`, a random left-right flip;
-- evaluation: decode, resize the shorter side to `size / 0.875`, centre crop.
+As the Flax ImageNet example and big_vision: training decodes, crops Inception-style (area
+8-100 %, aspect 3/4-4/3) to `size x size` and flips; evaluation resizes the shorter side to
+`size / 0.875` and centre-crops.
 
 Every draw hashes the example's key (`augment.example_keys`), so a record is cropped and
 flipped alike on any host and split (invariant 1). Pixels stay uint8 (a quarter of float32's
 bytes to the device); the models scale them there (`zoo.preprocess`).
 
-JPEGs are decoded by libjpeg-turbo through simplejpeg (accurate integer
-IDCT, smooth chroma upsampling), at the smallest DCT scale (1/2, 1/4, 1/8)
-that still leaves the crop >= `size` pixels, so a 500-pixel photo cropped
-to 64 pixels costs a fraction of a full decode; the crop box is rounded to
-whole pixels of that decoded image and resized by OpenCV's bilinear
-filter, the pipeline DALI and FFCV users know (docs/data.md says what that
-changes in pixels). Other formats, and CMYK JPEGs, go through PIL.
+JPEGs: simplejpeg (libjpeg-turbo, accurate IDCT) at the smallest DCT scale (1/2, 1/4, 1/8)
+leaving the crop >= `size` pixels (a fraction of a full decode), then OpenCV bilinear, as DALI
+and FFCV do (docs/data.md: what that changes in pixels). Other formats and CMYK: PIL.
 
 Example:
   >>> images = ImageSource(encoded, ImageRecipe(size=224, crop=True, flip=True))

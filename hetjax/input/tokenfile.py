@@ -1,9 +1,8 @@
 """A flat file of token ids (nanoGPT's `.bin`) as fixed windows: record `i` is tokens
 `[i * seq_len, (i + 1) * seq_len)`, no overlap, a trailing partial window dropped.
 
-Mapped per read: a `np.memmap` held open keeps every page it touched in the
-process's resident memory (nanoGPT remaps per batch for the same reason), and
-the source pickles as a path for the loader's worker processes.
+Mapped per read: a held `np.memmap` keeps every touched page resident (nanoGPT remaps per
+batch too); the source pickles as a path for the loader's workers.
 """
 
 from __future__ import annotations
