@@ -121,4 +121,4 @@ def test_the_command_line_refuses_it_for_a_rounds_mode(capsys, tmp_path):
   from hetjax import cli
   (tmp_path / "run.yaml").write_text("shard-within-host: on\n")  # A config-file key.
   assert cli.main(["train", "--mode", "hybrid", "--config", str(tmp_path / "run.yaml")]) == 2
-  assert "`shard-within-host` 'on' applies to the sync mode only" in capsys.readouterr().err
+  assert "--shard-within-host 'on' applies to the sync mode only" in capsys.readouterr().err

@@ -18,7 +18,6 @@ round is exactly a sync step over the same positions.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -99,8 +98,12 @@ class Hybrid(Rounds):
 
     self._contribution = jax.jit(contribution, out_shardings=meshes.local_replicated)
 
-    self._finish = rounds_lib.OuterUpdate(
-        lambda mesh, axis: functools.partial(self._outer_step, outer, mesh, axis), backend, meshes)
+    def make_finish(mesh, axis):
+      def finish(centre, totals, total_n):  # Its name names the compiled program (test_host_values).
+        return self._outer_step(outer, mesh, axis, centre, totals, total_n)
+      return finish
+
+    self._finish = rounds_lib.OuterUpdate(make_finish, backend, meshes)
 
   @staticmethod
   def _outer_step(outer: optax.GradientTransformation, mesh: Mesh, axis: str, centre: Centre,

@@ -225,7 +225,7 @@ class Run:
     if self.recorder is not None:
       self.recorder.device(trainer.meshes.local.devices.flat[0].device_kind,
                            trainer.meshes.local_devices, trainer.config.precision, trainer.emulated)
-      sinks.append(self.recorder.step_sink(trainer.host_id, getattr(trainer, "flops_of", None)))
+      sinks.append(self.recorder.step_sink(trainer.host_id, getattr(trainer.mode, "flops_of", None)))
     # Records are built only for someone to read them: the loop stays lean.
     self.stream = None if not sinks else metrics_lib.RecordStream(
         trainer.history, global_batch=None, emulated=trainer.emulated,
