@@ -82,13 +82,18 @@ class _FakeWandb(types.ModuleType):
   def __init__(self):
     super().__init__("wandb")
     self.inits: list[dict] = []
+    self.calls: list[tuple] = []  # ("finish" | "teardown", exit code), in order.
     self.Settings = lambda **kwargs: kwargs
     self.Image = lambda path: path
 
   def init(self, **kwargs):
     self.inits.append(kwargs)
-    return types.SimpleNamespace(log=lambda values, step=None: None, summary={},
-                                 finish=lambda **kwargs: None)
+    return types.SimpleNamespace(
+        log=lambda values, step=None: None, summary={},
+        finish=lambda exit_code=None: self.calls.append(("finish", exit_code)))
+
+  def teardown(self, exit_code=None):
+    self.calls.append(("teardown", exit_code))
 
 
 def _record(step: int) -> dict:
@@ -120,5 +125,21 @@ def test_a_resumed_job_continues_its_run_and_a_fresh_one_opens_a_new(tmp_path, m
 def test_a_run_that_never_logged_closes_without_opening(tmp_path, monkeypatch):
   fake = _FakeWandb()
   monkeypatch.setitem(sys.modules, "wandb", fake)
-  tracking.WandbRun("p", {}, str(tmp_path)).run.finish(exit_code=1)  # The CLI's failure path.
+  tracking.WandbRun("p", {}, str(tmp_path)).close(exit_code=1)  # The CLI's failure path.
   assert fake.inits == [] and tracking.kept_run_id(str(tmp_path)) is None
+
+
+@pytest.mark.parametrize("failed", [False, True])
+def test_a_run_is_written_out_before_the_job_leaves(tmp_path, monkeypatch, failed):
+  """`run.finish` only informs wandb's service; a job that leaves by os._exit (a stop, a lost
+  host) skips wandb's atexit hook, so the run must wait for the service (`teardown`)."""
+  fake = _FakeWandb()
+  monkeypatch.setitem(sys.modules, "wandb", fake)
+  run = tracking.WandbRun("p", {}, str(tmp_path))
+  run(_record(1))
+  if failed:
+    run.close(exit_code=1)
+  else:
+    run.finish({"loss": 1.0})
+  code = 1 if failed else 0
+  assert fake.calls == [("finish", code), ("teardown", code)]

@@ -175,7 +175,7 @@ def train(args: argparse.Namespace) -> dict:
                      eval_every=args.eval_every)
   except BaseException:
     if tracked is not None:
-      tracked.run.finish(exit_code=1)
+      tracked.close(exit_code=1)
     raise
   finally:
     bar.close()

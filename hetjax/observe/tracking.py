@@ -108,4 +108,14 @@ class WandbRun:
                                 if isinstance(v, (int, float, str, bool)) or v is None})
       self._run.summary.update(goodput_summary.flat(summary.get("goodput"),
                                                     summary.get("balancer_saving")))
-    self._run.finish()
+    self.close()
+
+  def close(self, exit_code: int = 0) -> None:
+    """Ends the run and waits until W&B's service has written all of it.
+
+    `run.finish` only informs the service, which writes on in the background;
+    a job that leaves by `os._exit` (a stop, a lost host) skips wandb's atexit
+    hook, so without `teardown` its last records could be lost.
+    """
+    self.run.finish(exit_code=exit_code)
+    self._wandb.teardown(exit_code)
