@@ -24,6 +24,7 @@ from hetjax.input import data as data_lib
 from hetjax.input import sources as sources_lib
 from hetjax.modes.base import Mode, Setup
 from hetjax.modes.sync import WARMUP_STEPS, Sync  # noqa: F401 (the report's warm-up matches it)
+from hetjax.observe import metrics as metrics_lib
 from hetjax.observe.history import History
 from hetjax import task as task_lib
 from hetjax.training import agreement
@@ -212,7 +213,9 @@ class Trainer:
     return {"job": self.job, "layout": self._layout(), **self.mode.meta()}
 
   def _layout(self) -> dict[str, Any]:
-    return lifecycle.layout(self.meshes, self.config.microbatch)
+    """The host layout a checkpoint records; a resume compares it with its own."""
+    return {"hosts": self.num_hosts, "devices_per_host": list(self.meshes.devices_per_host()),
+            "microbatch": self.config.microbatch}
 
   def _resume(self) -> None:
     """Continues from the newest complete checkpoint of this job, if the folder has one."""
@@ -251,7 +254,8 @@ class Trainer:
 
   def write_summary(self, out: str, summary: dict[str, Any]) -> None:
     """Writes OUT/summary.json on process 0 (what `hetjax report` reads)."""
-    lifecycle.write_summary(out, summary, self.host_id)
+    if self.host_id == 0:
+      metrics_lib.write_summary(out, summary)
 
   def close(self) -> None:
     """Stops the mode's threads and finishes any checkpoint being written."""

@@ -49,12 +49,6 @@ def _collectives() -> str:
   return str(jax.config.jax_cpu_collectives_implementation)
 
 
-def _coordinator() -> str | None:
-  """The coordinator hetjax was told or found (HETJAX_*, SLURM); None where JAX detected it."""
-  from hetjax.cluster import runtime
-  return runtime.resolve(os.environ).coordinator
-
-
 def _pacing(host_id: int) -> tuple[Callable[[float, int], float] | None, float, bool]:
   """The emulation hook, the emulated speed and whether anything is emulated."""
   if not config_lib.emulated_from_env():
@@ -66,6 +60,7 @@ def _pacing(host_id: int) -> tuple[Callable[[float, int], float] | None, float, 
 def gather_identity(meshes: Meshes, settings: str) -> list[dict[str, Any]]:
   """Every host's name, versions, collectives, speed and settings hash."""
   import jax
+  from hetjax import mesh as mesh_lib
   _, speed, emulated = _pacing(meshes.host_id)
   texts = {"hostname": socket.gethostname(), "jax_version": jax.__version__,
            "collectives": _collectives(), "platform": jax.devices()[0].platform,
@@ -73,7 +68,7 @@ def gather_identity(meshes: Meshes, settings: str) -> list[dict[str, Any]]:
            "gloo_interface": os.environ.get(config_lib.Env.GLOO_INTERFACE, "")}
   head = np.array([meshes.host_id, meshes.local_devices, speed, float(emulated)], np.float32)
   vector = np.concatenate([head, config_lib.fingerprint(settings)] + [encode_text(texts[k]) for k in _TEXTS])
-  rows = _gather(vector, meshes)
+  rows = mesh_lib.gather_host_values(vector, meshes)
   hosts = []
   for h, row in enumerate(rows):
     texts = {k: decode_text(row[8 + i * TEXT_BYTES: 8 + (i + 1) * TEXT_BYTES])
@@ -82,11 +77,6 @@ def gather_identity(meshes: Meshes, settings: str) -> list[dict[str, Any]]:
                   "speed": float(row[2]), "emulated": bool(row[3]),
                   "settings": row[4:8].tolist(), **texts})
   return hosts
-
-
-def _gather(vector: np.ndarray, meshes: Meshes) -> np.ndarray:
-  from hetjax import mesh as mesh_lib
-  return mesh_lib.gather_host_values(vector, meshes)
 
 
 def check_reduction(meshes: Meshes, repeats: int = 5) -> dict[str, Any]:
@@ -151,6 +141,7 @@ def time_steps(run: Callable[[int], Any], batch: int, steps: int,
 
 def measure_in_turns(model: str, batch: int, steps: int, meshes: Meshes) -> list[dict[str, float]]:
   """Every host's local samples/s, measured one host at a time."""
+  from hetjax import mesh as mesh_lib
   pace, _, _ = _pacing(meshes.host_id)
   run = build_local_step(model, batch, meshes)
   mine = np.zeros(2, np.float32)
@@ -158,8 +149,8 @@ def measure_in_turns(model: str, batch: int, steps: int, meshes: Meshes) -> list
     if turn == meshes.host_id:
       result = time_steps(run, batch, steps, pace)
       mine = np.array([result["samples_per_sec"], result["real_samples_per_sec"]], np.float32)
-    _gather(np.zeros(1), meshes)  # The turn ends for everyone together.
-  rows = _gather(mine, meshes)
+    mesh_lib.gather_host_values(np.zeros(1), meshes)  # The turn ends for everyone together.
+  rows = mesh_lib.gather_host_values(mine, meshes)
   return [{"samples_per_sec": float(r[0]), "real_samples_per_sec": float(r[1])} for r in rows]
 
 
@@ -260,14 +251,15 @@ def diagnose(*, model: str = "mlp", batch: int = 256, steps: int = 10,
     problems.append(f"the all-gather put hosts {[h['reported_id'] for h in hosts]} in rows "
                     f"{list(range(meshes.num_hosts))}: host rows are mixed up.")
   for key in ("jax_version", "collectives"):
-    values = sorted({h[key] for h in hosts})
-    if len(values) > 1:
-      problems.append(f"hosts disagree on {key}: {_by_host(hosts, key)}; install the same "
+    if len({h[key] for h in hosts}) > 1:
+      by_host = ", ".join(f"host {h['host']} {h[key]}" for h in hosts)
+      problems.append(f"hosts disagree on {key}: {by_host}; install the same "
                       "JAX everywhere and start every host the same way.")
   if len({tuple(h["settings"]) for h in hosts}) > 1:
     problems.append("hosts run doctor with different --model/--batch/--steps; give every host "
                     "the same arguments. Skipped the speed test.")
-  coordinator = _coordinator()
+  from hetjax.cluster import runtime  # The coordinator it was told or found; None: JAX's own.
+  coordinator = runtime.resolve(os.environ).coordinator
   preflight = [hostname_verdict(h["host"], h["hostname"], h["address"], h["gloo_interface"],
                                 coordinator) for h in hosts]
   preflight += device_verdicts(meshes.devices_per_host(),
@@ -293,10 +285,6 @@ def diagnose(*, model: str = "mlp", batch: int = 256, steps: int = 10,
       "jax_version": jax.__version__, "reduction": reduction,
       "benchmark": {"model": model, "batch": batch, "steps": steps}, "hosts": hosts,
   }
-
-
-def _by_host(hosts: list[dict[str, Any]], key: str) -> str:
-  return ", ".join(f"host {h['host']} {h[key]}" for h in hosts)
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -349,17 +337,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="devices each host should see: one count for all, or one per host")
 
 
-def _check(args: argparse.Namespace) -> None:
-  for flag, value in (("--batch", args.batch), ("--steps", args.steps)):
-    if value < 1:
-      raise ValueError(f"{flag} must be >= 1, got {value}.")
-
-
 def run(args: argparse.Namespace) -> int:
   """`hetjax doctor` on this host; 0 when every check passed, 1 if not, 2 on bad input."""
   multi_host = int(os.environ.get(config_lib.Env.NUM_HOSTS, "1")) > 1
   try:
-    _check(args)
+    config_lib.check_at_least("--batch", args.batch, 1)
+    config_lib.check_at_least("--steps", args.steps, 1)
     from hetjax.cluster import runtime
     if args.gloo_interface:
       os.environ[config_lib.Env.GLOO_INTERFACE] = args.gloo_interface  # Host 0's report shows it.

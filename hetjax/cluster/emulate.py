@@ -69,31 +69,15 @@ def speed_from_env(env: Mapping[str, str] = os.environ) -> float:
 
 
 class Pacer:
-  """Stretches a host's measured compute time to emulate a slower device.
-
-  Example:
-    pacer = Pacer(speed_from_env())
-    start = time.perf_counter()
-    ...  # real local compute, blocked until ready
-    emulated_s = pacer.pace(time.perf_counter() - start)
-  """
+  """Stretches a host's measured compute time to emulate a slower device (`speed` in (0, 1])."""
 
   def __init__(self, speed: float, *, sleep: Callable[[float], None] | None = None):
-    """Args: speed: relative speed in (0, 1]; sleep: injectable for tests."""
     self.speed = check_speed(speed)
     self._sleep = sleep or time.sleep
 
   def pace(self, compute_s: float, factor: float = 1.0) -> float:
-    """Sleeps so that `compute_s` of real compute appears to take `compute_s / speed`.
-
-    Args:
-      compute_s: seconds the local compute really took.
-      factor: extra slowdown (>= 1) on top of the host's speed, the hook for a
-        straggler schedule such as "host 2 becomes 4x slower at step 100".
-
-    Returns:
-      The emulated duration, `compute_s * factor / speed`, in seconds.
-    """
+    """Sleeps so `compute_s` of real compute appears to take `compute_s * factor / speed`
+    (returned); `factor` >= 1 is a straggler's extra slowdown ("4x slower from step 100")."""
     if not compute_s >= 0.0:
       raise ValueError(f"compute_s must be >= 0 seconds, got {compute_s!r}.")
     if not factor >= 1.0:
@@ -293,8 +277,7 @@ def parse_faults(text: str) -> list[Fault]:
     phase = fault.kind[len("stall-in-"):] if fault.kind.startswith("stall-in-") else None
     if fault.kind not in ("fail-write", "stall-in-step") and phase not in phases.NAMES:
       raise ValueError(f"{Env.FAULTS} {item!r}: the kinds are fail-write, stall-in-step and "
-                       f"stall-in-PHASE, "
-                       f"PHASE one of {', '.join(phases.NAMES)}.")
+                       f"stall-in-PHASE, PHASE one of {', '.join(phases.NAMES)}.")
     out.append(fault)
   return out
 

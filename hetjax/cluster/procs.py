@@ -183,10 +183,7 @@ def _install_handlers(received: list[int]) -> dict[int, object]:
     del frame
     received.append(signum)
 
-  previous = {}
-  for signum in STOP_SIGNALS:
-    previous[signum] = signal.signal(signum, handler)
-  return previous
+  return {signum: signal.signal(signum, handler) for signum in STOP_SIGNALS}
 
 
 def _restore_handlers(previous: Mapping[int, object]) -> None:

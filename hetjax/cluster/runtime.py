@@ -92,9 +92,8 @@ def _env_timeout(env: Mapping[str, str]) -> float:
 
 
 def heartbeat_from_env(env: Mapping[str, str] = os.environ) -> int:
-  """HETJAX_HEARTBEAT_TIMEOUT (the coordinator's value decides); too short kills a host in a
-  long pause of its own (a swap storm, a long GC).
-  """
+  """HETJAX_HEARTBEAT_TIMEOUT (the coordinator's decides); too short kills a host in a long
+  pause of its own (a swap storm, a long GC)."""
   raw = env.get(Env.HEARTBEAT_TIMEOUT)
   if not raw:
     return DEFAULT_HEARTBEAT_S
@@ -244,14 +243,6 @@ def wait_for_coordinator(address: str, timeout_s: float) -> None:
       f"and port are right, or raise the limit with {Env.INIT_TIMEOUT} or the config key init-timeout.")
 
 
-def check_interface(name: str) -> None:
-  """Raises ValueError unless `name` is a network interface of this machine."""
-  names = sorted(n for _, n in socket.if_nameindex())
-  if name not in names:
-    raise ValueError(f"{Env.GLOO_INTERFACE}={name!r} is no network interface of this machine "
-                     f"({socket.gethostname()}); it has {', '.join(names)}.")
-
-
 def _use_gloo_interface(interface: str) -> None:
   """Binds gloo to `interface`: JAX uses `gethostname()`, which a `127.0.1.1` hosts entry or
   several networks resolve wrongly for peers (pytorch/gloo #223), and has no setting for it.
@@ -312,8 +303,10 @@ def initialize(coordinator: str | None = None, num_hosts: int | None = None,
   spec = resolve(os.environ, coordinator, num_hosts, host_id, timeout_s)
   heartbeat_s = heartbeat_from_env()
   interface = gloo_interface or os.environ.get(Env.GLOO_INTERFACE) or None
-  if interface:
-    check_interface(interface)
+  names = sorted(n for _, n in socket.if_nameindex()) if interface else []
+  if interface and interface not in names:
+    raise ValueError(f"{Env.GLOO_INTERFACE}={interface!r} is no network interface of this "
+                     f"machine ({socket.gethostname()}); it has {', '.join(names)}.")
   if spec.num_hosts == 1 or is_initialized():
     if spec.source.startswith(("SLURM", "Open MPI", "Kubernetes")):
       _say(f"{spec.source}")

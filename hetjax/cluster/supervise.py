@@ -245,10 +245,8 @@ def failure(outcome: Outcome) -> str:
     return (f"{_hosts(outcome.blamed())} could not write a checkpoint (exit code {rc}: a full or "
             "unwritable disk, or an unreachable bucket)")
   if outcome.stopped_by_user:
-    return f"host {i} was stopped by the user ({'exit code' if rc > 0 else 'signal'} " \
-           f"{rc if rc > 0 else _signal_name(-rc)})"
-  how = f"exit code {rc}" if rc >= 0 else f"signal {_signal_name(-rc)}"
-  return f"host {i} failed with {how}"
+    return f"host {i} was stopped by the user ({_end(rc)})"
+  return f"host {i} failed with {_end(rc)}"
 
 
 def describe(outcome: Outcome) -> str:
@@ -261,8 +259,8 @@ def describe(outcome: Outcome) -> str:
     return f"{failure(outcome)}; stopped all {n} hosts."
   if outcome.failed_host is None:
     return f"{failure(outcome)}."
-  others = {1: "", 2: "; stopped the other host"}.get(n, f"; stopped the other {n - 1} hosts")
-  others = "" if outcome.service_stopped is not None else others
+  others = ("" if outcome.service_stopped is not None else
+            {1: "", 2: "; stopped the other host"}.get(n, f"; stopped the other {n - 1} hosts"))
   text = f"{failure(outcome)}{others}."
   if outcome.preempted or outcome.stopped_by_user or outcome.service_stopped is not None:
     return text  # It saved and asked for a restart, or no host is to blame: no tail to show.

@@ -322,11 +322,7 @@ def service_alive() -> bool:
 
 
 WATCHDOG = Watchdog()
-# What the trainers call per step, and what a cross-host vote or gather is wrapped in.
-entered, reducing, completed, waiting = (WATCHDOG.entered, WATCHDOG.reducing, WATCHDOG.completed,
-                                         WATCHDOG.waiting)
-
-
-def watching(limit_s: float | None, host_id: int, num_hosts: int, unit: str = "step"):
-  """`WATCHDOG.watching`: what the trainer wraps its construction, `fit` and `close` in."""
-  return WATCHDOG.watching(limit_s, host_id, num_hosts, unit)
+# What the trainers call per step, what a cross-host vote or gather is wrapped in, and what
+# the trainer wraps its construction, `fit` and `close` in.
+entered, reducing, completed, waiting, watching = (
+    WATCHDOG.entered, WATCHDOG.reducing, WATCHDOG.completed, WATCHDOG.waiting, WATCHDOG.watching)

@@ -7,7 +7,7 @@ from typing import Any, Sequence
 import flax.linen as nn
 import jax
 
-from .inputs import as_input
+from .preprocess import as_input
 
 
 class CNN(nn.Module):

@@ -1,4 +1,4 @@
-"""Pixels arrive as uint8 and become floats on the device, not on the host.
+"""How models take their input: uint8 pixels become floats on the device, not on the host.
 
 uint8 moves a quarter of float32's bytes to the accelerator; scaling to [0, 1]
 costs the device one fused multiply. Float inputs pass through untouched.
@@ -10,7 +10,9 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from hetjax import task as task_lib
@@ -22,6 +24,12 @@ def scale_pixels(batch: dict, key: str = "x") -> dict:
   if x is None or x.dtype != jnp.uint8:
     return batch
   return {**batch, key: x.astype(jnp.float32) * jnp.float32(1 / 255)}
+
+
+def as_input(x: jax.Array, dtype: Any) -> jax.Array:
+  """`x` in the module's compute `dtype`; None leaves it for the first layer to promote with
+  the parameters (whatever `--precision` cast them to)."""
+  return x if dtype is None else x.astype(dtype)
 
 
 def on_device_scaling(task: task_lib.Task, key: str = "x") -> task_lib.Task:

@@ -13,7 +13,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from .inputs import as_input
+from .preprocess import as_input
 
 _STATS = ("mean", "var")
 
@@ -133,20 +133,12 @@ class ResNet(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, train: bool = False,
                mask: jax.Array | None = None) -> jax.Array:
-    """Logits for images `x [b, H, W, C]`.
-
-    Args:
-      x: images.
-      train: normalize with batch statistics (and update the running ones)
-        when True; with the running averages when False.
-      mask: float [b], 1 for real examples and 0 for padding. Only the real
-        examples contribute to batch statistics.
-    """
+    """Logits for images `x [b, H, W, C]`; `train`: batch statistics (the running ones
+    updated), else the running averages; only real examples (`mask` [b]: 1) count in them."""
     if mask is not None:
       mask = jnp.reshape(mask, (x.shape[0],) + (1,) * (x.ndim - 1))
-    small = self.small_input
-    if small is None:
-      small = max(x.shape[1], x.shape[2]) <= 64
+    small = (max(x.shape[1], x.shape[2]) <= 64 if self.small_input is None
+             else self.small_input)
     x = as_input(x, self.dtype)
     size, stride, pad = (3, 1, 1) if small else (7, 2, 3)
     x = nn.Conv(self.width, (size, size), stride, padding=pad, use_bias=False, dtype=self.dtype,

@@ -30,6 +30,7 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 from typing import Any, Iterable, Sequence
 
 from hetjax import phases as phases_lib
@@ -215,8 +216,8 @@ def host_time(attempts: Sequence[Attempt], host: int = 0, warmup: int = WARMUP_S
   compute = sum(s.compute_s for s in steady)
   known = steady and all(s.flops is not None for s in steady) and compute > 0
   return HostTime(host, attempts[-1].end - attempts[0].process_start, seconds, len(attempts),
-                  redone, sum(len(a.steps) for a in attempts), flops / compute if known else None, device.get("device_kind"),
-                  int(device.get("devices", 1)), device.get("precision", "fp32"),
+                  redone, sum(len(a.steps) for a in attempts), flops / compute if known else None,
+                  device.get("device_kind"), int(device.get("devices", 1)), device.get("precision", "fp32"),
                   bool(device.get("emulated", False)))
 
 
@@ -252,7 +253,7 @@ def _steps_time(steps: Sequence[Step], available: float, redo_after: float, warm
   scale = available / total if total > available > 0 else (0.0 if available <= 0 else 1.0)
   seconds[OVERHEAD] += max(0.0, available - total * scale)
   kept = [s.step_s for k, s in enumerate(steps) if k >= warmup and s.step <= redo_after]
-  typical = _median(kept) if kept else min((s.step_s for s in steps), default=0.0)
+  typical = statistics.median(kept) if kept else min((s.step_s for s in steps), default=0.0)
   for k, s in enumerate(steps):
     wall = s.step_s * scale
     if s.step > redo_after:
@@ -273,11 +274,6 @@ def _steps_time(steps: Sequence[Step], available: float, redo_after: float, warm
     seconds[REDUCTION] += reduction * kept_share
     seconds[WAITING] += (wait - reduction) * kept_share
     seconds[DISPATCH] += max(0.0, wall - compute - wait) * kept_share
-
-
-def _median(values: Sequence[float]) -> float:
-  v = sorted(values)
-  return 0.0 if not v else (v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2)
 
 
 @dataclasses.dataclass

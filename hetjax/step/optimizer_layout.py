@@ -182,22 +182,10 @@ def probe(optimizer: optax.GradientTransformation, params: PyTree, shards: int
 
 def choose(optimizer: optax.GradientTransformation, params: PyTree, opt_state: PyTree,
            shards: int, requested: str = "auto") -> Choice:
-  """The layout for `optimizer` on parameters shaped like `params`, split `shards` ways.
-
-  Args:
-    optimizer: the run's optax transformation.
-    params, opt_state: arrays or shapes of the real parameters and state.
-    shards: how many devices split the update.
-    requested: 'auto' (probe and choose), 'whole' (no probe) or 'sliced'
-      (refused, naming the leaf, when the optimizer needs whole leaves).
-
-  Returns:
-    The `Choice`, with the reason said at start.
-
-  Raises:
-    ValueError: `requested` is unknown, or 'sliced' for an optimizer that
-      is not element-wise.
-  """
+  """The layout (and its reason, said at start) for `optimizer` on parameters shaped like
+  `params` (arrays or shapes), split `shards` ways. `requested`: 'auto' (probe and choose),
+  'whole' (no probe) or 'sliced' (a ValueError naming the leaf when the optimizer needs whole
+  leaves)."""
   if requested not in UPDATE_LAYOUTS:
     raise ValueError(f"update layout {requested!r} is not one of {UPDATE_LAYOUTS}.")
   if requested == "whole":

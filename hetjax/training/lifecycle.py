@@ -102,12 +102,6 @@ def all_hosts_agree(flag: bool, meshes: mesh_lib.Meshes) -> bool:
   return bool(np.all(flags > 0))
 
 
-def layout(meshes: mesh_lib.Meshes, microbatch: int) -> dict[str, Any]:
-  """The host layout a checkpoint records; a resume compares it with its own."""
-  return {"hosts": meshes.num_hosts, "devices_per_host": list(meshes.devices_per_host()),
-          "microbatch": microbatch}
-
-
 def host_copy(params: PyTree) -> PyTree:
   """Replicated arrays as host numpy arrays (this host's copy)."""
   return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), params)
@@ -302,8 +296,8 @@ class Run:
       summary.update(goodput_fields(t, self.recorder))
     if hasattr(t.mode, "step_peak"):  # Every host's, so every host joins the gather.
       summary["step_peak_per_host"] = step_peaks(t.mode.step_peak(), t.meshes)
-    if self.out is not None:
-      write_summary(self.out, summary, t.host_id)
+    if self.out is not None and t.host_id == 0:
+      metrics_lib.write_summary(self.out, summary)
     return summary
 
   def stop(self, code: float) -> NoReturn:
@@ -333,12 +327,6 @@ class OneStep:
 
 def _every(n: int, step: int) -> bool:
   return bool(n) and step % n == 0
-
-
-def write_summary(out: str, summary: dict[str, Any], host_id: int) -> None:
-  """OUT/summary.json, written by process 0 (what `hetjax report` reads)."""
-  if host_id == 0:
-    metrics_lib.write_summary(out, summary)
 
 
 def summary(trainer: Trained, *, digest: bool) -> dict[str, Any]:
