@@ -4,7 +4,7 @@ Run from the repository root:
 
   .venv/bin/python bench/input.py [--batch 96] [--steps 50] [--repeats 5] [--threads 2]
       [--image-sizes 224] [--workers 1,2] [--jpeg-batch 32] [--jpeg-records 512]
-      [--decode-images 200] [--model-steps 2] [--skip-arrays]
+      [--jpeg-steps 16] [--decode-images 200] [--model-steps 2] [--skip-arrays]
 
 1. Decode per core, natural JPEGs (scikit-learn's china.jpg and flower.jpg,
    640x427 as shipped, and the same photos resized to 500x375 and
@@ -15,9 +15,13 @@ Run from the repository root:
    and with PIL (hetjax's recipe before issue 53), interleaved, median of
    `--repeats`. hetjax / field must be <= 1.1.
 2. The loader on those photos (`--jpeg-records` records as a TFDS
-   array_record dataset, crop,flip): samples/s with each of `--workers`
-   worker processes (2 / 1 should be >= 1.7 where two cores are free), and
-   a plain jitted resnet18 step on the same batches.
+   array_record dataset, crop,flip), in the trainer's pattern: samples/s
+   with each of `--workers` worker processes, the loaders timed in turn
+   after 2 s of warm-up each, scaling the median of per-round ratios
+   (2 / 1 should be >= 1.7 where two cores are free); CPU ms per batch of
+   the host process and of the workers (from /proc, so load does not
+   inflate it: their sum over the cores bounds the scaling); and a plain
+   jitted resnet18 step on the same batches.
 3. Cores a host needs to feed ResNet-50 at NVIDIA's published per-GPU
    training rates, derived from (1): rate x ms per image.
 4. In-memory and TFDS sources against a CNN step: one host's `HostLoader`
@@ -217,33 +221,63 @@ def _jpeg_dataset(folder: str, records: int) -> str:
   return "tfds:bench_photos"
 
 
+def _cpu_s(pid: int) -> float:
+  """CPU seconds (user + system) a process has used, from /proc: what machine load cannot inflate."""
+  with open(f"/proc/{pid}/stat") as f:
+    fields = f.read().rsplit(")", 1)[1].split()
+  return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _timed(produce: Callable[[], None], host: loader.HostLoader, steps: int, batch: int
+           ) -> tuple[float, float, float]:
+  """Samples/s, and CPU ms per batch of the host process and of its workers together."""
+  pids = [p.pid for p in host._pool._processes.values()]
+  cpu0 = [_cpu_s(os.getpid())] + [_cpu_s(p) for p in pids]
+  rate = _rate(produce, steps, batch)
+  cpu = [(_cpu_s(p) - c) * 1e3 / steps for p, c in zip([os.getpid()] + pids, cpu0)]
+  return rate, cpu[0], sum(cpu[1:])
+
+
 def _jpeg_rows(args: argparse.Namespace, folder: str) -> dict[str, Any]:
-  """Loader samples/s per worker count, and the resnet18 step, per image size."""
+  """Loader samples/s per worker count (the loaders timed in turn, so load drifting on a shared
+  machine hits both sides of each ratio), and the resnet18 step, per image size."""
   name = _jpeg_dataset(folder, args.jpeg_records)
   batch, figures = args.jpeg_batch, {}
-  print(f"loader on the natural photos ({args.jpeg_records} records, batch {batch}, crop,flip):")
-  print(f"{'size':>5} " + " ".join(f"{f'{w} worker(s) smp/s':>18}" for w in args.workers)
+  print(f"loader on the natural photos ({args.jpeg_records} records, batch {batch}, crop,flip; "
+        f"CPU ms per batch: host process + workers):")
+  print(f"{'size':>5} " + " ".join(f"{f'{w} worker(s) smp/s':>18} {'CPU ms':>11}" for w in args.workers)
         + f" {'scaling':>8} {'resnet18 smp/s':>15}")
   for size in args.image_sizes:
     source = data.load(name, data_dir=folder, image_size=size, augment="crop,flip")
     sampler = data.GlobalSampler(len(source), batch, SEED, name=source.info.name)
-    rates = {}
-    for workers in args.workers:
-      with loader.HostLoader(source, sampler, 0, workers=workers) as host:
-        produce = _producer(host, batch)
-        _rate(produce, 2, batch)  # Warm-up: the workers start.
-        rates[workers] = statistics.median(_rate(produce, args.jpeg_steps, batch)
-                                           for _ in range(args.repeats))
-    scaling = rates[max(args.workers)] / rates[min(args.workers)]
+    hosts = {w: loader.HostLoader(source, sampler, 0, workers=w) for w in args.workers}
+    try:
+      produce = {w: _producer(host, batch) for w, host in hosts.items()}
+      for fn in produce.values():  # Warm-up: every worker started, its libraries loaded.
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 2.0:
+          fn()
+      rounds = [{w: _timed(fn, hosts[w], args.jpeg_steps, batch) for w, fn in produce.items()}
+                for _ in range(args.repeats)]
+    finally:
+      for host in hosts.values():
+        host.close()
+    rates = {w: statistics.median(r[w][0] for r in rounds) for w in args.workers}
+    cpu = {w: [statistics.median(r[w][i] for r in rounds) for i in (1, 2)] for w in args.workers}
+    lo, hi = min(args.workers), max(args.workers)
+    scaling = statistics.median(r[hi][0] / r[lo][0] for r in rounds)
     step = float("nan")
     if args.model_steps:
       consume = _consumer(source, batch, model="resnet18")
       _rate(consume, 1, batch)  # Compilation.
       step = statistics.median(_rate(consume, args.model_steps, batch) for _ in range(args.repeats))
     figures[f"jpeg@{size}"] = {"pipeline_samples_per_sec": {w: round(r, 1) for w, r in rates.items()},
+                               "cpu_ms_per_batch_host_workers": {
+                                   w: [round(c, 1) for c in cpu[w]] for w in args.workers},
                                "scaling": round(scaling, 2), "resnet18_samples_per_sec": round(step, 1)}
-    print(f"{size:>5} " + " ".join(f"{rates[w]:>18,.1f}" for w in args.workers)
-          + f" {scaling:>8.2f} {step:>15,.1f}", flush=True)
+    print(f"{size:>5} " + " ".join(f"{rates[w]:>18,.1f} {cpu[w][0]:>5.1f}+{cpu[w][1]:<5.1f}"
+                                   for w in args.workers) + f" {scaling:>8.2f} {step:>15,.1f}",
+          flush=True)
   return figures
 
 
@@ -269,7 +303,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   p.add_argument("--threads", type=int, default=2, help="loader threads")
   p.add_argument("--jpeg-records", type=int, default=512, help="photos in the loader's dataset")
   p.add_argument("--jpeg-batch", type=int, default=32, help="records per step in the JPEG rows")
-  p.add_argument("--jpeg-steps", type=int, default=8, help="timed loader steps per JPEG repeat")
+  p.add_argument("--jpeg-steps", type=int, default=16, help="timed loader steps per JPEG repeat")
   p.add_argument("--decode-images", type=int, default=200, help="images per side in the decode rows")
   p.add_argument("--model-steps", type=int, default=2,
                  help="timed resnet18 steps per repeat (0: no model rows)")

@@ -6,6 +6,7 @@ import pickle
 import re
 import subprocess
 import sys
+from multiprocessing import shared_memory
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from hetjax.input import augment
 from hetjax.input import data
 from hetjax.input import images
 from hetjax.input import loader
+from hetjax.input import sources
 from hetjax.input import tfds_data
 from _warm_client import module_command
 
@@ -168,6 +170,31 @@ def test_a_worker_process_error_surfaces_in_get_and_close_ends_the_workers():
   assert reader.running() == 0
   with pytest.raises(ValueError, match="workers >= 0.*workers=-1"):
     loader.HostLoader(_BrokenImages(), sampler, 0, workers=-1)
+
+
+def test_worker_pieces_come_in_shared_memory_freed_once_read_or_dropped():
+  source = data.load("digits")  # float32 x and int32 y: two arrays in one segment.
+  sampler = data.GlobalSampler(len(source), 32, seed=1)
+  with loader.HostLoader(source, sampler, 0, workers=2) as reader:
+    reader.prefetch(0, (32, 0))
+    reader.prefetch(1, (32, 0))
+    names = {s: [c.future.result()[0] for c in reader._chunks if c.step == s] for s in (0, 1)}
+    _equal(reader.get(0, (16, 16)), reader.read(0, (16, 16)))  # Half read, half dropped.
+    assert not [n for n in names[0] if _segment_exists(n)]
+    assert all(_segment_exists(n) for n in names[1])  # Step 1 is still prefetched.
+  assert not [n for n in names[1] if _segment_exists(n)]  # close() freed what get never read.
+  texts = sources.ArraySource({"x": np.arange(6.0), "s": np.array(list("abcdef"), object)},
+                             sources.DatasetInfo("texts", "custom"))
+  with loader.HostLoader(texts, data.GlobalSampler(6, 6, seed=0), 0, workers=1) as reader:
+    _equal(reader.get(0, (6,)), reader.read(0, (6,)))  # Object arrays travel pickled.
+
+
+def _segment_exists(name: str) -> bool:
+  try:
+    shared_memory.SharedMemory(name).close()
+    return True
+  except FileNotFoundError:
+    return False
 
 
 def test_image_sources_and_augmentations_pickle_for_worker_processes(jpeg_digits):

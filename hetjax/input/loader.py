@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import itertools
 import multiprocessing
@@ -29,6 +30,7 @@ import os
 import threading
 import time
 import weakref
+from multiprocessing import shared_memory
 from typing import Sequence
 
 import numpy as np
@@ -70,8 +72,44 @@ def _exit_with(parent: int) -> None:
   os._exit(0)
 
 
-def _read_in_worker(step: int, start: int, stop: int) -> Batch:
-  return read_records(*_WORKER, step, start, stop)
+def _read_in_worker(step: int, start: int, stop: int) -> Batch | tuple[str, list]:
+  """A piece read in a worker, its arrays handed over in shared memory (pickled through the
+  pipe they cost both processes copies, and the worker waits until the host drains them)."""
+  batch = read_records(*_WORKER, step, start, stop)
+  if any(v.dtype.hasobject for v in batch.values()):
+    return batch
+  offsets = np.cumsum([0] + [-(-v.nbytes // 64) * 64 for v in batch.values()]).tolist()  # Aligned.
+  shm = shared_memory.SharedMemory(create=True, size=max(1, offsets[-1]))
+  for v, offset in zip(batch.values(), offsets):
+    np.ndarray(v.shape, v.dtype, shm.buf, offset)[...] = v
+  shm.close()
+  return shm.name, [(k, v.dtype, v.shape, o) for (k, v), o in zip(batch.items(), offsets)]
+
+
+def _copy_rows(result: Batch | tuple[str, list], a: int, b: int, out: Batch, at: int,
+               rows: int) -> None:
+  """Rows `[a, b)` of a piece into `out[at:]` (arrays of `rows`, made on first use); a piece in
+  shared memory is freed."""
+  if isinstance(result, dict):
+    for k, v in result.items():
+      if k not in out:
+        out[k] = np.empty((rows, *v.shape[1:]), v.dtype)
+      out[k][at:at + b - a] = v[a:b]
+    return
+  shm = shared_memory.SharedMemory(result[0])
+  shm.unlink()  # The mapping stays until closed.
+  try:
+    _copy_rows({k: np.ndarray(shape, dtype, shm.buf, offset)
+                for k, dtype, shape, offset in result[1]}, a, b, out, at, rows)
+  finally:
+    shm.close()
+
+
+def _free(future: concurrent.futures.Future) -> None:
+  """Unlinks the shared memory of a piece that `get` did not read (one it read is gone)."""
+  if not (future.cancelled() or future.exception() or isinstance(future.result(), dict)):
+    with contextlib.suppress(FileNotFoundError):
+      shared_memory.SharedMemory(future.result()[0]).unlink()
 
 
 def default_workers() -> int:
@@ -176,21 +214,15 @@ class HostLoader:
     if not any(c.step == step for c in self._chunks) and self._reads_inline(stop - start):
       self.stats["read_inline"] += stop - start
       return self._read(step, start, stop)
-    had = {id(c) for c in self._chunks}
+    had, out = {id(c) for c in self._chunks}, {}
     try:
-      plan = self._cover(step, start, stop)
-      pieces = []
-      for chunk, a, b in plan:
-        batch = chunk.future.result()
-        pieces.append({k: v[a - chunk.start:b - chunk.start] for k, v in batch.items()})
+      for chunk, a, b in self._cover(step, start, stop):
+        _copy_rows(chunk.future.result(), a - chunk.start, b - chunk.start, out, a - start,
+                   stop - start)
         self.stats["prefetched" if id(chunk) in had else "read_on_demand"] += b - a
     finally:
       self._drop(lambda c: c.step <= step)
-    if not pieces:
-      return self._read(step, start, start)  # An empty batch with the right trailing shapes.
-    if len(pieces) == 1:
-      return pieces[0]
-    return {k: np.concatenate([p[k] for p in pieces]) for k in pieces[0]}
+    return out or self._read(step, start, start)  # Empty: the right trailing shapes.
 
   def running(self) -> int:
     """This loader's live reader threads and worker processes (0 once closed)."""
@@ -231,9 +263,8 @@ class HostLoader:
   def _reads_inline(self, records: int) -> bool:
     """Whether a slice of `records` is cheaper to read here than in a thread (the first
     read runs here, to be timed)."""
-    if not self.inline_below_s:
-      return False
-    return not self._record_s or min(self._record_s) * records < self.inline_below_s
+    return bool(self.inline_below_s) and (
+        not self._record_s or min(self._record_s) * records < self.inline_below_s)
 
   def _read(self, step: int, start: int, stop: int) -> Batch:
     """Records `[start, stop)` of `step`'s global batch, read here (timed)."""
@@ -270,11 +301,10 @@ class HostLoader:
     return plan
 
   def _drop(self, which) -> None:
-    """Forgets the chunks `which` selects, cancelling those not yet started."""
-    keep = []
-    for chunk in self._chunks:
-      if which(chunk):
-        chunk.future.cancel()
-      else:
-        keep.append(chunk)
-    self._chunks = keep
+    """Forgets the chunks `which` selects, cancelling those not yet started (the rest free
+    their shared memory once done)."""
+    dropped = [c for c in self._chunks if which(c)]
+    self._chunks = [c for c in self._chunks if c not in dropped]
+    for chunk in dropped:
+      if not chunk.future.cancel():
+        chunk.future.add_done_callback(_free)
