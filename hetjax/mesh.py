@@ -64,17 +64,8 @@ class Meshes:
 
   def devices_per_host(self) -> tuple[int, ...]:
     """How many devices each host brings (hosts may differ)."""
-    hosts = self.row_hosts()
+    hosts = np.array([d.process_index for d in self.world.devices.flat])
     return tuple(int(np.sum(hosts == h)) for h in range(self.num_hosts))
-
-  def row_hosts(self) -> np.ndarray:
-    """The host of each row of a world-sharded `[all devices, ...]` array."""
-    return np.array([d.process_index for d in self.world.devices.flat])
-
-  @functools.cached_property
-  def first_rows(self) -> np.ndarray:
-    """The index of each host's first row, in host order: read every step, built once."""
-    return _first_rows(self.world)
 
   @functools.cached_property
   def hosts(self) -> Mesh:
@@ -125,7 +116,8 @@ def to_world(x: jax.Array, meshes: Meshes) -> jax.Array:
 
 @functools.lru_cache(maxsize=None)
 def _first_rows(mesh: Mesh) -> np.ndarray:
-  """The index of each host's first device in a 1-D `mesh`, in host order."""
+  """The index of each host's first device in a 1-D `mesh`, in host order (read every step,
+  built once)."""
   hosts = np.array([d.process_index for d in mesh.devices.flat])
   return np.array([np.argmax(hosts == h) for h in range(int(hosts.max()) + 1)])
 
@@ -145,7 +137,7 @@ def host_rows(values: np.ndarray, meshes: Meshes) -> jax.Array:
 
 def rows_by_host(rows: np.ndarray, meshes: Meshes) -> np.ndarray:
   """The first row of each host from a gathered `[all devices, k]` array."""
-  return np.asarray(rows)[meshes.first_rows]
+  return np.asarray(rows)[_first_rows(meshes.world)]
 
 
 def to_local_tree(tree: PyTree, meshes: Meshes) -> PyTree:

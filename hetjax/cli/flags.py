@@ -268,14 +268,6 @@ def config_of(cls: type, args: argparse.Namespace, **values: Any) -> Any:
   return cls(**{**{f.name: getattr(args, f.dest) for f in FIELDS if f.owner is cls}, **values})
 
 
-def parse_local_steps(text: str) -> tuple[int, ...]:
-  try:
-    return tuple(int(t) for t in text.split(","))
-  except ValueError:
-    raise ValueError(f"--local-steps {text!r} must be comma-separated whole numbers, one per "
-                     "host, e.g. 4,2,1.") from None
-
-
 def rounds_config(args: argparse.Namespace,
                   num_hosts: int | None = None) -> config_lib.RoundsConfig | None:
   """The `RoundsConfig` of `--mode` and its settings (None for sync); raises ValueError
@@ -295,7 +287,12 @@ def rounds_config(args: argparse.Namespace,
       raise ValueError(f"`data_workers` does not apply to `mode` {args.mode}: a round reads its "
                        "records in the training thread.")
     if "local_steps" in given:
-      given["local_steps"] = parse_local_steps(given["local_steps"])
+      text = given["local_steps"]
+      try:
+        given["local_steps"] = tuple(int(t) for t in text.split(","))
+      except ValueError:
+        raise ValueError(f"--local-steps {text!r} must be comma-separated whole numbers, one "
+                         "per host, e.g. 4,2,1.") from None
     config = config_lib.RoundsConfig(mode=args.mode, **given)
     config.check_split(getattr(args, "balancer", None), getattr(args, "assignment", "equal"),
                        getattr(args, "shard_within_host", None) or "off")

@@ -180,11 +180,6 @@ def load(name: str, split: str = "train", data_dir: str | None = None, *,
     token_dtype: `tokenfile:PATH`'s ids, 'uint16' (nanoGPT's .bin) or 'uint32'.
     vocab_size: token datasets: the vocabulary (`tokenfile`: default the
       file's largest id + 1, found by one pass over it).
-
-  Raises:
-    ValueError: an unknown name, a split it lacks, a TFDS dataset that is
-      not prepared in `data_dir` (see `check_dataset_name`), or `image_size`
-      for a built-in dataset.
   """
   check_dataset_name(name, data_dir, split, seq_len=seq_len, token_dtype=token_dtype,
                      vocab_size=vocab_size)

@@ -190,15 +190,10 @@ class ImageSource:
   `{"x": uint8 [n, size, size, channels], "y": int32 [n]}`.
   """
 
-  def __init__(self, encoded: Source, recipe: ImageRecipe, *, image_key: str = "image",
-               label_key: str = "label", info: DatasetInfo | None = None):
-    """Args:
-      encoded: records `{image_key: object array of encoded bytes, label_key: ints}`.
-      recipe: the output size, channels and training randomness.
-      info: what the model learns about the data (default: `encoded.info`).
-    """
+  def __init__(self, encoded: Source, recipe: ImageRecipe, *, info: DatasetInfo | None = None):
+    """`encoded`: records `{"image": object array of encoded bytes, "label": ints}`; `recipe`:
+    the output size, channels and training randomness; `info` default `encoded.info`."""
     self.encoded, self.recipe = encoded, recipe
-    self.image_key, self.label_key = image_key, label_key
     self.info = info or encoded.info
 
   def __len__(self) -> int:
@@ -215,7 +210,7 @@ class ImageSource:
     r = self.recipe
     indices = np.asarray(indices, np.int64).reshape(-1)
     records = self.encoded[indices]
-    blobs, n = records[self.image_key], len(records[self.label_key])
+    blobs, n = records["image"], len(records["label"])
     crops = _uniform(keys, _CROP_STREAM, 4 * _ATTEMPTS) if keys is not None and r.crop else None
     flips = (_uniform(keys, _FLIP_STREAM, 1)[:, 0] < 0.5) if keys is not None and r.flip else None
     x = np.empty((n, r.size, r.size, r.channels), np.uint8)
@@ -228,4 +223,4 @@ class ImageSource:
       except (OSError, ValueError) as e:  # PIL's UnidentifiedImageError is an OSError.
         raise ValueError(f"dataset {self.info.name!r}: record {indices[i]} is not a readable "
                          f"image ({e}); rebuild the dataset or drop that record.") from e
-    return {"x": x, "y": np.asarray(records[self.label_key], np.int32)}
+    return {"x": x, "y": np.asarray(records["label"], np.int32)}

@@ -67,17 +67,9 @@ def _feistel(y: np.ndarray, round_keys: np.ndarray, hi: int, lo: int) -> np.ndar
 
 
 def permute(x: np.ndarray, n: int, key: np.ndarray) -> np.ndarray:
-  """The images of offsets `x` (each in `[0, n)`) under the permutation `key`.
-
-  Args:
-    x: integer offsets, any shape, each `0 <= x < n`.
-    n: the size of the permuted range, `1 <= n <= MAX_RECORDS`.
-    key: uint64 keys broadcastable to `x` (from `epoch_key`); equal keys give
-      the same permutation, so one call may mix several epochs.
-
-  Returns:
-    int64 array of `x`'s shape: `pi_key(x)`, a bijection of `[0, n)` per key.
-  """
+  """`pi_key(x)` (int64, `x`'s shape), a bijection of `[0, n)` per key, `n <= MAX_RECORDS`;
+  `key`: uint64 keys broadcastable to `x` (`epoch_key`): equal keys give the same permutation,
+  so one call may mix several epochs."""
   if not 1 <= n <= MAX_RECORDS:
     raise ValueError(f"can only shuffle 1 to 2^62 records, got n={n}.")
   x = np.asarray(x, dtype=np.int64)

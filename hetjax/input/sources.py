@@ -72,9 +72,6 @@ class ArraySource:
     """Args:
       arrays: record field -> array, every array the same length (the records).
       info: what the model needs to know (default: a custom dataset named 'arrays').
-
-    Raises:
-      ValueError: no arrays, or arrays of different lengths.
     """
     info = info or DatasetInfo("arrays", "custom")
     if not arrays:
@@ -191,18 +188,9 @@ def _fits(shape: tuple[int, ...], want: Sequence[int | None]) -> bool:
 
 
 def check_records(source: Source, expected: RecordSpec, probes: int = 3) -> None:
-  """Raises ValueError, before training, if records disagree with the model.
-
-  Reads the first, the last and `probes - 2` evenly spaced records and checks
-  each named array against `expected` (a `None` dimension matches any size;
-  extra arrays in the records are allowed).
-
-  Args:
-    source: the dataset.
-    expected: `{name: (shape of one record, dtype)}` the model was built for,
-      e.g. `{"x": ((8, 8, 1), "float32"), "y": ((), "int32")}`.
-    probes: how many records to read (at least 1).
-  """
+  """Raises ValueError, before training, if records disagree with the model: the first, the
+  last and `probes - 2` evenly spaced records' arrays against `expected`, e.g. `{"x": ((8, 8,
+  1), "float32"), "y": ((), "int32")}` (a None dimension matches any size; extra arrays pass)."""
   name = source.info.name
   n = len(source)
   if n == 0:
@@ -216,8 +204,7 @@ def check_records(source: Source, expected: RecordSpec, probes: int = 3) -> None
                          f"needs {key!r}; rename the array or pick a dataset that has it.")
       got = record[key]
       if not _fits(tuple(got.shape[1:]), shape) or got.dtype != np.dtype(dtype):
-        want = tuple(shape)
         raise ValueError(f"dataset {name!r} record {i}: {key!r} has shape {tuple(got.shape[1:])} "
-                         f"and dtype {got.dtype}, but the model expects shape {want} and dtype "
-                         f"{np.dtype(dtype)}; rebuild the model for this data (or convert the "
+                         f"and dtype {got.dtype}, but the model expects shape {tuple(shape)} and "
+                         f"dtype {np.dtype(dtype)}; rebuild the model for this data (or convert the "
                          f"dataset, e.g. resize or cast offline).")

@@ -66,11 +66,8 @@ def find_prepared(spec: str, data_dir: str | None = None) -> pathlib.Path:
 
 
 def check(spec: str, split: str = "train", data_dir: str | None = None) -> dict[str, Any]:
-  """Fast checks, no TFDS import: prepared, random-access format, split exists.
-
-  Returns:
-    The parsed `dataset_info.json`.
-  """
+  """The parsed `dataset_info.json`, after fast checks with no TFDS import: prepared,
+  random-access format, split exists."""
   folder = find_prepared(spec, data_dir)
   info = json.loads((folder / "dataset_info.json").read_text())
   fmt = info.get("fileFormat", "tfrecord")
@@ -88,8 +85,7 @@ def check(spec: str, split: str = "train", data_dir: str | None = None) -> dict[
 
 def _image_and_label(features: Any) -> tuple[str, str] | None:
   """The image feature (`image` or `x`) and class label (`label` or `y`), if both exist."""
-  import tensorflow_datasets as tfds
-
+  tfds = _tfds()
   image = next((k for k in _IMAGE_KEYS if k in features.keys()), None)
   label = next((k for k in _LABEL_KEYS if k in features.keys()
                 and isinstance(features[k], tfds.features.ClassLabel)), None)
@@ -164,10 +160,9 @@ class TfdsSource:
                          f"differ in shape and cannot form fixed-shape batches; {hint}.")
       self._raw[key] = (shape, np.dtype(feature.np_dtype), _plain(feature))
     self._keys = _image_and_label(features)
-    if self._keys:
-      self.info = DatasetInfo(f"tfds:{spec}", "image", num_classes=features[self._keys[1]].num_classes)
-    else:
-      self.info = DatasetInfo(f"tfds:{spec}", "custom")
+    self.info = (DatasetInfo(f"tfds:{spec}", "image",
+                             num_classes=features[self._keys[1]].num_classes)
+                 if self._keys else DatasetInfo(f"tfds:{spec}", "custom"))
 
   def __len__(self) -> int:
     return len(self._ds)
@@ -311,8 +306,7 @@ def build_from_arrays(name: str, splits: Mapping[str, Mapping[str, np.ndarray]],
   Returns:
     The folder holding the prepared dataset.
   """
-  import tensorflow_datasets as tfds
-
+  tfds = _tfds()
   _parse(f"{name}:{version}")
   if not splits:
     raise ValueError(f"build_from_arrays({name!r}): give at least one split, e.g. {{'train': arrays}}.")

@@ -47,9 +47,6 @@ class Elastic(Rounds):
       beta: the moving rate: host i moves `beta * n_i / sum n` of the way to the centre
         each round, in (0, 1].
       round_steps, local_steps, local_batch: as for `hetjax.Hybrid`.
-
-    Raises:
-      ValueError: a setting out of range, naming it.
     """
     super().__init__(RoundsConfig("elastic", round_steps, local_steps, local_batch,
                                   elastic_beta=beta))
@@ -85,9 +82,6 @@ class Elastic(Rounds):
 
     self._finish = rounds_lib.OuterUpdate(make_finish, backend, meshes)
     self._last_d = None
-
-  def init_centre(self, params: PyTree, model_state: PyTree) -> Centre:
-    return self._init(params, model_state)
 
   def start(self, centre: Centre, host_params: PyTree, host_model_state: PyTree
             ) -> tuple[PyTree, PyTree]:

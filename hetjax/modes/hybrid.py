@@ -72,9 +72,6 @@ class Hybrid(Rounds):
       local_batch: samples of one local step of one host (default: global batch / hosts).
       outer_optimizer, outer_lr, outer_momentum: the outer optax optimizer, 'sgd' or
         'nesterov' (DiLoCo's 0.7 and 0.9 by default; momentum 0: plain SGD).
-
-    Raises:
-      ValueError: a setting out of range, naming it.
     """
     super().__init__(RoundsConfig("hybrid", round_steps, local_steps, local_batch,
                                   outer_optimizer, outer_lr, outer_momentum))
@@ -122,9 +119,6 @@ class Hybrid(Rounds):
     return Centre(centre.round + 1, gather(params, centre.params),
                   gather(opt_state, centre.opt_state, keep),
                   gather(model_state, centre.model_state))
-
-  def init_centre(self, params: PyTree, model_state: PyTree) -> Centre:
-    return self._init(params, model_state)
 
   def start(self, centre: Centre, host_params: PyTree, host_model_state: PyTree
             ) -> tuple[PyTree, PyTree]:

@@ -51,7 +51,8 @@ class Saved(NamedTuple):
 
 class Rounds(ModeBase):
   """A rounds mode: local steps on each host, one reduction per round. Subclasses say
-  how a round ends: `compile`, `init_centre`, `start`, `contribution`, `spread`, `finish`."""
+  how a round ends: `compile` (which makes `_init`, the centre from the first parameters),
+  `start`, `contribution`, `spread`, `finish`."""
 
   unit, warmup, series = "rounds", rounds_lib.WARMUP_ROUNDS, ("tau", "spread")
 
@@ -76,7 +77,7 @@ class Rounds(ModeBase):
     task_lib.check_partial_blocks(setup.task, model_state, self.local_batch, config.microbatch)
     setup.check_task(params, model_state, eval_loss=False)
     self.compile(meshes, backend=config.reduction)
-    self.centre = self.init_centre(params, model_state)
+    self.centre = self._init(params, model_state)
     setup.agree_on_model(self.centre)
     self.device_batches = setup.device_batches(params, model_state, samples=self.local_batch)
     setup.warn_fast_variance(params, model_state, self.device_batches)

@@ -135,11 +135,11 @@ class History:
     self.evals = {i: e for i, e in self.evals.items() if i >= self.dropped or i == latest}
 
   def _steady_from(self, warmup: int) -> int:
-    """The first window entry after warm-up; a run shorter than it counts all but its first step, or all."""
-    skip = max(0, warmup - self.dropped)
+    """The first window entry after warm-up; a run shorter than it counts all but its first
+    step, or all."""
     if self.dropped == 0 and len(self.step_s) <= warmup:
-      skip = 1 if len(self.step_s) > 1 else 0
-    return skip
+      return 1 if len(self.step_s) > 1 else 0
+    return max(0, warmup - self.dropped)
 
   def samples_per_sec(self, warmup: int) -> float:
     """Samples over step seconds after warm-up, whole run (0.0 before any timed step)."""

@@ -50,14 +50,6 @@ def _is_float(x: Any) -> bool:
   return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
-def _is_bool(x: Any) -> bool:
-  return type(x).__name__ in ("bool", "bool_")  # Python's or numpy's.
-
-
-def _is_floats(x: Any) -> bool:
-  return isinstance(x, dict) and all(isinstance(k, str) and _is_float(v) for k, v in x.items())
-
-
 def _host_list(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
   return lambda x: isinstance(x, (list, tuple)) and all(check(v) for v in x)
 
@@ -66,9 +58,10 @@ def _host_list(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
 _KINDS = {
     "int": (_is_int, int, "an int"),
     "float": (_is_float, float, "a number"),
-    "bool": (_is_bool, bool, "a bool"),
-    "floats": (_is_floats, lambda x: {k: float(v) for k, v in x.items()},
-               "a dict of name -> number"),
+    "bool": (lambda x: type(x).__name__ in ("bool", "bool_"), bool, "a bool"),  # Python's, numpy's.
+    "floats": (lambda x: isinstance(x, dict) and all(isinstance(k, str) and _is_float(v)
+                                                     for k, v in x.items()),
+               lambda x: {k: float(v) for k, v in x.items()}, "a dict of name -> number"),
     "host_ints": (_host_list(_is_int), lambda x: [int(v) for v in x],
                   "a list with one int per host"),
     "host_floats": (_host_list(_is_float), lambda x: [float(v) for v in x],
@@ -154,19 +147,16 @@ class RecordStream:
     # Records complete before this stream were an earlier `fit`'s; the clock runs on from them.
     # A bounded history drops old steps: index i is entry i - dropped.
     self._next = self._ready()
-    kept = self._next - self._dropped()
+    kept = self._next - history.dropped
     self._time_s = history.folded.time_s + float(sum(history.step_s[:kept]))
-
-  def _dropped(self) -> int:
-    return self._history.dropped
 
   def _ready(self) -> int:
     h = self._history
-    return self._dropped() + min(len(h.shares), len(h.compute_s), len(h.wait_s), len(h.step_s))
+    return h.dropped + min(len(h.shares), len(h.compute_s), len(h.wait_s), len(h.step_s))
 
   def pop(self) -> list[dict[str, Any]]:
     """The records completed since the last call, also handed to every sink."""
-    h, ready, dropped = self._history, self._ready(), self._dropped()
+    h, ready, dropped = self._history, self._ready(), self._history.dropped
     records = []
     for i in range(max(self._next, dropped), ready):
       k = i - dropped

@@ -56,15 +56,9 @@ class Progress:
   def __init__(self, total_steps: int, *, host_id: int, stream: TextIO | None = None,
                every: int = 10, tty: bool | None = None,
                clock: Callable[[], float] = time.monotonic, min_interval_s: float = 0.1):
-    """Args:
-      total_steps: the step count at the end of the run (for `step/total`).
-      host_id: this process's host; only host 0 prints.
-      stream: where to print (default: sys.stderr at construction).
-      every: steps between lines when `stream` is not a terminal.
-      tty: force in-place (True) or line (False) output; default: detect.
-      clock: for tests; used to limit terminal redraws.
-      min_interval_s: least seconds between terminal redraws.
-    """
+    """Only host 0 prints, to `stream` (default stderr): on a terminal (`tty`: detected, or
+    forced) one line redrawn at most every `min_interval_s` of `clock`; else a line every
+    `every` steps. `total_steps`: the step count at the end of the run."""
     if total_steps < 0:
       raise ValueError(f"total_steps must be >= 0, got {total_steps}.")
     if every < 1:

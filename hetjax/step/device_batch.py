@@ -123,8 +123,8 @@ def agree(k: int, meshes: Meshes) -> tuple[int, ...]:
 
 
 def for_hosts(config: Any, task: Task, params: Any, model_state: Any,
-              example: dict[str, np.ndarray], meshes: Meshes, samples: int | None = None,
-              log: Callable[[str], None] | None = None) -> tuple[int, ...]:
+              example: dict[str, np.ndarray], meshes: Meshes, samples: int | None = None
+              ) -> tuple[int, ...]:
   """Every host's device batch for a run: `config.device_batch` (a `TrainConfig`) as
   given, or under 'auto' each host's `choose` (printed), gathered (`agree`).
 
@@ -140,6 +140,5 @@ def for_hosts(config: Any, task: Task, params: Any, model_state: Any,
                   blocks_full=int(config.global_batch) % int(config.microbatch) == 0,
                   fraction=config.device_batch_memory_fraction,
                   cap=-(-blocks // meshes.local_devices))
-  (log or (lambda line: print(line, flush=True)))(
-      f"hetjax: host {meshes.host_id}: {choice.describe()}")
+  print(f"hetjax: host {meshes.host_id}: {choice.describe()}", flush=True)
   return agree(choice.k, meshes)

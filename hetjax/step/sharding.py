@@ -55,11 +55,7 @@ class Shards(NamedTuple):
 def opt_kinds(optimizer: optax.GradientTransformation, params: PyTree, opt_state: PyTree,
               shards: int, layout: str) -> list[bool]:
   """Per optimizer-state leaf: True when it is split `[S, c]`, False when a replicated scalar
-  (the whole layout splits every leaf, so every value has one owner).
-
-  Raises:
-    ValueError: the sliced layout for a state that is not element-wise.
-  """
+  (the whole layout splits every leaf, so every value has one owner)."""
   if layout == "whole":
     return [True] * len(jax.tree.leaves(opt_state))
   kinds = layout_lib.sliced_kinds(optimizer, params, opt_state, shards)

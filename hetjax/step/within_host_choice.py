@@ -10,7 +10,7 @@ hosts depends on it.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -19,14 +19,10 @@ import numpy as np
 from hetjax.mesh import Meshes
 from hetjax.step import within_host as within_lib
 from hetjax.step.block import blocks_sums
+from hetjax.step.sharding import tree_bytes
 from hetjax.task import MASK, Task
 
 PyTree = Any
-
-
-def _bytes(tree: PyTree) -> int:
-  return int(sum(math.prod(np.shape(x)) * jnp.dtype(x.dtype).itemsize
-                 for x in jax.tree.leaves(tree)))
 
 
 def estimate(task: Task, params: PyTree, model_state: PyTree, example: dict[str, np.ndarray],
@@ -48,7 +44,7 @@ def estimate(task: Task, params: PyTree, model_state: PyTree, example: dict[str,
   peak = within_lib.peak_bytes(program.lower(params, model_state, block, keys).compile())
   if peak is None:
     return None, None
-  p_bytes, state_bytes = _bytes(params), _bytes(model_state)
+  p_bytes, state_bytes = tree_bytes(params), tree_bytes(model_state)
   row = 4 * sum(math.prod(np.shape(x)) for x in jax.tree.leaves(params))
   split = within_lib.Split(params, devices).bytes_per_device()["rows"]
   activations = max(0, peak - p_bytes - state_bytes - row)  # peak holds params and grads
@@ -58,8 +54,7 @@ def estimate(task: Task, params: PyTree, model_state: PyTree, example: dict[str,
 
 
 def for_host(config: Any, task: Task, params: PyTree, model_state: PyTree,
-             example: dict[str, np.ndarray], meshes: Meshes,
-             log: Callable[[str], None] | None = None) -> within_lib.Decision:
+             example: dict[str, np.ndarray], meshes: Meshes) -> within_lib.Decision:
   """This host's choice under `config.shard_within_host` (printed when 'auto' decides).
 
   `params` and `model_state` are global replicated arrays (this host reads its own copy).
@@ -77,8 +72,7 @@ def for_host(config: Any, task: Task, params: PyTree, model_state: PyTree,
                     config.precision, int(config.global_batch) % int(config.microbatch) == 0)
   decision = within_lib.decide(mode, devices, *need, limit, emulated,
                                config.device_batch_memory_fraction)
-  (log or (lambda line: print(line, flush=True)))(
-      f"hetjax: host {meshes.host_id}: {decision.describe()}")
+  print(f"hetjax: host {meshes.host_id}: {decision.describe()}", flush=True)
   return decision
 
 

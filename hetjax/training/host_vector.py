@@ -32,11 +32,8 @@ class HostVector:
     self._index = {name: i for i, name in enumerate(self.names)}
 
   def pack(self, **values: float | Sequence[float]) -> np.ndarray:
-    """This host's vector (float32, as the reduction carries it) from every column by name.
-
-    Raises:
-      ValueError: a column missing or unknown.
-    """
+    """This host's vector (float32, as the reduction carries it) from every column by name
+    (a ValueError names a column missing or unknown)."""
     try:  # Once per step: no sets built.
       row = [float(values[name]) for name in self.names]
       row += list(values[self.group]) if self.group else []
