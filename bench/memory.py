@@ -15,7 +15,7 @@ Printed, as JSON lines:
 - `structure`: the decoder of tests/_layer_models.py (width 256, 4 layers,
   tied embeddings) with its layers stacked by `nn.scan(nn.remat(Block))`,
   in a Python loop, and scanned under a jitted loss (device batches 4), and
-  the NNX decoder (`nnx.vmap` + `nnx.scan`; gathered at the loss's entry):
+  the NNX decoder (`nnx.vmap` + `nnx.scan`; each layer gathers its own too):
   a device's step peak (the largest program a step runs,
   `LocalProgram.peak_bytes`) with `--shard-within-host off` and `on`.
 - `model`: resnet50 (32x32 digits, --microbatch 4) and the transformer, each

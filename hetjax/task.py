@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
+import threading
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -24,6 +25,7 @@ from hetjax import fast_variance
 from hetjax.types import Batch, PyTree
 MASK = "hetjax.mask"  # Reserved batch key of the padding mask; no dataset may use it.
 RESERVED_METRICS = ("loss", "count")
+NNX_MODELS = threading.local()  # .edit: a step's edit of each model a from_nnx loss merges.
 
 
 class Weighted(NamedTuple):
@@ -378,6 +380,7 @@ def from_nnx(model: Any, per_example_loss: OutputsLoss, *, input_key: str = "x",
       if streams:
         nnx.reseed(m, **{s: jax.random.fold_in(rng, i) for i, s in enumerate(streams)})
       m.train() if train else m.eval()
+      m = (getattr(NNX_MODELS, "edit", None) or (lambda m: m))(m)
       kw = {arg: batch[key] for arg, key in call_args.items()}
       if mask_arg and train and masked and MASK in batch:
         kw[mask_arg] = batch[MASK]

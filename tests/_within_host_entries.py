@@ -4,7 +4,7 @@ The 3x2 cluster that shards on one host only is the exactness matrix's
 (`_exact_entries.SHARD_WITHIN_HOST`). `train_saving`: an mlp saving and
 resuming under a sharding choice. `peaks`: a device's step peak bytes
 (XLA's memory analysis of every program of a step) of a decoder, with and
-without sharding, on this host's devices. `scanned`: the scanned decoder
+without sharding, on this host's devices. `scanned`: a stacked decoder
 trained with device batches and sharding.
 """
 
@@ -55,15 +55,15 @@ def peaks(structure: str, device_batch: int = 1):
   return out
 
 
-def scanned(shard_within_host: str, device_batch, steps: int = 3):
-  """The scanned decoder (`nn.scan(nn.remat(Block))`, tied embeddings) trained `steps` steps
-  with sgd: (final parameters as numpy, sharded on this host?, the summary's step peaks of
+def scanned(shard_within_host: str, device_batch, steps: int = 3, structure: str = "scan"):
+  """The decoder stacked as `structure` (tests/_layer_models.py; 'scan': `nn.scan(nn.remat(
+  Block))`, tied embeddings) trained `steps` steps with sgd: (final parameters as numpy, sharded on this host?, the summary's step peaks of
   every host, this host's `memory_per_device` and `Trainer.step_peak`)."""
   if jax.process_count() > 1:
     hetjax.initialize()
   config = trainer.TrainConfig(global_batch=GLOBAL_BATCH, microbatch=2, seed=3,
                                shard_within_host=shard_within_host, device_batch=device_batch)
-  tr = trainer.Trainer(layer_models.decoder("scan", width=64, layers=3), optax.sgd(0.1),
+  tr = trainer.Trainer(layer_models.decoder(structure, width=64, layers=3), optax.sgd(0.1),
                        data.load("tokens"), config)
   summary = tr.fit(steps)
   out = (jax.tree.map(np.asarray, tr.params()), tr.mode.local.within is not None,

@@ -5,9 +5,10 @@ transformer with dropout, linen and NNX models with BatchNorm and Dropout;
 an uneven, then a balanced split; device batches 4, 2, 1) shards on host 2
 only: every host holds the same bits, and they match one device up to
 float reduction order; so do a scanned decoder's (`nn.scan(nn.remat(...))`)
-hosts with device batches of 4. One host of 4 devices compiles decoders
-stacked three ways with and without sharding and compares XLA's per-device
-step peak bytes.
+hosts with device batches of 4, and an NNX decoder's (`nnx.vmap` +
+`nnx.scan`) sharded host of 4 devices. One host of 4 devices compiles
+decoders stacked four ways with and without sharding and compares XLA's
+per-device step peak bytes.
 """
 
 from __future__ import annotations
@@ -73,10 +74,12 @@ def test_a_sharded_hosts_checkpoint_resumes_on_one_device_and_continues_the_run(
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("structure,device_batch", [("scan", 1), ("loop", 1), ("jit", 4)])
+@pytest.mark.parametrize("structure,device_batch",
+                         [("scan", 1), ("loop", 1), ("jit", 4), ("nnx", 1)])
 def test_sharding_cuts_the_steps_peak_bytes(structure, device_batch):
   """1 host x 4 devices: a device's step peak with sharding at most 0.6 of without, for
-  layers stacked with `nn.scan(nn.remat(...))`, in a Python loop, and a jitted loss."""
+  layers stacked with `nn.scan(nn.remat(...))`, in a Python loop, a jitted loss, and NNX
+  layers stacked with `nnx.vmap` and run with `nnx.scan`."""
   (peaks,) = run_hosts("_within_host_entries:peaks", hosts=1, devices_per_host=4,
                        args=(structure, device_batch), timeout_s=600)
   assert peaks["on"] <= 0.6 * peaks["off"], peaks
@@ -105,6 +108,19 @@ def test_a_scanned_model_sharded_with_device_batches_keeps_the_math_and_the_repl
   assert all(np.array_equal(a, b) for a, b in zip(reference, jax.tree.leaves(hosts[1][0]),
                                                    strict=True))
   for a, b in zip(reference, jax.tree.leaves(alone[0]), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_a_sharded_nnx_stacked_model_keeps_the_math():
+  """1 host x 4 devices sharding the NNX decoder (`nnx.vmap` + `nnx.scan`, each layer
+  gathering its own parameters) against one device: the same parameters up to float order."""
+  (sharded,) = run_hosts("_within_host_entries:scanned", hosts=1, devices_per_host=4,
+                         args=("on", 1, 3, "nnx"), timeout_s=600)
+  (alone,) = run_hosts("_within_host_entries:scanned", hosts=1, devices_per_host=1,
+                       args=("off", 1, 3, "nnx"), timeout_s=600)
+  assert sharded[1] and not alone[1]
+  assert sharded[2][0]["bytes"] < sharded[2][0]["unsharded"], sharded[2]
+  for a, b in zip(jax.tree.leaves(sharded[0]), jax.tree.leaves(alone[0]), strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 

@@ -1,18 +1,20 @@
 """Each Flax layer gathers its own parameters where it runs, and again for its gradient.
 
-Why: a device keeping slabs must see one layer's whole parameters at a
-time, never all layers' (GSPMD annotations replicated the activations
-instead: `bench/memory.py --parts gspmd`). A method interceptor (it reaches
-inside `nn.scan`, `nn.remat` and a jitted loss) runs each module owning only
-parameters on a copy given them whole, gathered after its inputs and, in the
-backward pass (`custom_vjp`), after its cotangent, ordered by an
-`optimization_barrier` that no compiler may hoist past; the gather's
-transpose reduce-scatters the gradient. Other leaves (BatchNorm statistics,
-rngs, NNX, plain functions) are gathered at the loss's entry.
+Why: a device keeping slabs must see one layer's whole parameters at a time,
+never all layers' (GSPMD annotations replicated the activations instead:
+`bench/memory.py --parts gspmd`). Each module owning only parameters runs on
+a copy given them whole, gathered after its inputs and, in the backward pass
+(`custom_vjp`), after its cotangent, ordered by an `optimization_barrier`;
+the gather's transpose reduce-scatters the gradient. Linen modules are met by
+a method interceptor; NNX ones (of `task.NNX_MODELS`) get a subclass that
+gathers in its methods, rebuilt by `nnx.scan` / `nnx.vmap` in their bodies (a
+Variable getter alone keeps every layer's gathered leaves for the backward).
+Other leaves (BatchNorm statistics, rngs, plain functions): at the loss's entry.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Mapping
 from typing import Any, Callable
@@ -21,9 +23,12 @@ import flax.linen as nn
 import jax
 import numpy as np
 
+from hetjax import task as task_lib
+
 PyTree = Any
 Path = tuple[str, ...]
-_STATE = threading.local()  # .inside: a module being run on its gathered copy.
+_STATE = threading.local()  # .inside: on a gathered copy; .run: (where, gather, layered).
+_CLASSES: dict[type, type] = {}  # An NNX class -> its gathering subclass (one, for graphdefs).
 
 
 def paths(tree: PyTree) -> list[Path]:
@@ -46,93 +51,154 @@ def wrap(loss: Callable, like: PyTree, axes: list[int | None],
     if not layered:
       found: set[Path] = set()
       shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
-      with nn.intercept_methods(_interceptor(where, None, found)):
+      with _intercepting((where, None, found)):
         jax.eval_shape(loss, like, *shapes)
       layered.append(found)
     leaves, treedef = jax.tree.flatten(slabs)
     early = [x if a is None or p in layered[0] else gather(x, a, None)
              for x, p, a in zip(leaves, leaf_paths, axes)]
-    with nn.intercept_methods(_interceptor(where, gather, layered[0])):
+    with _intercepting((where, gather, layered[0])):
       return loss(jax.tree.unflatten(treedef, early), *args)
 
   return run
 
 
-def _interceptor(where: dict[Path, tuple[int | None, int]], gather: Callable | None,
-                 layered: set[Path]) -> Callable:
-  """Runs each module owning only parameters on a copy given them whole.
+@contextlib.contextmanager
+def _intercepting(run: tuple):
+  """Linen's methods and NNX models' (`task.NNX_MODELS`) gather as `run` says, meanwhile."""
+  _STATE.run, task_lib.NNX_MODELS.edit = run, _nnx_edit
+  try:
+    with nn.intercept_methods(_linen):
+      yield
+  finally:
+    _STATE.run = task_lib.NNX_MODELS.edit = None
 
-  `gather` None: a dry run on whole leaves that adds to `layered` each leaf
-  whose module can run so; otherwise only those leaves are gathered here.
+
+def _linen(next_fun, args, kwargs, context):
+  """Runs each linen module owning only parameters on a copy given them whole."""
+  module, run = context.module, _STATE.run
+  if getattr(_STATE, "inside", False) or module.scope is None:
+    return next_fun(*args, **kwargs)
+  variables = module.variables
+  own = dict(variables.get("params", {}))
+  mine = _mine(run, own, tuple(module.path))
+  if not mine or set(variables) != {"params"} or any(isinstance(v, Mapping) for v in own.values()):
+    return next_fun(*args, **kwargs)
+  if context.method_name == "setup":
+    return None  # Its parameters are read whole by the copy; the slabs fail setup's checks.
+  copy = module.clone(parent=None)
+  return _layer(run, own, mine, args, kwargs, lambda whole, a, k: copy.apply(
+      {"params": whole}, *a, method=context.method_name, **k), lambda: next_fun(*args, **kwargs))
+
+
+def _nnx_edit(model: Any) -> Any:
+  """`model` whose modules owning only `nnx.Param`s gather them in methods (`_slab_value`: too
+  where others read them)."""
+  from flax import nnx
+  if nnx.Param not in _CLASSES:
+    _CLASSES[nnx.Param] = type(nnx.Param)("Param", (nnx.Param,), {"get_value": _slab_value})
+  for path, node in list(nnx.iter_graph(model)):
+    flat = nnx.to_flat_state(nnx.state(node)) if isinstance(node, nnx.Module) else ()
+    if not flat or not all(len(p) == 1 and isinstance(v, nnx.Param) for p, v in flat):
+      continue
+    kind = type(node)
+    if kind not in _CLASSES:
+      _CLASSES[kind] = type(kind)(kind.__name__, (kind,), {
+          name: _nnx_method(f) for c in reversed(kind.__mro__[:kind.__mro__.index(nnx.Module)])
+          for name, f in vars(c).items() if callable(f) and (name == "__call__" or name[0] != "_")})
+    node.__class__, node.hetjax_path = _CLASSES[kind], tuple(map(str, path))
+    for (name,), v in flat:
+      setattr(node, name, _CLASSES[nnx.Param].from_metadata(
+          v.get_raw_value(), {**v.get_metadata(), "hetjax_path": node.hetjax_path + (name,)}))
+  return model
+
+
+def _slab_value(self, **kwargs):
+  """A slab's whole value where code outside its module's methods reads it."""
+  value, run, path = self.get_raw_value(), getattr(_STATE, "run", None), self.hetjax_path
+  if run and run[1] is not None and not getattr(_STATE, "inside", False) and path in run[2]:
+    value = _whole(run, path, value, None)
+  return value[kwargs["index"]] if "index" in kwargs else value
+
+
+def _nnx_method(f: Callable) -> Callable:
+  def method(self, *args, **kwargs):
+    if getattr(_STATE, "run", None) is None or getattr(_STATE, "inside", False):
+      return f(self, *args, **kwargs)
+    from flax import nnx
+    graphdef, state = nnx.split(self)
+    own = nnx.to_pure_dict(state, lambda v: v.get_raw_value())
+    mine = _mine(_STATE.run, own, self.hetjax_path)
+    if not mine:
+      return f(self, *args, **kwargs)
+
+    def call(whole, a, k):
+      fresh = jax.tree.map(lambda x: x, state)
+      nnx.replace_by_pure_dict(fresh, whole)
+      return f(nnx.merge(graphdef, fresh), *a, **k)
+
+    return _layer(_STATE.run, own, mine, args, kwargs, call, lambda: f(self, *args, **kwargs))
+
+  return method
+
+
+def _mine(run: tuple, own: dict[str, Any], path: Path) -> dict[str, Path]:
+  """The paths of a layer's leaves `own` if `run` may gather them in it (not one split on an
+  axis a scan dropped), else {}."""
+  where, gather, layered = run
+  mine = {k: path + (k,) for k in own}
+  for k, p in mine.items():
+    axis, ndim = where.get(p, (-1, np.inf))
+    if axis is not None and axis < ndim - np.ndim(own[k]):
+      return {}
+  return mine if gather is None or all(p in layered for p in mine.values()) else {}
+
+
+def _whole(run: tuple, path: Path, x: jax.Array, after: Any) -> jax.Array:
+  """The leaf at `path` whole from its slab `x` (a scan drops layer axes), after `after`."""
+  axis, ndim = run[0][path]
+  return x if axis is None else run[1](x, axis - (ndim - x.ndim), after)
+
+
+def _layer(run: tuple, own: dict[str, Any], mine: dict[str, Path], args: tuple, kwargs: dict,
+           call: Callable, fallback: Callable) -> Any:
+  """`call(whole params, args, kwargs)` of one layer owning `own` (at `mine`), gathered as `run`
+  says. `run`'s gather None: a dry run on whole leaves that adds to its `layered` the leaves
+  of a layer that can run so; otherwise only those leaves are gathered here.
   """
+  flat, treedef = jax.tree.flatten((args, kwargs))
+  dynamic = [i for i, x in enumerate(flat) if isinstance(x, (jax.Array, np.ndarray))]
 
-  def intercept(next_fun, args, kwargs, context):
-    module = context.module
-    if getattr(_STATE, "inside", False) or module.scope is None:
-      return next_fun(*args, **kwargs)
-    variables = module.variables
-    own = dict(variables.get("params", {}))
-    mine = {k: tuple(module.path) + (k,) for k in own}
-    if (not own or set(variables) != {"params"} or any(isinstance(v, Mapping) for v in own.values())
-        or not all(_splittable(where.get(p), own[k]) for k, p in mine.items())
-        or (gather is not None and not all(p in layered for p in mine.values()))):
-      return next_fun(*args, **kwargs)
-    if context.method_name == "setup":
-      return None  # Its parameters are read whole by the copy; the slabs fail setup's checks.
-    flat, treedef = jax.tree.flatten((args, kwargs))
-    dynamic = [i for i, x in enumerate(flat) if isinstance(x, (jax.Array, np.ndarray))]
-    copy = module.clone(parent=None)
+  def apply(whole, xs):
+    full = dict(enumerate(flat)) | dict(zip(dynamic, xs))
+    a, k = jax.tree.unflatten(treedef, list(full.values()))
+    _STATE.inside = True
+    try:
+      return call(whole, a, k)
+    finally:
+      _STATE.inside = False
 
-    def apply(whole, xs):
-      full = list(flat)
-      for i, x in zip(dynamic, xs):
-        full[i] = x
-      a, k = jax.tree.unflatten(treedef, full)
-      _STATE.inside = True
-      try:
-        return copy.apply({"params": whole}, *a, method=context.method_name, **k)
-      finally:
-        _STATE.inside = False
+  xs = [flat[i] for i in dynamic]
+  if run[1] is None:
+    try:
+      out = apply(own, xs)
+    except Exception:  # noqa: BLE001 (rngs, mutable state: gathered at the loss's entry)
+      return fallback()
+    run[2].update(mine.values())
+    return out
 
-    xs = [flat[i] for i in dynamic]
-    if gather is None:
-      try:
-        out = apply(own, xs)
-      except Exception:  # noqa: BLE001 (rngs, mutable state: gathered at the loss's entry)
-        return next_fun(*args, **kwargs)
-      layered.update(mine.values())
-      return out
+  whole = lambda slabs, after: {k: _whole(run, mine[k], x, after) for k, x in slabs.items()}
 
-    def whole(slabs, after):
-      out = {}
-      for k, x in slabs.items():
-        axis, ndim = where[mine[k]]
-        # Inside `nn.scan` the layer axes are gone: the split axis moves down with them.
-        out[k] = x if axis is None else gather(x, axis - (ndim - x.ndim), after)
-      return out
+  @jax.custom_vjp
+  def use(slabs, xs):
+    return apply(whole(slabs, xs), xs)
 
-    @jax.custom_vjp
-    def use(slabs, xs):
-      return apply(whole(slabs, xs), xs)
+  def backward(saved, cotangent):
+    slabs, xs = saved
+    gathered, to_slabs = jax.vjp(lambda s: whole(s, cotangent), slabs)
+    d_whole, d_xs = jax.vjp(apply, gathered, xs)[1](cotangent)
+    return to_slabs(d_whole)[0], d_xs
 
-    def forward(slabs, xs):
-      return use(slabs, xs), (slabs, xs)
+  use.defvjp(lambda slabs, xs: (use(slabs, xs), (slabs, xs)), backward)
+  return use(own, xs)
 
-    def backward(saved, cotangent):
-      slabs, xs = saved
-      gathered, to_slabs = jax.vjp(lambda s: whole(s, cotangent), slabs)
-      d_whole, d_xs = jax.vjp(apply, gathered, xs)[1](cotangent)
-      return to_slabs(d_whole)[0], d_xs
-
-    use.defvjp(forward, backward)
-    return use(own, xs)
-
-  return intercept
-
-
-def _splittable(axis_ndim: tuple[int | None, int] | None, x: Any) -> bool:
-  """Whether a module's leaf, as it sees it, still has its split axis (`nn.scan` drops layers')."""
-  if axis_ndim is None:
-    return False
-  axis, ndim = axis_ndim
-  return axis is None or axis >= ndim - np.ndim(x)

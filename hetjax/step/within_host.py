@@ -12,6 +12,7 @@ the blocks' math (invariant 2), up to float order.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable, NamedTuple
 
@@ -73,7 +74,8 @@ class Split:
       return jax.lax.all_gather(slab, DEV, axis=axis, tiled=True)
 
     wrap = lambda loss: loss and layer_gather.wrap(loss, self.like, self.axes, gather)
-    return _Gathering(task, wrap(task.loss), wrap(task.unmasked_loss))
+    return dataclasses.replace(task, loss=wrap(task.loss),
+                               unmasked_loss=wrap(task.unmasked_loss))
 
   def place(self, row: jax.Array, grads: PyTree, offsets: list[int]) -> jax.Array:
     """`row` (one device's `[1, width]`) plus this device's gradients at their places: leaf
@@ -114,17 +116,6 @@ class Split:
     return state_like._replace(**{k: jax.tree.map(lambda _: P(), v)
                                   for k, v in state_like._asdict().items() if k != "params"},
                                params=self.specs)
-
-
-class _Gathering(NamedTuple):
-  """A task whose training losses gather their parameters where used (`Split.gathering`)."""
-
-  task: Task
-  loss: Callable
-  unmasked_loss: Callable | None
-
-  def training_loss(self, blocks_full: bool) -> Callable:
-    return self.unmasked_loss if (blocks_full and self.unmasked_loss) else self.loss
 
 
 def grad_offsets(packer: Any, params: PyTree) -> list[int]:
