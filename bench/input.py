@@ -20,8 +20,10 @@ Run from the repository root:
    after 2 s of warm-up each, scaling the median of per-round ratios
    (2 / 1 should be >= 1.7 where two cores are free); CPU ms per batch of
    the host process and of the workers (from /proc, so load does not
-   inflate it: their sum over the cores bounds the scaling); and a plain
-   jitted resnet18 step on the same batches.
+   inflate it: their sum over the cores bounds the scaling); the same
+   decoding in 1 and 2 plain processes, timed in the same rounds, no
+   loader (what the machine gives at that moment); and a plain jitted
+   resnet18 step on the same batches.
 3. Cores a host needs to feed ResNet-50 at NVIDIA's published per-GPU
    training rates, derived from (1): rate x ms per image.
 4. In-memory and TFDS sources against a CNN step: one host's `HostLoader`
@@ -36,7 +38,9 @@ The last line printed is one JSON object with the figures.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
+import multiprocessing
 import os
 import statistics
 import tempfile
@@ -238,6 +242,26 @@ def _timed(produce: Callable[[], None], host: loader.HostLoader, steps: int, bat
   return rate, cpu[0], sum(cpu[1:])
 
 
+_PLAIN: tuple = ()  # (source, sampler) in a plain decode process.
+
+
+def _plain_start(source: data.Source, sampler: data.GlobalSampler) -> None:
+  global _PLAIN
+  _PLAIN = (source, sampler)
+
+
+def _plain_read(step: int) -> int:
+  """A step's batch read and decoded as a loader worker does, then dropped (no hand-over)."""
+  return len(loader.read_records(*_PLAIN, None, step, 0, _PLAIN[1].global_batch)["y"])
+
+
+def _plain_rate(pool: concurrent.futures.Executor, steps: int, batch: int) -> float:
+  """Samples/s of plain processes decoding `steps` batches, no barrier between batches."""
+  t0 = time.perf_counter()
+  assert sum(pool.map(_plain_read, range(steps))) == steps * batch
+  return steps * batch / (time.perf_counter() - t0)
+
+
 def _jpeg_rows(args: argparse.Namespace, folder: str) -> dict[str, Any]:
   """Loader samples/s per worker count (the loaders timed in turn, so load drifting on a shared
   machine hits both sides of each ratio), and the resnet18 step, per image size."""
@@ -251,21 +275,29 @@ def _jpeg_rows(args: argparse.Namespace, folder: str) -> dict[str, Any]:
     source = data.load(name, data_dir=folder, image_size=size, augment="crop,flip")
     sampler = data.GlobalSampler(len(source), batch, SEED, name=source.info.name)
     hosts = {w: loader.HostLoader(source, sampler, 0, workers=w) for w in args.workers}
+    spawn = multiprocessing.get_context("spawn")
+    plain = {w: concurrent.futures.ProcessPoolExecutor(w, spawn, _plain_start, (source, sampler))
+             for w in args.workers}
     try:
       produce = {w: _producer(host, batch) for w, host in hosts.items()}
-      for fn in produce.values():  # Warm-up: every worker started, its libraries loaded.
+      for w, fn in produce.items():  # Warm-up: every process started, its libraries loaded.
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < 2.0:
           fn()
-      rounds = [{w: _timed(fn, hosts[w], args.jpeg_steps, batch) for w, fn in produce.items()}
+          _plain_rate(plain[w], w, batch)
+      rounds = [{w: (*_timed(fn, hosts[w], args.jpeg_steps, batch),
+                     _plain_rate(plain[w], args.jpeg_steps, batch)) for w, fn in produce.items()}
                 for _ in range(args.repeats)]
     finally:
       for host in hosts.values():
         host.close()
+      for pool in plain.values():
+        pool.shutdown(cancel_futures=True)
     rates = {w: statistics.median(r[w][0] for r in rounds) for w in args.workers}
     cpu = {w: [statistics.median(r[w][i] for r in rounds) for i in (1, 2)] for w in args.workers}
     lo, hi = min(args.workers), max(args.workers)
     scaling = statistics.median(r[hi][0] / r[lo][0] for r in rounds)
+    ceiling = statistics.median(r[hi][3] / r[lo][3] for r in rounds)
     step = float("nan")
     if args.model_steps:
       consume = _consumer(source, batch, model="resnet18")
@@ -274,10 +306,15 @@ def _jpeg_rows(args: argparse.Namespace, folder: str) -> dict[str, Any]:
     figures[f"jpeg@{size}"] = {"pipeline_samples_per_sec": {w: round(r, 1) for w, r in rates.items()},
                                "cpu_ms_per_batch_host_workers": {
                                    w: [round(c, 1) for c in cpu[w]] for w in args.workers},
-                               "scaling": round(scaling, 2), "resnet18_samples_per_sec": round(step, 1)}
+                               "scaling": round(scaling, 2),
+                               "plain_processes_scaling": round(ceiling, 2),
+                               "resnet18_samples_per_sec": round(step, 1)}
     print(f"{size:>5} " + " ".join(f"{rates[w]:>18,.1f} {cpu[w][0]:>5.1f}+{cpu[w][1]:<5.1f}"
-                                   for w in args.workers) + f" {scaling:>8.2f} {step:>15,.1f}",
-          flush=True)
+                                   for w in args.workers) + f" {scaling:>8.2f} {step:>15,.1f}")
+    plain_rates = {w: statistics.median(r[w][3] for r in rounds) for w in args.workers}
+    print(f"      plain decode processes, same rounds (what the machine gives now): "
+          + ", ".join(f"{w}: {r:,.1f}" for w, r in plain_rates.items())
+          + f" smp/s, scaling {ceiling:.2f}", flush=True)
   return figures
 
 

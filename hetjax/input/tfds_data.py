@@ -198,7 +198,7 @@ class EncodedImages:
     return len(self._ds)
 
   def __getitem__(self, indices: np.ndarray) -> Batch:
-    examples = _examples(_read(self._ds, indices))
+    examples = _examples([self._ds[int(i)] for i in np.ravel(indices)])  # No bulk read's threads.
     blobs = np.empty(len(examples), dtype=object)
     blobs[:] = [e.features.feature[self._keys[0]].bytes_list.value[0] for e in examples]
     return {"image": blobs, "label": _column(examples, self._keys[1], (), np.dtype(np.int32))}
