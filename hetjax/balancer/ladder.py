@@ -20,6 +20,7 @@ scaled from measured seconds (`Ladder.of(..., program_s=...)`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
 import numpy as np
@@ -121,12 +122,9 @@ class Ladder:
     return self.decompose(-(-int(share) // self.unit))
 
 
+@functools.lru_cache(maxsize=4096)
 def _remainder(ladder: Ladder) -> tuple[np.ndarray, np.ndarray]:
   """Least work of `r` rounds (r < k) by the programs below k, and the first program taken."""
-  key = (ladder.unit, ladder.sizes, ladder.work)
-  cached = _REMAINDERS.get(key)
-  if cached is not None:
-    return cached
   k = ladder.k
   best, choice = np.full(k, np.inf), np.zeros(k, np.int64)
   best[0] = 0.0
@@ -135,13 +133,7 @@ def _remainder(ladder: Ladder) -> tuple[np.ndarray, np.ndarray]:
     for s, w in small:  # Largest first: ties keep the fewer, larger programs.
       if s <= r and best[r - s] + w < best[r] - 1e-12 * w:
         best[r], choice[r] = best[r - s] + w, s
-  if len(_REMAINDERS) > 4096:
-    _REMAINDERS.clear()
-  _REMAINDERS[key] = (best, choice)
   return best, choice
-
-
-_REMAINDERS: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
 
 
 class Ladders:

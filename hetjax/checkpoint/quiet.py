@@ -44,10 +44,6 @@ def install() -> None:
   for name in ("absl", ""):  # orbax logs through absl's logger (the root one without absl).
     if _QUIET not in logging.getLogger(name).filters:
       logging.getLogger(name).addFilter(_QUIET)
-  _install_hook()
-
-
-def _install_hook() -> None:
   previous = sys.excepthook
   if getattr(previous, "_hetjax_quiet", False):
     return

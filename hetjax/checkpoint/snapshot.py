@@ -12,11 +12,6 @@ this host's first device:
 
 The caller blocks only for the views or the copy's dispatch; the worker's
 `Snapshot.as_global` makes what orbax saves in a multi-host job.
-
-Example:
-  >>> taker = SnapshotTaker()
-  >>> snapshot = taker.take(state)   # on the training thread, before donation
-  >>> tree = snapshot.as_global()    # on the worker thread, for orbax
 """
 
 from __future__ import annotations
@@ -99,9 +94,8 @@ class SnapshotTaker:
     if leaves[0].addressable_data(0).devices() != {device}:
       raise ValueError(f"the first local replica is on {leaves[0].addressable_data(0).devices()}, "
                        f"expected {device}, this host's first device in the mesh")
-    copy = self._force_copy
-    if copy is None:
-      copy = device.platform not in HOST_MEMORY_PLATFORMS
+    copy = (device.platform not in HOST_MEMORY_PLATFORMS if self._force_copy is None
+            else self._force_copy)
     kinds = {m.kind for m in device.addressable_memories()}
     kind = "pinned_host" if copy and "pinned_host" in kinds else device.default_memory().kind
     program = None

@@ -46,14 +46,13 @@ class Stopped(JobExit):
 
   def __init__(self, step: int | None, directory: str | None, during: int | None = None):
     self.step, self.directory, self.during = step, directory, during
-    text = self._early() if step is None else self._message()
-    if during is not None and step is not None:
-      text += f" (The signal reached this host during step {during}.)"
+    if step is None:
+      text = (f"stopped by {self.signal_name} outside the training steps; nothing was saved; "
+              f"exiting with code {self.exit_code}.")
+    else:
+      text = self._message() + ("" if during is None else
+                                f" (The signal reached this host during step {during}.)")
     super().__init__(text)
-
-  def _early(self) -> str:
-    return (f"stopped by {self.signal_name} outside the training steps; nothing was saved; "
-            f"exiting with code {self.exit_code}.")
 
   def _message(self) -> str:
     return f"stopped by {self.signal_name} after step {self.step}."
@@ -81,9 +80,8 @@ class Preempted(Stopped):
 
 
 class Interrupted(Stopped):
-  """Ctrl-C (SIGINT) reached a host: a user's stop, not a preemption (never restarted).
-
-  Args as for `Stopped`.
+  """Ctrl-C (SIGINT) reached a host: a user's stop, not a preemption (never restarted). Args
+  as for `Stopped`.
 
   Example:
     >>> hetjax.Interrupted(7, None).exit_code

@@ -3,10 +3,6 @@
 An augmentation is `fn(batch, keys) -> batch`, `keys` from `example_keys`: every draw hashes
 the key, so record `i` in epoch `e` is augmented alike on any host and split (invariant 1).
 Opt-in: digits, the default dataset, trains best without it (a flipped 2 is not a 2).
-
-Example:
-  >>> aug = parse("crop,flip")
-  >>> batch = aug(batch, example_keys(seed=0, epochs=epochs, indices=indices))
 """
 
 from __future__ import annotations

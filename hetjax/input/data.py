@@ -22,12 +22,7 @@ SAMPLER_VERSION = 1  # Bump when the stream for a given (size, batch, seed) chan
 
 
 class GlobalSampler:
-  """The split-independent stream of global batches.
-
-  Example:
-    >>> sampler = GlobalSampler(num_records=10**9, global_batch=96, seed=0)
-    >>> mine = sampler.host_indices(step=7, shares=(55, 27, 14), host=1)  # 27 indices
-  """
+  """The split-independent stream of global batches."""
 
   def __init__(self, num_records: int, global_batch: int, seed: int, *, name: str | None = None):
     what = f"dataset {name!r}" if name else "the dataset"

@@ -11,12 +11,6 @@ bytes to the device); the models scale them there (`zoo.preprocess`).
 JPEGs: simplejpeg (libjpeg-turbo, accurate IDCT) at the smallest DCT scale (1/2, 1/4, 1/8)
 leaving the crop >= `size` pixels (a fraction of a full decode), then OpenCV bilinear, as DALI
 and FFCV do (docs/data.md: what that changes in pixels). Other formats and CMYK: PIL.
-
-Example:
-  >>> images = ImageSource(encoded, ImageRecipe(size=224, crop=True, flip=True))
-  >>> images[np.arange(4)]["x"].shape   # evaluation view: centre crops
-  (4, 224, 224, 3)
-  >>> images.train_records(indices, keys)  # the training view of those records
 """
 
 from __future__ import annotations

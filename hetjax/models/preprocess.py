@@ -2,9 +2,6 @@
 
 uint8 moves a quarter of float32's bytes to the accelerator; scaling to [0, 1]
 costs the device one fused multiply. Float inputs pass through untouched.
-
-Example:
-  >>> task = on_device_scaling(task_lib.from_linen(module, loss))
 """
 
 from __future__ import annotations

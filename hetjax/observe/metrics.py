@@ -3,10 +3,6 @@
 One record per step (`RECORD_KEYS`), emitted two steps late: the wait of step
 `s` travels in the collective of step `s + 2` (`RecordStream`). Only process 0
 writes. TensorBoard goes through `tensorboardX` (no TensorFlow needed).
-
-Example:
-  >>> with MetricsWriter("runs/latest") as writer:
-  ...   writer.write(record)
 """
 
 from __future__ import annotations

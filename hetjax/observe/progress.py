@@ -2,11 +2,6 @@
 
 On a terminal the line is rewritten in place (`\\r`); in a log, a plain line
 every `every` steps. Every host sees the same records, so one speaks for all.
-
-Example:
-  >>> progress = Progress(total_steps=1000, host_id=jax.process_index())
-  >>> progress.update(record)   # a hetjax.observe.metrics record, once per step
-  >>> progress.close()
 """
 
 from __future__ import annotations

@@ -1,42 +1,27 @@
 """`hetjax report OUT`: what a finished (or crashed) run spent its time on.
 
-Reads OUT/metrics.jsonl (and OUT/summary.json when the run finished) and
-writes OUT/report.png, with (a) each host's compute and wait as fractions
-of the step time, averaged over bins of steps, (b) the shares over the
-steps, (c) the throughput and, when the run evaluated during training, (d)
-the evaluation accuracy (or loss) with the learning rate, and
-OUT/report.txt, also printed. A colour always means a host (solid: compute,
-pale: wait); the run-wide lines are black and grey; a dotted vertical line
-marks a resume (the records' clock starts again there). Every x axis counts
-steps done, as the records do.
+Reads OUT/metrics.jsonl (and OUT/summary.json when the run finished) and writes OUT/report.png
+(`panels`: (a) each host's compute and wait as fractions of the step time, over bins of steps,
+(b) the shares, (c) the throughput, (d) the evaluation with the learning rate when the run
+evaluated, and where the job's time went) and OUT/report.txt, also printed. Every x axis
+counts steps done, as the records do.
 
-- efficiency = measured samples/s / ideal samples/s, where measured is the
-  global batch over the mean step time and ideal is the sum over hosts of
-  each host's own throughput (its samples over its compute seconds, on the
-  steps where it had samples): what the hosts would deliver if nobody ever
-  waited and the collective were free;
+- efficiency = measured samples/s (the global batch over the mean step time) / ideal samples/s
+  (the sum over hosts of each one's samples over its compute seconds, on the steps where it had
+  samples): what the hosts would deliver if nobody ever waited and the collective were free;
 - idle fraction of each host: wait / (compute + wait);
 - balancer moves: decisions after warm-up that changed the split;
-- the reduction's share of a step: the fastest host's wait (what the
-  cross-host reduction itself costs, nobody waiting for a slower host) over
-  the step time. The rounds modes (hybrid, elastic) reduce once per round
-  instead of once per step, which pays when this share is large.
+- the reduction's share of a step: the fastest host's wait (the collective itself, nobody
+  waiting for a slower host) over the step time. The rounds modes (hybrid, elastic) reduce
+  once per round instead, which pays when this share is large.
 
-The first `WARMUP_STEPS` steps (compilation) are left out of every figure
-but the plots.
-
-Where the job's time went, over every restart (`hetjax.observe.goodput`,
-from OUT/phases/, or summary.json's figures where the folder has none):
-the goodput (compute over the job's wall time), the badput by cause, each
-host's achieved FLOP/s against its vendor peak, and what the balancer saved
-against an equal split (`hetjax.observe.goodput_saving`): a table in the
-text, and a last panel of stacked bars, one per host.
-
-A run of the rounds modes (hybrid, elastic: one record per round, with
-`tau/<host>`, `spread/<host>` and `reduction_s` in its metrics) is drawn in
-rounds: (b) becomes each host's local steps per round (tau) and samples,
-and two panels join: the round and reduction seconds, and the spread of
-the hosts' models (each host's distance to their sample-weighted mean).
+The first `WARMUP_STEPS` steps (compilation) are left out of every figure but the plots. Where
+the job's time went, over every restart (`hetjax.observe.goodput`, from OUT/phases/, else
+summary.json's figures): goodput, badput by cause, each host's FLOP/s against its vendor peak
+and the balancer's saving against an equal split (`goodput_saving`). A rounds run (one record
+per round, with `tau/<host>`, `spread/<host>` and `reduction_s`) is drawn in rounds: (b) the
+hosts' local steps per round and samples, then the round and reduction seconds, and the spread
+of the hosts' models (each one's distance to their sample-weighted mean).
 """
 
 from __future__ import annotations

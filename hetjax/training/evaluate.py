@@ -38,13 +38,8 @@ def host_ranges(num_records: int, weights: Sequence[float]) -> list[tuple[int, i
 
 
 class Evaluator:
-  """Sums of evaluation losses and metrics over this host's slice of a split.
-
-  Args:
-    task: the model; its `evaluation_loss()` is evaluated.
-    meshes: this job's meshes.
-    batch_per_device: records per device per call (fixes the compiled shape).
-  """
+  """Sums of `task.evaluation_loss()`'s losses and metrics over this host's slice of a split,
+  `batch_per_device` records per device per call (the compiled shape)."""
 
   def __init__(self, task: Task, meshes: mesh_lib.Meshes, batch_per_device: int):
     if batch_per_device < 1:
@@ -76,10 +71,6 @@ class Evaluator:
       self._names = ["loss", *sorted(metrics), COUNT]
     return self._names
 
-  def _padded(self, records: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """A full batch with its `MASK`; padding repeats a real row (finite losses)."""
-    return next(step_lib.micro_batches(records, self.batch))
-
   def local_sums(self, params: PyTree, model_state: PyTree, source: Any,
                  start: int, stop: int) -> np.ndarray:
     """Sums over records `[start, stop)` of `source`, in `names` order, as float64
@@ -92,7 +83,9 @@ class Evaluator:
     sharding = self.meshes.local_by_device
     pending = None
     for first in range(start, stop, self.batch):
-      records = self._padded(source[np.arange(first, min(first + self.batch, stop))])
+      # A full batch with its `MASK`; padding repeats a real row (finite losses).
+      records = next(step_lib.micro_batches(
+          source[np.arange(first, min(first + self.batch, stop))], self.batch))
       out = self._sums(params, model_state, jax.device_put(records, sharding))
       watchdog.WATCHDOG.tick()  # A long split that moves is no stall.
       if pending is not None:  # Fetch one batch late, so the next one is already queued.

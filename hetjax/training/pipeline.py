@@ -38,9 +38,7 @@ TIMINGS = ("compute_s", "wait_s", "input_s")
 def default_balancer(config: Any, meshes: mesh_lib.Meshes, device_batches: Any,
                      start_step: int = 0) -> balancer_lib.Balancer:
   """The configured policy, deciding in blocks (one device round = granularity)."""
-  options = {}
-  if config.balancer in ("static", "dynamic"):
-    options["start_step"] = start_step
+  options = {"start_step": start_step} if config.balancer in ("static", "dynamic") else {}
   return blocks_lib.make_block_balancer(
       config.assignment, config.global_batch, config.microbatch,
       meshes.devices_per_host(), mode=config.balancer,
@@ -169,10 +167,7 @@ class StepPipeline:
                         -(-shares[self.meshes.host_id] // unit) * unit)
     t1 = time.perf_counter()
     watchdog.reducing(step)
-    if replica.sharded is None:
-      reduced = self.reduction(local.sums)
-    else:  # The update runs in the reduction.
-      reduced = self.reduction(local.sums, replica.shards)
+    reduced = self.reduction(local.sums, replica.shards)  # Sharded: the update runs in it.
     replica.reduced(step, reduced)
     ready = None
     if self.pace is None:

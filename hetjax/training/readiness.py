@@ -31,13 +31,7 @@ def ready_at(arrays: Any) -> float:
 
 
 class ReadyClock:
-  """Notes the `time.perf_counter()` when arrays are ready, without making the loop wait.
-
-  Example:
-    >>> clock = ReadyClock()
-    >>> done = clock.watch(sums, update)      # returns at once
-    >>> sums_at, update_at = done.result()    # later: when each was ready
-  """
+  """Notes the `time.perf_counter()` when arrays are ready, without making the loop wait."""
 
   def __init__(self, on_loop: bool = False):
     self.on_loop = on_loop
