@@ -6,7 +6,8 @@ tied input/output embeddings, its layers stacked as
   (MaxText's and levanter's stacking; parameters `[layers, ...]`),
 - 'loop': the same blocks in a Python loop,
 - 'jit': the scanned model with its loss wrapped in `jax.jit`,
-- 'nnx': NNX blocks made with `nnx.vmap` and run with `nnx.scan` (stacked `nnx.Param`s).
+- 'nnx': NNX blocks made with `nnx.vmap` and run with `nnx.scan` (stacked `nnx.Param`s);
+  'nnx-read': the same, its tied output reading the embedding outside `Embed`'s methods.
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ def next_token(logits, batch):
 
 def decoder(structure: str, width: int = 256, layers: int = 4, vocab: int = 32) -> hetjax.Task:
   """The decoder task of one `structure` (see the module docstring)."""
-  if structure == "nnx":
-    return _nnx_decoder(width, layers, vocab)
+  if structure.startswith("nnx"):
+    return _nnx_decoder(width, layers, vocab, read=structure == "nnx-read")
   task = hetjax.from_linen(Decoder(vocab, width, layers, scanned=structure != "loop"),
                            next_token)
   if structure == "jit":
@@ -75,7 +76,7 @@ def decoder(structure: str, width: int = 256, layers: int = 4, vocab: int = 32) 
   return task
 
 
-def _nnx_decoder(width: int, layers: int, vocab: int) -> hetjax.Task:
+def _nnx_decoder(width: int, layers: int, vocab: int, read: bool) -> hetjax.Task:
   from flax import nnx
 
   class NnxBlock(nnx.Module):
@@ -101,6 +102,7 @@ def _nnx_decoder(width: int, layers: int, vocab: int) -> hetjax.Task:
       @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
       def run(block, x):
         return block(x)
-      return self.embed.attend(self.norm(run(self.blocks, self.embed(tokens))))
+      x = self.norm(run(self.blocks, self.embed(tokens)))
+      return x @ self.embed.embedding[...].T if read else self.embed.attend(x)
 
   return hetjax.from_nnx(NnxDecoder(nnx.Rngs(0)), next_token)
