@@ -83,8 +83,4 @@ class Phases:
 
 
 PHASES = Phases()
-
-
-def within(name: str, step: int | None = None) -> contextlib.AbstractContextManager[None]:
-  """`PHASES.within`: what the trainer wraps each part of a run in."""
-  return PHASES.within(name, step)
+within = PHASES.within  # What the trainer wraps each part of a run in.

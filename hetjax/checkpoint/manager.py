@@ -66,13 +66,9 @@ class Checkpointer:
   watchdog, which ends every host with `WRITE_FAILED_EXIT` (the others would otherwise
   wait in orbax's barrier for its whole timeout).
 
-  Args:
-    config: folder, interval, how many to keep.
-    agree: `agree(flag) -> bool`, True when every host's flag is True (a
-      collective); decides together whether a checkpoint loaded everywhere.
-    write_error: EMULATED faults only (`hetjax.cluster.emulate.Faults.write_error`):
-      `write_error(step)` is the error this host's write of `step` fails with
-      inside orbax's commit, or None.
+  `agree(flag)`: True when every host's flag is (a collective): whether a checkpoint loaded
+  everywhere. `write_error(step)`: EMULATED faults only (`emulate.Faults.write_error`), the
+  error this host's write of `step` fails with inside orbax's commit, or None.
   """
 
   def __init__(self, config: CheckpointConfig, agree: Callable[[bool], bool], *,
@@ -235,18 +231,10 @@ class Checkpointer:
     return [s for s in steps if (self._path / str(s) / _COMMIT_MARKER).exists()]
 
   def restore_latest(self, like: Any, job: dict[str, Any]) -> tuple[Any, dict[str, Any]] | None:
-    """The newest checkpoint that loads on every host, restored onto `like`'s shardings.
-
-    Args:
-      like: a freshly initialised `TrainState` on this job's mesh (its
-        shardings decide where the restored arrays go: another host count is
-        fine).
-      job: `describe_job(...)` of this run; a checkpoint of another job is
-        refused with a `ValueError` saying what differs.
-
-    Returns:
-      `(state, meta)`, or None when the folder holds no usable checkpoint.
-    """
+    """`(state, meta)` of the newest checkpoint that loads on every host, restored onto `like`'s
+    shardings (a fresh `TrainState` on this job's mesh: another host count is fine); None when
+    the folder holds none. A checkpoint of another `job` (`describe_job`) is refused with a
+    ValueError saying what differs."""
     all_steps = sorted(self._manager.all_steps(), reverse=True)
     complete = self.complete_steps()
     for step in all_steps:

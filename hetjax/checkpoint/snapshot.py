@@ -55,13 +55,9 @@ class _Plan:
 
 
 class SnapshotTaker:
-  """Takes one-replica-per-host snapshots of trees replicated over every device.
-
-  Args:
-    copy: copy into host memory even where views would do (None: views on
-      `HOST_MEMORY_PLATFORMS`, copies elsewhere); tests use it to run the
-      GPU path on CPU.
-  """
+  """Takes one-replica-per-host snapshots of trees replicated over every device. `copy`: into
+  host memory even where views would do (None: views on `HOST_MEMORY_PLATFORMS`, copies
+  elsewhere), so tests run the GPU path on CPU."""
 
   def __init__(self, copy: bool | None = None):
     self._force_copy = copy

@@ -239,7 +239,6 @@ def parse_host_env(entries: Sequence[str], hosts: int) -> dict[int, dict[str, st
 
 # ---- Emulated faults (HETJAX_FAULTS): what the tests and the chaos soak inject ----
 
-FAULT_KINDS = ("stall-in-<phase>", "stall-in-step", "fail-write")
 # A folder of marker files: each fault fires once per job, whatever the restarts (bench/chaos.py).
 FAULTS_ONCE = "HETJAX_FAULTS_ONCE"
 

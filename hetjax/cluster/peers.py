@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Mapping
 
 from hetjax.config import Env
 from hetjax.cluster.positions import Position
@@ -43,9 +44,16 @@ class Peers:
               "aborts the other hosts).", file=sys.stderr, flush=True)
 
 
-def heartbeat_s() -> float:
-  raw = os.environ.get(Env.HEARTBEAT_TIMEOUT)
-  try:
-    return float(raw) if raw else DEFAULT_HEARTBEAT_S
-  except ValueError:  # runtime.initialize refused it already.
+def heartbeat_s(env: Mapping[str, str] = os.environ) -> int:
+  """HETJAX_HEARTBEAT_TIMEOUT (the coordinator's decides); too short kills a host in a long
+  pause of its own (a swap storm, a long GC)."""
+  raw = env.get(Env.HEARTBEAT_TIMEOUT)
+  if not raw:
     return DEFAULT_HEARTBEAT_S
+  try:
+    value = int(raw)
+  except ValueError:
+    raise ValueError(f"{Env.HEARTBEAT_TIMEOUT}={raw!r} is not a whole number of seconds.") from None
+  if value < 1:
+    raise ValueError(f"{Env.HEARTBEAT_TIMEOUT} must be >= 1 second, got {value}.")
+  return value

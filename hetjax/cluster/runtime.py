@@ -28,6 +28,7 @@ import jax
 from hetjax.config import Env
 from hetjax.cluster import service
 from hetjax.cluster import watchdog
+from hetjax.cluster.peers import heartbeat_s as heartbeat_from_env
 from hetjax import phases
 
 
@@ -89,21 +90,6 @@ def _env_timeout(env: Mapping[str, str]) -> float:
     return float(raw) if raw else DEFAULT_TIMEOUT_S
   except ValueError:
     raise ValueError(f"{Env.INIT_TIMEOUT}={raw!r} is not a number of seconds.") from None
-
-
-def heartbeat_from_env(env: Mapping[str, str] = os.environ) -> int:
-  """HETJAX_HEARTBEAT_TIMEOUT (the coordinator's decides); too short kills a host in a long
-  pause of its own (a swap storm, a long GC)."""
-  raw = env.get(Env.HEARTBEAT_TIMEOUT)
-  if not raw:
-    return DEFAULT_HEARTBEAT_S
-  try:
-    value = int(raw)
-  except ValueError:
-    raise ValueError(f"{Env.HEARTBEAT_TIMEOUT}={raw!r} is not a whole number of seconds.") from None
-  if value < 1:
-    raise ValueError(f"{Env.HEARTBEAT_TIMEOUT} must be >= 1 second, got {value}.")
-  return value
 
 
 def first_slurm_node(nodelist: str) -> str:

@@ -51,10 +51,6 @@ class GlobalSampler:
     """The `B` global record indices of `step`, in batch order."""
     return self.at(self.positions(step))
 
-  def host_indices(self, step: int, shares: Sequence[int], host: int) -> np.ndarray:
-    """Host `host`'s slice of `indices(step)`, computing only that slice."""
-    return self.at(self.positions(step, host_slice(shares, host)))
-
   def epochs_completed(self, step: int) -> int:
     """Whole epochs completed after `step` steps (exact integer arithmetic)."""
     return step * self.global_batch // self.num_records

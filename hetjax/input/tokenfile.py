@@ -62,13 +62,9 @@ class TokenFileSource:
 
   def __init__(self, path: str, seq_len: int, token_dtype: str = "uint16",
                vocab_size: int | None = None):
-    """Args:
-      path: the file, token ids back to back in native byte order.
-      seq_len: tokens per window (the model's sequence length).
-      token_dtype: 'uint16' (vocabularies up to 65,536, as GPT-2's) or 'uint32'.
-      vocab_size: the model's vocabulary; None reads the file once for its
-        largest id (given, every read checks its ids against it).
-    """
+    """`path`: token ids back to back in native byte order; `token_dtype`: 'uint16' (up to
+    65,536 ids, as GPT-2's) or 'uint32'; `vocab_size`: None reads the file once for its largest
+    id (given, every read checks its ids against it)."""
     self.windows = check(path, seq_len, token_dtype)
     self.path, self.seq_len, self.dtype = path, int(seq_len), np.dtype(token_dtype)
     if vocab_size is None:

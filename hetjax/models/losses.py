@@ -33,10 +33,8 @@ def next_token(logits: jax.Array, batch: Batch) -> tuple[Weighted, Metrics]:
   Position `t` predicts token `t + 1`, a target that counts when both are real
   in `batch["x_mask"]` (absent: all real). Summed losses and token counts per
   sequence make the update the mean over the global batch's real tokens on
-  any split, which a per-sequence mean is not.
-
-  Returns:
-    `(Weighted(values [b], weights [b]), {"accuracy": [b] correct tokens})`.
+  any split, which a per-sequence mean is not. Returns `(Weighted(values [b], weights [b]),
+  {"accuracy": [b] correct tokens})`.
   """
   tokens = batch["x"].astype(jnp.int32)
   if tokens.shape[1] < 2:

@@ -130,14 +130,9 @@ class RecordStream:
   def __init__(self, history: Any, *, global_batch: int | None, emulated: bool, first_step: int = 0,
                sinks: Sequence[Callable[[dict[str, Any]], Any]] = (),
                extra: Callable[[int], dict[str, float]] | None = None):
-    """Args:
-      history: a `hetjax.trainer.History` (read, never changed).
-      global_batch: samples per step (None: each step's shares' sum, as a round's).
-      emulated: whether host speeds are emulated.
-      first_step: the absolute step of history index 0 (non-zero after resume).
-      sinks: callables fed each new record, e.g. `MetricsWriter.write`.
-      extra: a mode's own metrics of window entry k (the rounds modes' taus).
-    """
+    """`history` is read, never changed; `global_batch` None: each step's shares' sum (a
+    round's); `first_step`: the step of history index 0 (after a resume); `sinks` get each new
+    record; `extra(k)`: a mode's own metrics of window entry k (the rounds modes' taus)."""
     self._history, self._sinks, self._extra = history, list(sinks), extra
     self._global_batch, self._emulated, self._first_step = global_batch, emulated, first_step
     # Records complete before this stream were an earlier `fit`'s; the clock runs on from them.
@@ -205,12 +200,8 @@ class MetricsWriter:
   """
 
   def __init__(self, out_dir: str, *, tensorboard: bool = True, resume_step: int | None = None):
-    """Args:
-      out_dir: the run's output folder (created if missing).
-      tensorboard: also write TensorBoard scalars under OUT/tensorboard/.
-      resume_step: the checkpoint's step a run resumed from: records after it are
-        dropped (redone); None starts the file afresh.
-    """
+    """`resume_step`: the checkpoint's step a run resumed from, whose later records are dropped
+    (redone); None starts the file afresh."""
     os.makedirs(out_dir, exist_ok=True)
     self.out_dir = out_dir
     self.path = os.path.join(out_dir, METRICS_FILE)

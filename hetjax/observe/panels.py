@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from hetjax.observe import goodput as goodput_lib
+from hetjax.observe import goodput_summary
 from hetjax.observe.figures import WARMUP_STEPS, Figures, per_host, steady
 
 BINS = 60  # Panel (a) averages the steps into at most this many bins, so it stays legible.
@@ -54,9 +56,8 @@ def plot(records: list[dict[str, Any]], fig: Figures, path: str, title: str = ""
   steps_part = figure
   if below:
     steps_part, time_part = figure.subfigures(2, 1, height_ratios=[height, below])
-    from hetjax.observe import goodput_panel
-    goodput_panel.draw(time_part.subplots(1, 1), fig.goodput, fig.balancer_saving,
-                       "defg"[extra + (1 if evaluated else 0)])
+    _plot_goodput(time_part.subplots(1, 1), fig.goodput, fig.balancer_saving,
+                  "defg"[extra + (1 if evaluated else 0)])
   axes = steps_part.subplots(panels, 1, sharex=True,
                              height_ratios=[0.6 + 0.45 * hosts] + [1.2] * (panels - 1))
   _plot_fractions(axes[0], records, fig, unit)
@@ -196,3 +197,51 @@ def _plot_evaluation(ax, records: list[dict[str, Any]], evaluated: list[dict[str
   ax.set_title(title)
   ax.legend(loc="upper left", bbox_to_anchor=(1.08, 1.0))
 
+
+# Cause -> (grey, hatch): a colour always means a host, so causes are greys and hatches.
+_STYLES = {
+    goodput_lib.COMPUTE: ("0.0", ""), goodput_lib.STARTUP: ("0.55", ""), "joining": ("0.65", ""),
+    "building": ("0.75", ""), "restoring": ("0.87", ""), goodput_lib.COMPILING: ("0.87", "xx"),
+    goodput_lib.INPUT: ("1.0", "oo"), goodput_lib.DISPATCH: ("1.0", ".."),
+    goodput_lib.WAITING: ("1.0", "//"),
+    goodput_lib.REDUCTION: ("1.0", "\\\\"), "evaluation": ("0.8", ".."),
+    "checkpoint": ("0.8", "//"), "agreement": ("0.8", "\\\\"), "summary": ("0.8", "++"),
+    goodput_lib.LOST: ("0.5", "xx"), goodput_lib.DISRUPTION: ("0.5", ".."),
+    goodput_lib.RESTART_WAIT: ("0.5", "//"), goodput_lib.OVERHEAD: ("0.95", "--"),
+    goodput_lib.UNTRACKED: ("1.0", ""),
+}
+
+
+def _plot_goodput(ax, goodput: dict[str, Any], saving: dict[str, Any] | None, letter: str) -> None:
+  """Where the job's time went: per host, its wall time over every restart by cause, goodput
+  first, labelled with FLOP/s against the vendor peak; the job's mean on top; the title what
+  the balancer saved."""
+  hosts = goodput["per_host"]
+  rows = [("job (mean)", goodput["compute_s"], goodput["badput_s"])]
+  for i, h in enumerate(hosts):
+    rows.append((f"host {i}: {goodput_summary.host_flops(h).split(', ', 1)[1]}",
+                 h["compute_s"], h["badput_s"]))
+  labelled = set()
+  for y, (_, compute, badput) in enumerate(reversed(rows)):
+    left = 0.0
+    for cause, seconds in [(goodput_lib.COMPUTE, compute)] + list(badput.items()):
+      if seconds <= 0:
+        continue
+      label = None if cause in labelled else cause
+      labelled.add(cause)
+      grey, hatch = _STYLES.get(cause, ("0.9", ""))
+      ax.barh(y, seconds, left=left, color=grey, hatch=hatch, edgecolor="0.25", lw=0.3,
+              label="compute (goodput)" if label == goodput_lib.COMPUTE else label)
+      left += seconds
+  ax.set_yticks(range(len(rows)), [r[0] for r in reversed(rows)], fontsize=8)
+  ax.set_xlabel("seconds of the job's wall time (every attempt, restarts included)")
+  tag = "  (emulated speeds)" if goodput["emulated"] else ""
+  title = (f"({letter}) where the job's {goodput_summary.duration(goodput['wall_s'])} went: "
+           f"goodput {goodput['fraction']:.1%}, {goodput['attempts'] - 1} restart(s){tag}")
+  if saving:
+    title += (f"\nbalancer: {saving['fraction']:.1%} of an equal split's step saved "
+              f"({saving['balanced_step_s'] * 1e3:,.1f} against {saving['equal_step_s'] * 1e3:,.1f} "
+              f"ms, modelled), {goodput_summary.duration(max(saving['saved_s'], 0.0))} of the job"
+              + ("  (emulated)" if saving["emulated"] else ""))
+  ax.set_title(title, fontsize=10)
+  ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, ncol=2)

@@ -35,14 +35,9 @@ class _Slot:
 
 
 class Packer:
-  """The layout of one tree structure: which buffer and offset holds each leaf.
-
-  Args:
-    like: a tree of arrays or `jax.ShapeDtypeStruct`s fixing structure,
-      shapes and dtypes.
-    dtype: when given, every leaf is cast to it (one buffer in all), e.g.
-      float32 for gradient sums whose leaves come in several precisions.
-  """
+  """The layout of `like`'s tree (arrays or shapes): which buffer and offset holds each leaf.
+  `dtype`: every leaf cast to it, one buffer in all (float32 gradient sums whose leaves come in
+  several precisions)."""
 
   def __init__(self, like: PyTree, dtype: Any = None):
     leaves, self.treedef = jax.tree.flatten(like)
@@ -51,16 +46,10 @@ class Packer:
     sizes: dict[str, int] = {}
     slots = []
     for x, dt in zip(leaves, self.dtypes):
-      name = dt.name
-      shape = tuple(x.shape)
-      slots.append(_Slot(name, sizes.get(name, 0), shape))
-      sizes[name] = sizes.get(name, 0) + math.prod(shape)
+      slots.append(_Slot(dt.name, sizes.get(dt.name, 0), tuple(x.shape)))
+      sizes[dt.name] = sizes.get(dt.name, 0) + math.prod(x.shape)
     self.slots = tuple(slots)
     self.sizes = dict(sorted(sizes.items()))
-
-  @property
-  def num_leaves(self) -> int:
-    return len(self.slots)
 
   def pack(self, tree: PyTree, batch_dims: int = 0) -> Packed:
     """`{dtype name: [*batch, total]}`; leaves keep their first `batch_dims` axes."""

@@ -67,18 +67,10 @@ def opt_kinds(optimizer: optax.GradientTransformation, params: PyTree, opt_state
 
 
 class ShardedUpdate:
-  """Splits, updates and gathers a train state over one mesh axis.
-
-  Args:
-    optimizer: the run's optax transformation.
-    mesh: the shard mesh (the world's devices, or one CPU device per host).
-    axis: its axis name.
-    like: the train state (a `hetjax.step.TrainState`, arrays or shapes),
-      unsplit: fixes shapes, dtypes and which optimizer leaves are split.
-    layout: 'sliced' (the optax update runs on the slices: element-wise
-      optimizers) or 'whole' (on the real leaves, each device keeping its
-      slice of the result: any optimizer); `optimizer_layout.choose` picks.
-  """
+  """Splits, updates and gathers a train state over `axis` of `mesh` (the world's devices, or
+  one CPU per host). `like`: the unsplit train state (arrays or shapes); `layout`: 'sliced'
+  (optax on the slices: element-wise optimizers) or 'whole' (on the real leaves, each device
+  keeping its slice: any optimizer), as `optimizer_layout.choose` picks."""
 
   def __init__(self, optimizer: optax.GradientTransformation, mesh: Mesh, axis: str, like: Any,
                layout: str = "sliced"):

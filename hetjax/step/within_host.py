@@ -36,12 +36,8 @@ def split_axis(shape: tuple[int, ...], devices: int) -> int | None:
 
 
 class Split:
-  """How one host lays its parameters out over its `devices` (see the module docstring).
-
-  Args:
-    params: the parameters (arrays or shapes), whole: fixes shapes and dtypes.
-    devices: `L`, this host's devices.
-  """
+  """How one host lays its whole `params` (arrays or shapes) out over its `devices`, `L` (see
+  the module docstring)."""
 
   def __init__(self, params: PyTree, devices: int):
     self.devices = int(devices)

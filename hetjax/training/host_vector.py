@@ -24,10 +24,8 @@ class HostVector:
   """
 
   def __init__(self, *names: str, per_host: str | None = None):
-    """Args:
-      names: the single-value columns, in order.
-      per_host: the name of a trailing group of one value per host (None: none).
-    """
+    """`names`: the single-value columns, in order; `per_host`: a trailing group of one value
+    per host (None: none)."""
     self.names, self.group = tuple(names), per_host
     self._index = {name: i for i, name in enumerate(self.names)}
 

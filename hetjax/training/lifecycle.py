@@ -190,15 +190,9 @@ class Run:
                sinks: Sequence[Sink] = (), eval_every: int = 0,
                eval_source: data_lib.ArraySource | None = None, out: str | None = None,
                every_step: bool = False, extra: Callable[[int], dict[str, float]] | None = None):
-    """Checks the arguments and opens the run folder.
-
-    Args:
-      trainer: the trainer whose `fit` this is.
-      count, until, log_every, log, sinks, eval_every, eval_source, out: `fit()`'s.
-      unit: what `count` counts, for messages ('steps' or 'rounds').
-      every_step: stop at every boundary (an `on_step` callback is given).
-      extra: a record's own metrics of a window entry (`hetjax.observe.metrics.RecordStream`).
-    """
+    """Checks `fit()`'s arguments and opens the run folder; `unit`: what `count` counts
+    ('steps' or 'rounds'); `every_step`: stop at every boundary (an `on_step` callback);
+    `extra`: a record's own metrics of a window entry (`metrics.RecordStream`)."""
     check_fit_args(count, until, eval_every, eval_source, unit)
     self.trainer, self.out, self.unit = trainer, out, unit[:-1]
     self.eval_every, self.eval_source = eval_every, eval_source
