@@ -103,9 +103,10 @@ def _nnx_edit(model: Any) -> Any:
       continue
     kind = type(node)
     if kind not in _CLASSES:
+      own = {n: f for c in reversed(kind.__mro__[:kind.__mro__.index(nnx.Module)])
+             for n, f in vars(c).items() if hasattr(f, "__code__")}  # Functions, not static.
       _CLASSES[kind] = type(kind)(kind.__name__, (kind,), {
-          name: _nnx_method(f) for c in reversed(kind.__mro__[:kind.__mro__.index(nnx.Module)])
-          for name, f in vars(c).items() if callable(f) and (name == "__call__" or name[0] != "_")})
+          n: _nnx_method(f) for n, f in own.items() if n == "__call__" or n[0] != "_"})
     node.__class__, node.hetjax_path = _CLASSES[kind], tuple(map(str, path))
     for (name,), v in flat:
       setattr(node, name, _CLASSES[nnx.Param].from_metadata(
@@ -131,13 +132,8 @@ def _nnx_method(f: Callable) -> Callable:
     mine = _mine(_STATE.run, own, self.hetjax_path)
     if not mine:
       return f(self, *args, **kwargs)
-
-    def call(whole, a, k):
-      fresh = jax.tree.map(lambda x: x, state)
-      nnx.replace_by_pure_dict(fresh, whole)
-      return f(nnx.merge(graphdef, fresh), *a, **k)
-
-    return _layer(_STATE.run, own, mine, args, kwargs, call, lambda: f(self, *args, **kwargs))
+    return _layer(_STATE.run, own, mine, args, kwargs, lambda whole, a, k: f(
+        nnx.merge(graphdef, whole), *a, **k), lambda: f(self, *args, **kwargs))
 
   return method
 
