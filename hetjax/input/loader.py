@@ -23,7 +23,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
-import dataclasses
 import itertools
 import multiprocessing
 import os
@@ -40,16 +39,8 @@ from hetjax.input import data as data_lib
 from hetjax.input.sources import Batch, Source
 
 
-@dataclasses.dataclass
-class _Chunk:
-  """Records `[start, stop)` of `step`'s global batch, being read."""
-
-  step: int
-  start: int
-  stop: int
-  future: concurrent.futures.Future
-
-
+# Records `[start, stop)` of `step`'s global batch, being read into `future`.
+_Chunk = collections.namedtuple("_Chunk", "step start stop future")
 _WORKER: tuple = ()  # (source, sampler, augment) inside a worker process.
 _LOADER_IDS = itertools.count()
 # The trainer's inline_below_s: in-memory slices read well under it, decoding sources do not.
@@ -90,19 +81,18 @@ def _copy_rows(result: Batch | tuple[str, list], a: int, b: int, out: Batch, at:
                rows: int) -> None:
   """Rows `[a, b)` of a piece into `out[at:]` (arrays of `rows`, made on first use); a piece in
   shared memory is freed."""
-  if isinstance(result, dict):
-    for k, v in result.items():
-      if k not in out:
-        out[k] = np.empty((rows, *v.shape[1:]), v.dtype)
-      out[k][at:at + b - a] = v[a:b]
-    return
-  shm = shared_memory.SharedMemory(result[0])
-  shm.unlink()  # The mapping stays until closed.
-  try:
-    _copy_rows({k: np.ndarray(shape, dtype, shm.buf, offset)
-                for k, dtype, shape, offset in result[1]}, a, b, out, at, rows)
-  finally:
-    shm.close()
+  if not isinstance(result, dict):
+    shm = shared_memory.SharedMemory(result[0])
+    shm.unlink()  # The mapping stays until closed.
+    try:
+      return _copy_rows({k: np.ndarray(shape, dtype, shm.buf, offset)
+                         for k, dtype, shape, offset in result[1]}, a, b, out, at, rows)
+    finally:
+      shm.close()
+  for k, v in result.items():
+    if k not in out:
+      out[k] = np.empty((rows, *v.shape[1:]), v.dtype)
+    out[k][at:at + b - a] = v[a:b]
 
 
 def _free(future: concurrent.futures.Future) -> None:
@@ -301,8 +291,7 @@ class HostLoader:
     return plan
 
   def _drop(self, which) -> None:
-    """Forgets the chunks `which` selects, cancelling those not yet started (the rest free
-    their shared memory once done)."""
+    """Forgets the chunks `which` selects: cancels those not yet started, frees the rest."""
     dropped = [c for c in self._chunks if which(c)]
     self._chunks = [c for c in self._chunks if c not in dropped]
     for chunk in dropped:
