@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Sequence
 
+import jax
 import numpy as np
 import optax
 
@@ -28,6 +29,7 @@ from hetjax.observe import metrics as metrics_lib
 from hetjax.observe.history import History
 from hetjax import task as task_lib
 from hetjax.training import agreement
+from hetjax.training import evaluate as evaluate_lib
 from hetjax.training import lifecycle
 from hetjax.training.lifecycle import params_digest  # noqa: F401 (public name)
 from hetjax.task import Task
@@ -102,7 +104,7 @@ class Trainer:
       self.history = History(warmup=self.mode.warmup, series={s: [] for s in self.mode.series})
       state, job = self.mode.build(Setup(task, optimizer, source, config, self.meshes, self.sampler,
                                          example, self.pace, self.history))
-      self._evaluations = lifecycle.Evaluations(task, self.meshes)
+      self._evaluator: evaluate_lib.Evaluator | None = None  # Compiled once per batch size.
       self.resumed_from: int | None = None
       self.job = ckpt_lib.describe_job(state, {
           **job, "global_batch": config.global_batch, "seed": config.seed,
@@ -243,14 +245,16 @@ class Trainer:
 
   def params(self) -> PyTree:
     """The current parameters as host numpy arrays (this host's copy)."""
-    return lifecycle.host_copy(self.mode.current()[0])
+    return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), self.mode.current()[0])
 
   def evaluate(self, source: data_lib.ArraySource, batch_size: int = 256) -> dict[str, float]:
     """Mean loss and metrics over all of `source` (every host calls it), streamed
     `batch_size` records per device, spread over the hosts by their last step's shares."""
     weights = self.history.shares[-1] if self.history.shares else [1] * self.num_hosts
     with phases.within(phases.EVALUATION, self.step):
-      return self._evaluations.evaluate(*self.mode.current(), source, weights, batch_size)
+      if self._evaluator is None or self._evaluator.batch != batch_size * self.meshes.local_devices:
+        self._evaluator = evaluate_lib.Evaluator(self.task, self.meshes, batch_size)
+      return self._evaluator.evaluate(*self.mode.current(), source, weights)
 
   def write_summary(self, out: str, summary: dict[str, Any]) -> None:
     """Writes OUT/summary.json on process 0 (what `hetjax report` reads)."""

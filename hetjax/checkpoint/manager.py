@@ -282,7 +282,8 @@ class Checkpointer:
     self._agree(True)  # Every host waits here for the rename.
     self._manager.reload()
     where = f"moved to {moved.name} for inspection" if moved else "left in place"
-    _warn(f"checkpoint {self.directory}/{step} {why}: skipped ({where}); trying the previous one.")
+    _say(f"checkpoint {self.directory}/{step} {why}: skipped ({where}); trying the previous one.",
+         warning=True)
 
   def _read_meta(self, step: int) -> dict[str, Any] | None:
     try:
@@ -344,15 +345,11 @@ def _nbytes(state: Any) -> int:
   return int(sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(state)))
 
 
-def _say(message: str) -> None:
+def _say(message: str, warning: bool = False) -> None:
+  """One line on host 0 (a warning on stderr), and the log at INFO, so an unconfigured log adds
+  no copy."""
   if jax.process_index() == 0:
-    print(f"hetjax: {message}", flush=True)
-  log.info(message)
-
-
-def _warn(message: str) -> None:
-  """One line on host 0's stderr (and the log at INFO, so an unconfigured log adds no copy)."""
-  if jax.process_index() == 0:
-    print(f"hetjax: warning: {message}", file=sys.stderr, flush=True)
+    print(f"hetjax: {'warning: ' if warning else ''}{message}",
+          file=sys.stderr if warning else sys.stdout, flush=True)
   log.info(message)
 

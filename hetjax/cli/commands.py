@@ -90,14 +90,6 @@ def _load_data(args: argparse.Namespace):
   return source, test_source
 
 
-def _build_task(args: argparse.Namespace, info):
-  from hetjax import models as zoo
-  if user_code.is_factory(args.model):
-    return user_code.build_task(args.model, info, _model_overrides(args))
-  return zoo.build(args.model, kind=info.kind, num_classes=info.num_classes,
-                   vocab_size=info.vocab_size, **_model_overrides(args))
-
-
 def _checkpoint_config(args: argparse.Namespace) -> config_lib.CheckpointConfig:
   return flags.config_of(config_lib.CheckpointConfig, args)
 
@@ -131,6 +123,7 @@ def _optimizer_identity(args: argparse.Namespace) -> str:
 def train(args: argparse.Namespace) -> dict:
   """Runs one host's part of the job; returns the summary."""
   _check_args(args)
+  from hetjax import models as zoo
   from hetjax import modes, phases, trainer
   from hetjax.cluster import runtime
   from hetjax.input import loader
@@ -151,7 +144,11 @@ def train(args: argparse.Namespace) -> dict:
     if args.eval_every and test_source is None:
       raise ValueError(f"--eval-every evaluates on the test split of image datasets; dataset "
                        f"{args.dataset!r} has none here, so drop --eval-every.")
-    task = _build_task(args, source.info)
+    info = source.info
+    task = (user_code.build_task(args.model, info, _model_overrides(args))
+            if user_code.is_factory(args.model) else
+            zoo.build(args.model, kind=info.kind, num_classes=info.num_classes,
+                      vocab_size=info.vocab_size, **_model_overrides(args)))
   config = _train_config(args)
   identity = f"{args.model}|{_optimizer_identity(args)}|{args.model_width}|{args.dropout}"
   identity += f"|{args.image_size}|{args.augment}" if images else ""

@@ -301,7 +301,8 @@ def initialize(coordinator: str | None = None, num_hosts: int | None = None,
   jax.config.update("jax_enable_preemption_service", False)
   with phases.within(phases.JOINING):
     if spec.detect is None:
-      client_only = spec.host_id == 0 and service.runs_elsewhere()
+      # A launcher runs this job's coordination service: host 0 must not start one.
+      client_only = spec.host_id == 0 and os.environ.get(Env.SERVICE) == service.ELSEWHERE
       if spec.host_id != 0 or client_only:
         wait_for_coordinator(spec.coordinator, spec.timeout_s)
       _say(f"host {spec.host_id} of {spec.num_hosts} joining coordinator {spec.coordinator} "

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import IO, Callable, Iterable, Iterator, Sequence
 
 ELSEWHERE = "launcher"  # HETJAX_SERVICE's value: host 0 joins as a client only.
 READY = "[hetjax] coordination service listening on"
@@ -46,12 +46,6 @@ def remote_argv(python: str, address: str, num_hosts: int, heartbeat_s: int) -> 
     ['.venv/bin/python', '-I', '-c']
   """
   return [python, "-I", "-c", _BOOT, address, str(num_hosts), str(heartbeat_s)]
-
-
-def runs_elsewhere(env: Mapping[str, str] = os.environ) -> bool:
-  """Whether a launcher runs this job's coordination service (host 0 must not start one)."""
-  from hetjax.config import Env
-  return env.get(Env.SERVICE) == ELSEWHERE
 
 
 class Service:

@@ -206,5 +206,5 @@ def check_records(source: Source, expected: RecordSpec, probes: int = 3) -> None
       if not _fits(tuple(got.shape[1:]), shape) or got.dtype != np.dtype(dtype):
         raise ValueError(f"dataset {name!r} record {i}: {key!r} has shape {tuple(got.shape[1:])} "
                          f"and dtype {got.dtype}, but the model expects shape {tuple(shape)} and "
-                         f"dtype {np.dtype(dtype)}; rebuild the model for this data (or convert the "
-                         f"dataset, e.g. resize or cast offline).")
+                         f"dtype {np.dtype(dtype)}; rebuild the model for this data (or convert "
+                         f"the dataset, e.g. resize or cast offline).")

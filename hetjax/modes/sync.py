@@ -89,7 +89,7 @@ class Sync(ModeBase):
                                                 meshes)
       self.sharded = sharding_lib.ShardedUpdate(optimizer, *shard_mesh, initial,
                                                 self.update_layout.layout)
-      self.reduction.attach(self.sharded)
+      self.reduction.sharded = self.sharded  # The update runs in the reduction's program.
     # This host's own choice: its parameters and sums split over its devices.
     self.within = within_host_choice.for_host(config, task, initial.params,
                                               initial.model_state, setup.example, meshes)
@@ -140,14 +140,10 @@ class Sync(ModeBase):
 
   @property
   def state(self) -> step_lib.TrainState:
-    """The train state after every dispatched step, as global replicated arrays.
-
-    What orbax saves and what a user may inspect, keep or replace: the
-    pending update is applied first and every leaf re-wrapped (zero-copy),
-    so the step loop never reads it. The arrays stay valid after later
-    steps (the next step donates a copy). A sharded update's optimizer
-    state is gathered whole for the read (a copy).
-    """
+    """The train state after every dispatched step, as global replicated arrays (what orbax
+    saves, and a user may keep or replace): the pending update applied, every leaf re-wrapped
+    (zero-copy), valid after later steps (the next step donates a copy); a sharded update's
+    optimizer state gathered whole (a copy)."""
     return self.replica.lend(self.replica.global_view())
 
   @state.setter

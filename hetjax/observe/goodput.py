@@ -217,8 +217,8 @@ def host_time(attempts: Sequence[Attempt], host: int = 0, warmup: int = WARMUP_S
   known = steady and all(s.flops is not None for s in steady) and compute > 0
   return HostTime(host, attempts[-1].end - attempts[0].process_start, seconds, len(attempts),
                   redone, sum(len(a.steps) for a in attempts), flops / compute if known else None,
-                  device.get("device_kind"), int(device.get("devices", 1)), device.get("precision", "fp32"),
-                  bool(device.get("emulated", False)))
+                  device.get("device_kind"), int(device.get("devices", 1)),
+                  device.get("precision", "fp32"), bool(device.get("emulated", False)))
 
 
 def _attempt_time(a: Attempt, redo_after: float, warmup: int, seconds: dict[str, float]) -> None:
@@ -311,18 +311,13 @@ def job_time(hosts: Sequence[HostTime]) -> JobTime:
                  any(h.emulated for h in hosts))
 
 
-def phase_files(out_dir: str) -> list[str]:
-  """OUT/phases/host<i>.jsonl, by host."""
-  folder = os.path.join(out_dir, "phases")
-  if not os.path.isdir(folder):
-    return []
-  names = [n for n in os.listdir(folder) if n.startswith("host") and n.endswith(".jsonl")]
-  return [os.path.join(folder, n) for n in sorted(names, key=lambda n: int(n[4:-6]))]
-
-
 def read_job(out_dir: str) -> JobTime | None:
-  """The job's time from its run folder's phase records; None where it has none."""
-  paths = phase_files(out_dir)
+  """The job's time from its run folder's phase records (OUT/phases/host<i>.jsonl); None where
+  it has none."""
+  folder = os.path.join(out_dir, "phases")
+  names = [n for n in (os.listdir(folder) if os.path.isdir(folder) else [])
+           if n.startswith("host") and n.endswith(".jsonl")]
+  paths = [os.path.join(folder, n) for n in sorted(names, key=lambda n: int(n[4:-6]))]
   if not paths:
     return None
   return job_time([host_time(attempts_of(read_lines(p)), int(os.path.basename(p)[4:-6]))

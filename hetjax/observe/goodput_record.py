@@ -183,13 +183,13 @@ def recording(out: str | None, host_from_env: Callable[[], int]) -> Iterator[Rec
     yield None
     return
   recorder = Recorder(out)
-  _ACTIVE = recorder
+  outer, _ACTIVE = _ACTIVE, recorder
   try:
     with phases_lib.PHASES.subscribe(recorder):
       yield recorder
     recorder.close(host_from_env())
   finally:
-    _ACTIVE = None
+    _ACTIVE = outer
     if recorder._file is not None and not recorder._file.closed:
       recorder._file.close()  # A failed process: no close line (it did not end cleanly).
 
@@ -198,22 +198,12 @@ def recording(out: str | None, host_from_env: Callable[[], int]) -> Iterator[Rec
 def for_fit(out: str | None, host: int) -> Iterator[Recorder | None]:
   """The recorder of one `fit(out=...)` call: the process's when it records into `out`,
   else one for this call alone."""
-  global _ACTIVE
-  if out is None:
-    yield None
-    return
-  if _ACTIVE is not None and os.path.abspath(_ACTIVE.out) == os.path.abspath(out):
+  if out is not None and _ACTIVE is not None and (
+      os.path.abspath(_ACTIVE.out) == os.path.abspath(out)):
     _ACTIVE.bind(host)
     yield _ACTIVE
     return
-  recorder = Recorder(out)
-  recorder.bind(host)
-  outer, _ACTIVE = _ACTIVE, recorder
-  try:
-    with phases_lib.PHASES.subscribe(recorder):
-      yield recorder
-    recorder.close()
-  finally:
-    _ACTIVE = outer
-    if not recorder._file.closed:
-      recorder._file.close()
+  with recording(out, lambda: host) as recorder:
+    if recorder is not None:
+      recorder.bind(host)
+    yield recorder

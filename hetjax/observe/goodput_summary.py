@@ -125,16 +125,15 @@ def lines(goodput: dict[str, Any] | None, saving: dict[str, Any] | None,
     starved = h.get("badput_s", {}).get(goodput_lib.INPUT, 0.0)
     short = f", waiting for input {starved / h['wall_s']:.1%}" if starved and h["wall_s"] else ""
     out.append(f"  host {i}: " + host_flops(h) + short)
-  if saving and saving["fraction"] < 0.005:
-    out.append(f"balancer: the split that ran is no faster than an equal split "
-               f"({saving['balanced_step_s'] * 1e3:,.1f} ms against {saving['equal_step_s'] * 1e3:,.1f}"
-               f" ms a step, modelled)" + (" (emulated speeds)" if saving["emulated"] else ""))
-  elif saving:
+  if saving:
+    ms = (f"{saving['balanced_step_s'] * 1e3:,.1f} ms against "
+          f"{saving['equal_step_s'] * 1e3:,.1f} ms")
     tag = " (emulated speeds)" if saving["emulated"] else ""
-    out.append(f"balancer saved {saving['fraction']:.1%} of an equal split's step "
-               f"({saving['balanced_step_s'] * 1e3:,.1f} ms against {saving['equal_step_s'] * 1e3:,.1f}"
-               f" ms, modelled), {duration(max(saving['saved_s'], 0.0))} over "
-               f"{saving['steps']} steps{tag}")
+    out.append(f"balancer: the split that ran is no faster than an equal split ({ms} a step, "
+               f"modelled){tag}" if saving["fraction"] < 0.005 else
+               f"balancer saved {saving['fraction']:.1%} of an equal split's step ({ms}, "
+               f"modelled), {duration(max(saving['saved_s'], 0.0))} over {saving['steps']} "
+               f"steps{tag}")
   return out
 
 

@@ -338,17 +338,15 @@ class LocalProgram:
       micro[_POSITION] = _position_rows(step, first_block + start // m, first,
                                         min(size, rows - start), m, d, host, j)
       micro = jax.device_put(micro, self.meshes.local_by_device)
-      if pending is not None and self.replica is not None:
-        state, sums = self._update_then_grad[j](pending, micro, local_key)
-        pending = None
-      elif pending is not None:
-        state, lr, sums = self._update_then_grad[j](state, pending, micro, local_key)
-        pending = None
-      else:
+      if pending is None:
         if sums is None or sums.is_deleted():
           sums = self._zeros(state.loss_scale.scale, host)
         sums = self._grad[j](state, sums, micro, local_key)
-      first = False
+      elif self.replica is not None:
+        state, sums = self._update_then_grad[j](pending, micro, local_key)
+      else:
+        state, lr, sums = self._update_then_grad[j](state, pending, micro, local_key)
+      first, pending = False, None
       start += size
     if pending is not None:  # No micro-batch: the update alone.
       state, lr = self.update(state, pending)

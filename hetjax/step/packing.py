@@ -3,11 +3,6 @@
 Every array crossing meshes costs ~0.1 ms of Python (a re-wrap): a ResNet-50's ~270 arrays
 would cost tens of ms a step, more than a GPU step. Packed, they cross as one buffer per dtype;
 (un)packing runs inside the compiled programs, where XLA fuses it into its neighbours.
-
-Example:
-  >>> packer = Packer({"w": jnp.zeros((3, 2)), "b": jnp.zeros(2)})
-  >>> flat = packer.pack({"w": jnp.ones((3, 2)), "b": jnp.ones(2)})  # {"float32": [8]}
-  >>> tree = packer.unpack(flat)
 """
 
 from __future__ import annotations

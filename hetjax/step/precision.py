@@ -14,8 +14,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from hetjax.config import PRECISIONS, check_choice
+
 PyTree = Any
-PRECISIONS = ("fp32", "bf16", "fp16")
 _DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 INITIAL_SCALE = 2.0 ** 15
 GROWTH_INTERVAL = 2000   # finite steps before the scale doubles
@@ -24,8 +25,7 @@ MAX_SCALE = 2.0 ** 24
 
 def check(precision: str) -> str:
   """Returns `precision` or raises naming the choices."""
-  if precision not in _DTYPES:
-    raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}.")
+  check_choice("precision", precision, PRECISIONS)
   return precision
 
 

@@ -60,16 +60,12 @@ class DeviceReduction:
   def __init__(self, meshes: Meshes):
     self.meshes = meshes
     self._program = None
-    self.sharded = None
+    self.sharded = None  # A `ShardedUpdate` set here runs inside the reduction's program.
 
   @property
   def shard_mesh(self) -> tuple[Mesh, str]:
     """Where the sharded update splits the state: every device of every host."""
     return self.meshes.world, ALL
-
-  def attach(self, sharded) -> None:
-    """Runs `sharded` (a `hetjax.step.sharding.ShardedUpdate`) inside the reduction's program."""
-    self.sharded = sharded
 
   def _build(self, layout: Layout) -> None:
     n = layout.row_size
@@ -128,17 +124,13 @@ class HostReduction:
     self._by_host = NamedSharding(self._cpu_mesh, P(HOSTS))
     self._gather = jax.jit(lambda x: x, out_shardings=NamedSharding(self._cpu_mesh, P()))
     self._device_sum = None
-    self.sharded = None
+    self.sharded = None  # A `ShardedUpdate` set here runs in the CPU program.
     line_up(self._gather, self._by_host, meshes)
 
   @property
   def shard_mesh(self) -> tuple[Mesh, str]:
     """Where the sharded update splits the state: one CPU device per host."""
     return self._cpu_mesh, HOSTS
-
-  def attach(self, sharded) -> None:
-    """Runs `sharded` (a `hetjax.step.sharding.ShardedUpdate`) in the CPU program."""
-    self.sharded = sharded
 
   def _build(self, layout: Layout) -> None:
     n = layout.row_size

@@ -34,8 +34,6 @@ from hetjax.observe import goodput_summary
 from hetjax.observe import metrics as metrics_lib
 from hetjax.observe import progress as progress_lib
 from hetjax.observe.history import History
-from hetjax.training import evaluate as evaluate_lib
-from hetjax.task import Task
 
 PyTree = Any
 Sink = Callable[[dict[str, Any]], Any]
@@ -102,26 +100,6 @@ def all_hosts_agree(flag: bool, meshes: mesh_lib.Meshes) -> bool:
   return bool(np.all(flags > 0))
 
 
-def host_copy(params: PyTree) -> PyTree:
-  """Replicated arrays as host numpy arrays (this host's copy)."""
-  return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), params)
-
-
-class Evaluations:
-  """A trainer's evaluator, compiled once per batch size, and its newest figures."""
-
-  def __init__(self, task: Task, meshes: mesh_lib.Meshes):
-    self.task, self.meshes = task, meshes
-    self._evaluator: evaluate_lib.Evaluator | None = None
-
-  def evaluate(self, params: PyTree, model_state: PyTree, source: data_lib.ArraySource,
-               weights: Sequence[int], batch_size: int) -> dict[str, float]:
-    """Mean loss and metrics over `source`, spread over the hosts by `weights`."""
-    if self._evaluator is None or self._evaluator.batch != batch_size * self.meshes.local_devices:
-      self._evaluator = evaluate_lib.Evaluator(self.task, self.meshes, batch_size)
-    return self._evaluator.evaluate(params, model_state, source, weights)
-
-
 @contextlib.contextmanager
 def watched(config: config_lib.TrainConfig, host_id: int | None = None,
             num_hosts: int | None = None, unit: str = "step") -> Iterator[None]:
@@ -154,7 +132,7 @@ def emulated_faults(host_id: int):
 
 
 def check_fit_args(count: int | None, until: int | None, eval_every: int,
-                   eval_source: data_lib.ArraySource | None, unit: str = "steps") -> None:
+                   eval_source: data_lib.ArraySource | None, unit: str) -> None:
   """`fit()`'s argument checks; `unit` names what the run counts ('steps' or 'rounds')."""
   if (count is None) == (until is None):
     raise ValueError(f"give fit() exactly one of {unit} (how many more) or until (the last "
@@ -174,15 +152,7 @@ class Run:
   A context manager: the run folder's writer is closed however the run ends.
 
   Also what a mode's `advance` reads of the call (`hetjax.modes.base.Loop`):
-  `target`, `due(step)`, `record()`, `records`.
-
-  Example (`hetjax.Trainer.fit`):
-    >>> with Run(self, steps, until=until, unit="steps", ...) as run:
-    ...   with run.watching():
-    ...     for boundary in self.mode.advance(run):
-    ...       ...; run.record()
-    ...   run.evaluate_at_end()
-    ...   return run.close()
+  `target`, `due(step)`, `record()`, `records`; `hetjax.Trainer.fit` shows its use.
   """
 
   def __init__(self, trainer: Trained, count: int | None, *, until: int | None, unit: str,
