@@ -189,6 +189,20 @@ def test_worker_pieces_come_in_shared_memory_freed_once_read_or_dropped():
     _equal(reader.get(0, (6,)), reader.read(0, (6,)))  # Object arrays travel pickled.
 
 
+def test_a_worker_pickles_its_piece_when_dev_shm_is_nearly_full(monkeypatch):
+  source = data.load("digits")
+  sampler = data.GlobalSampler(len(source), 32, seed=1)
+  monkeypatch.setattr(loader, "_WORKER", (source, sampler, None))  # As inside a worker.
+  name, layout = loader._read_in_worker(0, 0, 8)
+  out = {}
+  loader._copy_rows((name, layout), 2, 8, out, 0, 6)
+  assert not _segment_exists(name)
+  _equal(out, loader.read_records(source, sampler, None, 0, 2, 8))
+  full = type("Full", (), {"f_bavail": 1, "f_frsize": 4096})  # Docker's /dev/shm, used up.
+  monkeypatch.setattr(loader.os, "statvfs", lambda path: full)
+  _equal(loader._read_in_worker(0, 0, 8), loader.read_records(source, sampler, None, 0, 0, 8))
+
+
 def _segment_exists(name: str) -> bool:
   try:
     shared_memory.SharedMemory(name).close()

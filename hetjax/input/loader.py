@@ -67,9 +67,11 @@ def _read_in_worker(step: int, start: int, stop: int) -> Batch | tuple[str, list
   """A piece read in a worker, its arrays handed over in shared memory (pickled through the
   pipe they cost both processes copies, and the worker waits until the host drains them)."""
   batch = read_records(*_WORKER, step, start, stop)
-  if any(v.dtype.hasobject for v in batch.values()):
-    return batch
   offsets = np.cumsum([0] + [-(-v.nbytes // 64) * 64 for v in batch.values()]).tolist()  # Aligned.
+  room = os.statvfs("/dev/shm") if os.path.isdir("/dev/shm") else None
+  if any(v.dtype.hasobject for v in batch.values()) or (
+      room is not None and room.f_bavail * room.f_frsize < 2 * offsets[-1]):
+    return batch  # Pickled: objects, or a /dev/shm near full (Docker's 64 MB) would SIGBUS us.
   shm = shared_memory.SharedMemory(create=True, size=max(1, offsets[-1]))
   for v, offset in zip(batch.values(), offsets):
     np.ndarray(v.shape, v.dtype, shm.buf, offset)[...] = v
