@@ -87,8 +87,15 @@ def _linen(next_fun, args, kwargs, context):
   if context.method_name == "setup":
     return None  # Its parameters are read whole by the copy; the slabs fail setup's checks.
   copy = module.clone(parent=None)
-  return _layer(run, own, mine, args, kwargs, lambda whole, a, k: copy.apply(
-      {"params": whole}, *a, method=context.method_name, **k), lambda: next_fun(*args, **kwargs))
+
+  def call(whole, a, k):
+    out, wrote = copy.apply({"params": whole}, *a, method=context.method_name,
+                            mutable=nn.DenyList("params"), **k)
+    if any(module.is_mutable_collection(c) for c, v in wrote.items() if jax.tree.leaves(v)):
+      raise ValueError("it sows what the loss keeps")  # Lost on a copy: the dry run falls back.
+    return out
+
+  return _layer(run, own, mine, args, kwargs, call, lambda: next_fun(*args, **kwargs))
 
 
 def _nnx_edit(model: Any) -> Any:
