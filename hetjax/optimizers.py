@@ -84,18 +84,11 @@ def learning_rate_schedule(lr: float, schedule: str, warmup_steps: int, total_st
 def make(name: str, lr: float, *, schedule: str = "constant", warmup_steps: int = 0,
          total_steps: int = 1, clip_norm: float | None = None,
          weight_decay: float | None = None, decay_all: bool = False):
-  """The optax transformation for these command-line settings.
-
-  Args:
-    name: sgd, momentum, adam or adamw.
-    lr: the peak learning rate.
-    schedule: constant, cosine or linear (decay to 0 at `total_steps`).
-    warmup_steps: updates of linear warm-up from 0 to `lr`.
-    total_steps: the run's length in updates (for the decay).
-    clip_norm: clip the gradient to this global norm first (None: never).
-    weight_decay: decoupled weight decay (adam becomes adamw); None: the
-      optimizer's default (0; adamw 1e-4).
-    decay_all: decay every leaf, not only `decay_mask`'s.
+  """The optax transformation for these command-line settings: `name` sgd, momentum, adam or
+  adamw at peak `lr`; `schedule` constant, cosine or linear (to 0 at `total_steps` updates)
+  after `warmup_steps` of linear warm-up from 0; `clip_norm` clips the gradient's global norm
+  first; `weight_decay` is decoupled (adam becomes adamw; None: 0, adamw 1e-4), over
+  `decay_mask`'s leaves unless `decay_all`.
 
   Example:
     >>> opt = make("adamw", 1e-3, weight_decay=0.05)  # Kernels decay, biases do not.

@@ -66,9 +66,8 @@ def run_hosts(entry: str, *, hosts: int, devices_per_host: int = 1, args: tuple 
     The function's return value on each host, in host order.
 
   Raises:
-    ValueError: on a bad entry, cluster shape or emulation, before any process starts.
-    RuntimeError: when a host fails (naming it, with its traceback) or the
-      run exceeds `timeout_s`; all hosts are stopped first.
+    ValueError: a bad entry, cluster shape or emulation, before any process starts.
+    RuntimeError: a host failed (named, with its traceback) or `timeout_s` passed; all stopped.
   """
   module, function = _check_entry(entry)
   if not timeout_s > 0:

@@ -103,11 +103,8 @@ class Checkpointer:
 
   def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
     """Hands the state after `step` steps to orbax on this thread (written in the background
-    if async); `state` must not be donated until this returns.
-
-    Raises:
-      CheckpointWriteFailed: on every host, when a save failed on any host.
-    """
+    if async); `state` must not be donated until this returns. A save that failed on any host
+    raises `CheckpointWriteFailed` on every host."""
     failure = self._finished_hand_over()
     if failure is None and step != self.last_saved:
       try:
@@ -201,11 +198,7 @@ class Checkpointer:
     return last, None if folder is None else write_failed.folder_bytes(folder)
 
   def wait(self) -> None:
-    """Blocks until every started save is complete on disk.
-
-    Raises:
-      CheckpointWriteFailed: on every host, when a save failed on any host.
-    """
+    """Blocks until every started save is complete on disk (`CheckpointWriteFailed` as `save`)."""
     failure = self._finished_hand_over()
     if failure is None:
       try:

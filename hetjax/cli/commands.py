@@ -49,8 +49,7 @@ def _check_args(args: argparse.Namespace) -> None:
   optimizers.check(args.optimizer, args.lr, **_optimizer_settings(args))
   check_at_least("--eval-every", args.eval_every, 0, " steps (0: evaluate only at the end)")
   check_at_least("--steps", args.steps, 1, " (the total, a resumed run does what is left)")
-  hosts = os.environ.get(Env.NUM_HOSTS)  # Unset before joining under some launchers.
-  hosts = int(hosts) if hosts else None
+  hosts = int(os.environ.get(Env.NUM_HOSTS) or 0) or None  # Unset before joining: some launchers.
   _train_config(args).validate(hosts or 1)
   if args.ckpt_dir is not None:
     _checkpoint_config(args).validate()

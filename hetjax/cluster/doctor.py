@@ -244,8 +244,7 @@ def diagnose(*, model: str = "mlp", batch: int = 256, steps: int = 10,
   from hetjax import mesh as mesh_lib
 
   meshes = mesh_lib.Meshes.create()
-  settings = f"{model}|{batch}|{steps}"
-  hosts = gather_identity(meshes, settings)
+  hosts = gather_identity(meshes, f"{model}|{batch}|{steps}")
   problems = []
   if [h["reported_id"] for h in hosts] != list(range(meshes.num_hosts)):
     problems.append(f"the all-gather put hosts {[h['reported_id'] for h in hosts]} in rows "

@@ -40,8 +40,7 @@ class HostGroup:
   """N host processes, each in its own process group, output prefixed by host."""
 
   def __init__(self, commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str]], *,
-               sink: IO[str] | None = None, tail_lines: int = TAIL_LINES,
-               findings: Findings | None = None):
+               sink: IO[str] | None = None, findings: Findings | None = None):
     """Call `start` from a thread that outlives the hosts: the guard's parent-death signal
     fires when the *thread* that started them ends. `sink` gets the prefixed lines (None: only
     tails); `findings` may be shared with other readers (the coordination service's).
@@ -53,7 +52,7 @@ class HostGroup:
     self._sink = sink
     self._lock = threading.Lock()
     self.procs: list[subprocess.Popen] = []
-    self.tails = [collections.deque(maxlen=tail_lines) for _ in commands]
+    self.tails = [collections.deque(maxlen=TAIL_LINES) for _ in commands]
     self._readers: list[threading.Thread] = []
     self._exits = _ExitClock(len(commands))
     self.findings = Findings() if findings is None else findings

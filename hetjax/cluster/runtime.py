@@ -27,13 +27,11 @@ import jax
 
 from hetjax.config import Env
 from hetjax.cluster import service
-from hetjax.cluster import watchdog
 from hetjax.cluster.peers import heartbeat_s as heartbeat_from_env
 from hetjax import phases
 
 
 DEFAULT_TIMEOUT_S = 120.0
-DEFAULT_HEARTBEAT_S = watchdog.DEFAULT_HEARTBEAT_S
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 

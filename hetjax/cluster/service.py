@@ -55,8 +55,7 @@ class Service:
                sink: IO[str] | None, scan: Callable[[str], None],
                command: Sequence[str] | None = None):
     """`scan` reads each log line (the launcher's `Findings`), `sink` gets them prefixed;
-    `command` runs the service elsewhere (ssh, then `remote_argv`); None: here, guarded.
-    """
+    `command` runs the service elsewhere (ssh, then `remote_argv`); None: here, guarded."""
     self._argv = [address, str(num_hosts), str(heartbeat_s)]
     self._command = None if command is None else list(command)
     self._sink, self._scan = sink, scan

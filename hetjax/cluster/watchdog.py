@@ -25,7 +25,7 @@ from typing import Callable, Iterator
 
 from hetjax import phases
 from hetjax.cluster import ending, service
-from hetjax.cluster.peers import DEFAULT_HEARTBEAT_S, Peers as _Peers, heartbeat_s  # noqa: F401
+from hetjax.cluster.peers import Peers as _Peers, heartbeat_s
 from hetjax.cluster import positions
 from hetjax.cluster.positions import Position, behind  # noqa: F401 (public names)
 from hetjax.exits import STALLED_EXIT, JobExit

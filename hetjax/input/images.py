@@ -76,11 +76,9 @@ def _uniform(keys: np.ndarray, stream: np.uint64, count: int) -> np.ndarray:
 
 
 def random_crop_box(width: int, height: int, draws: np.ndarray) -> Box:
-  """An Inception crop `(left, top, right, bottom)` from `_ATTEMPTS x 4` uniform draws.
-
-  As torchvision's RandomResizedCrop: up to ten tries at an area and aspect
-  ratio that fit; then the largest central crop of a clamped ratio.
-  """
+  """An Inception crop `(left, top, right, bottom)` from `_ATTEMPTS x 4` uniform draws, as
+  torchvision's RandomResizedCrop: up to ten tries at an area and aspect ratio that fit; then
+  the largest central crop of a clamped ratio."""
   area = width * height
   lo, hi = math.log(CROP_RATIO[0]), math.log(CROP_RATIO[1])
   for u_area, u_ratio, u_x, u_y in draws.reshape(_ATTEMPTS, 4):
@@ -151,10 +149,8 @@ def _decode_jpeg(data: bytes, size: int, channels: int, box_fn: Callable[[int, i
 
 def decode_crop(data: bytes, size: int, channels: int, box_fn: Callable[[int, int], Box],
                 flip: bool) -> np.ndarray:
-  """Decodes `data`, resizes `box_fn(width, height)` to `size x size`; uint8 [size, size, channels].
-
-  JPEGs take the field's fast path (`_decode_jpeg`); other formats PIL.
-  """
+  """Decodes `data` and resizes `box_fn(width, height)` to uint8 `[size, size, channels]`:
+  JPEGs by the field's fast path (`_decode_jpeg`), other formats by PIL."""
   pixels = _decode_jpeg(data, size, channels, box_fn)
   if pixels is None:
     pixels = _decode_pil(data, size, channels, box_fn)

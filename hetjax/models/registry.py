@@ -51,7 +51,8 @@ def default_config(name: str) -> dict[str, Any]:
 
 def build(name: str, *, kind: str, num_classes: int | None = None,
           vocab_size: int | None = None, **overrides: Any) -> task_lib.Task:
-  """Builds the `Task` hetjax trains for model `name` on data of `kind`.
+  """The `Task` hetjax trains for model `name` on data of `kind`: its loss gives per-example
+  cross-entropy and an "accuracy" metric (tokens: `losses.next_token`).
 
   Args:
     name: one of `MODEL_NAMES`.
@@ -61,10 +62,6 @@ def build(name: str, *, kind: str, num_classes: int | None = None,
     vocab_size: number of token ids; required by token models.
     **overrides: module configuration to change, e.g. `width=8` for
       "resnet18"; see `default_config(name)`.
-
-  Returns:
-    A Task whose loss gives per-example cross-entropy and an "accuracy" metric
-    (for tokens: `losses.next_token`).
   """
   spec = _spec(name)
   if kind not in KINDS:

@@ -161,12 +161,10 @@ class Rounds(ModeBase):
   def record_metrics(self, k: int) -> dict[str, float]:
     """Each host's tau and distance to the hosts' mean in window entry `k`, and the
     reduction's seconds (the least wait)."""
-    h, metrics = self.history, {}
-    for host in range(self.meshes.num_hosts):
-      metrics[f"tau/{host}"] = float(h.series["tau"][k][host])
-      metrics[f"spread/{host}"] = float(h.series["spread"][k][host])
-    metrics["reduction_s"] = float(min(h.wait_s[k]))
-    return metrics
+    h = self.history
+    return {**{f"{name}/{host}": float(h.series[name][k][host])
+               for host in range(self.meshes.num_hosts) for name in ("tau", "spread")},
+            "reduction_s": float(min(h.wait_s[k]))}
 
   # ---- the state ------------------------------------------------------------
 

@@ -103,11 +103,10 @@ def load_run(out_dir: str) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]
     raise ValueError(f"{path} holds no step records (the run stopped before its first "
                      f"step ended?); {hint}.")
   summary_path = os.path.join(out_dir, SUMMARY_FILE)
-  summary = None
-  if os.path.isfile(summary_path):
-    with open(summary_path) as f:
-      summary = json.load(f)
-  return summary, records
+  if not os.path.isfile(summary_path):
+    return None, records
+  with open(summary_path) as f:
+    return json.load(f), records
 
 
 def steady(records: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -75,11 +75,7 @@ def format_text(fig: Figures, out_dir: str) -> str:
     lines.append(f"balancer: {fig.balancer_mode}, {_count(fig.balancer_moves, 'move')} after "
                  f"warm-up ({_count(fig.balancer_decisions, 'decision')}); the split changed "
                  f"{_count(fig.split_changes, 'time')}")
-  if fig.last_eval is not None:
-    shown = ", ".join(f"{k} {v:.4f}" for k, v in sorted(fig.last_eval.items()))
-    lines.append(f"evaluation: {shown} after step {fig.last_eval_step} "
-                 f"({_count(fig.evaluations, 'evaluation')} during training)")
-  lines += _device_batch_lines(fig)
+  lines += _last_lines(fig, "evaluation", "step")
   if fig.step_peaks:
     mb = lambda n: "?" if n is None else f"{n / 1e6:,.1f}"
     lines.append("step peak per device, MB (XLA's memory analysis; without sharding within the "
@@ -91,12 +87,18 @@ def format_text(fig: Figures, out_dir: str) -> str:
   return "\n".join(lines) + "\n"
 
 
-def _device_batch_lines(fig: Figures) -> list[str]:
-  """Each host's device batch, where the summary records it and some host runs more than one."""
-  if not fig.device_batches or max(fig.device_batches) <= 1:
-    return []
-  return [f"device batches (blocks per device per program): "
-          f"{'/'.join(map(str, fig.device_batches))}"]
+def _last_lines(fig: Figures, evaluated: str, unit: str) -> list[str]:
+  """The last evaluation (`evaluated`, after a `unit`), and each host's device batch where the
+  summary records it and some host runs more than one."""
+  lines = []
+  if fig.last_eval is not None:
+    shown = ", ".join(f"{k} {v:.4f}" for k, v in sorted(fig.last_eval.items()))
+    lines.append(f"{evaluated}: {shown} after {unit} {fig.last_eval_step} "
+                 f"({_count(fig.evaluations, 'evaluation')} during training)")
+  if fig.device_batches and max(fig.device_batches) > 1:
+    lines.append(f"device batches (blocks per device per program): "
+                 f"{'/'.join(map(str, fig.device_batches))}")
+  return lines
 
 
 def _format_rounds(fig: Figures, out_dir: str) -> str:
@@ -120,11 +122,7 @@ def _format_rounds(fig: Figures, out_dir: str) -> str:
                "at the round's end before the reduction)")
   if fig.balancer_mode is not None:
     lines.append(f"taus: {fig.balancer_mode}")
-  if fig.last_eval is not None:
-    shown = ", ".join(f"{k} {v:.4f}" for k, v in sorted(fig.last_eval.items()))
-    lines.append(f"evaluation of the centre: {shown} after round {fig.last_eval_step} "
-                 f"({_count(fig.evaluations, 'evaluation')} during training)")
-  return "\n".join(lines + _device_batch_lines(fig)) + "\n"
+  return "\n".join(lines + _last_lines(fig, "evaluation of the centre", "round")) + "\n"
 
 
 def where_the_time_went(out_dir: str, summary: dict | None,

@@ -18,8 +18,6 @@ each one is another program run. Sources in `ASSUMPTIONS`:
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import numpy as np
 
 HALF_BATCH = 11.0  # Samples per device at half the peak (fit: A100 10.5, V100 11.1).
@@ -71,10 +69,3 @@ def auto_device_batch(gpu: str, microbatch: int, times: "callable",
   while k > 1 and times(k // 2) / (k // 2) <= times(k) / k:
     k //= 2
   return k
-
-
-def ladder_program_s(sizes: Sequence[int], gpu_samples_per_s: float, microbatch: int,
-                     hbm_bytes_per_s: float, accum_bytes: float) -> list[float]:
-  """Seconds of one run of each ladder program (`sizes`: blocks per device)."""
-  return [program_s(gpu_samples_per_s, s * microbatch, hbm_bytes_per_s, accum_bytes)
-          for s in sizes]

@@ -214,8 +214,8 @@ class ClusterSpec:
     extra = self.within_host_s(host)
     if not self.price:
       return [k * self.microbatch / thr + extra for k in sizes]
-    return [t + extra for t in price_lib.ladder_program_s(
-        sizes, thr, self.microbatch, HBM_BYTES_PER_S[gpu], 3 * self.grad_bytes)]
+    return [price_lib.program_s(thr, k * self.microbatch, HBM_BYTES_PER_S[gpu],
+                                3 * self.grad_bytes) + extra for k in sizes]
 
   def costs(self, seed: int | None = None) -> balancer_lib.CostParams:
     """The true (noise-free) cost of every host; with `seed`, its persistent slow hosts too."""

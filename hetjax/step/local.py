@@ -358,10 +358,7 @@ class LocalProgram:
 
   def update(self, state: TrainState, pending: Any) -> tuple[TrainState, jax.Array | None]:
     """Applies a pending update alone: (the new state, its learning rate or NaN); donates `state`.
-
-    Under the sharded update it only unpacks the new state (None: the
-    reduction already reported the learning rate).
-    """
+    Under the sharded update it only unpacks the new state (None: the reduction reported it)."""
     if self._unpack is not None:
       return self._unpack(pending), None
     return self._update_alone(state, pending)

@@ -242,10 +242,8 @@ class Run:
       self.evaluate()
 
   def close(self) -> dict[str, Any]:
-    """The end of `fit()`, finished or stopped: save (waiting), summarise, flush the records, write.
-
-    The last record's wait seconds are known once `summary` gathered them.
-    """
+    """The end of `fit()`, finished or stopped: save (waiting), summarise, flush the records
+    (the last one's wait seconds are known once `summary` gathered them), write."""
     with phases.within(phases.SUMMARY, self.trainer.step):
       return self._close()
 
@@ -294,10 +292,8 @@ def _every(n: int, step: int) -> bool:
 
 
 def summary(trainer: Trained, *, digest: bool) -> dict[str, Any]:
-  """The summary fields of every mode (a mode adds its own: `Mode.summary_fields`).
-
-  Call after the history holds every step's wait seconds.
-  """
+  """The summary fields of every mode (a mode adds its own: `Mode.summary_fields`); call after
+  the history holds every step's wait seconds."""
   t, h = trainer, trainer.history
   evaluation = None
   if h.evals:
