@@ -75,11 +75,6 @@ class Meshes:
     firsts = [next(d for d in cpus if d.process_index == h) for h in range(self.num_hosts)]
     return Mesh(np.array(firsts), (HOSTS,))
 
-  @property
-  def values_mesh(self) -> Mesh:
-    """The mesh `gather_host_values` runs over (`values_over`)."""
-    return self.hosts if self.values_over == "host" else self.world
-
   # Shardings built once, not per leaf per step.
   @functools.cached_property
   def replicated(self) -> NamedSharding:
@@ -157,8 +152,8 @@ def _all_gather(mesh: Mesh) -> Callable[[jax.Array], jax.Array]:
 
 def gather_host_values(values: np.ndarray, meshes: Meshes) -> np.ndarray:
   """Every host's `values` vector, `[hosts, k]`, from one small collective over
-  `meshes.values_mesh` (every host must call it, in the same order)."""
-  mesh = meshes.values_mesh
+  `meshes.values_over`'s mesh (every host must call it, in the same order)."""
+  mesh = meshes.hosts if meshes.values_over == "host" else meshes.world
   with watchdog.waiting():  # The watchdog names first the hosts that are not waiting here.
     rows = np.asarray(_all_gather(mesh)(_rows_on(values, mesh)))
   return rows[_first_rows(mesh)]

@@ -10,6 +10,7 @@ that compile differently (`parse_host_env`) and faults (HETJAX_FAULTS). The laun
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 import threading
@@ -121,11 +122,7 @@ def parse_slowdowns(text: str) -> list[Slowdown]:
 
 def slowdown_factor(slowdowns: Sequence[Slowdown], host: int, step: int) -> float:
   """The combined extra slowdown of `host` at `step`."""
-  factor = 1.0
-  for s in slowdowns:
-    if s.host == host and step >= s.step:
-      factor *= s.factor
-  return factor
+  return math.prod((s.factor for s in slowdowns if s.host == host and step >= s.step), start=1.0)
 
 
 class DevicePacer:

@@ -47,9 +47,7 @@ class LocalStep:
     # Device batches: rounds in runs of k (and the ladder's smaller ones).
     self.device_batch = int(device_batch)
     self.ladder = Ladder.of(d, self.device_batch)
-    self.optimizer = optimizer
-
-    self.task = task
+    self.optimizer, self.task = optimizer, task
     self._step = None
     # The host's inner state: the optimizer's, and its own loss scale (fp16).
     init = lambda p: (optimizer.init(p), precision_lib.initial_scale(precision))
