@@ -28,10 +28,11 @@ Run from the repository root:
    training rates, derived from (1): rate x ms per image.
 4. In-memory and TFDS sources against a CNN step: one host's `HostLoader`
    delivers `--batch` records per step in the trainer's pattern (`get(s)`,
-   then `prefetch(s + 1)`), a plain `jax.jit` CNN step (adam, mean loss,
+   then `prefetch(s + 1)`; slices under 2 ms read inline, as in training), a plain `jax.jit` CNN step (adam, mean loss,
    device-resident batch) consumes batches of that size; the ratio is the
    median of per-repeat ratios and must be >= 2 for digits, synthetic_big
-   and tfds:digits (digits as an array_record TFDS dataset, read in bulk).
+   and tfds:digits (digits as an array_record TFDS dataset, read by
+   array_record's own reader).
 The last line printed is one JSON object with the figures.
 """
 
@@ -366,7 +367,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name, (source, aug) in rows.items():
       sampler = data.GlobalSampler(len(source), args.batch, SEED, name=source.info.name)
       consume = _consumer(source, args.batch)
-      with loader.HostLoader(source, sampler, 0, threads=args.threads, augment=aug) as host:
+      # As training builds it (modes/sync.py): slices that read in under 2 ms read inline.
+      with loader.HostLoader(source, sampler, 0, threads=args.threads, augment=aug,
+                             inline_below_s=loader.INLINE_BELOW_S) as host:
         produce = _producer(host, args.batch)
         for fn in (produce, consume):
           _rate(fn, 5, args.batch)  # Warm-up: compilation, first reads.

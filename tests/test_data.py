@@ -1,10 +1,12 @@
 """The input pipeline: sampler, sources, TFDS on disk, the host loader, errors."""
 
 import json
+import pickle
 import subprocess
 import sys
 import threading
 import tracemalloc
+import types
 
 import numpy as np
 import pytest
@@ -342,3 +344,28 @@ def test_records_that_disagree_with_the_model_are_refused():
   with pytest.raises(ValueError, match="records have arrays \\['x', 'y'\\], but the model needs 'image'"):
     sources.check_records(digits, {"image": ((8, 8, 1), "float32")})
   assert sources.record_spec(digits) == {"x": ((8, 8, 1), np.float32), "y": ((), np.int32)}
+
+
+def test_records_of_a_split_over_several_files_are_read_at_their_global_index(tmp_path):
+  """A split that spans shards and skips into them (TFDS's file instructions, as for
+  'train[150:]'): global index i is the i-th record of the instructions, whatever the order."""
+  from array_record.python import array_record_module
+  paths = []
+  for shard in range(3):
+    paths.append(str(tmp_path / f"d.array_record-0000{shard}-of-00003"))
+    writer = array_record_module.ArrayRecordWriter(paths[-1], "group_size:1")
+    for r in range(100):
+      writer.write(f"{shard}:{r}".encode())
+    writer.close()
+  parts = [types.SimpleNamespace(filename=paths[0], skip=50, take=50),
+           types.SimpleNamespace(filename=paths[1], skip=0, take=100),
+           types.SimpleNamespace(filename=paths[2], skip=0, take=30)]
+  info = types.SimpleNamespace(file_format="FileFormat.ARRAY_RECORD",
+                               splits={"train[150:]": types.SimpleNamespace(file_instructions=parts)})
+  records = tfds_data._Records(types.SimpleNamespace(dataset_info=info, split="train[150:]"))
+  expected = [f"0:{r}" for r in range(50, 100)] + [f"1:{r}" for r in range(100)] + [
+      f"2:{r}" for r in range(30)]
+  keys = np.random.default_rng(0).permutation(180)
+  assert [r.decode() for r in records.read(keys)] == [expected[k] for k in keys]
+  again = pickle.loads(pickle.dumps(records))  # As a loader worker gets it: opens its own.
+  assert [r.decode() for r in again.read(keys[:7])] == [expected[k] for k in keys[:7]]

@@ -94,17 +94,49 @@ def _image_and_label(features: Any) -> tuple[str, str] | None:
   return None
 
 
-def _read(data_source: Any, indices: np.ndarray) -> list[Any]:
-  """Serialized records at `indices`, read in one bulk call in file order (twice as fast)."""
-  keys = np.asarray(indices, np.int64).reshape(-1)
-  if not keys.size:
-    return []
-  order = np.argsort(keys, kind="stable")
-  raw = data_source.__getitems__(keys[order].tolist())
-  records = [b""] * keys.size
-  for at, record in zip(order.tolist(), raw):
-    records[at] = record
-  return records
+class _Records:
+  """A split's serialized records by index: one `read(positions)` a file and slice.
+
+  Why: TFDS's `__getitem__` makes one call into array_record a record, its
+  `__getitems__` starts a thread pool a call (96 digits: 1.5 / 1.25 ms,
+  against 0.71 for the reader's own `read`). array_record's public reader
+  where the split is array_record files; TFDS's source otherwise (parquet).
+  Pickles as paths: a worker opens its own readers.
+  """
+
+  def __init__(self, data_source: Any):
+    self._ds, self._readers = data_source, {}
+    info = data_source.dataset_info
+    parts = info.splits[data_source.split].file_instructions
+    self._files = ([(os.fspath(f.filename), f.skip) for f in parts]
+                   if str(info.file_format).lower().endswith("array_record") else None)
+    self._ends = np.cumsum([f.take for f in parts]) if self._files else None
+
+  def __getstate__(self) -> dict[str, Any]:
+    return {**self.__dict__, "_readers": {}}
+
+  def read(self, indices: np.ndarray) -> list[bytes]:
+    keys = np.asarray(indices, np.int64).reshape(-1)
+    if self._files is None:
+      return [self._ds[i] for i in keys.tolist()]
+    if len(self._files) == 1:  # Most splits of a small dataset: no grouping by file.
+      return self._reader(0).read((keys + self._files[0][1]).tolist())
+    which, records = np.searchsorted(self._ends, keys, side="right"), [b""] * keys.size
+    for f in np.unique(which).tolist():
+      at = np.flatnonzero(which == f)
+      first = int(self._ends[f - 1]) if f else 0
+      positions = (keys[at] - first + self._files[f][1]).tolist()
+      for i, record in zip(at.tolist(), self._reader(f).read(positions)):
+        records[i] = record
+    return records
+
+  def _reader(self, f: int) -> Any:
+    if f not in self._readers:  # No read-ahead, no thread pool: a slice reads at random.
+      from array_record.python import array_record_module
+      self._readers[f] = array_record_module.ArrayRecordReader(
+          self._files[f][0], "readahead_buffer_size:0,max_parallelism:0",
+          file_reader_buffer_size=32768)
+    return self._readers[f]
 
 
 def _examples(records: list[Any]) -> list[Any]:
@@ -131,7 +163,8 @@ def _column(examples: list[Any], key: str, shape: tuple[int, ...], dtype: np.dty
       flat = np.frombuffer(b"".join(packed), np.uint8).reshape(len(lists), width)[:, width - 4 * size:]
       return np.ascontiguousarray(flat).view("<f4").reshape(len(lists), *shape).astype(dtype)
   kind, flat_type = ("float_list", np.float32) if dtype.kind == "f" else ("int64_list", np.int64)
-  values = itertools.chain.from_iterable(getattr(f, kind).value for f in lists)
+  values = ((getattr(f, kind).value[0] for f in lists) if size == 1 else  # Labels: 2x faster.
+            itertools.chain.from_iterable(getattr(f, kind).value for f in lists))
   flat = np.fromiter(values, flat_type, count=len(lists) * size)
   return flat.reshape(len(lists), *shape).astype(dtype)
 
@@ -147,6 +180,7 @@ class TfdsSource:
 
   def __init__(self, data_source: Any, spec: str):
     self._ds = data_source  # Opened with RAW_BYTES: this class parses the records.
+    self._records = _Records(data_source)
     features = data_source.dataset_info.features
     self._raw = {}
     for key in features.keys():
@@ -168,7 +202,7 @@ class TfdsSource:
     return len(self._ds)
 
   def __getitem__(self, indices: np.ndarray) -> Batch:
-    records = _read(self._ds, indices)
+    records = self._records.read(indices)
     examples = _examples(records)
     decoded = None if all(p for _, _, p in self._raw.values()) else [
         self._ds.dataset_info.features.deserialize_example_np(r) for r in records]
@@ -190,6 +224,7 @@ class EncodedImages:
 
   def __init__(self, data_source: Any, spec: str, keys: tuple[str, str]):
     self._ds, self._keys = data_source, keys  # Opened with RAW_BYTES.
+    self._records = _Records(data_source)
     features = data_source.dataset_info.features
     self.channels = int(features[keys[0]].shape[-1]) if len(features[keys[0]].shape) == 3 else 1
     self.info = DatasetInfo(f"tfds:{spec}", "image", num_classes=features[keys[1]].num_classes)
@@ -198,7 +233,7 @@ class EncodedImages:
     return len(self._ds)
 
   def __getitem__(self, indices: np.ndarray) -> Batch:
-    examples = _examples([self._ds[int(i)] for i in np.ravel(indices)])  # No bulk read's threads.
+    examples = _examples(self._records.read(indices))
     blobs = np.empty(len(examples), dtype=object)
     blobs[:] = [e.features.feature[self._keys[0]].bytes_list.value[0] for e in examples]
     return {"image": blobs, "label": _column(examples, self._keys[1], (), np.dtype(np.int32))}
