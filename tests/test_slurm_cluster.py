@@ -230,6 +230,9 @@ _FAKE_WANDB = textwrap.dedent("""
   def Image(path):
     return path
 
+  def teardown(exit_code=None):
+    pass
+
   def init(**kwargs):
     with open(os.environ["FAKE_WANDB_LOG"], "a") as f:
       f.write(json.dumps({"host": os.environ.get("HETJAX_HOST_ID"), "id": kwargs.get("id"),

@@ -171,7 +171,10 @@ def train(args: argparse.Namespace) -> dict:
                      eval_every=args.eval_every)
   except BaseException:
     if tracked is not None:
-      tracked.close(exit_code=1)
+      try:
+        tracked.close(exit_code=1)
+      except Exception as e:  # noqa: BLE001 (W&B's own failure must not replace the job's)
+        print(f"hetjax: closing the W&B run failed ({e!r})", file=sys.stderr)
     raise
   finally:
     bar.close()
